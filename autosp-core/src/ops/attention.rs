@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Tensor, D};
 
-use crate::{Error, Result};
+use crate::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
 
 /// How attention is computed. Positions are absolute positions in the whole sequence: query row `i` sits at
 /// `q_offset + i`, key row `j` at `k_offset + j`; causal attention hides keys after the query.
@@ -230,4 +230,49 @@ pub fn naive_attention_backward(
         seq_major(&group_sum(dk)?, k.dtype())?,
         seq_major(&group_sum(dv)?, v.dtype())?,
     ))
+}
+
+/// The naive attention as a tape op (kind attention): inputs `q, k, v`; outputs `o, lse`.
+#[derive(Debug)]
+pub struct NaiveAttention {
+    /// Mask, scale and offsets.
+    pub spec: AttentionSpec,
+}
+
+impl Op for NaiveAttention {
+    fn name(&self) -> &'static str {
+        "naive_attention"
+    }
+    fn kind(&self) -> NodeKind {
+        NodeKind::Attention
+    }
+    fn forward(&self, i: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let (o, lse) = naive_attention_forward(i[0], i[1], i[2], &self.spec)?;
+        Ok(vec![o, lse])
+    }
+    fn saves(&self) -> Saves {
+        Saves::inputs(&[0, 1, 2]).and_outputs(&[0, 1])
+    }
+    fn backward(&self, s: &SavedTensors<'_>, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
+        let (q, k, v) = (s.input(0)?, s.input(1)?, s.input(2)?);
+        let (dq, dk, dv) = naive_attention_backward(
+            q,
+            k,
+            v,
+            s.output(0)?,
+            s.output(1)?,
+            g[0].as_ref(),
+            g[1].as_ref(),
+            &self.spec,
+        )?;
+        Ok(vec![Some(dq), Some(dk), Some(dv)])
+    }
+}
+
+/// Naive attention on the tape: `q: [b, nq, h, d]`, `k, v: [b, nk, h_kv, d]` -> `(o: [b, nq, h, d],
+/// lse: [b, h, nq])`.
+pub fn naive_attention(tape: &Tape, q: &Value, k: &Value, v: &Value, spec: AttentionSpec) -> Result<(Value, Value)> {
+    let mut out = tape.apply(NaiveAttention { spec }, &[q, k, v])?;
+    let lse = out.pop().expect("two outputs");
+    Ok((out.pop().expect("two outputs"), lse))
 }

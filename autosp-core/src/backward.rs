@@ -1,0 +1,314 @@
+//! Backward: walks the recorded nodes in reverse, calls each op's hand-written backward, accumulates
+//! gradients into leaves, and regenerates values a checkpoint policy dropped by replaying their region's
+//! nodes (only those needed) from the values that were kept. Saved tensors are released as soon as no
+//! remaining node needs them, unless the graph is retained.
+
+use std::collections::{HashMap, HashSet};
+
+use candle_core::Tensor;
+
+use crate::tape::{Inner, Origin};
+use crate::{Error, Result, SavedTensors, Tape, Value};
+
+impl Tape {
+    /// Backward from a scalar value (seed 1), releasing saved tensors as it goes. A second backward on the
+    /// same tape is an error; use [`backward_retained`](Self::backward_retained) for all but the last.
+    pub fn backward(&self, v: &Value) -> Result<()> {
+        self.backward_from(v, None, false)
+    }
+
+    /// Backward from a scalar value keeping the graph, so backward can run again (gradients accumulate).
+    pub fn backward_retained(&self, v: &Value) -> Result<()> {
+        self.backward_from(v, None, true)
+    }
+
+    /// Backward from any value with the seed gradient `seed` (same shape as `v`).
+    pub fn backward_with_grad(&self, v: &Value, seed: &Tensor, retain: bool) -> Result<()> {
+        self.backward_from(v, Some(seed), retain)
+    }
+
+    fn backward_from(&self, v: &Value, seed: Option<&Tensor>, retain: bool) -> Result<()> {
+        let mut guard = self.inner.borrow_mut();
+        let inner = &mut *guard;
+        if !inner.recording {
+            return Err(Error::InferenceMode);
+        }
+        if let Some(open) = inner.open {
+            return Err(Error::UnbalancedRegion {
+                msg: format!("backward called while region `{}` is open: call end_region first", inner.regions[open].name),
+            });
+        }
+        if inner.released {
+            return Err(Error::BackwardTwice);
+        }
+        let Some(r) = v.id else {
+            return Err(Error::InvalidArgument {
+                op: "backward",
+                msg: "this value does not depend on any leaf or parameter, so there is nothing to differentiate".into(),
+            });
+        };
+        if r.tape != self.id {
+            return Err(Error::ForeignValue { value_tape: r.tape, tape: self.id });
+        }
+        let root = r.index;
+        let seed = match seed {
+            Some(s) => {
+                if s.shape() != &inner.values[root].shape {
+                    return Err(Error::ShapeMismatch {
+                        op: "backward",
+                        lhs_name: "seed gradient",
+                        lhs: s.dims().to_vec(),
+                        rhs_name: "value",
+                        rhs: inner.values[root].shape.dims().to_vec(),
+                        hint: "the seed must have the shape of the value backward starts from".into(),
+                    });
+                }
+                s.to_dtype(inner.values[root].dtype)?
+            }
+            None => {
+                if inner.values[root].shape.elem_count() != 1 {
+                    return Err(Error::NotScalar { shape: inner.values[root].shape.dims().to_vec() });
+                }
+                v.tensor.ones_like()?
+            }
+        };
+        let mut grads: HashMap<usize, Tensor> = HashMap::new();
+        inner.memory.track(&seed);
+        grads.insert(root, seed);
+        if let Origin::Node(last) = inner.values[root].origin {
+            let mut current: Option<usize> = None;
+            for n in (0..=last).rev() {
+                let region = inner.nodes[n].region;
+                if region != current {
+                    if let Some(pr) = current {
+                        inner.leave_region(pr, retain);
+                    }
+                    current = region;
+                }
+                inner.backward_node(n, &mut grads, retain)?;
+            }
+            if let Some(pr) = current {
+                inner.leave_region(pr, retain);
+            }
+        }
+        for (index, g) in grads {
+            inner.memory.untrack(&g);
+            if matches!(inner.values[index].origin, Origin::Param(_) | Origin::Leaf) {
+                let g = match inner.leaf_grads.remove(&index) {
+                    Some(cur) => (cur + g)?,
+                    None => g,
+                };
+                inner.leaf_grads.insert(index, g);
+            }
+        }
+        inner.clear_replayed();
+        if !retain {
+            inner.released = true;
+            for index in 0..inner.values.len() {
+                if matches!(inner.values[index].origin, Origin::Param(_)) {
+                    continue;
+                }
+                if let Some(t) = inner.values[index].tensor.take() {
+                    inner.memory.untrack(&t);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Inner {
+    /// Differentiates node `n`: output gradients in, input gradients accumulated.
+    fn backward_node(&mut self, n: usize, grads: &mut HashMap<usize, Tensor>, retain: bool) -> Result<()> {
+        let op = self.nodes[n].op.clone();
+        let saves = op.saves();
+        let inputs = self.nodes[n].inputs.clone();
+        let outputs = self.nodes[n].outputs.clone();
+        let mut gouts = Vec::with_capacity(outputs.len());
+        for o in &outputs {
+            let g = grads.remove(o);
+            if let Some(g) = &g {
+                self.memory.untrack(g);
+            }
+            gouts.push(g);
+        }
+        if gouts.iter().any(Option::is_some) {
+            let mut saved_in = vec![None; inputs.len()];
+            for (i, &index) in inputs.iter().enumerate() {
+                if saves.input(i) {
+                    saved_in[i] = Some(self.fetch(index)?);
+                }
+            }
+            let mut saved_out = vec![None; outputs.len()];
+            for (j, &index) in outputs.iter().enumerate() {
+                if saves.output(j) {
+                    saved_out[j] = Some(self.fetch(index)?);
+                }
+            }
+            let gins = {
+                let saved = SavedTensors {
+                    op: op.name(),
+                    inputs: saved_in,
+                    outputs: saved_out,
+                    input_meta: inputs.iter().map(|&i| (&self.values[i].shape, self.values[i].dtype)).collect(),
+                };
+                op.backward(&saved, &gouts)?
+            };
+            if gins.len() != inputs.len() {
+                return Err(Error::Internal(format!(
+                    "{}: backward returned {} gradients for {} inputs",
+                    op.name(),
+                    gins.len(),
+                    inputs.len()
+                )));
+            }
+            for (g, &index) in gins.into_iter().zip(&inputs) {
+                let Some(g) = g else { continue };
+                let info = &self.values[index];
+                if !info.requires_grad {
+                    continue;
+                }
+                if g.shape() != &info.shape {
+                    return Err(Error::ShapeMismatch {
+                        op: op.name(),
+                        lhs_name: "gradient",
+                        lhs: g.dims().to_vec(),
+                        rhs_name: "input",
+                        rhs: info.shape.dims().to_vec(),
+                        hint: "the op's backward returned a gradient of the wrong shape".into(),
+                    });
+                }
+                let g = match grads.remove(&index) {
+                    Some(cur) => {
+                        self.memory.untrack(&cur);
+                        (cur + g)?
+                    }
+                    None => g,
+                };
+                self.memory.track(&g);
+                grads.insert(index, g);
+            }
+        }
+        if !retain {
+            for (i, &index) in inputs.iter().enumerate() {
+                if saves.input(i) {
+                    self.values[index].save_count -= 1;
+                    self.release_if_unused(index);
+                }
+            }
+            for (j, &index) in outputs.iter().enumerate() {
+                if saves.output(j) {
+                    self.values[index].save_count -= 1;
+                    self.release_if_unused(index);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Backward has finished region `r`: its inputs may go, and so may what was replayed for it.
+    fn leave_region(&mut self, r: usize, retain: bool) {
+        if self.replay_region == Some(r) {
+            self.clear_replayed();
+        }
+        if !retain {
+            for index in self.region_inputs[r].clone() {
+                self.values[index].region_uses -= 1;
+                self.release_if_unused(index);
+            }
+        }
+    }
+
+    fn clear_replayed(&mut self) {
+        for (_, t) in self.replayed.drain() {
+            self.memory.untrack(&t);
+        }
+        self.replay_region = None;
+    }
+
+    fn available(&self, index: usize) -> bool {
+        self.values[index].tensor.is_some() || self.replayed.contains_key(&index)
+    }
+
+    /// The tensor of value `index`, regenerating it by replay if a policy dropped it.
+    fn fetch(&mut self, index: usize) -> Result<Tensor> {
+        if let Some(t) = &self.values[index].tensor {
+            return Ok(t.clone());
+        }
+        if let Some(t) = self.replayed.get(&index) {
+            return Ok(t.clone());
+        }
+        let info = &self.values[index];
+        let (true, Some(r)) = (info.dropped, info.region) else {
+            return Err(Error::Internal(format!("value #{index} is needed by backward but was neither held nor dropped by a region")));
+        };
+        self.replay(r)?;
+        self.replayed
+            .get(&index)
+            .cloned()
+            .ok_or_else(|| Error::Internal(format!("replaying region {r} did not regenerate value #{index}")))
+    }
+
+    /// Replays the nodes of region `r` needed to regenerate its dropped values that backward still reads.
+    fn replay(&mut self, r: usize) -> Result<()> {
+        if self.replay_region != Some(r) {
+            self.clear_replayed();
+            self.replay_region = Some(r);
+        }
+        let (start, end) = (self.regions[r].start, self.regions[r].end);
+        let mut needed = HashSet::new();
+        for n in start..end {
+            let saves = self.nodes[n].op.saves();
+            let node = &self.nodes[n];
+            let ins = node.inputs.iter().enumerate().filter(|(i, _)| saves.input(*i));
+            let outs = node.outputs.iter().enumerate().filter(|(j, _)| saves.output(*j));
+            for (_, &index) in ins.chain(outs) {
+                if self.values[index].save_count > 0 && !self.available(index) {
+                    needed.insert(index);
+                }
+            }
+        }
+        let mut run = vec![false; end - start];
+        for n in (start..end).rev() {
+            if self.nodes[n].outputs.iter().any(|o| needed.contains(o)) {
+                run[n - start] = true;
+                for &i in &self.nodes[n].inputs {
+                    if !self.available(i) {
+                        needed.insert(i);
+                    }
+                }
+            }
+        }
+        for n in start..end {
+            if !run[n - start] {
+                continue;
+            }
+            let op = self.nodes[n].op.clone();
+            if !self.policy.may_replay(op.kind()) {
+                return Err(Error::Internal(format!(
+                    "policy {:?} must never replay `{}` ({:?}), but its output was not kept",
+                    self.policy,
+                    op.name(),
+                    op.kind()
+                )));
+            }
+            let mut tensors = Vec::with_capacity(self.nodes[n].inputs.len());
+            for &i in &self.nodes[n].inputs {
+                let t = self.values[i].tensor.clone().or_else(|| self.replayed.get(&i).cloned());
+                tensors.push(t.ok_or_else(|| {
+                    Error::Internal(format!("replaying `{}` in region {r}: input #{i} is not available", op.name()))
+                })?);
+            }
+            let refs: Vec<&Tensor> = tensors.iter().collect();
+            let outs = op.forward(&refs)?;
+            self.replays += 1;
+            for (t, &index) in outs.into_iter().zip(&self.nodes[n].outputs.clone()) {
+                if needed.contains(&index) && !self.available(index) {
+                    self.memory.track(&t);
+                    self.replayed.insert(index, t);
+                }
+            }
+        }
+        Ok(())
+    }
+}

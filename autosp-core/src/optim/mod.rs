@@ -1,0 +1,19 @@
+//! Optimisers (AdamW, SGD), clipping by global norm, and learning-rate schedules.
+
+pub mod adamw;
+pub mod clip;
+pub mod schedule;
+pub mod sgd;
+
+pub use adamw::{AdamW, AdamWConfig};
+pub use clip::{clip_grad_norm, global_norm};
+pub use schedule::LrSchedule;
+pub use sgd::Sgd;
+
+use crate::{Gradients, Param, Result};
+
+/// An optimiser updates parameters in place (it swaps in new tensors) from their gradients.
+pub trait Optimizer {
+    /// One update with learning rate `lr`; parameters without a gradient are left alone.
+    fn step(&mut self, params: &[Param], grads: &Gradients, lr: f64) -> Result<()>;
+}

@@ -1,0 +1,421 @@
+//! The [`Tape`]: records op applications while model code runs, holds exactly the tensors backward needs,
+//! drops what a checkpoint policy does not keep when a region closes, and runs backward (in `backward.rs`).
+//! One tape per rank and step, owned by whoever runs the step; never global. An inference tape runs the
+//! same model code and records nothing.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use candle_core::{DType, Shape, Tensor};
+
+use crate::checkpoint::Region;
+use crate::memory::{storage_bytes, MemoryTracker};
+use crate::node::Node;
+use crate::value::ValueRef;
+use crate::{CheckpointPolicy, Error, Gradients, MemoryStats, NodeKind, Op, Param, ParamId, Result, Value};
+
+static NEXT_TAPE: AtomicU64 = AtomicU64::new(1);
+
+/// What kind of entry a value is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Origin {
+    /// Output of a node.
+    Node(usize),
+    /// A parameter leaf (held for the tape's life, not counted as activation memory).
+    Param(ParamId),
+    /// A leaf from `Tape::leaf`.
+    Leaf,
+    /// A constant: takes no gradient.
+    Constant,
+}
+
+#[derive(Debug)]
+pub(crate) struct ValueInfo {
+    pub(crate) origin: Origin,
+    pub(crate) region: Option<usize>,
+    pub(crate) shape: Shape,
+    pub(crate) dtype: DType,
+    pub(crate) requires_grad: bool,
+    /// The tensor, while the tape holds it.
+    pub(crate) tensor: Option<Tensor>,
+    /// Nodes not yet differentiated whose backward reads this value.
+    pub(crate) save_count: usize,
+    /// Regions, not yet differentiated, that read this value without producing it.
+    pub(crate) region_uses: usize,
+    /// Dropped by a closing region: backward regenerates it by replay.
+    pub(crate) dropped: bool,
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) recording: bool,
+    pub(crate) policy: CheckpointPolicy,
+    pub(crate) values: Vec<ValueInfo>,
+    pub(crate) nodes: Vec<Node>,
+    pub(crate) regions: Vec<Region>,
+    pub(crate) region_inputs: Vec<Vec<usize>>,
+    pub(crate) open: Option<usize>,
+    pub(crate) params: HashMap<ParamId, usize>,
+    pub(crate) leaf_grads: HashMap<usize, Tensor>,
+    pub(crate) memory: MemoryTracker,
+    pub(crate) released: bool,
+    pub(crate) replays: usize,
+    /// The region whose dropped values backward regenerated, and those values.
+    pub(crate) replay_region: Option<usize>,
+    pub(crate) replayed: HashMap<usize, Tensor>,
+}
+
+/// A reverse-mode autodiff tape over candle tensors, with checkpoint regions.
+#[derive(Debug)]
+pub struct Tape {
+    pub(crate) id: u64,
+    pub(crate) inner: RefCell<Inner>,
+}
+
+/// One tensor the tape holds, for inspecting what a policy kept.
+#[derive(Clone, Debug)]
+pub struct HeldValue {
+    /// The value's index on the tape.
+    pub id: usize,
+    /// The op that produced it (`None` for leaves and constants).
+    pub op: Option<&'static str>,
+    /// The kind of that op.
+    pub kind: Option<NodeKind>,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// The bytes of its storage.
+    pub bytes: usize,
+    /// The region that produced it.
+    pub region: Option<usize>,
+}
+
+impl Tape {
+    /// A recording tape with the given checkpoint policy.
+    pub fn new(policy: CheckpointPolicy) -> Self {
+        Self::make(true, policy)
+    }
+
+    /// A tape that records nothing: the same model code runs forward only.
+    pub fn inference() -> Self {
+        Self::make(false, CheckpointPolicy::None)
+    }
+
+    fn make(recording: bool, policy: CheckpointPolicy) -> Self {
+        Self {
+            id: NEXT_TAPE.fetch_add(1, Ordering::Relaxed),
+            inner: RefCell::new(Inner {
+                recording,
+                policy,
+                values: Vec::new(),
+                nodes: Vec::new(),
+                regions: Vec::new(),
+                region_inputs: Vec::new(),
+                open: None,
+                params: HashMap::new(),
+                leaf_grads: HashMap::new(),
+                memory: MemoryTracker::default(),
+                released: false,
+                replays: 0,
+                replay_region: None,
+                replayed: HashMap::new(),
+            }),
+        }
+    }
+
+    /// Whether this tape records (false for an inference tape).
+    pub fn is_recording(&self) -> bool {
+        self.inner.borrow().recording
+    }
+
+    /// The checkpoint policy.
+    pub fn policy(&self) -> CheckpointPolicy {
+        self.inner.borrow().policy
+    }
+
+    /// A parameter as a leaf value; the same parameter always maps to the same leaf, so a parameter used
+    /// twice (tied embeddings) gets the sum of both gradients.
+    pub fn param(&self, p: &Param) -> Value {
+        let tensor = p.tensor();
+        let mut inner = self.inner.borrow_mut();
+        if !inner.recording {
+            return Value::constant(tensor);
+        }
+        if let Some(&index) = inner.params.get(&p.id()) {
+            let tensor = inner.values[index].tensor.clone().unwrap_or(tensor);
+            return Value { tensor, id: Some(ValueRef { tape: self.id, index }) };
+        }
+        let index = inner.push_value(Origin::Param(p.id()), &tensor, true);
+        inner.values[index].tensor = Some(tensor.clone());
+        inner.params.insert(p.id(), index);
+        Value { tensor, id: Some(ValueRef { tape: self.id, index }) }
+    }
+
+    /// A leaf that takes a gradient (for inputs you differentiate with respect to).
+    pub fn leaf(&self, tensor: Tensor) -> Value {
+        let mut inner = self.inner.borrow_mut();
+        if !inner.recording {
+            return Value::constant(tensor);
+        }
+        let index = inner.push_value(Origin::Leaf, &tensor, true);
+        inner.hold(index, &tensor);
+        Value { tensor, id: Some(ValueRef { tape: self.id, index }) }
+    }
+
+    /// A constant (ids, masks, rotary tables): registered once so that every use shares one entry.
+    pub fn constant(&self, tensor: Tensor) -> Value {
+        let mut inner = self.inner.borrow_mut();
+        if !inner.recording {
+            return Value::constant(tensor);
+        }
+        let index = inner.push_value(Origin::Constant, &tensor, false);
+        Value { tensor, id: Some(ValueRef { tape: self.id, index }) }
+    }
+
+    /// Runs `op` on `inputs` and records it when a recording tape has an input that takes a gradient.
+    pub fn apply(&self, op: impl Op + 'static, inputs: &[&Value]) -> Result<Vec<Value>> {
+        self.apply_arc(Arc::new(op), inputs)
+    }
+
+    /// [`apply`](Self::apply) for an op already behind an `Arc`.
+    pub fn apply_arc(&self, op: Arc<dyn Op>, inputs: &[&Value]) -> Result<Vec<Value>> {
+        for v in inputs {
+            if let Some(r) = v.id {
+                if r.tape != self.id {
+                    return Err(Error::ForeignValue { value_tape: r.tape, tape: self.id });
+                }
+            }
+        }
+        let tensors: Vec<&Tensor> = inputs.iter().map(|v| &v.tensor).collect();
+        let outputs = op.forward(&tensors)?;
+        let mut inner = self.inner.borrow_mut();
+        let tracked = inner.recording
+            && inputs.iter().any(|v| v.id.is_some_and(|r| inner.values[r.index].requires_grad));
+        if !tracked {
+            return Ok(outputs.into_iter().map(Value::constant).collect());
+        }
+        if inner.released {
+            return Err(Error::BackwardTwice);
+        }
+        let node = inner.nodes.len();
+        let region = inner.open;
+        let saves = op.saves();
+        let mut input_ids = Vec::with_capacity(inputs.len());
+        for (i, v) in inputs.iter().enumerate() {
+            let index = match v.id {
+                Some(r) => r.index,
+                None => inner.push_value(Origin::Constant, &v.tensor, false),
+            };
+            input_ids.push(index);
+            inner.note_use(index, &v.tensor, saves.input(i), region);
+        }
+        let mut output_ids = Vec::with_capacity(outputs.len());
+        let mut values = Vec::with_capacity(outputs.len());
+        for (j, t) in outputs.into_iter().enumerate() {
+            let index = inner.push_value(Origin::Node(node), &t, true);
+            inner.values[index].region = region;
+            if saves.output(j) {
+                inner.values[index].save_count += 1;
+                inner.hold(index, &t);
+            }
+            output_ids.push(index);
+            values.push(Value { tensor: t, id: Some(ValueRef { tape: self.id, index }) });
+        }
+        inner.nodes.push(Node { op, inputs: input_ids, outputs: output_ids, region });
+        Ok(values)
+    }
+
+    /// Opens a checkpoint region (a transformer block). Regions do not nest.
+    pub fn begin_region(&self, name: &str) -> Result<()> {
+        let mut inner = self.inner.borrow_mut();
+        if let Some(open) = inner.open {
+            return Err(Error::UnbalancedRegion {
+                msg: format!(
+                    "`{name}` opened while `{}` is still open; regions do not nest: call end_region first",
+                    inner.regions[open].name
+                ),
+            });
+        }
+        let start = inner.nodes.len();
+        inner.regions.push(Region { name: name.to_string(), start, end: start, closed: false });
+        inner.region_inputs.push(Vec::new());
+        inner.open = Some(inner.regions.len() - 1);
+        Ok(())
+    }
+
+    /// Closes the open region: the policy drops the values it does not keep.
+    pub fn end_region(&self) -> Result<()> {
+        let mut inner = self.inner.borrow_mut();
+        let Some(r) = inner.open.take() else {
+            return Err(Error::UnbalancedRegion {
+                msg: "end_region called with no region open: pair every end_region with a begin_region".into(),
+            });
+        };
+        let end = inner.nodes.len();
+        inner.regions[r].end = end;
+        inner.regions[r].closed = true;
+        let policy = inner.policy;
+        for n in inner.regions[r].start..end {
+            let kind = inner.nodes[n].op.kind();
+            if policy.keeps(kind) {
+                continue;
+            }
+            for k in 0..inner.nodes[n].outputs.len() {
+                let index = inner.nodes[n].outputs[k];
+                if let Some(t) = inner.values[index].tensor.take() {
+                    inner.memory.untrack(&t);
+                    inner.values[index].dropped = true;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs `f` inside a checkpoint region named `name`; the region closes even when `f` fails.
+    pub fn checkpoint<T>(&self, name: &str, f: impl FnOnce(&Tape) -> Result<T>) -> Result<T> {
+        self.begin_region(name)?;
+        let out = f(self);
+        let closed = self.end_region();
+        let out = out?;
+        closed?;
+        Ok(out)
+    }
+
+    /// Bytes held now and their peak (parameters excluded: they belong to the model).
+    pub fn memory(&self) -> MemoryStats {
+        self.inner.borrow().memory.stats()
+    }
+
+    /// Starts a new peak measurement.
+    pub fn reset_peak(&self) {
+        self.inner.borrow_mut().memory.reset_peak()
+    }
+
+    /// Every non-parameter tensor the tape holds now.
+    pub fn held(&self) -> Vec<HeldValue> {
+        let inner = self.inner.borrow();
+        inner
+            .values
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| !matches!(v.origin, Origin::Param(_)))
+            .filter_map(|(id, v)| {
+                let t = v.tensor.as_ref()?;
+                let node = match v.origin {
+                    Origin::Node(n) => Some(&inner.nodes[n]),
+                    _ => None,
+                };
+                Some(HeldValue {
+                    id,
+                    op: node.map(|n| n.op.name()),
+                    kind: node.map(|n| n.op.kind()),
+                    shape: t.dims().to_vec(),
+                    bytes: storage_bytes(t),
+                    region: v.region,
+                })
+            })
+            .collect()
+    }
+
+    /// Whether the tape holds `v`'s tensor now.
+    pub fn is_held(&self, v: &Value) -> bool {
+        v.id.is_some_and(|r| r.tape == self.id && self.inner.borrow().values[r.index].tensor.is_some())
+    }
+
+    /// The number of recorded nodes.
+    pub fn node_count(&self) -> usize {
+        self.inner.borrow().nodes.len()
+    }
+
+    /// How many nodes backward replayed so far (recompute work done by checkpointing).
+    pub fn replay_count(&self) -> usize {
+        self.inner.borrow().replays
+    }
+
+    /// The accumulated gradient of a leaf (`None` if no gradient reached it). Constants have none.
+    pub fn grad(&self, v: &Value) -> Result<Option<Tensor>> {
+        let Some(r) = v.id else { return Ok(None) };
+        if r.tape != self.id {
+            return Err(Error::ForeignValue { value_tape: r.tape, tape: self.id });
+        }
+        let inner = self.inner.borrow();
+        match inner.values[r.index].origin {
+            Origin::Node(n) => Err(Error::NotALeaf { value: r.index, op: inner.nodes[n].op.name() }),
+            _ => Ok(inner.leaf_grads.get(&r.index).cloned()),
+        }
+    }
+
+    /// The gradients of every parameter this tape saw that got one.
+    pub fn param_grads(&self) -> Gradients {
+        let inner = self.inner.borrow();
+        let mut grads = Gradients::new();
+        for (&id, index) in &inner.params {
+            if let Some(g) = inner.leaf_grads.get(index) {
+                grads.insert_id(id, g.clone());
+            }
+        }
+        grads
+    }
+}
+
+impl Inner {
+    pub(crate) fn push_value(&mut self, origin: Origin, t: &Tensor, requires_grad: bool) -> usize {
+        self.values.push(ValueInfo {
+            origin,
+            region: None,
+            shape: t.shape().clone(),
+            dtype: t.dtype(),
+            requires_grad,
+            tensor: None,
+            save_count: 0,
+            region_uses: 0,
+            dropped: false,
+        });
+        self.values.len() - 1
+    }
+
+    /// Holds `t` as value `index`'s tensor (if not held already).
+    pub(crate) fn hold(&mut self, index: usize, t: &Tensor) {
+        let v = &mut self.values[index];
+        if v.tensor.is_none() {
+            v.tensor = Some(t.clone());
+            v.dropped = false;
+            if !matches!(v.origin, Origin::Param(_)) {
+                self.memory.track(t);
+            }
+        }
+    }
+
+    /// Releases value `index`'s tensor if nothing needs it any more.
+    pub(crate) fn release_if_unused(&mut self, index: usize) {
+        let v = &mut self.values[index];
+        if v.save_count == 0 && v.region_uses == 0 && !matches!(v.origin, Origin::Param(_)) {
+            if let Some(t) = v.tensor.take() {
+                self.memory.untrack(&t);
+            }
+            if let Some(t) = self.replayed.remove(&index) {
+                self.memory.untrack(&t);
+            }
+        }
+    }
+
+    /// A node in `region` reads value `index` (tensor `t`); `saved` if its backward reads it.
+    fn note_use(&mut self, index: usize, t: &Tensor, saved: bool, region: Option<usize>) {
+        if saved {
+            self.values[index].save_count += 1;
+        }
+        if let Some(r) = region {
+            let v = &self.values[index];
+            let from_outside = !matches!(v.origin, Origin::Node(_)) || v.region != Some(r);
+            if from_outside && !self.region_inputs[r].contains(&index) {
+                self.region_inputs[r].push(index);
+                self.values[index].region_uses += 1;
+            }
+        }
+        let v = &self.values[index];
+        if v.save_count > 0 || v.region_uses > 0 {
+            self.hold(index, t);
+        }
+    }
+}
