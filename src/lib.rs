@@ -1,1 +1,7 @@
-//! autosp
+//! autosp: long-context training for Llama-family models on candle, with automatic sequence parallelism and
+//! sequence-aware activation checkpointing. This facade re-exports the workspace's crates.
+#![doc = include_str!("../README.md")]
+
+pub use autosp_core as core;
+pub use autosp_kernels as kernels;
+pub use autosp_models as models;

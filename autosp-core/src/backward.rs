@@ -35,7 +35,10 @@ impl Tape {
         }
         if let Some(open) = inner.open {
             return Err(Error::UnbalancedRegion {
-                msg: format!("backward called while region `{}` is open: call end_region first", inner.regions[open].name),
+                msg: format!(
+                    "backward called while region `{}` is open: call end_region first",
+                    inner.regions[open].name
+                ),
             });
         }
         if inner.released {
@@ -54,14 +57,14 @@ impl Tape {
         let seed = match seed {
             Some(s) => {
                 if s.shape() != &inner.values[root].shape {
-                    return Err(Error::ShapeMismatch {
+                    return Err(Error::ShapeMismatch(Box::new(crate::error::ShapeMismatch {
                         op: "backward",
                         lhs_name: "seed gradient",
                         lhs: s.dims().to_vec(),
                         rhs_name: "value",
                         rhs: inner.values[root].shape.dims().to_vec(),
                         hint: "the seed must have the shape of the value backward starts from".into(),
-                    });
+                    })));
                 }
                 s.to_dtype(inner.values[root].dtype)?
             }
@@ -169,14 +172,14 @@ impl Inner {
                     continue;
                 }
                 if g.shape() != &info.shape {
-                    return Err(Error::ShapeMismatch {
+                    return Err(Error::ShapeMismatch(Box::new(crate::error::ShapeMismatch {
                         op: op.name(),
                         lhs_name: "gradient",
                         lhs: g.dims().to_vec(),
                         rhs_name: "input",
                         rhs: info.shape.dims().to_vec(),
                         hint: "the op's backward returned a gradient of the wrong shape".into(),
-                    });
+                    })));
                 }
                 let g = match grads.remove(&index) {
                     Some(cur) => {
@@ -240,7 +243,9 @@ impl Inner {
         }
         let info = &self.values[index];
         let (true, Some(r)) = (info.dropped, info.region) else {
-            return Err(Error::Internal(format!("value #{index} is needed by backward but was neither held nor dropped by a region")));
+            return Err(Error::Internal(format!(
+                "value #{index} is needed by backward but was neither held nor dropped by a region"
+            )));
         };
         self.replay(r)?;
         self.replayed

@@ -9,15 +9,8 @@ pub enum Error {
     Candle(#[from] candle_core::Error),
 
     /// Two shapes that must agree do not; both are named.
-    #[error("{op}: {lhs_name} has shape {lhs:?} but {rhs_name} has shape {rhs:?}; {hint}")]
-    ShapeMismatch {
-        op: &'static str,
-        lhs_name: &'static str,
-        lhs: Vec<usize>,
-        rhs_name: &'static str,
-        rhs: Vec<usize>,
-        hint: String,
-    },
+    #[error("{0}")]
+    ShapeMismatch(Box<ShapeMismatch>),
 
     /// An argument outside what the op supports.
     #[error("{op}: {msg}")]
@@ -58,6 +51,24 @@ pub enum Error {
     /// A broken invariant inside the tape: a bug in autosp, please report it.
     #[error("internal error in the autosp tape (please report): {0}")]
     Internal(String),
+}
+
+/// Two shapes that do not fit together, by name, with what would fit.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{op}: {lhs_name} has shape {lhs:?} but {rhs_name} has shape {rhs:?}; {hint}")]
+pub struct ShapeMismatch {
+    /// The op that found the mismatch.
+    pub op: &'static str,
+    /// What the first shape belongs to.
+    pub lhs_name: &'static str,
+    /// The first shape.
+    pub lhs: Vec<usize>,
+    /// What the second shape belongs to.
+    pub rhs_name: &'static str,
+    /// The second shape.
+    pub rhs: Vec<usize>,
+    /// What would fit.
+    pub hint: String,
 }
 
 /// The result type of autosp-core.

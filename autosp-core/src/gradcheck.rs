@@ -70,7 +70,8 @@ where
             tape.backward_with_grad(o, p, k + 1 < outputs.len())?;
         }
     }
-    let probes_f64: Vec<Tensor> = probes.iter().map(|p| p.to_dtype(DType::F64)).collect::<std::result::Result<_, _>>()?;
+    let probes_f64: Vec<Tensor> =
+        probes.iter().map(|p| p.to_dtype(DType::F64)).collect::<std::result::Result<_, _>>()?;
     let mut report = GradCheck { max_abs_err: 0.0, max_rel_err: 0.0, checked: 0 };
     for &i in wrt {
         let analytic = match tape.grad(&values[i])? {
@@ -96,7 +97,7 @@ where
             report.max_abs_err = report.max_abs_err.max(abs);
             report.max_rel_err = report.max_rel_err.max(abs / numeric.abs().max(1.0));
             report.checked += 1;
-            if !(abs <= atol + rtol * numeric.abs()) {
+            if abs.is_nan() || abs > atol + rtol * numeric.abs() {
                 return Err(Error::Internal(format!(
                     "gradient check failed for input {i} element {e}: analytic {a}, numeric {numeric} (|diff| {abs})"
                 )));

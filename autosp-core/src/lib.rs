@@ -32,7 +32,7 @@ pub mod value;
 
 pub use alloc::TrackingAllocator;
 pub use checkpoint::CheckpointPolicy;
-pub use error::{Error, Result};
+pub use error::{Error, Result, ShapeMismatch};
 pub use memory::MemoryStats;
 pub use node::NodeKind;
 pub use op::{Op, SavedTensors, Saves};

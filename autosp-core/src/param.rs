@@ -52,7 +52,7 @@ impl Param {
     pub fn set(&self, t: Tensor) -> Result<()> {
         let mut cur = self.0.tensor.write().expect("param lock poisoned");
         if cur.shape() != t.shape() || cur.dtype() != t.dtype() {
-            return Err(Error::ShapeMismatch {
+            return Err(Error::ShapeMismatch(Box::new(crate::error::ShapeMismatch {
                 op: "Param::set",
                 lhs_name: "parameter",
                 lhs: cur.dims().to_vec(),
@@ -64,7 +64,7 @@ impl Param {
                     cur.dtype(),
                     t.dtype()
                 ),
-            });
+            })));
         }
         *cur = t;
         Ok(())

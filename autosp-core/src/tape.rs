@@ -190,8 +190,8 @@ impl Tape {
         let tensors: Vec<&Tensor> = inputs.iter().map(|v| &v.tensor).collect();
         let outputs = op.forward(&tensors)?;
         let mut inner = self.inner.borrow_mut();
-        let tracked = inner.recording
-            && inputs.iter().any(|v| v.id.is_some_and(|r| inner.values[r.index].requires_grad));
+        let tracked =
+            inner.recording && inputs.iter().any(|v| v.id.is_some_and(|r| inner.values[r.index].requires_grad));
         if !tracked {
             return Ok(outputs.into_iter().map(Value::constant).collect());
         }

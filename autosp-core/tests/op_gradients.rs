@@ -5,6 +5,8 @@
 //! round-off ~1e-16 / eps ~ 1e-10 per unit of the projected output, so |analytic - numeric| must stay under
 //! 1e-7 + 1e-6 |numeric|: five orders above the expected error, many below any real mistake.
 
+#![allow(clippy::cloned_ref_to_slice_refs)]
+
 use autosp_core::gradcheck::{check_gradients, probe};
 use autosp_core::ops::{self, AttentionSpec};
 use autosp_core::{CheckpointPolicy, Result, Tape, Value};
@@ -108,11 +110,7 @@ fn pointwise_functions() {
 #[test]
 fn softmax_and_rms_norm() {
     check(|t, v| Ok(vec![ops::softmax_last_dim(t, &v[0])?]), &[rand(&[2, 3, 6], 18)], &[0]);
-    check(
-        |t, v| Ok(vec![ops::rms_norm(t, &v[0], &v[1], 1e-5)?]),
-        &[rand(&[2, 3, 8], 19), rand(&[8], 20)],
-        &[0, 1],
-    );
+    check(|t, v| Ok(vec![ops::rms_norm(t, &v[0], &v[1], 1e-5)?]), &[rand(&[2, 3, 8], 19), rand(&[8], 20)], &[0, 1]);
 }
 
 #[test]
@@ -131,7 +129,10 @@ fn rope_rotates_by_position() {
     let x = rand(&[1, 2, 1, 4], 22);
     let t = Tape::inference();
     let y = ops::rope(&t, &Value::constant(x.clone()), &Value::constant(cos), &Value::constant(sin)).unwrap();
-    let (xv, yv) = (x.flatten_all().unwrap().to_vec1::<f64>().unwrap(), y.tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap());
+    let (xv, yv) = (
+        x.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+        y.tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+    );
     for i in 0..4 {
         assert!((xv[i] - yv[i]).abs() < 1e-15);
     }
@@ -196,9 +197,13 @@ fn naive_attention_all_variants() {
 #[test]
 fn attention_row_with_no_visible_key_is_zero_not_nan() {
     let spec = AttentionSpec { causal: true, scale: None, q_offset: 0, k_offset: 1 };
-    let (o, lse) =
-        ops::attention::naive_attention_forward(&rand(&[1, 2, 1, 4], 40), &rand(&[1, 2, 1, 4], 41), &rand(&[1, 2, 1, 4], 42), &spec)
-            .unwrap();
+    let (o, lse) = ops::attention::naive_attention_forward(
+        &rand(&[1, 2, 1, 4], 40),
+        &rand(&[1, 2, 1, 4], 41),
+        &rand(&[1, 2, 1, 4], 42),
+        &spec,
+    )
+    .unwrap();
     let lse = lse.flatten_all().unwrap().to_vec1::<f64>().unwrap();
     assert_eq!(lse[0], f64::NEG_INFINITY);
     assert!(lse[1].is_finite());

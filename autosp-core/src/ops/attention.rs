@@ -106,14 +106,14 @@ impl AttentionDims {
 }
 
 fn shape_err(op: &'static str, ln: &'static str, l: &Tensor, rn: &'static str, r: &Tensor, hint: &str) -> Error {
-    Error::ShapeMismatch {
+    Error::ShapeMismatch(Box::new(crate::error::ShapeMismatch {
         op,
         lhs_name: ln,
         lhs: l.dims().to_vec(),
         rhs_name: rn,
         rhs: r.dims().to_vec(),
         hint: hint.to_string(),
-    }
+    }))
 }
 
 /// The dtype attention accumulates in: f64 for f64 inputs, f32 otherwise.
@@ -225,11 +225,7 @@ pub fn naive_attention_backward(
         let (b, _, n, d) = x.dims4()?;
         Ok(x.reshape((b, dims.kv_heads, dims.group(), n, d))?.sum(2)?)
     };
-    Ok((
-        seq_major(&dq, q.dtype())?,
-        seq_major(&group_sum(dk)?, k.dtype())?,
-        seq_major(&group_sum(dv)?, v.dtype())?,
-    ))
+    Ok((seq_major(&dq, q.dtype())?, seq_major(&group_sum(dk)?, k.dtype())?, seq_major(&group_sum(dv)?, v.dtype())?))
 }
 
 /// The naive attention as a tape op (kind attention): inputs `q, k, v`; outputs `o, lse`.
@@ -255,16 +251,8 @@ impl Op for NaiveAttention {
     }
     fn backward(&self, s: &SavedTensors<'_>, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
         let (q, k, v) = (s.input(0)?, s.input(1)?, s.input(2)?);
-        let (dq, dk, dv) = naive_attention_backward(
-            q,
-            k,
-            v,
-            s.output(0)?,
-            s.output(1)?,
-            g[0].as_ref(),
-            g[1].as_ref(),
-            &self.spec,
-        )?;
+        let (dq, dk, dv) =
+            naive_attention_backward(q, k, v, s.output(0)?, s.output(1)?, g[0].as_ref(), g[1].as_ref(), &self.spec)?;
         Ok(vec![Some(dq), Some(dk), Some(dv)])
     }
 }

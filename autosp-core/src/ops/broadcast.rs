@@ -11,14 +11,14 @@ pub fn sum_to_shape(g: &Tensor, shape: &Shape) -> Result<Tensor> {
     }
     let (gd, sd) = (g.dims(), shape.dims());
     if gd.len() < sd.len() {
-        return Err(Error::ShapeMismatch {
+        return Err(Error::ShapeMismatch(Box::new(crate::error::ShapeMismatch {
             op: "sum_to_shape",
             lhs_name: "gradient",
             lhs: gd.to_vec(),
             rhs_name: "input",
             rhs: sd.to_vec(),
             hint: "a gradient has at least as many dims as the input it flows to".into(),
-        });
+        })));
     }
     let extra = gd.len() - sd.len();
     let mut g = if extra > 0 { g.sum((0..extra).collect::<Vec<_>>())? } else { g.clone() };

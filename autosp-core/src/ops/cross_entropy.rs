@@ -43,21 +43,23 @@ impl Op for CrossEntropy {
         let (logits, targets) = (i[0], i[1]);
         let (m, vocab) = logits.dims2()?;
         if targets.dims() != [m] {
-            return Err(Error::ShapeMismatch {
+            return Err(Error::ShapeMismatch(Box::new(crate::error::ShapeMismatch {
                 op: "cross_entropy",
                 lhs_name: "logits",
                 lhs: logits.dims().to_vec(),
                 rhs_name: "targets",
                 rhs: targets.dims().to_vec(),
                 hint: "logits are [m, vocab] and targets [m]".into(),
-            });
+            })));
         }
         let t = targets.to_dtype(DType::I64)?;
         let max = if m > 0 { t.max(0)?.to_scalar::<i64>()? } else { 0 };
         if max >= vocab as i64 {
             return Err(Error::InvalidArgument {
                 op: "cross_entropy",
-                msg: format!("target {max} is out of range for {vocab} classes (use {IGNORE_INDEX} to ignore a position)"),
+                msg: format!(
+                    "target {max} is out of range for {vocab} classes (use {IGNORE_INDEX} to ignore a position)"
+                ),
             });
         }
         let x = logits.to_dtype(accum_dtype(logits.dtype()))?;

@@ -27,27 +27,27 @@ impl Op for Linear {
         let (x, w) = (inputs[0], inputs[1]);
         let (out, inn) = w.dims2()?;
         if x.rank() == 0 || x.dim(candle_core::D::Minus1)? != inn {
-            return Err(Error::ShapeMismatch {
+            return Err(Error::ShapeMismatch(Box::new(crate::error::ShapeMismatch {
                 op: "linear",
                 lhs_name: "x",
                 lhs: x.dims().to_vec(),
                 rhs_name: "weight",
                 rhs: w.dims().to_vec(),
                 hint: format!("x's last dim must equal the weight's in_features ({inn})"),
-            });
+            })));
         }
         let mut y = flat(x)?.matmul(&w.t()?)?;
         if self.bias {
             let b = inputs[2];
             if b.dims() != [out] {
-                return Err(Error::ShapeMismatch {
+                return Err(Error::ShapeMismatch(Box::new(crate::error::ShapeMismatch {
                     op: "linear",
                     lhs_name: "bias",
                     lhs: b.dims().to_vec(),
                     rhs_name: "weight",
                     rhs: w.dims().to_vec(),
                     hint: format!("the bias must be [out_features] = [{out}]"),
-                });
+                })));
             }
             y = y.broadcast_add(b)?;
         }
@@ -93,14 +93,14 @@ impl Op for Matmul {
     fn forward(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let (a, b) = (inputs[0], inputs[1]);
         if a.rank() < 2 || b.rank() < 2 || a.dim(candle_core::D::Minus1)? != b.dim(candle_core::D::Minus2)? {
-            return Err(Error::ShapeMismatch {
+            return Err(Error::ShapeMismatch(Box::new(crate::error::ShapeMismatch {
                 op: "matmul",
                 lhs_name: "a",
                 lhs: a.dims().to_vec(),
                 rhs_name: "b",
                 rhs: b.dims().to_vec(),
                 hint: "matmul takes [.., m, k] x [.., k, n]".into(),
-            });
+            })));
         }
         Ok(vec![a.broadcast_matmul(b)?])
     }

@@ -42,8 +42,7 @@ impl Op for Reduce {
             y = y.affine(1.0 / self.count(x.dims()) as f64, 0.0)?;
         }
         if !self.keepdim {
-            let dims: Vec<usize> =
-                (0..x.rank()).filter(|d| !self.dims.contains(d)).map(|d| x.dims()[d]).collect();
+            let dims: Vec<usize> = (0..x.rank()).filter(|d| !self.dims.contains(d)).map(|d| x.dims()[d]).collect();
             y = y.reshape(dims)?;
         }
         Ok(vec![y])

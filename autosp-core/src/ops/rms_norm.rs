@@ -29,14 +29,14 @@ impl Op for RmsNorm {
         let (x, w) = (i[0], i[1]);
         let d = x.dim(D::Minus1)?;
         if w.dims() != [d] {
-            return Err(Error::ShapeMismatch {
+            return Err(Error::ShapeMismatch(Box::new(crate::error::ShapeMismatch {
                 op: "rms_norm",
                 lhs_name: "x",
                 lhs: x.dims().to_vec(),
                 rhs_name: "weight",
                 rhs: w.dims().to_vec(),
                 hint: format!("the weight must be [{d}], the last dim of x"),
-            });
+            })));
         }
         let (xhat, _) = normalise(x, self.eps)?;
         Ok(vec![xhat.broadcast_mul(&w.to_dtype(xhat.dtype())?)?.to_dtype(x.dtype())?])

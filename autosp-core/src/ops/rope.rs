@@ -24,10 +24,7 @@ pub fn rope_tables(positions: &[usize], inv_freq: &[f64], dtype: DType, device: 
         }
     }
     let shape = (positions.len(), half);
-    Ok((
-        Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?,
-        Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?,
-    ))
+    Ok((Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?, Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?))
 }
 
 /// Rotary embedding of `x: [b, n, h, d]` with `cos, sin: [n, d/2]` (or `[b, n, d/2]`).
@@ -43,14 +40,14 @@ fn table(t: &Tensor, x: &Tensor) -> Result<Tensor> {
         _ => false,
     };
     if !ok || d % 2 != 0 {
-        return Err(Error::ShapeMismatch {
+        return Err(Error::ShapeMismatch(Box::new(crate::error::ShapeMismatch {
             op: "rope",
             lhs_name: "x",
             lhs: x.dims().to_vec(),
             rhs_name: "cos/sin",
             rhs: t.dims().to_vec(),
             hint: "rope takes x [b, n, h, d] (d even) and cos/sin [n, d/2] or [b, n, d/2]".into(),
-        });
+        })));
     }
     let t = if t.rank() == 2 { t.unsqueeze(0)? } else { t.clone() };
     Ok(t.unsqueeze(2)?.to_dtype(x.dtype())?)

@@ -38,14 +38,14 @@ impl Op for View {
         let y = match self {
             View::Reshape(shape) => {
                 if shape.elem_count() != x.elem_count() {
-                    return Err(Error::ShapeMismatch {
+                    return Err(Error::ShapeMismatch(Box::new(crate::error::ShapeMismatch {
                         op: "reshape",
                         lhs_name: "input",
                         lhs: x.dims().to_vec(),
                         rhs_name: "target",
                         rhs: shape.dims().to_vec(),
                         hint: "reshape keeps the element count".into(),
-                    });
+                    })));
                 }
                 x.reshape(shape)?
             }

@@ -16,7 +16,7 @@ pub fn global_norm(grads: &Gradients) -> Result<f64> {
 /// Scales all gradients by `max_norm / (norm + 1e-6)` when their global norm exceeds `max_norm`. Returns the
 /// norm before clipping.
 pub fn clip_grad_norm(grads: &mut Gradients, max_norm: f64) -> Result<f64> {
-    if !(max_norm > 0.0) {
+    if max_norm.is_nan() || max_norm <= 0.0 {
         return Err(Error::Optimizer { msg: format!("max_norm must be > 0, got {max_norm}") });
     }
     let norm = global_norm(grads)?;

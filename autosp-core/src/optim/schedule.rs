@@ -24,7 +24,9 @@ impl LrSchedule {
         if ok {
             Ok(())
         } else {
-            Err(Error::Optimizer { msg: format!("invalid schedule {self:?}: need 0 <= min_lr <= peak and warmup <= total") })
+            Err(Error::Optimizer {
+                msg: format!("invalid schedule {self:?}: need 0 <= min_lr <= peak and warmup <= total"),
+            })
         }
     }
 

@@ -1,0 +1,211 @@
+//! Two toy transformer blocks (RMSNorm, q/k/v/o projections, rope, naive attention, SwiGLU MLP, residuals)
+//! under each checkpoint policy: gradients bit-identical to `None`, memory ordered Full < SequenceAware < None
+//! at the end of forward, peaks below None's, and SequenceAware holding attention outputs and LSE but no
+//! linear output.
+
+use autosp_core::gradcheck::probe;
+use autosp_core::ops::{self, AttentionSpec};
+use autosp_core::{CheckpointPolicy, MemoryStats, NodeKind, Param, Result, Tape, Value};
+use candle_core::{DType, Device, Tensor};
+
+const DM: usize = 32;
+const HEADS: usize = 4;
+const KV: usize = 2;
+const HD: usize = 8;
+const FF: usize = 64;
+const N: usize = 48;
+const VOCAB: usize = 16;
+
+struct Block {
+    n1: Param,
+    q: Param,
+    k: Param,
+    v: Param,
+    o: Param,
+    n2: Param,
+    gate: Param,
+    up: Param,
+    down: Param,
+}
+
+fn param(name: &str, shape: &[usize], seed: u64) -> Param {
+    let t = (probe(shape, seed, &Device::Cpu).unwrap() * 0.3).unwrap().to_dtype(DType::F32).unwrap();
+    Param::new(name, t)
+}
+
+fn norm_weight(name: &str, seed: u64) -> Param {
+    let t = probe(&[DM], seed, &Device::Cpu).unwrap().affine(0.1, 1.0).unwrap().to_dtype(DType::F32).unwrap();
+    Param::new(name, t)
+}
+
+impl Block {
+    fn new(seed: u64) -> Self {
+        Self {
+            n1: norm_weight("n1", seed),
+            q: param("q", &[HEADS * HD, DM], seed + 1),
+            k: param("k", &[KV * HD, DM], seed + 2),
+            v: param("v", &[KV * HD, DM], seed + 3),
+            o: param("o", &[DM, HEADS * HD], seed + 4),
+            n2: norm_weight("n2", seed + 5),
+            gate: param("gate", &[FF, DM], seed + 6),
+            up: param("up", &[FF, DM], seed + 7),
+            down: param("down", &[DM, FF], seed + 8),
+        }
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        vec![&self.n1, &self.q, &self.k, &self.v, &self.o, &self.n2, &self.gate, &self.up, &self.down]
+    }
+
+    fn forward(&self, t: &Tape, x: &Value, cos: &Value, sin: &Value) -> Result<Value> {
+        let h = ops::rms_norm(t, x, &t.param(&self.n1), 1e-5)?;
+        let q = ops::reshape(t, &ops::linear(t, &h, &t.param(&self.q), None)?, (1, N, HEADS, HD))?;
+        let k = ops::reshape(t, &ops::linear(t, &h, &t.param(&self.k), None)?, (1, N, KV, HD))?;
+        let v = ops::reshape(t, &ops::linear(t, &h, &t.param(&self.v), None)?, (1, N, KV, HD))?;
+        let (q, k) = (ops::rope(t, &q, cos, sin)?, ops::rope(t, &k, cos, sin)?);
+        let (a, _lse) = ops::naive_attention(t, &q, &k, &v, AttentionSpec::causal())?;
+        let a = ops::linear(t, &ops::reshape(t, &a, (1, N, HEADS * HD))?, &t.param(&self.o), None)?;
+        let x = ops::add(t, x, &a)?;
+        let h = ops::rms_norm(t, &x, &t.param(&self.n2), 1e-5)?;
+        let g = ops::silu(t, &ops::linear(t, &h, &t.param(&self.gate), None)?)?;
+        let u = ops::linear(t, &h, &t.param(&self.up), None)?;
+        let m = ops::linear(t, &ops::mul(t, &g, &u)?, &t.param(&self.down), None)?;
+        ops::add(t, &x, &m)
+    }
+}
+
+struct Model {
+    embed: Param,
+    blocks: Vec<Block>,
+    norm: Param,
+    head: Param,
+}
+
+struct Step {
+    loss: f32,
+    grads: Vec<Vec<u32>>,
+    after_forward: MemoryStats,
+    peak: MemoryStats,
+    held_kinds: Vec<Option<NodeKind>>,
+    replays: usize,
+}
+
+impl Model {
+    fn new() -> Self {
+        Self {
+            embed: param("embed", &[VOCAB, DM], 100),
+            blocks: vec![Block::new(200), Block::new(300)],
+            norm: norm_weight("norm", 400),
+            head: param("head", &[VOCAB, DM], 500),
+        }
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        let mut p = vec![&self.embed, &self.norm, &self.head];
+        for b in &self.blocks {
+            p.extend(b.params());
+        }
+        p
+    }
+
+    fn step(&self, policy: CheckpointPolicy) -> Step {
+        let t = Tape::new(policy);
+        let ids: Vec<u32> = (0..N as u32).map(|i| (i * 7 + 3) % VOCAB as u32).collect();
+        let mut targets: Vec<i64> = ids[1..].iter().map(|&x| x as i64).collect();
+        targets.push(-100);
+        let ids = t.constant(Tensor::from_vec(ids, (1, N), &Device::Cpu).unwrap());
+        let targets = t.constant(Tensor::from_vec(targets, N, &Device::Cpu).unwrap());
+        let positions: Vec<usize> = (0..N).collect();
+        let inv = ops::rope::default_inv_freq(HD, 10000.0);
+        let (cos, sin) = ops::rope_tables(&positions, &inv, DType::F32, &Device::Cpu).unwrap();
+        let (cos, sin) = (t.constant(cos), t.constant(sin));
+
+        let mut x = ops::embedding(&t, &ids, &t.param(&self.embed)).unwrap();
+        for (i, b) in self.blocks.iter().enumerate() {
+            x = t.checkpoint(&format!("block{i}"), |t| b.forward(t, &x, &cos, &sin)).unwrap();
+        }
+        let h = ops::rms_norm(&t, &x, &t.param(&self.norm), 1e-5).unwrap();
+        let logits = ops::linear(&t, &h, &t.param(&self.head), None).unwrap();
+        let logits = ops::reshape(&t, &logits, (N, VOCAB)).unwrap();
+        let (sum, count) = ops::cross_entropy(&t, &logits, &targets).unwrap();
+        let loss = ops::scale(&t, &sum, 1.0 / count as f64).unwrap();
+        drop((x, h, logits, sum));
+        let after_forward = t.memory();
+        let held_kinds = t.held().iter().map(|h| h.kind).collect();
+        t.backward(&loss).unwrap();
+        let g = t.param_grads();
+        let grads = self
+            .params()
+            .iter()
+            .map(|p| {
+                g.get(p).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+            })
+            .collect();
+        Step {
+            loss: loss.tensor().to_scalar::<f32>().unwrap(),
+            grads,
+            after_forward,
+            peak: t.memory(),
+            held_kinds,
+            replays: t.replay_count(),
+        }
+    }
+}
+
+#[test]
+fn policies_give_bit_identical_gradients_and_order_memory() {
+    let model = Model::new();
+    let none = model.step(CheckpointPolicy::None);
+    let full = model.step(CheckpointPolicy::Full);
+    let sa = model.step(CheckpointPolicy::SequenceAware);
+
+    assert!(none.loss.is_finite() && none.loss > 0.0);
+    for (name, s) in [("Full", &full), ("SequenceAware", &sa)] {
+        assert_eq!(s.loss.to_bits(), none.loss.to_bits(), "{name}: loss differs");
+        assert_eq!(s.grads.len(), none.grads.len());
+        for (i, (a, b)) in s.grads.iter().zip(&none.grads).enumerate() {
+            assert_eq!(a, b, "{name}: gradient of parameter {i} is not bit-identical to None's");
+        }
+    }
+    assert_eq!(none.replays, 0, "None never recomputes");
+    assert!(full.replays > sa.replays && sa.replays > 0, "Full {} vs SA {}", full.replays, sa.replays);
+
+    let (n, f, s) = (none.after_forward.held_bytes, full.after_forward.held_bytes, sa.after_forward.held_bytes);
+    assert!(f < s && s < n, "held bytes after forward: Full {f}, SequenceAware {s}, None {n}");
+    assert!(
+        full.peak.peak_bytes < none.peak.peak_bytes,
+        "Full peak {} vs None {}",
+        full.peak.peak_bytes,
+        none.peak.peak_bytes
+    );
+    assert!(
+        sa.peak.peak_bytes < none.peak.peak_bytes,
+        "SA peak {} vs None {}",
+        sa.peak.peak_bytes,
+        none.peak.peak_bytes
+    );
+    // Backward releases everything it held.
+    assert_eq!(none.peak.held_bytes, 0);
+    assert_eq!(sa.peak.held_bytes, 0);
+}
+
+#[test]
+fn sequence_aware_holds_attention_outputs_not_linear_outputs() {
+    let model = Model::new();
+    let none = model.step(CheckpointPolicy::None);
+    let sa = model.step(CheckpointPolicy::SequenceAware);
+    let full = model.step(CheckpointPolicy::Full);
+    let count = |kinds: &[Option<NodeKind>], k: NodeKind| kinds.iter().filter(|x| **x == Some(k)).count();
+
+    // Two blocks, each attention with two outputs (o and lse).
+    assert_eq!(count(&sa.held_kinds, NodeKind::Attention), 4);
+    assert_eq!(count(&none.held_kinds, NodeKind::Attention), 4);
+    assert_eq!(count(&full.held_kinds, NodeKind::Attention), 0);
+    // Linear outputs inside blocks (gate/up feed silu and mul) are held without checkpointing, never under
+    // SequenceAware (the loss reads the logits through a reshape, a view).
+    assert!(count(&none.held_kinds, NodeKind::Linear) >= 4);
+    assert_eq!(count(&sa.held_kinds, NodeKind::Linear), 0);
+    assert_eq!(count(&full.held_kinds, NodeKind::Linear), 0);
+    // Norm and elementwise outputs inside blocks (rope, silu) are recomputed under SequenceAware.
+    assert!(count(&none.held_kinds, NodeKind::Elementwise) > count(&sa.held_kinds, NodeKind::Elementwise));
+}
