@@ -1,0 +1,167 @@
+//! The module tree. Models are built from modules that list their named children, so the compile step can
+//! walk any model — a Llama from autosp-models or a user's own — fill its attention slots and switch on its
+//! checkpoint regions without touching the model's code.
+//!
+//! Two slots carry the rewrite: an [`AttentionSlot`] (which attention runs: naive, flash, Ulysses, Ring) and a
+//! [`RegionSlot`] (whether a repeated block runs inside a checkpoint region).
+
+use std::sync::Arc;
+
+use crate::ops::attention::{naive_attention, AttentionSpec};
+use crate::{Param, Result, Tape, Value};
+
+/// An attention implementation. `q: [b, nq, h, d]`, `k, v: [b, nk, h_kv, d]` -> `(o: [b, nq, h, d],
+/// lse: [b, h, nq])`. Sequence-parallel implementations receive the local shard and return the local shard.
+pub trait Attention: std::fmt::Debug + Send + Sync {
+    /// A short description for `explain()`, e.g. `ulysses(p=4) > flash`.
+    fn describe(&self) -> String;
+
+    /// Attention over the given queries, keys and values.
+    fn forward(&self, tape: &Tape, q: &Value, k: &Value, v: &Value, spec: &AttentionSpec) -> Result<(Value, Value)>;
+}
+
+/// The naive reference attention (materialises the scores): correct everywhere, fast nowhere.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NaiveAttention;
+
+impl Attention for NaiveAttention {
+    fn describe(&self) -> String {
+        "naive".into()
+    }
+
+    fn forward(&self, tape: &Tape, q: &Value, k: &Value, v: &Value, spec: &AttentionSpec) -> Result<(Value, Value)> {
+        naive_attention(tape, q, k, v, *spec)
+    }
+}
+
+/// Where a model's attention goes; the compile step replaces what it holds.
+#[derive(Clone, Debug)]
+pub struct AttentionSlot {
+    imp: Arc<dyn Attention>,
+}
+
+impl AttentionSlot {
+    /// A slot holding `imp`.
+    pub fn new(imp: Arc<dyn Attention>) -> Self {
+        Self { imp }
+    }
+
+    /// Replaces the implementation.
+    pub fn set(&mut self, imp: Arc<dyn Attention>) {
+        self.imp = imp;
+    }
+
+    /// The implementation.
+    pub fn get(&self) -> &Arc<dyn Attention> {
+        &self.imp
+    }
+
+    /// Runs the held attention (shapes as [`Attention::forward`]).
+    pub fn forward(
+        &self,
+        tape: &Tape,
+        q: &Value,
+        k: &Value,
+        v: &Value,
+        spec: &AttentionSpec,
+    ) -> Result<(Value, Value)> {
+        self.imp.forward(tape, q, k, v, spec)
+    }
+}
+
+/// Whether a repeated block runs inside a checkpoint region; the compile step switches it on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegionSlot {
+    enabled: bool,
+}
+
+impl RegionSlot {
+    /// Turns the region on or off.
+    pub fn set_enabled(&mut self, enabled: bool) {
+        self.enabled = enabled;
+    }
+
+    /// Whether the region is on.
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Runs `f`, inside a checkpoint region named `name` when enabled.
+    pub fn run<T>(&self, tape: &Tape, name: &str, f: impl FnOnce(&Tape) -> Result<T>) -> Result<T> {
+        if self.enabled {
+            tape.checkpoint(name, f)
+        } else {
+            f(tape)
+        }
+    }
+}
+
+/// A node of the module tree.
+pub trait Module: Send + Sync {
+    /// The module's type, e.g. `LlamaDecoderLayer`.
+    fn kind(&self) -> &'static str;
+
+    /// Named children, in order.
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        Vec::new()
+    }
+
+    /// Named children, mutable, in the same order as [`children`](Self::children).
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        Vec::new()
+    }
+
+    /// The module's own parameters (not its children's).
+    fn own_params(&self) -> Vec<Param> {
+        Vec::new()
+    }
+
+    /// The module's attention slot, if it has one.
+    fn attention_slot(&mut self) -> Option<&mut AttentionSlot> {
+        None
+    }
+
+    /// The module's checkpoint-region slot, if it is a repeated block.
+    fn region_slot(&mut self) -> Option<&mut RegionSlot> {
+        None
+    }
+}
+
+/// Every parameter of `m` and its descendants, depth first, in child order.
+pub fn all_params(m: &dyn Module) -> Vec<Param> {
+    let mut out = m.own_params();
+    for (_, c) in m.children() {
+        out.extend(all_params(c));
+    }
+    out
+}
+
+/// Calls `f(path, module)` on `m` and every descendant, depth first; paths join child names with `.`.
+pub fn visit_mut(m: &mut dyn Module, path: &str, f: &mut dyn FnMut(&str, &mut dyn Module)) {
+    f(path, m);
+    for (name, c) in m.children_mut() {
+        let p = if path.is_empty() { name } else { format!("{path}.{name}") };
+        visit_mut(c, &p, f);
+    }
+}
+
+/// The tree as indented lines `path: Kind [attention: ..] [checkpointed]`, for `explain()`.
+pub fn describe_tree(m: &mut dyn Module) -> String {
+    let mut out = String::new();
+    visit_mut(m, "", &mut |path, m| {
+        let depth = if path.is_empty() { 0 } else { path.matches('.').count() + 1 };
+        let name = if path.is_empty() { "model" } else { path.rsplit('.').next().unwrap_or(path) };
+        let mut line = format!("{}{}: {}", "  ".repeat(depth), name, m.kind());
+        if let Some(slot) = m.attention_slot() {
+            line.push_str(&format!(" [attention: {}]", slot.get().describe()));
+        }
+        if let Some(r) = m.region_slot() {
+            if r.enabled() {
+                line.push_str(" [checkpoint region]");
+            }
+        }
+        out.push_str(&line);
+        out.push('\n');
+    });
+    out
+}
