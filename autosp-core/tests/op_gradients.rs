@@ -233,7 +233,12 @@ fn matches_candle_autograd() {
     let z = y.broadcast_mul(&e).unwrap().exp().unwrap();
     let z = (z.sum_keepdim(2).unwrap().broadcast_div(&(z.narrow(2, 0, 1).unwrap() + 2.0).unwrap())).unwrap();
     let z = z.transpose(0, 1).unwrap().reshape((3, 2)).unwrap().sqr().unwrap().mean_all().unwrap();
-    let loss = (z + y.affine(0.5, 0.1).unwrap().broadcast_mul(&p).unwrap().sum_all().unwrap()).unwrap();
+    let lin = y.affine(0.5, 0.1).unwrap().broadcast_mul(&p).unwrap().sum_all().unwrap();
+    // silu, log, sub and cat, also differentiated by candle.
+    let c = Tensor::cat(&[&y, &e.broadcast_as((2, 3, 5)).unwrap()], 1).unwrap().silu().unwrap();
+    let c = (c.exp().unwrap() + 1.0).unwrap().log().unwrap().broadcast_sub(&b).unwrap();
+    let c = c.broadcast_matmul(&w).unwrap().sum_all().unwrap();
+    let loss = ((z + lin).unwrap() + c).unwrap();
     let gs = loss.backward().unwrap();
 
     // tape
@@ -251,6 +256,12 @@ fn matches_candle_autograd() {
     let pv = tape.constant(p);
     let lin = ops::mul(&tape, &ops::affine(&tape, &y, 0.5, 0.1).unwrap(), &pv).unwrap();
     let loss2 = ops::add(&tape, &z, &ops::sum_all(&tape, &lin).unwrap()).unwrap();
+    let eb = ops::mul(&tape, &e, &tape.constant(Tensor::ones((2, 3, 5), DType::F64, &dev).unwrap())).unwrap();
+    let c = ops::silu(&tape, &ops::cat(&tape, &[&y, &eb], 1).unwrap()).unwrap();
+    let c = ops::log(&tape, &ops::affine(&tape, &ops::exp(&tape, &c).unwrap(), 1.0, 1.0).unwrap()).unwrap();
+    let c = ops::sub(&tape, &c, &tb).unwrap();
+    let c = ops::sum_all(&tape, &ops::matmul(&tape, &c, &tw).unwrap()).unwrap();
+    let loss2 = ops::add(&tape, &loss2, &c).unwrap();
     tape.backward(&loss2).unwrap();
 
     let close = |a: &Tensor, b: &Tensor| {
