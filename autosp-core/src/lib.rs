@@ -1,1 +1,2 @@
 //! autosp-core
+pub mod comm;
