@@ -19,6 +19,7 @@
 pub mod alloc;
 mod backward;
 pub mod checkpoint;
+pub mod comm;
 pub mod error;
 pub mod gradcheck;
 pub mod memory;

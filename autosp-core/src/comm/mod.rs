@@ -1,0 +1,65 @@
+//! Communication between the ranks of a sequence-parallel job.
+//!
+//! [`ProcessGroup`] is the interface the sharded attention strategies and the loss/gradient reductions call:
+//! `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `send`/`recv`/`send_recv` (the ring step),
+//! `barrier`, and `split` into subgroups (for 2D layouts: [`contiguous_groups`], [`strided_groups`]). Back ends:
+//!
+//! - [`ThreadGroup`] (always built): P ranks as threads of one process; start them with [`run_ranks`].
+//! - `MpiGroup` (feature `mpi`, the `mpi` crate over OpenMPI): one process per rank under `mpirun`; see
+//!   `autosp-core/examples/mpi_collectives.rs`.
+//! - NCCL is not implemented.
+//!
+//! Both back ends provide a small [`Transport`] (one synchronising personalised exchange plus point-to-point
+//! transfers) and share [`Communicator`], which builds the collectives, checks arguments, reduces in rank
+//! order and counts. So both give the same bits: reductions run in rank order 0, 1, ..., P-1 (bf16/f16
+//! accumulated in f32), and every rank of `all_reduce` receives the very chunks their owners reduced.
+//!
+//! # Failures
+//!
+//! Every call waits at most the group's `timeout()` (default [`DEFAULT_TIMEOUT`]). A rank that never arrives
+//! gives the others [`CommError::Timeout`] naming the collective, the group and the missing ranks; with
+//! threads, a rank that returned or panicked is reported at once as [`CommError::PeerGone`]. The group is
+//! then poisoned: later calls fail at once with [`CommError::Poisoned`]. A rank whose own arguments are
+//! invalid still takes part, sending nothing, so its peers fail at once with [`CommError::Mismatch`].
+//!
+//! # What the statistics count
+//!
+//! [`ProcessGroup::stats`] counts, per kind of call, the calls this rank made on this group handle
+//! (subgroups count on their own handles) and the tensor payload bytes it sent to *other* ranks (message
+//! headers and empty markers are not counted; a tensor's bytes are `elem_count * dtype.size_in_bytes()`,
+//! whether or not the back end copies it). With P ranks, this rank r, `s` bytes per element:
+//!
+//! | call | bytes sent by rank r |
+//! |---|---|
+//! | `all_reduce(x)`, `x` of n elements | `(n + (P-2)·c_r)·s`, chunk `c_r = n/P + (r < n%P)`; `2·(P-1)/P·n·s` when P divides n |
+//! | `all_gather(x, dim)` | `(P-1)·bytes(x)` |
+//! | `reduce_scatter(x, dim)` | `(P-1)/P·bytes(x)` |
+//! | `all_to_all(inputs)` | `sum over j != r of bytes(inputs[j])` |
+//! | `send(x, dst)`, `send_recv(x, dst, src)` | `bytes(x)`, or 0 when `dst == r` |
+//! | `recv`, `barrier` | 0 |
+//! | `split(groups)` | `(P-1)·8·(1 + G + P)` (the group list, G groups, as i64, to compare across ranks) |
+//!
+//! A call counts once it passed this rank's own argument checks, before any waiting, so a call that then
+//! fails (timeout, mismatch) is still counted.
+
+pub mod communicator;
+pub mod error;
+pub mod groups;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+pub mod process_group;
+mod reduce;
+pub mod stats;
+pub mod threads;
+pub mod transport;
+pub mod wire;
+
+pub use communicator::Communicator;
+pub use error::{CommError, Departure, Result};
+pub use groups::{contiguous_groups, strided_groups};
+#[cfg(feature = "mpi")]
+pub use mpi::{MpiGroup, MpiTransport};
+pub use process_group::{Collective, ProcessGroup, ReduceOp, DEFAULT_TIMEOUT};
+pub use stats::{tensor_bytes, CommStats};
+pub use threads::{run_ranks, ThreadGroup, ThreadTransport};
+pub use transport::Transport;

@@ -1,0 +1,151 @@
+//! The `ProcessGroup` trait every back end implements, and the small types its calls share
+//! (`ReduceOp`, `Collective`, the default timeout).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::Tensor;
+
+use super::error::Result;
+use super::stats::CommStats;
+
+/// Timeout a group gets when its constructor is not given one.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How `all_reduce` and `reduce_scatter` combine the ranks' values, element by element.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum in rank order 0, 1, ..., P-1 (bf16/f16 are accumulated in f32 and rounded once at the end).
+    Sum,
+    /// Element-wise maximum.
+    Max,
+}
+
+/// The kinds of call a group counts and names in its errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Collective {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    Send,
+    Recv,
+    SendRecv,
+    Barrier,
+    Split,
+}
+
+impl Collective {
+    /// Every kind, in the order `CommStats` stores them.
+    pub const ALL: [Collective; 9] = [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+        Collective::AllToAll,
+        Collective::Send,
+        Collective::Recv,
+        Collective::SendRecv,
+        Collective::Barrier,
+        Collective::Split,
+    ];
+
+    /// Position of this kind in `Collective::ALL`.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The method name, e.g. `"all_reduce"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::AllGather => "all_gather",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::AllToAll => "all_to_all",
+            Collective::Send => "send",
+            Collective::Recv => "recv",
+            Collective::SendRecv => "send_recv",
+            Collective::Barrier => "barrier",
+            Collective::Split => "split",
+        }
+    }
+}
+
+impl fmt::Display for Collective {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A group of `size()` ranks that exchange candle tensors. Each rank holds its own handle and calls the
+/// collectives on it; every rank of the group must call the same collectives in the same order (point-to-point
+/// calls excepted), and one rank's calls on one handle must not overlap.
+///
+/// Tensors may have any shape and any dtype the back end carries (the thread back end: all; MPI: u8, u32,
+/// i16, i32, i64, bf16, f16, f32, f64), may be non-contiguous, and live on any device (results come back on the
+/// input's device; `recv` on the back end's device). Every call waits at most `timeout()` for the other
+/// ranks and otherwise fails with [`CommError::Timeout`](super::CommError::Timeout) (or
+/// [`PeerGone`](super::CommError::PeerGone) as soon as a needed rank is known to have left): never a hang.
+/// After such a failure the group is poisoned and every later call fails at once.
+///
+/// A rank whose own arguments are invalid still takes part (sending nothing) so that the others fail
+/// promptly with `Mismatch` instead of waiting for the timeout.
+pub trait ProcessGroup: Send + Sync + fmt::Debug {
+    /// This rank's index in the group, `0..size()`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+
+    /// Label of the group, used in errors (e.g. `world`, `world/split0:[0,1]`).
+    fn name(&self) -> &str;
+
+    /// How long any call waits for the other ranks.
+    fn timeout(&self) -> Duration;
+
+    /// Element-wise reduction of `x` over all ranks; every rank gets the same bits.
+    /// `x`: any shape, the same shape and dtype on every rank. Returns that shape.
+    /// Algorithm: reduce-scatter of the flattened tensor in P nearly equal chunks (chunk j reduced by rank j
+    /// in rank order), then all-gather of the reduced chunks.
+    fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor>;
+
+    /// Concatenation along `dim` of every rank's `x`, in rank order. `x`: the same shape on every rank except
+    /// along `dim`, where sizes may differ; the result has size `sum_r x_r.dim(dim)` there.
+    fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor>;
+
+    /// Reduction over all ranks, of which rank r keeps chunk r along `dim`.
+    /// `x`: `[.., n, ..]` with `n` (at `dim`) divisible by `size()`, the same shape on every rank;
+    /// returns `[.., n / size(), ..]`.
+    fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor>;
+
+    /// Personalised exchange: `inputs[j]` goes to rank j; output `j` is what rank j sent to this rank.
+    /// `inputs.len() == size()`; shapes and dtypes may differ per pair. Own entry is returned as is.
+    fn all_to_all(&self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>>;
+
+    /// Sends `x` to rank `dst`. May return before `dst` receives (thread back end: buffered) or block until
+    /// it does (MPI, large messages): a correct program relies on neither; use `send_recv` for a ring step.
+    fn send(&self, x: &Tensor, dst: usize) -> Result<()>;
+
+    /// Receives the next tensor that rank `src` sent to this rank (messages from one rank arrive in order).
+    fn recv(&self, src: usize) -> Result<Tensor>;
+
+    /// Sends `x` to `dst` while receiving from `src`: one ring step (`dst = rank+1`, `src = rank-1`, mod P).
+    /// Never deadlocks when every rank calls it at once.
+    fn send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Tensor>;
+
+    /// Returns once every rank has called it.
+    fn barrier(&self) -> Result<()>;
+
+    /// Splits the group into subgroups; a collective call (every rank passes the same `groups`).
+    /// `groups` must partition `0..size()`: each rank in exactly one list. Returns the subgroup that holds
+    /// this rank, whose ranks are numbered in list order (`groups[g][i]` becomes rank `i`). For 2D layouts see
+    /// [`contiguous_groups`](super::contiguous_groups) and [`strided_groups`](super::strided_groups).
+    /// The subgroup keeps its own statistics and inherits the timeout.
+    fn split(&self, groups: &[Vec<usize>]) -> Result<Arc<dyn ProcessGroup>>;
+
+    /// Calls and bytes sent by this rank on this group (subgroups count separately) since the last reset.
+    fn stats(&self) -> CommStats;
+
+    /// Sets this rank's counters back to zero.
+    fn reset_stats(&self);
+}

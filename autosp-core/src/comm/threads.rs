@@ -1,0 +1,426 @@
+//! In-process back end: P ranks are threads of one process (the tests' and one machine's back end).
+//! Tensors pass between threads without copying (candle tensors are immutable and reference counted); the
+//! statistics still count them as sent.
+//!
+//! All groups of one world share one mutex-protected state: the open exchange rounds (keyed by group and
+//! call number), the point-to-point mailboxes, which ranks have left, and which groups failed. A rank leaves
+//! when its last group handle is dropped (its function returned or panicked); waiters notice at once and
+//! fail with `PeerGone` instead of waiting for the timeout.
+//!
+//! Ranks run on plain OS threads, never on rayon's pool, so candle's rayon-parallel CPU kernels keep all of
+//! the pool's workers even while some ranks block in a collective. Do not call collectives from inside rayon
+//! tasks: a blocked worker could starve the other ranks' kernels.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+
+use super::communicator::Communicator;
+use super::error::{CommError, Departure, ErrCtx, Result};
+use super::process_group::{Collective, ProcessGroup};
+use super::transport::Transport;
+
+/// A rank's handle on an in-process group.
+pub type ThreadGroup = Communicator<ThreadTransport>;
+
+impl Communicator<ThreadTransport> {
+    /// Handles for every rank of a new in-process world of `size` ranks named `world`; give handle r to the
+    /// thread that plays rank r. Every call waits at most `timeout` for the other ranks.
+    pub fn world(size: usize, timeout: Duration) -> Result<Vec<ThreadGroup>> {
+        if size == 0 {
+            return Err(CommError::Config {
+                detail: "a world needs at least one rank, got size 0".to_string(),
+            });
+        }
+        let world = Arc::new(World {
+            state: Mutex::new(WorldState {
+                departed: vec![None; size],
+                rounds: HashMap::new(),
+                mail: HashMap::new(),
+                failures: HashMap::new(),
+            }),
+            cv: Condvar::new(),
+        });
+        let members: Arc<[usize]> = (0..size).collect();
+        Ok((0..size)
+            .map(|rank| {
+                Communicator::new(ThreadTransport {
+                    life: Arc::new(RankLife {
+                        world: world.clone(),
+                        global: rank,
+                    }),
+                    world: world.clone(),
+                    key: Arc::from("world"),
+                    rank,
+                    members: members.clone(),
+                    timeout,
+                    seq: AtomicU64::new(0),
+                    splits: AtomicU64::new(0),
+                })
+            })
+            .collect())
+    }
+}
+
+/// Runs `f` as `size` ranks on `size` threads of this process; each call gets its rank's handle on a new
+/// world (`timeout` per call). Returns each rank's result in rank order; a rank that panicked gives
+/// `CommError::RankPanicked` with the panic message. `size == 0` gives a single `CommError::Config`.
+pub fn run_ranks<R, F>(size: usize, timeout: Duration, f: F) -> Vec<Result<R>>
+where
+    R: Send,
+    F: Fn(Arc<dyn ProcessGroup>) -> R + Sync,
+{
+    let groups = match ThreadGroup::world(size, timeout) {
+        Ok(groups) => groups,
+        Err(e) => return vec![Err(e)],
+    };
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, group)| {
+                let f = &f;
+                std::thread::Builder::new()
+                    .name(format!("autosp-rank-{rank}"))
+                    .spawn_scoped(scope, move || f(Arc::new(group)))
+                    .map_err(|e| CommError::Config {
+                        detail: format!("could not start the thread of rank {rank}: {e}"),
+                    })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, handle)| {
+                handle?.join().map_err(|payload| CommError::RankPanicked {
+                    rank,
+                    message: panic_message(payload.as_ref()),
+                })
+            })
+            .collect()
+    })
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(panic payload is not a string)".to_string()
+    }
+}
+
+struct World {
+    state: Mutex<WorldState>,
+    cv: Condvar,
+}
+
+impl World {
+    fn lock(&self) -> MutexGuard<'_, WorldState> {
+        // No user code runs under this lock, so a poisoned lock still holds consistent state.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Mailbox key: group, source rank, destination rank (ranks within the group).
+type MailKey = (Arc<str>, usize, usize);
+
+struct WorldState {
+    /// Indexed by world rank: set once the rank's last handle is dropped.
+    departed: Vec<Option<Departure>>,
+    /// Open exchange rounds, by group and call number.
+    rounds: HashMap<(Arc<str>, u64), Round>,
+    mail: HashMap<MailKey, VecDeque<Tensor>>,
+    /// Groups that failed, and how.
+    failures: HashMap<Arc<str>, Failure>,
+}
+
+/// One exchange: `deposits[i][j]` is what rank i sends to rank j.
+struct Round {
+    deposits: Vec<Option<Vec<Option<Tensor>>>>,
+    collected: usize,
+}
+
+#[derive(Clone)]
+struct Failure {
+    /// Call number of the failed exchange; `None` for a point-to-point failure.
+    seq: Option<u64>,
+    collective: Collective,
+    by_rank: usize,
+    kind: FailureKind,
+}
+
+#[derive(Clone)]
+enum FailureKind {
+    Timeout { missing: Vec<usize> },
+    PeerGone { peer: usize, how: Departure },
+}
+
+impl Failure {
+    fn describe(&self) -> String {
+        match &self.kind {
+            FailureKind::Timeout { missing } => format!(
+                "rank {} timed out in {} waiting for rank(s) {missing:?}",
+                self.by_rank, self.collective
+            ),
+            FailureKind::PeerGone { peer, how } => format!(
+                "rank {peer} {how} before joining {} (seen by rank {})",
+                self.collective, self.by_rank
+            ),
+        }
+    }
+}
+
+/// Marks its rank as departed when the rank's last group handle goes away.
+struct RankLife {
+    world: Arc<World>,
+    global: usize,
+}
+
+impl Drop for RankLife {
+    fn drop(&mut self) {
+        let how = if std::thread::panicking() {
+            Departure::Panicked
+        } else {
+            Departure::Returned
+        };
+        self.world.lock().departed[self.global] = Some(how);
+        self.world.cv.notify_all();
+    }
+}
+
+enum Poll<T> {
+    Ready(T),
+    Missing(Vec<usize>),
+}
+
+/// One rank's view of one in-process group.
+pub struct ThreadTransport {
+    world: Arc<World>,
+    life: Arc<RankLife>,
+    /// Group name, unique within the world.
+    key: Arc<str>,
+    rank: usize,
+    /// World rank of each rank of this group.
+    members: Arc<[usize]>,
+    timeout: Duration,
+    /// Exchange rounds this rank started on this group.
+    seq: AtomicU64,
+    /// Splits this rank made of this group (names the subgroups).
+    splits: AtomicU64,
+}
+
+impl fmt::Debug for ThreadTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ThreadTransport")
+            .field("group", &self.key)
+            .field("rank", &self.rank)
+            .field("world_ranks", &self.members)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl ThreadTransport {
+    fn ctx(&self, collective: Collective) -> ErrCtx<'_> {
+        ErrCtx {
+            collective,
+            group: &self.key,
+            rank: self.rank,
+        }
+    }
+
+    fn check_healthy(&self, collective: Collective, st: &WorldState) -> Result<()> {
+        match st.failures.get(&self.key) {
+            Some(f) => Err(self.ctx(collective).poisoned(f.describe())),
+            None => Ok(()),
+        }
+    }
+
+    /// Polls `poll` under the world lock until it is ready, a rank it misses has left, the group failed
+    /// elsewhere, or the timeout passed (then this group is marked failed).
+    fn wait<T>(
+        &self,
+        collective: Collective,
+        seq: Option<u64>,
+        mut poll: impl FnMut(&mut WorldState) -> Poll<T>,
+    ) -> Result<T> {
+        let ctx = self.ctx(collective);
+        let start = Instant::now();
+        let deadline = start + self.timeout;
+        let mut st = self.world.lock();
+        loop {
+            let missing = match poll(&mut st) {
+                Poll::Ready(v) => return Ok(v),
+                Poll::Missing(missing) => missing,
+            };
+            if let Some(f) = st.failures.get(&self.key) {
+                // Another rank of this round already failed it: report the same cause.
+                return Err(match (&f.kind, f.seq.is_some() && f.seq == seq) {
+                    (FailureKind::Timeout { missing }, true) => {
+                        ctx.timeout(self.members.len(), missing.clone(), start.elapsed(), self.timeout)
+                    }
+                    (FailureKind::PeerGone { peer, how }, true) => {
+                        ctx.peer_gone(*peer, *how, start.elapsed())
+                    }
+                    _ => ctx.poisoned(f.describe()),
+                });
+            }
+            let gone = missing
+                .iter()
+                .find_map(|&m| st.departed[self.members[m]].map(|how| (m, how)));
+            let now = Instant::now();
+            let kind = if let Some((peer, how)) = gone {
+                FailureKind::PeerGone { peer, how }
+            } else if now >= deadline {
+                FailureKind::Timeout {
+                    missing: missing.clone(),
+                }
+            } else {
+                st = self
+                    .world
+                    .cv
+                    .wait_timeout(st, deadline - now)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+                continue;
+            };
+            let failure = Failure {
+                seq,
+                collective,
+                by_rank: self.rank,
+                kind: kind.clone(),
+            };
+            st.failures.insert(self.key.clone(), failure);
+            self.world.cv.notify_all();
+            return Err(match kind {
+                FailureKind::PeerGone { peer, how } => ctx.peer_gone(peer, how, start.elapsed()),
+                FailureKind::Timeout { missing } => {
+                    ctx.timeout(self.members.len(), missing, start.elapsed(), self.timeout)
+                }
+            });
+        }
+    }
+
+    fn send_as(&self, collective: Collective, x: &Tensor, dst: usize) -> Result<()> {
+        let mut st = self.world.lock();
+        self.check_healthy(collective, &st)?;
+        if dst != self.rank {
+            if let Some(how) = st.departed[self.members[dst]] {
+                return Err(self.ctx(collective).peer_gone(dst, how, Duration::ZERO));
+            }
+        }
+        st.mail
+            .entry((self.key.clone(), self.rank, dst))
+            .or_default()
+            .push_back(x.clone());
+        self.world.cv.notify_all();
+        Ok(())
+    }
+
+    fn recv_as(&self, collective: Collective, src: usize) -> Result<Tensor> {
+        self.check_healthy(collective, &self.world.lock())?;
+        let key = (self.key.clone(), src, self.rank);
+        self.wait(collective, None, |st| {
+            match st.mail.get_mut(&key).and_then(|q| q.pop_front()) {
+                Some(t) => Poll::Ready(t),
+                None => Poll::Missing(vec![src]),
+            }
+        })
+    }
+}
+
+impl Transport for ThreadTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn name(&self) -> &str {
+        &self.key
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn exchange(
+        &self,
+        collective: Collective,
+        outgoing: Vec<Option<Tensor>>,
+        _device: &Device,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let size = self.members.len();
+        debug_assert_eq!(outgoing.len(), size);
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let key = (self.key.clone(), seq);
+        {
+            let mut st = self.world.lock();
+            self.check_healthy(collective, &st)?;
+            let round = st.rounds.entry(key.clone()).or_insert_with(|| Round {
+                deposits: vec![None; size],
+                collected: 0,
+            });
+            round.deposits[self.rank] = Some(outgoing);
+            self.world.cv.notify_all();
+        }
+        let rank = self.rank;
+        self.wait(collective, Some(seq), |st| {
+            let round = st
+                .rounds
+                .get_mut(&key)
+                .expect("a round stays open until every rank collected its part");
+            let missing: Vec<usize> = (0..size).filter(|&i| round.deposits[i].is_none()).collect();
+            if !missing.is_empty() {
+                return Poll::Missing(missing);
+            }
+            let column: Vec<Option<Tensor>> = round
+                .deposits
+                .iter_mut()
+                .map(|d| d.as_mut().and_then(|d| d[rank].take()))
+                .collect();
+            round.collected += 1;
+            if round.collected == size {
+                st.rounds.remove(&key);
+            }
+            Poll::Ready(column)
+        })
+    }
+
+    fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
+        self.send_as(Collective::Send, x, dst)
+    }
+
+    fn recv(&self, src: usize) -> Result<Tensor> {
+        self.recv_as(Collective::Recv, src)
+    }
+
+    fn send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Tensor> {
+        // Sends are buffered here, so sending first cannot deadlock.
+        self.send_as(Collective::SendRecv, x, dst)?;
+        self.recv_as(Collective::SendRecv, src)
+    }
+
+    fn split(&self, groups: &[Vec<usize>], group: usize, index: usize) -> Result<Self> {
+        let n = self.splits.fetch_add(1, Ordering::Relaxed);
+        let members: Arc<[usize]> = groups[group].iter().map(|&r| self.members[r]).collect();
+        Ok(ThreadTransport {
+            world: self.world.clone(),
+            life: self.life.clone(),
+            key: Arc::from(format!("{}/split{n}:{:?}", self.key, members).as_str()),
+            rank: index,
+            members,
+            timeout: self.timeout,
+            seq: AtomicU64::new(0),
+            splits: AtomicU64::new(0),
+        })
+    }
+}

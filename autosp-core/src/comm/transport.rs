@@ -1,0 +1,48 @@
+//! `Transport`: the few primitives a back end provides (a synchronising personalised exchange and
+//! point-to-point transfers); `Communicator` builds every collective of `ProcessGroup` on top of them.
+
+use std::fmt;
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+
+use super::error::Result;
+use super::process_group::Collective;
+
+/// What a back end must provide. Ranks are ranks within this group. Every method waits at most `timeout()`
+/// and reports missing ranks with `CommError::Timeout` / `CommError::PeerGone`; after such a failure the
+/// transport is poisoned and fails every later call with `CommError::Poisoned`.
+pub trait Transport: Send + Sync + fmt::Debug + Sized + 'static {
+    /// This rank, `0..size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// Group label used in errors.
+    fn name(&self) -> &str;
+    /// How long a call waits for the other ranks.
+    fn timeout(&self) -> Duration;
+
+    /// One synchronising round: `outgoing[j]` (`outgoing.len() == size()`) goes to rank j, and entry i of the
+    /// result is what rank i put at this rank's index. `None` entries carry no payload but the round still
+    /// waits for every rank. The own entry is passed through untouched. Received tensors land on `device`
+    /// where the back end has to materialise them.
+    fn exchange(
+        &self,
+        collective: Collective,
+        outgoing: Vec<Option<Tensor>>,
+        device: &Device,
+    ) -> Result<Vec<Option<Tensor>>>;
+
+    /// Sends `x` to rank `dst` (see `ProcessGroup::send` for the blocking rules).
+    fn send(&self, x: &Tensor, dst: usize) -> Result<()>;
+
+    /// Receives the next tensor from rank `src`.
+    fn recv(&self, src: usize) -> Result<Tensor>;
+
+    /// Sends `x` to `dst` and receives from `src` at the same time; must not deadlock when all ranks call it.
+    fn send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Tensor>;
+
+    /// The transport of subgroup `groups[group]` in which this rank is number `index`. Called by every rank
+    /// after the ranks agreed on `groups` (a partition of `0..size()`).
+    fn split(&self, groups: &[Vec<usize>], group: usize, index: usize) -> Result<Self>;
+}
