@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use super::geometry::{Geometry, SharedOut, BC, BR};
+use super::geometry::{pack_rows, Geometry, SharedOut, BC, BR};
 use super::real::Real;
 
 /// Tasks to aim for when batch × heads is small: the key tiles of a head are dealt round-robin to
@@ -41,18 +41,33 @@ pub(crate) fn backward<T: Real>(
     let chunks = TARGET_TASKS.div_ceil((g.b * g.h).max(1)).clamp(1, nkt.max(1));
     let log2e = std::f64::consts::LOG2_E;
 
-    // Kᵀ and Vᵀ in tiles, once per kv head.
+    // Packed operands: Kᵀ and Vᵀ in tiles and K in contiguous rows once per kv head, Q and dO in contiguous
+    // rows once per query head (O(N·d) each; see `pack_rows` for why).
     let kt_len = nkt * d * BC;
+    let (k_len, q_len) = (nk * d, nq * d);
     let mut kt = vec![fill; g.b * g.hkv * kt_len];
     let mut vt = vec![fill; g.b * g.hkv * kt_len];
+    let mut kc = vec![fill; g.b * g.hkv * k_len];
     if kt_len > 0 {
         kt.par_chunks_mut(kt_len)
             .zip(vt.par_chunks_mut(kt_len))
+            .zip(kc.par_chunks_mut(k_len))
             .enumerate()
-            .for_each(|(idx, (kd, vd))| {
-                g.pack_transposed(x.k, idx / g.hkv, idx % g.hkv, kd);
-                g.pack_transposed(x.v, idx / g.hkv, idx % g.hkv, vd);
+            .for_each(|(idx, ((kd, vd), kcd))| {
+                let (bi, kh) = (idx / g.hkv, idx % g.hkv);
+                g.pack_transposed(x.k, bi, kh, kd);
+                g.pack_transposed(x.v, bi, kh, vd);
+                pack_rows(x.k, g.k_base(bi, kh), g.k_rs, d, kcd);
             });
+    }
+    let mut qc = vec![fill; g.b * g.h * q_len];
+    let mut doc = vec![fill; g.b * g.h * q_len];
+    if q_len > 0 {
+        qc.par_chunks_mut(q_len).zip(doc.par_chunks_mut(q_len)).enumerate().for_each(|(bh, (qd, dod))| {
+            let base = g.q_base(bh / g.h, bh % g.h);
+            pack_rows(x.q, base, g.q_rs, d, qd);
+            pack_rows(x.d_o, base, g.q_rs, d, dod);
+        });
     }
 
     // Per row: lse in log2 units (+inf for a row that sees no key, so its P is 0), and D - d_lse.
@@ -84,13 +99,13 @@ pub(crate) fn backward<T: Real>(
     let dq_out = SharedOut(dq_part.as_mut_ptr());
     let dk_out = SharedOut(dk_part.as_mut_ptr());
     let dv_out = SharedOut(dv_part.as_mut_ptr());
-    let packs = (&kt[..], &vt[..], kt_len);
+    let packs = Packed { kt: &kt, vt: &vt, kc: &kc, qc: &qc, doc: &doc };
     let (lse2, delta) = (&lse2[..], &delta[..]);
     // Chunk 0 holds the first key tiles, which the most query tiles see under a causal mask: run it early.
     (0..g.b * g.h * chunks).into_par_iter().for_each(|idx| {
         // SAFETY: task (bi, hi, ch) alone writes dq_part[bi, hi, ch] and the rows of the key tiles
         // t ≡ ch (mod chunks) of dk_part[bi, hi] and dv_part[bi, hi].
-        unsafe { key_chunk(g, x, packs, lse2, delta, idx, chunks, &dq_out, &dk_out, &dv_out) };
+        unsafe { key_chunk(g, &packs, lse2, delta, idx, chunks, &dq_out, &dk_out, &dv_out) };
     });
 
     // Fixed-order sums: dQ over chunks (times the scale), dK/dV over each kv head's group.
@@ -132,6 +147,16 @@ pub(crate) fn backward<T: Real>(
     });
 }
 
+/// The packed operands of the backward pass: `kt, vt: [b, hkv, k_tiles, d, BC]`, `kc: [b, hkv, nk, d]`,
+/// `qc, doc: [b, h, nq, d]`.
+struct Packed<'a, T> {
+    kt: &'a [T],
+    vt: &'a [T],
+    kc: &'a [T],
+    qc: &'a [T],
+    doc: &'a [T],
+}
+
 /// One backward task: the key tiles `t ≡ ch (mod chunks)` of query head `hi` of batch `bi`, each against
 /// every query tile that sees it.
 ///
@@ -140,8 +165,7 @@ pub(crate) fn backward<T: Real>(
 #[allow(clippy::too_many_arguments)]
 unsafe fn key_chunk<T: Real>(
     g: &Geometry,
-    x: &BackwardInputs<T>,
-    (kt, vt, kt_len): (&[T], &[T], usize),
+    pk: &Packed<T>,
     lse2: &[T],
     delta: &[T],
     idx: usize,
@@ -155,12 +179,14 @@ unsafe fn key_chunk<T: Real>(
     let bh = idx / chunks;
     let (bi, hi) = (bh / g.h, bh % g.h);
     let kh = hi / g.group;
-    let kt = &kt[(bi * g.hkv + kh) * kt_len..][..kt_len];
-    let vt = &vt[(bi * g.hkv + kh) * kt_len..][..kt_len];
+    let kt_len = g.k_tiles() * d * BC;
+    let kt = &pk.kt[(bi * g.hkv + kh) * kt_len..][..kt_len];
+    let vt = &pk.vt[(bi * g.hkv + kh) * kt_len..][..kt_len];
+    let kc = &pk.kc[(bi * g.hkv + kh) * nk * d..][..nk * d];
+    let qc = &pk.qc[bh * nq * d..][..nq * d];
+    let doc = &pk.doc[bh * nq * d..][..nq * d];
     let c = T::from_f64(g.scale * std::f64::consts::LOG2_E);
     let scale = T::from_f64(g.scale);
-    let q_head = g.q_base(bi, hi);
-    let k_head = g.k_base(bi, kh);
     let lse2 = &lse2[bh * nq..][..nq];
     let delta = &delta[bh * nq..][..nq];
 
@@ -181,14 +207,13 @@ unsafe fn key_chunk<T: Real>(
         for qt in first_tile..g.q_tiles() {
             let i0 = qt * BR;
             let rows = (nq - i0).min(BR);
-            let qp = x.q.as_ptr().add(q_head + i0 * g.q_rs);
-            let dop = x.d_o.as_ptr().add(q_head + i0 * g.q_rs);
+            let qp = qc.as_ptr().add(i0 * d);
+            let dop = doc.as_ptr().add(i0 * d);
             let p = &mut p[..rows * BC];
             let ds = &mut ds[..rows * BC];
 
             // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
-            p.fill(T::ZERO);
-            T::gemm_acc(rows, BC, d, qp, g.q_rs, 1, kt.as_ptr().add(t * d * BC), BC, p.as_mut_ptr(), BC);
+            T::gemm(false, rows, BC, d, qp, d, 1, kt.as_ptr().add(t * d * BC), BC, p.as_mut_ptr(), BC);
             if g.tile_needs_mask(i0, j0) {
                 g.mask_tile(p, rows, i0, j0);
             }
@@ -196,10 +221,9 @@ unsafe fn key_chunk<T: Real>(
                 T::exp2_row(&mut p[r * BC..(r + 1) * BC], c, lse2[i0 + r]);
             }
             // dV += Pᵀ dO.
-            T::gemm_acc(cols, d, rows, p.as_ptr(), 1, BC, dop, g.q_rs, dv_acc.as_mut_ptr(), d);
+            T::gemm(true, cols, d, rows, p.as_ptr(), 1, BC, dop, d, dv_acc.as_mut_ptr(), d);
             // dP = dO Vᵀ, then dS = P ∘ (dP - D + d_lse).
-            ds.fill(T::ZERO);
-            T::gemm_acc(rows, BC, d, dop, g.q_rs, 1, vt.as_ptr().add(t * d * BC), BC, ds.as_mut_ptr(), BC);
+            T::gemm(false, rows, BC, d, dop, d, 1, vt.as_ptr().add(t * d * BC), BC, ds.as_mut_ptr(), BC);
             for r in 0..rows {
                 let dr = delta[i0 + r];
                 for (s, &pv) in ds[r * BC..(r + 1) * BC].iter_mut().zip(&p[r * BC..(r + 1) * BC]) {
@@ -207,9 +231,9 @@ unsafe fn key_chunk<T: Real>(
                 }
             }
             // dQ += dS K (scaled in the final sum); dK += dSᵀ Q.
-            let kp = x.k.as_ptr().add(k_head + j0 * g.k_rs);
-            T::gemm_acc(rows, d, cols, ds.as_ptr(), BC, 1, kp, g.k_rs, dq.as_mut_ptr().add(i0 * d), d);
-            T::gemm_acc(cols, d, rows, ds.as_ptr(), 1, BC, qp, g.q_rs, dk_acc.as_mut_ptr(), d);
+            let kp = kc.as_ptr().add(j0 * d);
+            T::gemm(true, rows, d, cols, ds.as_ptr(), BC, 1, kp, d, dq.as_mut_ptr().add(i0 * d), d);
+            T::gemm(true, cols, d, rows, ds.as_ptr(), 1, BC, qp, d, dk_acc.as_mut_ptr(), d);
         }
         let dk_rows = dk_out.slice((bh * nk + j0) * d, cols * d);
         let dv_rows = dv_out.slice((bh * nk + j0) * d, cols * d);

@@ -4,18 +4,22 @@
 
 use rayon::prelude::*;
 
-use super::geometry::{Geometry, SharedOut, BC, BR};
+use super::geometry::{pack_rows, Geometry, SharedOut, BC, BR};
 use super::real::Real;
 
 /// Forward pass. `q: [b, nq, h, d]`, `k, v: [b, nk, hkv, d]` (contiguous slices); writes every element of
 /// `o: [b, nq, h, d]` and `lse: [b, h, nq]` (natural log; -inf and o = 0 for a row that sees no key).
 pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut [T], lse: &mut [T]) {
     let kt_len = g.k_tiles() * g.d * BC;
-    // Kᵀ in tiles, once per kv head; the query heads of a GQA group share it.
+    // Kᵀ in tiles and V in contiguous rows, once per kv head; the query heads of a GQA group share them.
+    let v_len = g.nk * g.d;
     let mut kt = vec![T::ZERO; g.b * g.hkv * kt_len];
+    let mut vp = vec![T::ZERO; g.b * g.hkv * v_len];
     if kt_len > 0 {
-        kt.par_chunks_mut(kt_len).enumerate().for_each(|(idx, dst)| {
-            g.pack_transposed(k, idx / g.hkv, idx % g.hkv, dst);
+        kt.par_chunks_mut(kt_len).zip(vp.par_chunks_mut(v_len)).enumerate().for_each(|(idx, (kd, vd))| {
+            let (bi, kh) = (idx / g.hkv, idx % g.hkv);
+            g.pack_transposed(k, bi, kh, kd);
+            pack_rows(v, g.k_base(bi, kh), g.k_rs, g.d, vd);
         });
     }
     let nqt = g.q_tiles();
@@ -28,12 +32,14 @@ pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut 
         let (bi, hi) = (bh / g.h, bh % g.h);
         let kh = hi / g.group;
         let kt_head = &kt[(bi * g.hkv + kh) * kt_len..][..kt_len];
+        let v_head = &vp[(bi * g.hkv + kh) * v_len..][..v_len];
         // SAFETY: task (bi, hi, qt) alone writes rows qt·BR.. of head hi of batch bi in o and lse.
-        unsafe { query_tile(g, q, kt_head, v, bi, hi, kh, qt, &o_out, &lse_out) };
+        unsafe { query_tile(g, q, kt_head, v_head, bi, hi, qt, &o_out, &lse_out) };
     });
 }
 
-/// Attention of query tile `qt` of head `hi` against every key tile it sees.
+/// Attention of query tile `qt` of head `hi` against every key tile it sees; `kt` is the packed Kᵀ and `v`
+/// the packed `[nk, d]` values of its kv head.
 ///
 /// # Safety
 /// No other task writes the rows of this tile in `o` and `lse`.
@@ -45,7 +51,6 @@ unsafe fn query_tile<T: Real>(
     v: &[T],
     bi: usize,
     hi: usize,
-    kh: usize,
     qt: usize,
     o_out: &SharedOut<T>,
     lse_out: &SharedOut<T>,
@@ -54,7 +59,6 @@ unsafe fn query_tile<T: Real>(
     let i0 = qt * BR;
     let rows = (g.nq - i0).min(BR);
     let qp = q.as_ptr().add(g.q_base(bi, hi) + i0 * g.q_rs);
-    let vbase = g.k_base(bi, kh);
     let c = T::from_f64(g.scale * std::f64::consts::LOG2_E);
 
     let mut s = vec![T::ZERO; BR * BC];
@@ -67,8 +71,7 @@ unsafe fn query_tile<T: Real>(
         let j0 = t * BC;
         let cols = (g.nk - j0).min(BC);
         let s = &mut s[..rows * BC];
-        s.fill(T::ZERO);
-        T::gemm_acc(rows, BC, d, qp, g.q_rs, 1, kt.as_ptr().add(t * d * BC), BC, s.as_mut_ptr(), BC);
+        T::gemm(false, rows, BC, d, qp, g.q_rs, 1, kt.as_ptr().add(t * d * BC), BC, s.as_mut_ptr(), BC);
         if g.tile_needs_mask(i0, j0) {
             g.mask_tile(s, rows, i0, j0);
         }
@@ -94,7 +97,7 @@ unsafe fn query_tile<T: Real>(
                 l[r] = l[r] + sum;
             }
         }
-        T::gemm_acc(rows, d, cols, s.as_ptr(), BC, 1, v.as_ptr().add(vbase + j0 * g.k_rs), g.k_rs, acc.as_mut_ptr(), d);
+        T::gemm(true, rows, d, cols, s.as_ptr(), BC, 1, v.as_ptr().add(j0 * d), d, acc.as_mut_ptr(), d);
     }
 
     let ln2 = T::from_f64(std::f64::consts::LN_2);

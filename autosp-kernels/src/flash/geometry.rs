@@ -123,6 +123,15 @@ impl Geometry {
     }
 }
 
+/// Copies `n` rows of `d` elements, strided by `rs` from `src[base..]`, into the contiguous `dst: [n, d]`
+/// (packing a head's rows so that the tile products read them from contiguous memory, where the `[b, n, h, d]`
+/// layout's stride of `heads · d` would make them fight for the same L1 sets).
+pub(crate) fn pack_rows<T: Real>(src: &[T], base: usize, rs: usize, d: usize, dst: &mut [T]) {
+    for (i, row) in dst.chunks_exact_mut(d).enumerate() {
+        row.copy_from_slice(&src[base + i * rs..][..d]);
+    }
+}
+
 /// A pointer into an output buffer that parallel tasks share; each task writes only its own disjoint part.
 #[derive(Clone, Copy)]
 pub(crate) struct SharedOut<T>(pub *mut T);

@@ -1,7 +1,7 @@
 //! The inner loops of flash attention: a register-blocked `C += A · B` on small tiles and a vectorised
 //! `exp2` over a row of scores, for f32 with AVX-512 (picked at run time) and portable versions for f32/f64.
 //!
-//! `gemm_acc` computes `C[m × n] += A[m × k] · B[k × n]` where A is read through any (row, column) strides
+//! `gemm` computes `C[m × n] = A[m × k] · B[k × n]`, or `C += A · B` when asked to accumulate, where A is read through any (row, column) strides
 //! (so `Pᵀ` and `dSᵀ` need no transpose copy), B is row-major with row stride `ldb` and contiguous columns,
 //! and C is row-major with row stride `ldc`. Every attention product fits this form:
 //! `S = Q Kᵀ` (B = packed Kᵀ), `O += P V`, `dV += Pᵀ dO`, `dP = dO Vᵀ` (B = packed Vᵀ), `dQ += dS K`,
@@ -16,13 +16,14 @@ const MR: usize = 6;
 /// Vectors of 16 f32 per register block (AVX-512 path).
 const NV: usize = 4;
 
-/// Portable `C[m × n] += A[m × k] · B[k × n]` (see the module doc for the strides).
+/// Portable `C[m × n] (+)= A[m × k] · B[k × n]` (see the module doc for the strides).
 ///
 /// # Safety
 /// All pointers must be valid for the elements the strides address.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-pub(crate) unsafe fn gemm_acc_portable<T>(
+pub(crate) unsafe fn gemm_portable<T>(
+    accumulate: bool,
     m: usize,
     n: usize,
     k: usize,
@@ -34,10 +35,15 @@ pub(crate) unsafe fn gemm_acc_portable<T>(
     c: *mut T,
     ldc: usize,
 ) where
-    T: Copy + std::ops::Mul<Output = T> + std::ops::Add<Output = T>,
+    T: Copy + Default + std::ops::Mul<Output = T> + std::ops::Add<Output = T>,
 {
     for i in 0..m {
         let crow = std::slice::from_raw_parts_mut(c.add(i * ldc), n);
+        if !accumulate {
+            for cv in crow.iter_mut() {
+                *cv = T::default();
+            }
+        }
         for p in 0..k {
             let av = *a.add(i * a_rs + p * a_cs);
             let brow = std::slice::from_raw_parts(b.add(p * ldb), n);
@@ -84,6 +90,7 @@ pub(crate) mod avx512 {
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn block<const R: usize, const V: usize>(
+        accumulate: bool,
         k: usize,
         a: *const f32,
         a_rs: usize,
@@ -95,9 +102,11 @@ pub(crate) mod avx512 {
         masks: &[__mmask16; NV],
     ) {
         let mut acc = [[_mm512_setzero_ps(); V]; R];
-        for r in 0..R {
-            for v in 0..V {
-                acc[r][v] = _mm512_maskz_loadu_ps(masks[v], c.add(r * ldc + v * 16));
+        if accumulate {
+            for r in 0..R {
+                for v in 0..V {
+                    acc[r][v] = _mm512_maskz_loadu_ps(masks[v], c.add(r * ldc + v * 16));
+                }
             }
         }
         let mut ap = a;
@@ -135,13 +144,14 @@ pub(crate) mod avx512 {
         };
     }
 
-    /// AVX-512 `C[m × n] += A[m × k] · B[k × n]` (see the module doc for the strides).
+    /// AVX-512 `C[m × n] (+)= A[m × k] · B[k × n]` (see the module doc for the strides).
     ///
     /// # Safety
     /// The CPU must support avx512f and fma; all pointers valid for the elements the strides address.
     #[target_feature(enable = "avx512f,fma")]
     #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn gemm_acc(
+    pub(crate) unsafe fn gemm(
+        accumulate: bool,
         m: usize,
         n: usize,
         k: usize,
@@ -165,12 +175,12 @@ pub(crate) mod avx512 {
                 let ai = a.add(i * a_rs);
                 let ci = c.add(i * ldc + j);
                 match r {
-                    6 => dispatch_v!(6, nv, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
-                    5 => dispatch_v!(5, nv, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
-                    4 => dispatch_v!(4, nv, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
-                    3 => dispatch_v!(3, nv, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
-                    2 => dispatch_v!(2, nv, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
-                    _ => dispatch_v!(1, nv, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
+                    6 => dispatch_v!(6, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
+                    5 => dispatch_v!(5, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
+                    4 => dispatch_v!(4, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
+                    3 => dispatch_v!(3, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
+                    2 => dispatch_v!(2, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
+                    _ => dispatch_v!(1, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
                 }
                 i += r;
             }
@@ -247,7 +257,7 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
-    /// The AVX-512 gemm equals the portable one (to f32 rounding: the sums run in the same order, but FMA
+    /// The AVX-512 gemm equals the portable one, accumulating or not, (to f32 rounding: the sums run in the same order, but FMA
     /// rounds once where the portable code may round twice) for every block shape and tail.
     #[test]
     #[cfg(target_arch = "x86_64")]
@@ -256,17 +266,19 @@ mod tests {
             return;
         }
         let mut seed = 7;
-        for &(m, n, k) in &[(1, 1, 1), (7, 17, 5), (13, 64, 64), (64, 80, 33), (6, 128, 9), (5, 200, 3)] {
+        let shapes = [(1, 1, 1), (7, 17, 5), (13, 64, 64), (64, 80, 33), (6, 128, 9), (5, 200, 3)];
+        for (&(m, n, k), accumulate) in shapes.iter().flat_map(|s| [(s, true), (s, false)]) {
             for &(a_rs, a_cs) in &[(k, 1), (1, m)] {
                 let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
                 let ldb = n + 3;
                 let b: Vec<f32> = (0..k * ldb).map(|_| lcg(&mut seed)).collect();
                 let c0: Vec<f32> = (0..m * n).map(|_| lcg(&mut seed)).collect();
                 let mut c1 = c0.clone();
-                let mut c2 = c0.clone();
+                // Without accumulation C's old contents (here NaN) must not matter.
+                let mut c2 = if accumulate { c0.clone() } else { vec![f32::NAN; m * n] };
                 unsafe {
-                    gemm_acc_portable(m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, c1.as_mut_ptr(), n);
-                    avx512::gemm_acc(m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, c2.as_mut_ptr(), n);
+                    gemm_portable(accumulate, m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, c1.as_mut_ptr(), n);
+                    avx512::gemm(accumulate, m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, c2.as_mut_ptr(), n);
                 }
                 for (x, y) in c1.iter().zip(&c2) {
                     assert!((x - y).abs() <= 1e-5 * (1.0 + x.abs()), "m={m} n={n} k={k}: {x} vs {y}");

@@ -15,6 +15,7 @@ pub(crate) trait Real:
     + std::ops::Sub<Output = Self>
     + std::ops::Mul<Output = Self>
     + std::ops::Div<Output = Self>
+    + Default
     + 'static
 {
     const ZERO: Self;
@@ -23,12 +24,14 @@ pub(crate) trait Real:
     fn exp2(self) -> Self;
     fn log2(self) -> Self;
 
-    /// `C[m × n] += A[m × k] · B[k × n]`; see [`microkernel`] for the strides.
+    /// `C[m × n] = A[m × k] · B[k × n]`, or `C += A · B` when `accumulate`; see [`microkernel`] for the
+    /// strides.
     ///
     /// # Safety
     /// All pointers valid for the elements the strides address.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn gemm_acc(
+    unsafe fn gemm(
+        accumulate: bool,
         m: usize,
         n: usize,
         k: usize,
@@ -69,7 +72,8 @@ impl Real for f64 {
     fn log2(self) -> Self {
         f64::log2(self)
     }
-    unsafe fn gemm_acc(
+    unsafe fn gemm(
+        accumulate: bool,
         m: usize,
         n: usize,
         k: usize,
@@ -81,7 +85,7 @@ impl Real for f64 {
         c: *mut Self,
         ldc: usize,
     ) {
-        microkernel::gemm_acc_portable(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc)
+        microkernel::gemm_portable(accumulate, m, n, k, a, a_rs, a_cs, b, ldb, c, ldc)
     }
 }
 
@@ -97,7 +101,8 @@ impl Real for f32 {
     fn log2(self) -> Self {
         f32::log2(self)
     }
-    unsafe fn gemm_acc(
+    unsafe fn gemm(
+        accumulate: bool,
         m: usize,
         n: usize,
         k: usize,
@@ -111,9 +116,9 @@ impl Real for f32 {
     ) {
         #[cfg(target_arch = "x86_64")]
         if microkernel::has_avx512() {
-            return microkernel::avx512::gemm_acc(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc);
+            return microkernel::avx512::gemm(accumulate, m, n, k, a, a_rs, a_cs, b, ldb, c, ldc);
         }
-        microkernel::gemm_acc_portable(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc)
+        microkernel::gemm_portable(accumulate, m, n, k, a, a_rs, a_cs, b, ldb, c, ldc)
     }
 
     fn exp2_row(x: &mut [Self], mul: Self, sub: Self) -> Self {
