@@ -1,0 +1,43 @@
+//! The error type of autosp-kernels: shape, dtype and device misuse of a kernel is a typed variant whose
+//! message names the shapes or values and says what to do; errors of autosp-core and candle pass through.
+
+use candle_core::DType;
+
+/// Errors raised by the kernels.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An error from autosp-core, e.g. the shape checks of `AttentionSpec::dims` (mismatched head counts,
+    /// heads not divisible by kv heads, wrong ranks), each naming the shapes.
+    #[error(transparent)]
+    Core(#[from] autosp_core::Error),
+
+    /// An error from candle itself (allocation, dtype conversion, ...).
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+
+    /// The head dimension is outside what the kernel supports.
+    #[error(
+        "{op}: head_dim {head_dim} (q has shape {q_shape:?}) is outside 1..={max}; the CPU flash kernel \
+         supports head dimensions up to {max}: split larger heads or use the naive attention"
+    )]
+    HeadDim { op: &'static str, head_dim: usize, max: usize, q_shape: Vec<usize> },
+
+    /// Two tensors that must share a dtype do not.
+    #[error("{op}: {name} has dtype {got:?} but q has dtype {want:?}; convert them to one dtype first")]
+    DTypeMismatch { op: &'static str, name: &'static str, got: DType, want: DType },
+
+    /// A dtype the kernel does not compute in.
+    #[error("{op}: dtype {dtype:?} is not supported; use f32, f64, bf16 or f16")]
+    UnsupportedDType { op: &'static str, dtype: DType },
+
+    /// A tensor that is not on the CPU.
+    #[error("{op}: {name} is on {device}; the CPU flash kernel needs CPU tensors (move them with `to_device`)")]
+    NotCpu { op: &'static str, name: &'static str, device: String },
+
+    /// A tensor of the backward pass whose shape does not follow from q.
+    #[error("{op}: {name} has shape {got:?} but must have shape {want:?} (from q {q_shape:?})")]
+    Shape { op: &'static str, name: &'static str, got: Vec<usize>, want: Vec<usize>, q_shape: Vec<usize> },
+}
+
+/// The result type of autosp-kernels.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,272 @@
+//! Flash attention on the CPU, forward and backward, as plain functions on candle tensors (no tape), so any
+//! candle program can call them.
+//!
+//! Layout (autosp's, see `autosp_core::ops::attention`): `q: [batch, q_len, heads, head_dim]`,
+//! `k, v: [batch, k_len, kv_heads, head_dim]`, `o` like `q`, `lse: [batch, heads, q_len]` (natural log, f32;
+//! f64 for f64 inputs). Query head `h` reads kv head `h / (heads / kv_heads)` (GQA/MQA) straight from `k, v`:
+//! repeated K/V are never materialised. Masks, scale and position offsets come from [`AttentionSpec`]; a row
+//! that sees no key gets `lse = -inf` and `o = 0`.
+//!
+//! How it works:
+//! - Tiles of 64 query rows × 64 keys; the online softmax of ALGORITHMS.md in the log2 domain; no buffer
+//!   larger than a tile per task plus the transposed copy of each kv head's K (and V for backward): never
+//!   N × N. Under a causal mask the key tiles after a query tile are never visited; only tiles that cross the
+//!   diagonal or pass the last key are masked.
+//! - q, k, v are read in place in their `[b, n, h, d]` layout (rows of a head are strided by `heads · d`);
+//!   non-contiguous tensors are made contiguous first. Accumulation is in f32 (f64 for f64 inputs); bf16/f16
+//!   inputs are converted to f32 once and the outputs converted back (lse stays f32).
+//! - Threads: rayon over (batch, head, query tile) forward and (batch, head, chunk of key tiles) backward.
+//!   Backward is FlashAttention-2's from the saved `o` and `lse`; each task owns its outputs and the partial
+//!   sums (dQ over key chunks, dK/dV over a GQA group) are added in a fixed order, so two runs give the same
+//!   bits whatever the scheduling.
+//! - The tile products run through one register-blocked micro-kernel (`microkernel.rs`): AVX-512 with
+//!   a 6 × 64 block in registers when the CPU has it (detected at run time), a portable loop otherwise and for
+//!   f64. Every head_dim that is a multiple of 16 (64 and 128 in particular) runs in whole vectors; others
+//!   use masked tail vectors. The exponential is a vectorised `exp2` (degree-7 polynomial + `vscalefps`, about
+//!   1 ulp).
+//!
+//! Measured numbers and the command that produced them: docs/BENCHMARKS.md, "Flash attention (CPU)".
+
+mod backward;
+mod forward;
+mod geometry;
+mod microkernel;
+mod real;
+
+use autosp_core::ops::attention::{AttentionDims, AttentionSpec};
+use candle_core::{DType, Device, Storage, StorageRef, Tensor, WithDType};
+
+use crate::{Error, Result};
+use backward::BackwardInputs;
+use geometry::Geometry;
+use real::Real;
+
+/// The largest head dimension the kernels take.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Flash attention forward. `q: [batch, q_len, heads, head_dim]`, `k, v: [batch, k_len, kv_heads, head_dim]`
+/// (one dtype: f32, f64, bf16 or f16; on the CPU). Returns `(o: [batch, q_len, heads, head_dim]` in q's
+/// dtype, `lse: [batch, heads, q_len]` in f32 (f64 for f64 inputs)`)`.
+pub fn flash_attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(Tensor, Tensor)> {
+    forward_with_fill(q, k, v, spec, false)
+}
+
+/// Flash attention backward from the forward's saved `o` and `lse`. `d_o: [batch, q_len, heads, head_dim]` is
+/// the gradient of `o`; `d_lse: [batch, heads, q_len]`, when given, the gradient of `lse` (it adds
+/// `P ∘ d_lse` to dS; Ring attention's merge needs it). Returns `(dq, dk, dv)` shaped and typed like
+/// `q, k, v`; the dk/dv of a kv head sum its query-head group.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    d_lse: Option<&Tensor>,
+    spec: &AttentionSpec,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, false)
+}
+
+/// Test hooks: the same kernels with every output and internal buffer pre-filled with NaN, so a test can
+/// check that every element is written before it is read or returned. Not part of the stable API.
+#[doc(hidden)]
+pub mod poisoned {
+    use super::*;
+
+    /// [`flash_attention_forward`] with NaN-filled buffers.
+    pub fn flash_attention_forward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        spec: &AttentionSpec,
+    ) -> Result<(Tensor, Tensor)> {
+        forward_with_fill(q, k, v, spec, true)
+    }
+
+    /// [`flash_attention_backward`] with NaN-filled buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention_backward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        lse: &Tensor,
+        d_o: &Tensor,
+        d_lse: Option<&Tensor>,
+        spec: &AttentionSpec,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, true)
+    }
+}
+
+const FWD: &str = "flash_attention_forward";
+const BWD: &str = "flash_attention_backward";
+
+/// Shape, head_dim, dtype and device checks shared by forward and backward.
+fn check(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<AttentionDims> {
+    let dims = spec.dims(op, q, k, v)?;
+    if dims.head_dim == 0 || dims.head_dim > MAX_HEAD_DIM {
+        return Err(Error::HeadDim { op, head_dim: dims.head_dim, max: MAX_HEAD_DIM, q_shape: q.dims().to_vec() });
+    }
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        same_dtype_cpu(op, name, t, q.dtype())?;
+    }
+    Ok(dims)
+}
+
+fn same_dtype_cpu(op: &'static str, name: &'static str, t: &Tensor, want: DType) -> Result<()> {
+    if !t.device().is_cpu() {
+        return Err(Error::NotCpu { op, name, device: format!("{:?}", t.device().location()) });
+    }
+    if t.dtype() != want {
+        return Err(Error::DTypeMismatch { op, name, got: t.dtype(), want });
+    }
+    Ok(())
+}
+
+fn check_shape(op: &'static str, name: &'static str, t: &Tensor, want: &[usize], q: &Tensor) -> Result<()> {
+    if t.dims() != want {
+        return Err(Error::Shape { op, name, got: t.dims().to_vec(), want: want.to_vec(), q_shape: q.dims().to_vec() });
+    }
+    Ok(())
+}
+
+/// The compute dtype (f64 or f32) of an input dtype, or an error for a dtype the kernel does not take.
+fn compute_dtype(op: &'static str, dtype: DType) -> Result<DType> {
+    match dtype {
+        DType::F64 => Ok(DType::F64),
+        DType::F32 | DType::BF16 | DType::F16 => Ok(DType::F32),
+        dtype => Err(Error::UnsupportedDType { op, dtype }),
+    }
+}
+
+/// `t` in `dtype`, contiguous (no copy when it already is both).
+fn prepared(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    Ok(t.to_dtype(dtype)?.contiguous()?)
+}
+
+/// A contiguous CPU tensor's storage, read-locked for as long as the kernel reads it.
+struct Host<'a> {
+    guard: StorageRef<'a>,
+    start: usize,
+    end: usize,
+}
+
+impl<'a> Host<'a> {
+    fn new(op: &'static str, name: &'static str, t: &'a Tensor) -> Result<Self> {
+        let (guard, layout) = t.storage_and_layout();
+        if !matches!(&*guard, Storage::Cpu(_)) {
+            return Err(Error::NotCpu { op, name, device: format!("{:?}", t.device().location()) });
+        }
+        let (start, end) = layout.contiguous_offsets().expect("prepared() makes tensors contiguous");
+        Ok(Self { guard, start, end })
+    }
+
+    fn slice<T: WithDType>(&self) -> Result<&[T]> {
+        match &*self.guard {
+            Storage::Cpu(cpu) => Ok(&cpu.as_slice::<T>()?[self.start..self.end]),
+            _ => unreachable!("Host::new checked the device"),
+        }
+    }
+}
+
+fn forward_with_fill(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttentionSpec,
+    poison: bool,
+) -> Result<(Tensor, Tensor)> {
+    let dims = check(FWD, q, k, v, spec)?;
+    let g = Geometry::new(&dims, spec);
+    let cd = compute_dtype(FWD, q.dtype())?;
+    let (q2, k2, v2) = (prepared(q, cd)?, prepared(k, cd)?, prepared(v, cd)?);
+    let (o, lse) = match cd {
+        DType::F64 => forward_typed::<f64>(&g, &q2, &k2, &v2, if poison { f64::NAN } else { 0.0 })?,
+        _ => forward_typed::<f32>(&g, &q2, &k2, &v2, if poison { f32::NAN } else { 0.0 })?,
+    };
+    Ok((o.to_dtype(q.dtype())?, lse))
+}
+
+fn forward_typed<T: Real + WithDType>(
+    g: &Geometry,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    fill: T,
+) -> Result<(Tensor, Tensor)> {
+    let mut o = vec![fill; q.elem_count()];
+    let mut lse = vec![fill; g.b * g.h * g.nq];
+    let (hq, hk, hv) = (Host::new(FWD, "q", q)?, Host::new(FWD, "k", k)?, Host::new(FWD, "v", v)?);
+    forward::forward(g, hq.slice()?, hk.slice()?, hv.slice()?, &mut o, &mut lse);
+    Ok((Tensor::from_vec(o, q.shape(), &Device::Cpu)?, Tensor::from_vec(lse, (g.b, g.h, g.nq), &Device::Cpu)?))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_with_fill(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    d_lse: Option<&Tensor>,
+    spec: &AttentionSpec,
+    poison: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dims = check(BWD, q, k, v, spec)?;
+    let g = Geometry::new(&dims, spec);
+    check_shape(BWD, "o", o, q.dims(), q)?;
+    check_shape(BWD, "d_o", d_o, q.dims(), q)?;
+    check_shape(BWD, "lse", lse, &[g.b, g.h, g.nq], q)?;
+    same_dtype_cpu(BWD, "o", o, q.dtype())?;
+    same_dtype_cpu(BWD, "d_o", d_o, q.dtype())?;
+    let cd = compute_dtype(BWD, q.dtype())?;
+    // lse and d_lse may come in f32 or f64 whatever q's dtype: they are converted to the compute dtype.
+    for (name, t) in [("lse", Some(lse)), ("d_lse", d_lse)] {
+        if let Some(t) = t {
+            check_shape(BWD, name, t, &[g.b, g.h, g.nq], q)?;
+            if !t.device().is_cpu() {
+                return Err(Error::NotCpu { op: BWD, name, device: format!("{:?}", t.device().location()) });
+            }
+            compute_dtype(BWD, t.dtype())?;
+        }
+    }
+    let p = |t: &Tensor| prepared(t, cd);
+    let (q2, k2, v2, o2, lse2, do2) = (p(q)?, p(k)?, p(v)?, p(o)?, p(lse)?, p(d_o)?);
+    let dl2 = d_lse.map(p).transpose()?;
+    let tensors = [&q2, &k2, &v2, &o2, &lse2, &do2];
+    let (dq, dk, dv) = match cd {
+        DType::F64 => backward_typed::<f64>(&g, tensors, dl2.as_ref(), if poison { f64::NAN } else { 0.0 })?,
+        _ => backward_typed::<f32>(&g, tensors, dl2.as_ref(), if poison { f32::NAN } else { 0.0 })?,
+    };
+    Ok((dq.to_dtype(q.dtype())?, dk.to_dtype(k.dtype())?, dv.to_dtype(v.dtype())?))
+}
+
+fn backward_typed<T: Real + WithDType>(
+    g: &Geometry,
+    [q, k, v, o, lse, d_o]: [&Tensor; 6],
+    d_lse: Option<&Tensor>,
+    fill: T,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let mut dq = vec![fill; q.elem_count()];
+    let mut dk = vec![fill; k.elem_count()];
+    let mut dv = vec![fill; v.elem_count()];
+    let h = |name, t| Host::new(BWD, name, t);
+    let (hq, hk, hv, ho, hl, hdo) = (h("q", q)?, h("k", k)?, h("v", v)?, h("o", o)?, h("lse", lse)?, h("d_o", d_o)?);
+    let hdl = d_lse.map(|t| h("d_lse", t)).transpose()?;
+    let x = BackwardInputs {
+        q: hq.slice()?,
+        k: hk.slice()?,
+        v: hv.slice()?,
+        o: ho.slice()?,
+        lse: hl.slice()?,
+        d_o: hdo.slice()?,
+        d_lse: hdl.as_ref().map(|h| h.slice()).transpose()?,
+    };
+    backward::backward(g, &x, &mut dq, &mut dk, &mut dv, fill);
+    let dev = &Device::Cpu;
+    Ok((Tensor::from_vec(dq, q.shape(), dev)?, Tensor::from_vec(dk, k.shape(), dev)?, Tensor::from_vec(dv, v.shape(), dev)?))
+}
