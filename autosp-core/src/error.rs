@@ -48,6 +48,14 @@ pub enum Error {
     #[error("optimiser: {msg}")]
     Optimizer { msg: String },
 
+    /// A collective failed (timeout, a rank that left, mismatched arguments).
+    #[error(transparent)]
+    Comm(#[from] crate::comm::CommError),
+
+    /// An error from an op implemented outside autosp-core (a kernel), passed through.
+    #[error(transparent)]
+    External(Box<dyn std::error::Error + Send + Sync>),
+
     /// A broken invariant inside the tape: a bug in autosp, please report it.
     #[error("internal error in the autosp tape (please report): {0}")]
     Internal(String),

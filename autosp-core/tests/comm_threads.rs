@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use autosp_core::comm::{
-    contiguous_groups, run_ranks, strided_groups, Collective, CommError, Departure, ProcessGroup,
-    ReduceOp,
+    contiguous_groups, run_ranks, strided_groups, Collective, CommError, Departure, ProcessGroup, ReduceOp,
 };
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
@@ -23,11 +22,7 @@ const SHORT: Duration = Duration::from_secs(1);
 const MARGIN: Duration = Duration::from_millis(700);
 
 /// Runs `f` on `p` ranks and unwraps every rank's result, naming the failed rank.
-fn run<R: Send>(
-    p: usize,
-    timeout: Duration,
-    f: impl Fn(Arc<dyn ProcessGroup>) -> Result<R> + Sync,
-) -> Vec<R> {
+fn run<R: Send>(p: usize, timeout: Duration, f: impl Fn(Arc<dyn ProcessGroup>) -> Result<R> + Sync) -> Vec<R> {
     run_ranks(p, timeout, f)
         .into_iter()
         .enumerate()
@@ -69,12 +64,7 @@ fn input(rank: usize, dims: &[usize], dtype: DType, transposed: bool) -> candle_
 
 /// Logical values of a tensor as f64 (exact for every dtype used here).
 fn as_f64(t: &Tensor) -> Vec<f64> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap()
+    t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()
 }
 
 /// The reduction the group must produce, computed element by element in rank order in the dtype's own
@@ -87,9 +77,9 @@ fn expected_reduce(inputs: &[Vec<f64>], dtype: DType, op: ReduceOp) -> Vec<f64> 
                 return column.fold(f64::NEG_INFINITY, f64::max);
             }
             match dtype {
-                DType::F64 | DType::U32 | DType::I64 => column.fold(None, |acc: Option<f64>, x| {
-                    Some(acc.map_or(x, |a| a + x))
-                }),
+                DType::F64 | DType::U32 | DType::I64 => {
+                    column.fold(None, |acc: Option<f64>, x| Some(acc.map_or(x, |a| a + x)))
+                }
                 DType::F32 | DType::BF16 | DType::F16 => column
                     .map(|x| x as f32)
                     .fold(None, |acc: Option<f32>, x| Some(acc.map_or(x, |a| a + x)))
@@ -124,9 +114,8 @@ fn all_reduce_is_the_rank_order_reduction_on_every_rank() {
     for p in 1..=4 {
         for &(dtype, dims, transposed) in cases {
             for op in [ReduceOp::Sum, ReduceOp::Max] {
-                let inputs: Vec<Vec<f64>> = (0..p)
-                    .map(|r| as_f64(&input(r, dims, dtype, transposed).unwrap()))
-                    .collect();
+                let inputs: Vec<Vec<f64>> =
+                    (0..p).map(|r| as_f64(&input(r, dims, dtype, transposed).unwrap())).collect();
                 let want = expected_reduce(&inputs, dtype, op);
                 let outs = run(p, GUARD, |pg| {
                     let x = input(pg.rank(), dims, dtype, transposed)?;
@@ -170,9 +159,7 @@ fn all_gather_concatenates_uneven_shards_in_rank_order() {
             let y = pg.all_gather(&shard(pg.rank())?, 1)?;
             assert_eq!(y.dims(), &[2, width, 3]);
             // bf16 along dim 0, from a non-contiguous input.
-            let z = Tensor::full(pg.rank() as f32 + 0.5, (2, 3), &Device::Cpu)?
-                .t()?
-                .to_dtype(DType::BF16)?;
+            let z = Tensor::full(pg.rank() as f32 + 0.5, (2, 3), &Device::Cpu)?.t()?.to_dtype(DType::BF16)?;
             let g = pg.all_gather(&z, 0)?;
             assert_eq!(g.dims(), &[3 * pg.size(), 2]);
             Ok((as_f64(&y), as_f64(&g)))
@@ -189,15 +176,11 @@ fn all_gather_concatenates_uneven_shards_in_rank_order() {
 fn reduce_scatter_gives_each_rank_its_reduced_chunk() {
     for p in 1..=4 {
         let dims = [3 * p, 4];
-        let inputs: Vec<Vec<f64>> = (0..p)
-            .map(|r| as_f64(&input(r, &dims, DType::F32, false).unwrap()))
-            .collect();
+        let inputs: Vec<Vec<f64>> = (0..p).map(|r| as_f64(&input(r, &dims, DType::F32, false).unwrap())).collect();
         let full = expected_reduce(&inputs, DType::F32, ReduceOp::Sum);
         // Along dim 1 of a non-contiguous [2, 2p] tensor, with max.
         let dims1 = [2, 2 * p];
-        let inputs1: Vec<Vec<f64>> = (0..p)
-            .map(|r| as_f64(&input(r, &dims1, DType::F32, true).unwrap()))
-            .collect();
+        let inputs1: Vec<Vec<f64>> = (0..p).map(|r| as_f64(&input(r, &dims1, DType::F32, true).unwrap())).collect();
         let full1 = expected_reduce(&inputs1, DType::F32, ReduceOp::Max);
         let outs = run(p, GUARD, |pg| {
             let x = input(pg.rank(), &dims, DType::F32, false)?;
@@ -210,10 +193,8 @@ fn reduce_scatter_gives_each_rank_its_reduced_chunk() {
         });
         for (r, (y, y1)) in outs.iter().enumerate() {
             assert!(same_bits(y, &full[r * 12..(r + 1) * 12]), "P={p} rank {r}");
-            let want1: Vec<f64> = (0..2)
-                .flat_map(|i| (0..2).map(move |j| (i, j)))
-                .map(|(i, j)| full1[i * 2 * p + 2 * r + j])
-                .collect();
+            let want1: Vec<f64> =
+                (0..2).flat_map(|i| (0..2).map(move |j| (i, j))).map(|(i, j)| full1[i * 2 * p + 2 * r + j]).collect();
             assert_eq!(y1, &want1, "P={p} rank {r}");
         }
     }
@@ -223,9 +204,7 @@ fn reduce_scatter_gives_each_rank_its_reduced_chunk() {
 fn all_to_all_routes_uneven_tensors_between_every_pair() {
     // Rank i sends rank j a [i + 1, j + 2] tensor of value 100 i + j + k / 100 at flat index k.
     let piece = |i: usize, j: usize| -> candle_core::Result<Tensor> {
-        let v: Vec<f64> = (0..(i + 1) * (j + 2))
-            .map(|k| (100 * i + j) as f64 + k as f64 / 100.0)
-            .collect();
+        let v: Vec<f64> = (0..(i + 1) * (j + 2)).map(|k| (100 * i + j) as f64 + k as f64 / 100.0).collect();
         Tensor::from_vec(v, (i + 1, j + 2), &Device::Cpu)
     };
     for p in 1..=4 {
@@ -239,9 +218,7 @@ fn all_to_all_routes_uneven_tensors_between_every_pair() {
             assert_eq!(outputs.len(), p);
             for (j, (dims, vals)) in outputs.iter().enumerate() {
                 assert_eq!(dims, &[j + 1, r + 2], "P={p}: rank {r}, from rank {j}");
-                let want: Vec<f64> = (0..(j + 1) * (r + 2))
-                    .map(|k| (100 * j + r) as f64 + k as f64 / 100.0)
-                    .collect();
+                let want: Vec<f64> = (0..(j + 1) * (r + 2)).map(|k| (100 * j + r) as f64 + k as f64 / 100.0).collect();
                 assert_eq!(vals, &want, "P={p}: rank {r}, from rank {j}");
             }
         }
@@ -281,9 +258,7 @@ fn send_and_recv_keep_the_order_of_messages() {
             }
             Ok(vec![])
         } else {
-            (0..3)
-                .map(|_| Ok(pg.recv(0)?.to_vec1::<u32>()?[0]))
-                .collect::<Result<Vec<_>>>()
+            (0..3).map(|_| Ok(pg.recv(0)?.to_vec1::<u32>()?[0])).collect::<Result<Vec<_>>>()
         }
     });
     assert_eq!(outs[1], vec![10, 11, 12]);
@@ -365,9 +340,8 @@ fn stats_count_calls_and_bytes_exactly() {
         pg.all_reduce(&Tensor::zeros(10, DType::F32, dev)?, ReduceOp::Max)?; // chunks 3,3,2,2
         pg.all_gather(&Tensor::zeros((3, 2), DType::BF16, dev)?, 0)?; // 12 bytes
         pg.reduce_scatter(&x, 0, ReduceOp::Sum)?;
-        let pieces = (0..4)
-            .map(|j| Tensor::zeros((r + 1, j + 2), DType::F64, dev))
-            .collect::<candle_core::Result<_>>()?;
+        let pieces =
+            (0..4).map(|j| Tensor::zeros((r + 1, j + 2), DType::F64, dev)).collect::<candle_core::Result<_>>()?;
         pg.all_to_all(pieces)?;
         pg.send_recv(&Tensor::zeros(5, DType::I64, dev)?, (r + 1) % 4, (r + 3) % 4)?;
         if r == 0 {
@@ -427,12 +401,7 @@ fn stats_count_calls_and_bytes_exactly() {
 #[test]
 fn concurrent_candle_work_on_every_rank_does_not_deadlock() {
     // Each rank runs rayon-parallel candle kernels (matmul, softmax-like reductions) between collectives.
-    let a = Tensor::arange(0f32, 96. * 96., &Device::Cpu)
-        .unwrap()
-        .reshape((96, 96))
-        .unwrap()
-        .affine(1e-4, 0.)
-        .unwrap();
+    let a = Tensor::arange(0f32, 96. * 96., &Device::Cpu).unwrap().reshape((96, 96)).unwrap().affine(1e-4, 0.).unwrap();
     let single: Vec<f32> = {
         let mut total = Tensor::zeros((96, 96), DType::F32, &Device::Cpu).unwrap();
         for r in 0..4 {
@@ -465,18 +434,13 @@ fn run_failure(
 ) -> Vec<Result<(Result<(), CommError>, Duration), CommError>> {
     run_ranks(p, SHORT, |pg| {
         let start = Instant::now();
-        let r = if pg.rank() == odd {
-            odd_one(&pg)
-        } else {
-            others(&pg)
-        };
+        let r = if pg.rank() == odd { odd_one(&pg) } else { others(&pg) };
         (r, start.elapsed())
     })
 }
 
 fn all_reduce_once(pg: &Arc<dyn ProcessGroup>) -> Result<(), CommError> {
-    pg.all_reduce(&Tensor::ones(4, DType::F32, &Device::Cpu).unwrap(), ReduceOp::Sum)
-        .map(|_| ())
+    pg.all_reduce(&Tensor::ones(4, DType::F32, &Device::Cpu).unwrap(), ReduceOp::Sum).map(|_| ())
 }
 
 #[test]
@@ -530,13 +494,9 @@ fn a_rank_that_arrives_too_late_gives_a_timeout_then_the_group_is_poisoned() {
         2,
         |pg| {
             std::thread::sleep(SHORT * 2);
-            pg.all_gather(&Tensor::ones(2, DType::F32, &Device::Cpu).unwrap(), 0)
-                .map(|_| ())
+            pg.all_gather(&Tensor::ones(2, DType::F32, &Device::Cpu).unwrap(), 0).map(|_| ())
         },
-        |pg| {
-            pg.all_gather(&Tensor::ones(2, DType::F32, &Device::Cpu).unwrap(), 0)
-                .map(|_| ())
-        },
+        |pg| pg.all_gather(&Tensor::ones(2, DType::F32, &Device::Cpu).unwrap(), 0).map(|_| ()),
     );
     for r in [0, 1] {
         let (res, took) = outs[r].as_ref().unwrap();
@@ -553,10 +513,7 @@ fn a_rank_that_arrives_too_late_gives_a_timeout_then_the_group_is_poisoned() {
         assert!(*took < SHORT + MARGIN, "rank {r} gave up after {took:?}");
     }
     let (late, _) = outs[2].as_ref().unwrap();
-    assert!(
-        matches!(late, Err(CommError::Poisoned { collective: Collective::AllGather, .. })),
-        "late rank: {late:?}"
-    );
+    assert!(matches!(late, Err(CommError::Poisoned { collective: Collective::AllGather, .. })), "late rank: {late:?}");
 }
 
 #[test]
@@ -622,11 +579,7 @@ fn bad_arguments_on_one_rank_fail_every_rank_promptly() {
     }
     // Ranks that disagree on the subgroups all fail too.
     let outs = run_ranks(2, GUARD, |pg| {
-        let groups = if pg.rank() == 0 {
-            vec![vec![0], vec![1]]
-        } else {
-            vec![vec![1, 0]]
-        };
+        let groups = if pg.rank() == 0 { vec![vec![0], vec![1]] } else { vec![vec![1, 0]] };
         pg.split(&groups).map(|_| ())
     });
     for (r, out) in outs.iter().enumerate() {

@@ -41,3 +41,13 @@ pub enum Error {
 
 /// The result type of autosp-kernels.
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<Error> for autosp_core::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Core(e) => e,
+            Error::Candle(e) => autosp_core::Error::Candle(e),
+            other => autosp_core::Error::External(Box::new(other)),
+        }
+    }
+}

@@ -28,14 +28,14 @@ fn spec(causal: bool, q_offset: usize, k_offset: usize) -> AttentionSpec {
 fn cases() -> Vec<Case> {
     let c = |b, nq, nk, h, hkv, d, spec| Case { b, nq, nk, h, hkv, d, spec };
     vec![
-        c(1, 150, 150, 4, 4, 64, spec(true, 0, 0)),          // MHA causal, head_dim 64
-        c(2, 70, 130, 4, 2, 80, spec(false, 0, 0)),          // GQA, full, head_dim 80, q_len != k_len
-        c(1, 131, 131, 4, 1, 128, spec(true, 0, 0)),         // MQA causal, head_dim 128
-        c(1, 100, 90, 2, 2, 64, spec(true, 40, 60)),         // offsets: query rows 0..20 see no key
-        c(1, 65, 200, 3, 3, 24, spec(true, 150, 0)),         // later query shard against earlier keys
-        c(2, 33, 47, 6, 2, 72, spec(false, 0, 0)),           // head_dim not a multiple of 16
-        c(1, 1, 1, 1, 1, 16, spec(true, 0, 0)),              // one token
-        c(1, 80, 80, 2, 1, 256, spec(true, 0, 0)),           // the largest head_dim
+        c(1, 150, 150, 4, 4, 64, spec(true, 0, 0)),  // MHA causal, head_dim 64
+        c(2, 70, 130, 4, 2, 80, spec(false, 0, 0)),  // GQA, full, head_dim 80, q_len != k_len
+        c(1, 131, 131, 4, 1, 128, spec(true, 0, 0)), // MQA causal, head_dim 128
+        c(1, 100, 90, 2, 2, 64, spec(true, 40, 60)), // offsets: query rows 0..20 see no key
+        c(1, 65, 200, 3, 3, 24, spec(true, 150, 0)), // later query shard against earlier keys
+        c(2, 33, 47, 6, 2, 72, spec(false, 0, 0)),   // head_dim not a multiple of 16
+        c(1, 1, 1, 1, 1, 16, spec(true, 0, 0)),      // one token
+        c(1, 80, 80, 2, 1, 256, spec(true, 0, 0)),   // the largest head_dim
         c(1, 64, 128, 2, 2, 64, AttentionSpec { scale: Some(0.3), ..spec(true, 64, 0) }), // own scale
     ]
 }
@@ -163,8 +163,8 @@ fn rows_that_see_no_key() {
     let (o, lse) = poisoned::flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
     assert!(values(&lse).iter().all(|&l| l == f64::NEG_INFINITY));
     assert!(values(&o).iter().all(|&v| v == 0.0));
-    let (dq, dk, dv) = poisoned::flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &c.spec)
-        .unwrap();
+    let (dq, dk, dv) =
+        poisoned::flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &c.spec).unwrap();
     for t in [&dq, &dk, &dv] {
         assert!(values(t).iter().all(|&v| v == 0.0));
     }

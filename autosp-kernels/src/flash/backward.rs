@@ -49,16 +49,14 @@ pub(crate) fn backward<T: Real>(
     let mut vt = vec![fill; g.b * g.hkv * kt_len];
     let mut kc = vec![fill; g.b * g.hkv * k_len];
     if kt_len > 0 {
-        kt.par_chunks_mut(kt_len)
-            .zip(vt.par_chunks_mut(kt_len))
-            .zip(kc.par_chunks_mut(k_len))
-            .enumerate()
-            .for_each(|(idx, ((kd, vd), kcd))| {
+        kt.par_chunks_mut(kt_len).zip(vt.par_chunks_mut(kt_len)).zip(kc.par_chunks_mut(k_len)).enumerate().for_each(
+            |(idx, ((kd, vd), kcd))| {
                 let (bi, kh) = (idx / g.hkv, idx % g.hkv);
                 g.pack_transposed(x.k, bi, kh, kd);
                 g.pack_transposed(x.v, bi, kh, vd);
                 pack_rows(x.k, g.k_base(bi, kh), g.k_rs, d, kcd);
-            });
+            },
+        );
     }
     let mut qc = vec![fill; g.b * g.h * q_len];
     let mut doc = vec![fill; g.b * g.h * q_len];

@@ -268,5 +268,9 @@ fn backward_typed<T: Real + WithDType>(
     };
     backward::backward(g, &x, &mut dq, &mut dk, &mut dv, fill);
     let dev = &Device::Cpu;
-    Ok((Tensor::from_vec(dq, q.shape(), dev)?, Tensor::from_vec(dk, k.shape(), dev)?, Tensor::from_vec(dv, v.shape(), dev)?))
+    Ok((
+        Tensor::from_vec(dq, q.shape(), dev)?,
+        Tensor::from_vec(dk, k.shape(), dev)?,
+        Tensor::from_vec(dv, v.shape(), dev)?,
+    ))
 }
