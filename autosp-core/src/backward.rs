@@ -289,10 +289,11 @@ impl Inner {
                 continue;
             }
             let op = self.nodes[n].op.clone();
-            if !self.policy.may_replay(op.kind()) {
+            let policy = self.regions[r].policy;
+            if !policy.may_replay(op.kind()) {
                 return Err(Error::Internal(format!(
                     "policy {:?} must never replay `{}` ({:?}), but its output was not kept",
-                    self.policy,
+                    policy,
                     op.name(),
                     op.kind()
                 )));

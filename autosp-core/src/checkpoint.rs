@@ -37,6 +37,7 @@ impl CheckpointPolicy {
 #[derive(Clone, Debug)]
 pub(crate) struct Region {
     pub(crate) name: String,
+    pub(crate) policy: CheckpointPolicy,
     pub(crate) start: usize,
     pub(crate) end: usize,
     pub(crate) closed: bool,

@@ -37,7 +37,7 @@ pub use alloc::TrackingAllocator;
 pub use checkpoint::CheckpointPolicy;
 pub use error::{Error, Result, ShapeMismatch};
 pub use memory::MemoryStats;
-pub use module::{Attention, AttentionSlot, Module, RegionSlot};
+pub use module::{Attention, AttentionSlot, CausalLm, LmDims, Module, RegionSlot};
 pub use node::NodeKind;
 pub use op::{Op, SavedTensors, Saves};
 pub use param::{Gradients, Param, ParamId};

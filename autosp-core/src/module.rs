@@ -8,7 +8,9 @@
 use std::sync::Arc;
 
 use crate::ops::attention::{naive_attention, AttentionSpec};
-use crate::{Param, Result, Tape, Value};
+use candle_core::Tensor;
+
+use crate::{CheckpointPolicy, Param, Result, Tape, Value};
 
 /// An attention implementation. `q: [b, nq, h, d]`, `k, v: [b, nk, h_kv, d]` -> `(o: [b, nq, h, d],
 /// lse: [b, h, nq])`. Sequence-parallel implementations receive the local shard and return the local shard.
@@ -69,10 +71,12 @@ impl AttentionSlot {
     }
 }
 
-/// Whether a repeated block runs inside a checkpoint region; the compile step switches it on.
+/// Whether a repeated block runs inside a checkpoint region, and under which policy (`None`: the tape's);
+/// the compile step switches it on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RegionSlot {
     enabled: bool,
+    policy: Option<CheckpointPolicy>,
 }
 
 impl RegionSlot {
@@ -86,14 +90,50 @@ impl RegionSlot {
         self.enabled
     }
 
+    /// Gives this region its own policy (`None`: the tape's).
+    pub fn set_policy(&mut self, policy: Option<CheckpointPolicy>) {
+        self.policy = policy;
+    }
+
+    /// This region's own policy, if it has one.
+    pub fn policy(&self) -> Option<CheckpointPolicy> {
+        self.policy
+    }
+
     /// Runs `f`, inside a checkpoint region named `name` when enabled.
     pub fn run<T>(&self, tape: &Tape, name: &str, f: impl FnOnce(&Tape) -> Result<T>) -> Result<T> {
-        if self.enabled {
-            tape.checkpoint(name, f)
-        } else {
-            f(tape)
+        match (self.enabled, self.policy) {
+            (false, _) => f(tape),
+            (true, None) => tape.checkpoint(name, f),
+            (true, Some(p)) => tape.checkpoint_with(name, p, f),
         }
     }
+}
+
+/// The dimensions of a causal language model, for planning memory, FLOPs and communication.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LmDims {
+    pub layers: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+}
+
+/// A causal language model the compile step can train and run: a module tree plus its loss and logits over a
+/// (shard of a) token sequence with an explicit position per token.
+pub trait CausalLm: Module {
+    /// `(sum of token losses: [], valid count)` for `ids: [b, n]` (u32), `positions: [n]` and
+    /// `targets: [b * n]` (i64, -100 ignored).
+    fn loss(&self, tape: &Tape, ids: &Tensor, positions: &[usize], targets: &Tensor) -> Result<(Value, usize)>;
+
+    /// Logits `[b, n, vocab]` for `ids: [b, n]` at `positions: [n]`.
+    fn logits(&self, tape: &Tape, ids: &Tensor, positions: &[usize]) -> Result<Value>;
+
+    /// The model's dimensions.
+    fn dims(&self) -> LmDims;
 }
 
 /// A node of the module tree.
@@ -156,8 +196,10 @@ pub fn describe_tree(m: &mut dyn Module) -> String {
             line.push_str(&format!(" [attention: {}]", slot.get().describe()));
         }
         if let Some(r) = m.region_slot() {
-            if r.enabled() {
-                line.push_str(" [checkpoint region]");
+            match (r.enabled(), r.policy()) {
+                (true, Some(p)) => line.push_str(&format!(" [checkpoint region: {p:?}]")),
+                (true, None) => line.push_str(" [checkpoint region]"),
+                _ => {}
             }
         }
         out.push_str(&line);

@@ -226,8 +226,14 @@ impl Tape {
         Ok(values)
     }
 
-    /// Opens a checkpoint region (a transformer block). Regions do not nest.
+    /// Opens a checkpoint region (a transformer block) under the tape's policy. Regions do not nest.
     pub fn begin_region(&self, name: &str) -> Result<()> {
+        let policy = self.policy();
+        self.begin_region_with(name, policy)
+    }
+
+    /// Opens a checkpoint region with its own policy (the budget planner mixes policies across layers).
+    pub fn begin_region_with(&self, name: &str, policy: CheckpointPolicy) -> Result<()> {
         let mut inner = self.inner.borrow_mut();
         if let Some(open) = inner.open {
             return Err(Error::UnbalancedRegion {
@@ -238,7 +244,7 @@ impl Tape {
             });
         }
         let start = inner.nodes.len();
-        inner.regions.push(Region { name: name.to_string(), start, end: start, closed: false });
+        inner.regions.push(Region { name: name.to_string(), policy, start, end: start, closed: false });
         inner.region_inputs.push(Vec::new());
         inner.open = Some(inner.regions.len() - 1);
         Ok(())
@@ -255,7 +261,7 @@ impl Tape {
         let end = inner.nodes.len();
         inner.regions[r].end = end;
         inner.regions[r].closed = true;
-        let policy = inner.policy;
+        let policy = inner.regions[r].policy;
         for n in inner.regions[r].start..end {
             let kind = inner.nodes[n].op.kind();
             if policy.keeps(kind) {
@@ -274,7 +280,17 @@ impl Tape {
 
     /// Runs `f` inside a checkpoint region named `name`; the region closes even when `f` fails.
     pub fn checkpoint<T>(&self, name: &str, f: impl FnOnce(&Tape) -> Result<T>) -> Result<T> {
-        self.begin_region(name)?;
+        self.checkpoint_with(name, self.policy(), f)
+    }
+
+    /// [`checkpoint`](Self::checkpoint) with a policy of its own for this region.
+    pub fn checkpoint_with<T>(
+        &self,
+        name: &str,
+        policy: CheckpointPolicy,
+        f: impl FnOnce(&Tape) -> Result<T>,
+    ) -> Result<T> {
+        self.begin_region_with(name, policy)?;
         let out = f(self);
         let closed = self.end_region();
         let out = out?;

@@ -109,6 +109,11 @@ impl Model {
     }
 
     fn step(&self, policy: CheckpointPolicy) -> Step {
+        self.step_mixed(policy, &[])
+    }
+
+    /// A step where block i may run under its own policy `per_block[i]`.
+    fn step_mixed(&self, policy: CheckpointPolicy, per_block: &[CheckpointPolicy]) -> Step {
         let t = Tape::new(policy);
         let ids: Vec<u32> = (0..N as u32).map(|i| (i * 7 + 3) % VOCAB as u32).collect();
         let mut targets: Vec<i64> = ids[1..].iter().map(|&x| x as i64).collect();
@@ -122,7 +127,8 @@ impl Model {
 
         let mut x = ops::embedding(&t, &ids, &t.param(&self.embed)).unwrap();
         for (i, b) in self.blocks.iter().enumerate() {
-            x = t.checkpoint(&format!("block{i}"), |t| b.forward(t, &x, &cos, &sin)).unwrap();
+            let p = per_block.get(i).copied().unwrap_or(policy);
+            x = t.checkpoint_with(&format!("block{i}"), p, |t| b.forward(t, &x, &cos, &sin)).unwrap();
         }
         let h = ops::rms_norm(&t, &x, &t.param(&self.norm), 1e-5).unwrap();
         let logits = ops::linear(&t, &h, &t.param(&self.head), None).unwrap();
@@ -208,4 +214,17 @@ fn sequence_aware_holds_attention_outputs_not_linear_outputs() {
     assert_eq!(count(&full.held_kinds, NodeKind::Linear), 0);
     // Norm and elementwise outputs inside blocks (rope, silu) are recomputed under SequenceAware.
     assert!(count(&none.held_kinds, NodeKind::Elementwise) > count(&sa.held_kinds, NodeKind::Elementwise));
+}
+
+#[test]
+fn regions_with_their_own_policies_mix_on_one_tape() {
+    let model = Model::new();
+    let none = model.step(CheckpointPolicy::None);
+    let mixed = model.step_mixed(CheckpointPolicy::None, &[CheckpointPolicy::SequenceAware, CheckpointPolicy::Full]);
+    assert_eq!(mixed.grads, none.grads, "mixed policies must give None's gradients bit for bit");
+    assert!(mixed.replays > 0);
+    // Block 0 keeps its attention outputs (SequenceAware), block 1 drops them (Full).
+    let attn = mixed.held_kinds.iter().filter(|k| **k == Some(NodeKind::Attention)).count();
+    assert_eq!(attn, 2);
+    assert!(mixed.after_forward.held_bytes < none.after_forward.held_bytes);
 }
