@@ -1,0 +1,56 @@
+//! What the compile step is asked for: the sequence-parallel degree (through the process group), the
+//! strategy, the checkpoint policy or byte budget, and the dtype.
+
+use std::sync::Arc;
+
+use autosp_core::comm::ProcessGroup;
+use autosp_core::CheckpointPolicy;
+use candle_core::DType;
+
+/// How attention is made whole across the ranks of the group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strategy {
+    /// All-to-all of heads and sequence (DeepSpeed-Ulysses). Needs heads divisible by P.
+    Ulysses,
+    /// K/V blocks passed around a ring (zigzag layout when causal). Any head count.
+    Ring,
+    /// Ulysses inside groups of `ulysses` ranks, Ring across the groups.
+    Hybrid {
+        /// The Ulysses degree u (P = u * ring degree).
+        ulysses: usize,
+    },
+    /// Chosen from the head counts and P; `explain()` says why.
+    Auto,
+}
+
+/// What activation memory the step keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Checkpointing {
+    /// One policy for every block.
+    Policy(CheckpointPolicy),
+    /// A per-rank byte budget for the tape: the planner picks a policy per block (keeping the most that fits,
+    /// recomputing the cheapest work first).
+    Budget(usize),
+}
+
+/// The compile step's configuration.
+#[derive(Clone, Debug)]
+pub struct CompileConfig {
+    /// This rank's sequence-parallel group (its size is P).
+    pub group: Arc<dyn ProcessGroup>,
+    /// The strategy.
+    pub strategy: Strategy,
+    /// The checkpointing.
+    pub checkpoint: Checkpointing,
+    /// The compute dtype of activations (the model's parameters decide the matmul dtype).
+    pub dtype: DType,
+    /// The sequence length a byte budget must fit (needed for `Checkpointing::Budget`).
+    pub seq_len: Option<usize>,
+}
+
+impl CompileConfig {
+    /// Ulysses/Ring/Hybrid/Auto with a policy, f32.
+    pub fn new(group: Arc<dyn ProcessGroup>, strategy: Strategy, checkpoint: Checkpointing) -> Self {
+        Self { group, strategy, checkpoint, dtype: DType::F32, seq_len: None }
+    }
+}

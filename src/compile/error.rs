@@ -1,0 +1,34 @@
+//! Errors of the compile step and of compiled models.
+
+/// What can go wrong compiling or running a compiled model.
+#[derive(Debug, thiserror::Error)]
+pub enum CompileError {
+    /// The strategy cannot split this model over P ranks.
+    #[error("{what}; {suggestion}")]
+    Infeasible { what: String, suggestion: String },
+
+    /// The byte budget is below what the most frugal plan needs.
+    #[error(
+        "a tape budget of {budget} bytes per rank cannot train {n} tokens: the smallest plan (Full checkpointing) \
+         needs about {smallest} bytes; raise the budget, shorten the sequence or add ranks"
+    )]
+    BudgetTooSmall { budget: usize, smallest: usize, n: usize },
+
+    /// Bad input to a compiled model.
+    #[error("{0}")]
+    Input(String),
+
+    /// An error from the tape, an op or a collective.
+    #[error(transparent)]
+    Core(#[from] autosp_core::Error),
+
+    /// An error from candle.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+impl From<autosp_core::comm::CommError> for CompileError {
+    fn from(e: autosp_core::comm::CommError) -> Self {
+        CompileError::Core(e.into())
+    }
+}

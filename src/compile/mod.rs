@@ -1,0 +1,124 @@
+//! `autosp::compile`: rewrites an unmodified model (any [`CausalLm`] built from autosp modules) for sequence
+//! parallelism and sequence-aware checkpointing. It walks the module tree by its named children, fills every
+//! attention slot with the chosen strategy, switches on every block's checkpoint region, and returns a
+//! [`Compiled`] model that shards inputs, reduces the loss and gradients over the group, and explains its plan.
+
+pub mod config;
+pub mod error;
+pub mod layout;
+pub mod plan;
+pub mod step;
+pub mod strategy;
+
+use std::sync::Arc;
+
+use autosp_core::comm::ProcessGroup;
+use autosp_core::module::visit_mut;
+use autosp_core::{Attention, CausalLm, CheckpointPolicy};
+
+pub use config::{Checkpointing, CompileConfig, Strategy};
+pub use error::CompileError;
+pub use layout::SeqLayout;
+pub use plan::{Flops, LinearFit, Plan, PolicyMemory};
+pub use step::StepOutput;
+pub use strategy::Resolved;
+
+/// A model rewritten for sequence parallelism on one rank of its group.
+pub struct Compiled<M> {
+    model: M,
+    group: Arc<dyn ProcessGroup>,
+    resolved: Resolved,
+    checkpoint: Checkpointing,
+}
+
+impl<M: CausalLm> Compiled<M> {
+    /// The model (its parameters are what the optimiser updates).
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    /// The strategy chosen, its layout and why.
+    pub fn resolved(&self) -> &Resolved {
+        &self.resolved
+    }
+
+    /// The sequence layout over the ranks.
+    pub fn layout(&self) -> SeqLayout {
+        self.resolved.layout
+    }
+
+    /// This rank's group.
+    pub fn group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.group
+    }
+
+    /// Every parameter, in model order.
+    pub fn params(&self) -> Vec<autosp_core::Param> {
+        autosp_core::module::all_params(&self.model)
+    }
+
+    /// The tape's policy (blocks may override it under a byte budget).
+    pub fn tape_policy(&self) -> CheckpointPolicy {
+        match self.checkpoint {
+            Checkpointing::Policy(p) => p,
+            Checkpointing::Budget(_) => CheckpointPolicy::None,
+        }
+    }
+
+    /// Gives back the model.
+    pub fn into_inner(self) -> M {
+        self.model
+    }
+}
+
+/// The attention that `resolved` runs on this rank.
+fn build_attention(resolved: &Resolved, group: &Arc<dyn ProcessGroup>) -> Result<Arc<dyn Attention>, CompileError> {
+    use autosp_kernels::sp;
+    let flash: Arc<dyn Attention> = Arc::new(autosp_kernels::FlashAttention);
+    Ok(match (resolved.strategy, resolved.layout) {
+        (_, SeqLayout::Whole) => flash,
+        (Strategy::Ulysses, _) => Arc::new(sp::UlyssesAttention::new(group.clone(), flash)),
+        (Strategy::Ring, SeqLayout::Zigzag { .. }) => Arc::new(sp::RingAttention::new(group.clone(), sp::RingLayout::Zigzag)),
+        (Strategy::Ring, _) => Arc::new(sp::RingAttention::new(group.clone(), sp::RingLayout::Contiguous)),
+        (Strategy::Hybrid { ulysses }, _) => Arc::new(sp::HybridAttention::new(group.clone(), ulysses)?),
+        (Strategy::Auto, _) => return Err(CompileError::Input("Auto must be resolved before building".into())),
+    })
+}
+
+/// Compiles `model` for its rank of `config.group`: every rank of the group calls this with its own copy of
+/// the model (same weights) at the same time. Impossible requests (Ulysses with heads not divisible by P, a
+/// budget below the smallest plan) fail here, before any step runs, saying what would work.
+pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compiled<M>, CompileError> {
+    let p = config.group.size();
+    let resolved = strategy::resolve(config.strategy, &model.dims(), p, true)?;
+    let attention = build_attention(&resolved, &config.group)?;
+    let (mut slots, mut regions) = (0, 0);
+    visit_mut(&mut model, "", &mut |_, m| {
+        if let Some(s) = m.attention_slot() {
+            s.set(attention.clone());
+            slots += 1;
+        }
+        if let Some(r) = m.region_slot() {
+            r.set_enabled(true);
+            r.set_policy(None);
+            regions += 1;
+        }
+    });
+    if slots == 0 {
+        return Err(CompileError::Input(
+            "the model has no attention slot: build its attention with autosp_core::AttentionSlot so compile can fill it"
+                .into(),
+        ));
+    }
+    let mut compiled = Compiled { model, group: config.group, resolved, checkpoint: config.checkpoint };
+    if let Checkpointing::Budget(bytes) = config.checkpoint {
+        let n = config.seq_len.ok_or_else(|| {
+            CompileError::Input("a byte budget needs the sequence length it must fit: set CompileConfig::seq_len".into())
+        })?;
+        if regions == 0 {
+            return Err(CompileError::Input("a byte budget needs blocks with checkpoint regions (RegionSlot)".into()));
+        }
+        compiled.plan_budget(bytes, n)?;
+    }
+    Ok(compiled)
+}

@@ -1,0 +1,259 @@
+//! The plan: how much tape memory a step holds per rank (fitted from two short probe steps, so it is right
+//! for any model), the predicted peak at a target length, FLOPs per step (attention vs linear, with
+//! recompute), communication bytes, and the budget planner that picks a policy per block.
+
+use autosp_core::module::visit_mut;
+use autosp_core::{CausalLm, CheckpointPolicy};
+use candle_core::{Device, Tensor};
+
+use super::config::Strategy;
+use super::strategy::comm_elems_per_layer;
+use super::{CompileError, Compiled};
+
+/// A line `a + b * n` fitted through two probes, with the probes kept to report the fit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinearFit {
+    pub a: f64,
+    pub b: f64,
+}
+
+impl LinearFit {
+    fn through(n1: usize, y1: usize, n2: usize, y2: usize) -> Self {
+        let b = (y2 as f64 - y1 as f64) / (n2 as f64 - n1 as f64);
+        Self { a: y1 as f64 - b * n1 as f64, b }
+    }
+
+    /// The value at `n`.
+    pub fn at(&self, n: usize) -> f64 {
+        self.a + self.b * n as f64
+    }
+}
+
+/// Tape bytes per rank under one policy, as functions of the global sequence length.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PolicyMemory {
+    pub policy: CheckpointPolicy,
+    /// Bytes held when the forward pass ends.
+    pub after_forward: LinearFit,
+    /// Peak bytes over the step.
+    pub peak: LinearFit,
+}
+
+/// FLOPs of one training step on one rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Flops {
+    /// Attention (forward, backward and any recompute).
+    pub attention: f64,
+    /// Matrix products of the layers and the LM head (forward, backward and any recompute).
+    pub linear: f64,
+}
+
+/// The compiled model's plan at one sequence length.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Global sequence length the plan is for (before padding).
+    pub n: usize,
+    /// Ranks.
+    pub p: usize,
+    /// The policy of each block.
+    pub policies: Vec<CheckpointPolicy>,
+    /// Tape bytes per local token per layer held when the forward pass ends (the slope of the fit, over
+    /// the layers; the LM head's share is included).
+    pub bytes_per_token_per_layer: f64,
+    /// Predicted tape bytes per rank when the forward pass ends.
+    pub predicted_after_forward: f64,
+    /// Predicted tape peak per rank over the step.
+    pub predicted_peak: f64,
+    /// FLOPs per step per rank.
+    pub flops: Flops,
+    /// Bytes each rank sends per step (attention forward and backward, and the gradient all-reduce).
+    pub comm_bytes: f64,
+}
+
+impl<M: CausalLm> Compiled<M> {
+    /// Probe lengths: two short sequences that fit the layout.
+    fn probe_lengths(&self) -> (usize, usize) {
+        let n1 = self.layout().padded_len(64.max(16 * self.group.size()));
+        (n1, 2 * n1)
+    }
+
+    /// Measures tape memory under `policy` (every block) at the two probe lengths: two training steps, so
+    /// every rank of the group must call this at the same time. Parameters are not changed.
+    pub fn measure_policy(&mut self, policy: CheckpointPolicy) -> Result<PolicyMemory, CompileError> {
+        let saved = self.region_policies();
+        self.set_region_policies(&vec![None; saved.len()]);
+        let (n1, n2) = self.probe_lengths();
+        let vocab = self.model.dims().vocab as u32;
+        let mut rows = Vec::new();
+        for n in [n1, n2] {
+            let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+            let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu)?;
+            rows.push(self.run_step(&ids, None, policy));
+        }
+        self.set_region_policies(&saved);
+        let (s1, s2) = (rows.remove(0)?, rows.remove(0)?);
+        Ok(PolicyMemory {
+            policy,
+            after_forward: LinearFit::through(n1, s1.after_forward.held_bytes, n2, s2.after_forward.held_bytes),
+            peak: LinearFit::through(n1, s1.peak_bytes, n2, s2.peak_bytes),
+        })
+    }
+
+    /// The region policy of every block (`None`: the tape's).
+    pub(crate) fn region_policies(&mut self) -> Vec<Option<CheckpointPolicy>> {
+        let mut out = Vec::new();
+        visit_mut(&mut self.model, "", &mut |_, m| {
+            if let Some(r) = m.region_slot() {
+                out.push(r.policy());
+            }
+        });
+        out
+    }
+
+    pub(crate) fn set_region_policies(&mut self, policies: &[Option<CheckpointPolicy>]) {
+        let mut i = 0;
+        visit_mut(&mut self.model, "", &mut |_, m| {
+            if let Some(r) = m.region_slot() {
+                r.set_policy(policies.get(i).copied().flatten());
+                i += 1;
+            }
+        });
+    }
+
+    /// Picks a policy per block so that the predicted tape peak at `n` tokens stays within `budget` bytes:
+    /// all blocks start at `Full`; blocks are raised to `SequenceAware`, then to `None`, one at a time, while
+    /// the prediction fits. Collective (probes run steps).
+    pub(crate) fn plan_budget(&mut self, budget: usize, n: usize) -> Result<(), CompileError> {
+        let full = self.measure_policy(CheckpointPolicy::Full)?;
+        let sa = self.measure_policy(CheckpointPolicy::SequenceAware)?;
+        let none = self.measure_policy(CheckpointPolicy::None)?;
+        let layers = self.region_policies().len().max(1) as f64;
+        let smallest = full.peak.at(n);
+        if smallest > budget as f64 {
+            return Err(CompileError::BudgetTooSmall { budget, smallest: smallest as usize, n });
+        }
+        // Per block, the extra bytes of a policy over Full (held from forward to backward).
+        let extra = |m: &PolicyMemory| ((m.after_forward.at(n) - full.after_forward.at(n)) / layers).max(0.0);
+        let overhead = |m: &PolicyMemory| m.peak.at(n) - m.after_forward.at(n);
+        let mut policies = vec![CheckpointPolicy::Full; layers as usize];
+        let predict = |ps: &[CheckpointPolicy]| {
+            let held: f64 = full.after_forward.at(n)
+                + ps.iter()
+                    .map(|p| match p {
+                        CheckpointPolicy::SequenceAware => extra(&sa),
+                        CheckpointPolicy::None => extra(&none),
+                        CheckpointPolicy::Full => 0.0,
+                    })
+                    .sum::<f64>();
+            let over = ps
+                .iter()
+                .map(|p| match p {
+                    CheckpointPolicy::SequenceAware => overhead(&sa),
+                    CheckpointPolicy::None => overhead(&none),
+                    CheckpointPolicy::Full => overhead(&full),
+                })
+                .fold(0.0, f64::max);
+            held + over
+        };
+        for target in [CheckpointPolicy::SequenceAware, CheckpointPolicy::None] {
+            for i in 0..policies.len() {
+                let mut trial = policies.clone();
+                trial[i] = target;
+                if predict(&trial) <= budget as f64 {
+                    policies = trial;
+                }
+            }
+        }
+        self.set_region_policies(&policies.into_iter().map(Some).collect::<Vec<_>>());
+        Ok(())
+    }
+
+    /// The plan at `n` tokens. Collective: it runs two short probe steps per policy in use.
+    pub fn plan(&mut self, n: usize) -> Result<Plan, CompileError> {
+        let region = self.region_policies();
+        let policies: Vec<CheckpointPolicy> = region.iter().map(|p| p.unwrap_or(self.tape_policy())).collect();
+        let mut distinct = policies.clone();
+        distinct.dedup();
+        let (held, peak, slope) = if distinct.len() <= 1 {
+            let m = self.measure_policy(distinct.first().copied().unwrap_or(self.tape_policy()))?;
+            (m.after_forward.at(n), m.peak.at(n), m.after_forward.b)
+        } else {
+            // Mixed policies: measure the mix as it stands (probes use the region policies).
+            let (n1, n2) = self.probe_lengths();
+            let vocab = self.model.dims().vocab as u32;
+            let mut s = Vec::new();
+            for len in [n1, n2] {
+                let ids: Vec<u32> = (0..len as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+                s.push(self.train_step(&Tensor::from_vec(ids, (1, len), &Device::Cpu)?, None)?);
+            }
+            let af = LinearFit::through(n1, s[0].after_forward.held_bytes, n2, s[1].after_forward.held_bytes);
+            let pk = LinearFit::through(n1, s[0].peak_bytes, n2, s[1].peak_bytes);
+            (af.at(n), pk.at(n), af.b)
+        };
+        let d = self.model.dims();
+        let p = self.group.size();
+        let n_loc = self.layout().padded_len(n) as f64 / p as f64;
+        let (dq, dkv) = ((d.heads * d.head_dim) as f64, (d.kv_heads * d.head_dim) as f64);
+        let layer_params = d.hidden as f64 * (2.0 * dq + 2.0 * dkv) + 3.0 * (d.hidden * d.intermediate) as f64;
+        let mut flops = Flops::default();
+        for pol in &policies {
+            let lin = 2.0 * n_loc * layer_params;
+            // Causal attention forward: half of 4 * N * n_loc * d_q; backward 2.5x forward.
+            let attn = 2.0 * n as f64 * n_loc * dq;
+            let (lin_recompute, attn_recompute) = match pol {
+                CheckpointPolicy::None => (0.0, 0.0),
+                CheckpointPolicy::SequenceAware => (lin, 0.0),
+                CheckpointPolicy::Full => (lin, attn),
+            };
+            flops.linear += 3.0 * lin + lin_recompute;
+            flops.attention += 3.5 * attn + attn_recompute;
+        }
+        flops.linear += 3.0 * 2.0 * n_loc * (d.hidden * d.vocab) as f64;
+        let s = self.resolved.strategy;
+        let elem = 4.0;
+        let attn_comm = if p > 1 { 3.0 * comm_elems_per_layer(s, &d, n, p) * d.layers as f64 * elem } else { 0.0 };
+        let params: f64 = autosp_core::module::all_params(&self.model).iter().map(|x| x.tensor().elem_count() as f64).sum();
+        let grad_comm = if p > 1 { 2.0 * (p as f64 - 1.0) / p as f64 * params * elem } else { 0.0 };
+        Ok(Plan {
+            n,
+            p,
+            policies,
+            bytes_per_token_per_layer: slope * p as f64 / d.layers.max(1) as f64,
+            predicted_after_forward: held,
+            predicted_peak: peak,
+            flops,
+            comm_bytes: attn_comm + grad_comm,
+        })
+    }
+
+    /// The rewritten module tree with the strategy, policies and the plan at `n` tokens. Collective (probes).
+    pub fn explain(&mut self, n: usize) -> Result<String, CompileError> {
+        let plan = self.plan(n)?;
+        let strategy = match self.resolved.strategy {
+            Strategy::Hybrid { ulysses } => format!("Hybrid (Ulysses {ulysses} x Ring {})", plan.p / ulysses),
+            s => format!("{s:?}"),
+        };
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        let mut out = format!(
+            "autosp plan: P = {}, strategy {strategy} ({}), layout {:?}\n",
+            plan.p,
+            self.resolved.reason,
+            self.layout()
+        );
+        out.push_str(&format!("checkpointing: {:?}\n", self.checkpoint));
+        out.push_str(&autosp_core::module::describe_tree(&mut self.model));
+        out.push_str(&format!(
+            "at N = {}: tape {:.0} bytes per token per layer; predicted per rank: {:.3} GiB after forward, \
+             {:.3} GiB peak\n",
+            n,
+            plan.bytes_per_token_per_layer,
+            gib(plan.predicted_after_forward),
+            gib(plan.predicted_peak)
+        ));
+        out.push_str(&format!(
+            "FLOPs per step per rank: attention {:.3e}, linear {:.3e}; communication {:.3e} bytes per rank per step\n",
+            plan.flops.attention, plan.flops.linear, plan.comm_bytes
+        ));
+        Ok(out)
+    }
+}

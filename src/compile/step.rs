@@ -1,0 +1,155 @@
+//! Running a compiled model: shifting labels before sharding, padding to the layout's multiple, taking this
+//! rank's shard, the global loss (sum of token losses over the all-reduced valid count) and the all-reduced
+//! parameter gradients; and forward-only logits gathered back into sequence order.
+
+use autosp_core::comm::ReduceOp;
+use autosp_core::module::all_params;
+use autosp_core::ops::{self, IGNORE_INDEX};
+use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Tape};
+use candle_core::{DType, Tensor};
+
+use super::{CompileError, Compiled};
+
+/// What one training step returns (the same on every rank).
+#[derive(Clone, Debug)]
+pub struct StepOutput {
+    /// The mean token loss over the whole sequence (all ranks).
+    pub loss: f64,
+    /// Valid (not ignored) target tokens over all ranks.
+    pub valid_tokens: usize,
+    /// Parameter gradients, summed over the group: every rank holds the same.
+    pub grads: Gradients,
+    /// This rank's tape bytes when the forward pass ended.
+    pub after_forward: MemoryStats,
+    /// This rank's tape peak over the step.
+    pub peak_bytes: usize,
+}
+
+/// `ids: [b, n]` -> `(ids, targets)` padded to `n_pad`: `targets[t] = labels[t + 1]`, the last one and the pad
+/// ignored (-100). Labels default to the ids; a label of -100 is ignored.
+pub fn shift_and_pad(ids: &Tensor, labels: Option<&Tensor>, n_pad: usize) -> Result<(Tensor, Tensor), CompileError> {
+    let (b, n) = ids.dims2()?;
+    let labels = match labels {
+        Some(l) if l.dims() != [b, n] => {
+            return Err(CompileError::Input(format!("labels have shape {:?} but ids have [{b}, {n}]", l.dims())))
+        }
+        Some(l) => l.to_dtype(DType::I64)?,
+        None => ids.to_dtype(DType::I64)?,
+    };
+    let ignore = |len: usize| Tensor::full(IGNORE_INDEX, (b, len), ids.device());
+    let targets = Tensor::cat(&[labels.narrow(1, 1, n - 1)?, ignore(1 + n_pad - n)?], 1)?;
+    let ids = if n_pad > n {
+        Tensor::cat(&[ids.to_dtype(DType::U32)?, Tensor::zeros((b, n_pad - n), DType::U32, ids.device())?], 1)?
+    } else {
+        ids.to_dtype(DType::U32)?
+    };
+    Ok((ids, targets))
+}
+
+impl<M: CausalLm> Compiled<M> {
+    /// One training step on `ids: [b, n]` (u32; every rank passes the whole batch), with optional `labels`
+    /// (`[b, n]`, -100 ignored; default: the ids). Returns the global loss and the all-reduced gradients;
+    /// apply them with any optimiser (every rank applies the same update).
+    pub fn train_step(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<StepOutput, CompileError> {
+        self.run_step(ids, labels, self.tape_policy())
+    }
+
+    pub(crate) fn run_step(
+        &self,
+        ids: &Tensor,
+        labels: Option<&Tensor>,
+        policy: CheckpointPolicy,
+    ) -> Result<StepOutput, CompileError> {
+        let (_, n) = ids.dims2()?;
+        if n < 2 {
+            return Err(CompileError::Input(format!("a training sequence needs at least 2 tokens, got {n}")));
+        }
+        let n_pad = self.layout().padded_len(n);
+        let (ids, targets) = shift_and_pad(ids, labels, n_pad)?;
+        let positions = self.layout().positions(n_pad, self.group.rank());
+        let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
+        let ids_local = ids.index_select(&index, 1)?;
+        let targets_local = targets.index_select(&index, 1)?.flatten_all()?;
+
+        let local_count = ops::cross_entropy::count_valid(&targets_local)?;
+        let counts = Tensor::new(&[local_count as f64], ids.device())?;
+        let total = self.group.all_reduce(&counts, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        if total == 0.0 {
+            return Err(CompileError::Input("every target is ignored (-100): nothing to train on".into()));
+        }
+
+        let tape = Tape::new(policy);
+        let (sum, _) = self.model.loss(&tape, &ids_local, &positions, &targets_local)?;
+        let term = ops::scale(&tape, &sum, 1.0 / total)?;
+        let after_forward = tape.memory();
+        tape.backward(&term)?;
+        let peak_bytes = tape.memory().peak_bytes;
+
+        let loss_local = term.tensor().to_dtype(DType::F64)?.reshape(1)?;
+        let loss = self.group.all_reduce(&loss_local, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        let grads = self.reduce_grads(&tape.param_grads())?;
+        Ok(StepOutput { loss, valid_tokens: total as usize, grads, after_forward, peak_bytes })
+    }
+
+    /// Sums every parameter's gradient over the group in one all-reduce per dtype (parameters in model order).
+    fn reduce_grads(&self, local: &Gradients) -> Result<Gradients, CompileError> {
+        let params = all_params(&self.model);
+        let mut out = Gradients::new();
+        if self.group.size() == 1 {
+            for p in &params {
+                if let Some(g) = local.get(p) {
+                    out.insert(p, g.clone());
+                }
+            }
+            return Ok(out);
+        }
+        let mut dtypes: Vec<DType> = params.iter().map(|p| p.tensor().dtype()).collect();
+        dtypes.sort_by_key(|d| d.as_str());
+        dtypes.dedup();
+        for dtype in dtypes {
+            let group: Vec<_> = params.iter().filter(|p| p.tensor().dtype() == dtype).collect();
+            let mut flat = Vec::with_capacity(group.len());
+            for p in &group {
+                let t = p.tensor();
+                flat.push(match local.get(p) {
+                    Some(g) => g.flatten_all()?,
+                    None => t.zeros_like()?.flatten_all()?,
+                });
+            }
+            let summed = self.group.all_reduce(&Tensor::cat(&flat, 0)?, ReduceOp::Sum)?;
+            let mut offset = 0;
+            for p in group {
+                let t = p.tensor();
+                let n = t.elem_count();
+                out.insert(p, summed.narrow(0, offset, n)?.reshape(t.shape())?);
+                offset += n;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Forward only (a long prompt's prefill split over the ranks): logits `[b, n, vocab]` for `ids: [b, n]`,
+    /// gathered back into sequence order on every rank.
+    pub fn logits(&self, ids: &Tensor) -> Result<Tensor, CompileError> {
+        let (b, n) = ids.dims2()?;
+        let n_pad = self.layout().padded_len(n);
+        let ids = if n_pad > n {
+            Tensor::cat(&[ids.to_dtype(DType::U32)?, Tensor::zeros((b, n_pad - n), DType::U32, ids.device())?], 1)?
+        } else {
+            ids.to_dtype(DType::U32)?
+        };
+        let positions = self.layout().positions(n_pad, self.group.rank());
+        let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
+        let tape = Tape::inference();
+        let local = self.model.logits(&tape, &ids.index_select(&index, 1)?, &positions)?.into_tensor();
+        let gathered = self.group.all_gather(&local.contiguous()?, 1)?;
+        // gathered[i] holds global position order[i]; invert that permutation.
+        let order: Vec<usize> = (0..self.group.size()).flat_map(|r| self.layout().positions(n_pad, r)).collect();
+        let mut inverse = vec![0u32; n_pad];
+        for (i, &pos) in order.iter().enumerate() {
+            inverse[pos] = i as u32;
+        }
+        let inverse = Tensor::from_vec(inverse, n_pad, ids.device())?;
+        Ok(gathered.index_select(&inverse, 1)?.narrow(1, 0, n)?)
+    }
+}
