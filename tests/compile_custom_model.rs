@@ -1,0 +1,283 @@
+//! A small transformer defined here, not in autosp-models, built from autosp modules: compiled for P ranks
+//! with each strategy and policy it trains exactly like the uncompiled model on one rank, with no change to
+//! its code. Tolerances (f32): Ulysses moves data without arithmetic, so only the attention's summation order
+//! differs (1e-5 relative to the largest gradient); Ring merges partial softmaxes (1e-5 * P).
+
+use std::sync::Arc;
+
+use autosp::compile::{compile, Checkpointing, CompileConfig, CompileError, Strategy};
+use autosp_core::comm::run_ranks;
+use autosp_core::gradcheck::probe;
+use autosp_core::module::{all_params, Module};
+use autosp_core::nn::{Embedding, Linear, RmsNorm};
+use autosp_core::ops::{self, AttentionSpec};
+use autosp_core::optim::{AdamW, AdamWConfig, Optimizer};
+use autosp_core::{AttentionSlot, CausalLm, CheckpointPolicy, LmDims, Param, RegionSlot, Result, Tape, Value};
+use candle_core::{DType, Device, Tensor};
+
+const HIDDEN: usize = 32;
+const HEADS: usize = 4;
+const HD: usize = 8;
+const VOCAB: usize = 40;
+
+fn param(name: &str, shape: &[usize], seed: u64, scale: f64) -> Param {
+    Param::new(name, probe(shape, seed, &Device::Cpu).unwrap().affine(scale, 0.0).unwrap().to_dtype(DType::F32).unwrap())
+}
+
+fn norm(name: &str, seed: u64) -> RmsNorm {
+    let w = probe(&[HIDDEN], seed, &Device::Cpu).unwrap().affine(0.1, 1.0).unwrap().to_dtype(DType::F32).unwrap();
+    RmsNorm { weight: Param::new(name, w), eps: 1e-5 }
+}
+
+struct Layer {
+    norm: RmsNorm,
+    qkv: Linear,
+    out: Linear,
+    attention: AttentionSlot,
+    region: RegionSlot,
+    kv_heads: usize,
+}
+
+impl Module for Layer {
+    fn kind(&self) -> &'static str {
+        "TinyLayer"
+    }
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        vec![("norm".into(), &self.norm), ("qkv".into(), &self.qkv), ("out".into(), &self.out)]
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![("norm".into(), &mut self.norm), ("qkv".into(), &mut self.qkv), ("out".into(), &mut self.out)]
+    }
+    fn attention_slot(&mut self) -> Option<&mut AttentionSlot> {
+        Some(&mut self.attention)
+    }
+    fn region_slot(&mut self) -> Option<&mut RegionSlot> {
+        Some(&mut self.region)
+    }
+}
+
+struct Tiny {
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    head: Linear,
+    kv_heads: usize,
+}
+
+impl Tiny {
+    fn new(kv_heads: usize) -> Self {
+        let layers = (0..2)
+            .map(|i| {
+                let s = 100 * (i as u64 + 1);
+                Layer {
+                    norm: norm("norm", s),
+                    qkv: Linear { weight: param("qkv", &[(HEADS + 2 * kv_heads) * HD, HIDDEN], s + 1, 0.3), bias: None },
+                    out: Linear { weight: param("out", &[HIDDEN, HEADS * HD], s + 2, 0.3), bias: None },
+                    attention: AttentionSlot::new(Arc::new(autosp_core::module::NaiveAttention)),
+                    region: RegionSlot::default(),
+                    kv_heads,
+                }
+            })
+            .collect();
+        Self {
+            embed: Embedding { table: param("embed", &[VOCAB, HIDDEN], 1, 1.0) },
+            layers,
+            norm: norm("final_norm", 2),
+            head: Linear { weight: param("head", &[VOCAB, HIDDEN], 3, 0.3), bias: None },
+            kv_heads,
+        }
+    }
+
+    fn hidden(&self, t: &Tape, ids: &Tensor, positions: &[usize]) -> Result<Value> {
+        let (b, n) = ids.dims2()?;
+        let inv = ops::rope::default_inv_freq(HD, 10000.0);
+        let (cos, sin) = ops::rope_tables(positions, &inv, DType::F32, &Device::Cpu)?;
+        let (cos, sin) = (t.constant(cos), t.constant(sin));
+        let mut x = self.embed.forward(t, &t.constant(ids.clone()))?;
+        for (i, l) in self.layers.iter().enumerate() {
+            x = l.region.run(t, &format!("layers.{i}"), |t| {
+                let h = l.norm.forward(t, &x)?;
+                let qkv = l.qkv.forward(t, &h)?;
+                let q = ops::reshape(t, &ops::narrow(t, &qkv, 2, 0, HEADS * HD)?, (b, n, HEADS, HD))?;
+                let k = ops::reshape(t, &ops::narrow(t, &qkv, 2, HEADS * HD, l.kv_heads * HD)?, (b, n, l.kv_heads, HD))?;
+                let v = ops::narrow(t, &qkv, 2, (HEADS + l.kv_heads) * HD, l.kv_heads * HD)?;
+                let v = ops::reshape(t, &ops::contiguous(t, &v)?, (b, n, l.kv_heads, HD))?;
+                let q = ops::rope(t, &ops::contiguous(t, &q)?, &cos, &sin)?;
+                let k = ops::rope(t, &ops::contiguous(t, &k)?, &cos, &sin)?;
+                let (a, _) = l.attention.forward(t, &q, &k, &v, &AttentionSpec::causal())?;
+                let a = l.out.forward(t, &ops::reshape(t, &a, (b, n, HEADS * HD))?)?;
+                ops::add(t, &x, &a)
+            })?;
+        }
+        self.norm.forward(t, &x)
+    }
+}
+
+impl Module for Tiny {
+    fn kind(&self) -> &'static str {
+        "Tiny"
+    }
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        let mut c: Vec<(String, &dyn Module)> = vec![("embed".into(), &self.embed)];
+        for (i, l) in self.layers.iter().enumerate() {
+            c.push((format!("layers.{i}"), l));
+        }
+        c.push(("norm".into(), &self.norm));
+        c.push(("head".into(), &self.head));
+        c
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        let mut c: Vec<(String, &mut dyn Module)> = vec![("embed".into(), &mut self.embed)];
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            c.push((format!("layers.{i}"), l));
+        }
+        c.push(("norm".into(), &mut self.norm));
+        c.push(("head".into(), &mut self.head));
+        c
+    }
+}
+
+impl CausalLm for Tiny {
+    fn loss(&self, t: &Tape, ids: &Tensor, positions: &[usize], targets: &Tensor) -> Result<(Value, usize)> {
+        let h = self.hidden(t, ids, positions)?;
+        let logits = self.head.forward(t, &h)?;
+        let logits = ops::reshape(t, &logits, (targets.elem_count(), VOCAB))?;
+        ops::cross_entropy(t, &logits, &t.constant(targets.clone()))
+    }
+    fn logits(&self, t: &Tape, ids: &Tensor, positions: &[usize]) -> Result<Value> {
+        let h = self.hidden(t, ids, positions)?;
+        self.head.forward(t, &h)
+    }
+    fn dims(&self) -> LmDims {
+        LmDims {
+            layers: self.layers.len(),
+            hidden: HIDDEN,
+            intermediate: 0,
+            heads: HEADS,
+            kv_heads: self.kv_heads,
+            head_dim: HD,
+            vocab: VOCAB,
+        }
+    }
+}
+
+fn batch(n: usize) -> (Tensor, Tensor) {
+    let ids: Vec<u32> = (0..n as u32).map(|i| (i * 17 + 5) % VOCAB as u32).collect();
+    // Ignored labels spread unevenly: a block at the start and a few scattered ones.
+    let labels: Vec<i64> =
+        ids.iter().enumerate().map(|(i, &x)| if i < 5 || i % 7 == 3 { -100 } else { x as i64 }).collect();
+    (Tensor::from_vec(ids, (1, n), &Device::Cpu).unwrap(), Tensor::from_vec(labels, (1, n), &Device::Cpu).unwrap())
+}
+
+/// Loss, gradients (model order) and parameters after one AdamW step.
+type Outcome = (f64, Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+/// The uncompiled model trained on one rank, its own way.
+fn reference(kv: usize, n: usize) -> Outcome {
+    let model = Tiny::new(kv);
+    let (ids, labels) = batch(n);
+    let labels = labels.to_vec2::<i64>().unwrap().remove(0);
+    let mut targets: Vec<i64> = labels[1..].to_vec();
+    targets.push(-100);
+    let targets = Tensor::from_vec(targets, n, &Device::Cpu).unwrap();
+    let tape = Tape::new(CheckpointPolicy::None);
+    let positions: Vec<usize> = (0..n).collect();
+    let (sum, count) = model.loss(&tape, &ids, &positions, &targets).unwrap();
+    let loss = ops::scale(&tape, &sum, 1.0 / count as f64).unwrap();
+    tape.backward(&loss).unwrap();
+    let grads = tape.param_grads();
+    let params = all_params(&model);
+    let g: Vec<Vec<f32>> = params.iter().map(|p| flat(grads.get(p).unwrap())).collect();
+    AdamW::new(AdamWConfig::default()).unwrap().step(&params, &grads, 1e-2).unwrap();
+    let l = loss.tensor().to_scalar::<f32>().unwrap() as f64;
+    (l, g, params.iter().map(|p| flat(&p.tensor())).collect())
+}
+
+fn compiled(p: usize, kv: usize, n: usize, strategy: Strategy, policy: CheckpointPolicy) -> Outcome {
+    let out = run_ranks(p, std::time::Duration::from_secs(30), move |pg| {
+        let cfg = CompileConfig::new(pg, strategy, Checkpointing::Policy(policy));
+        let c = compile(Tiny::new(kv), cfg).map_err(|e| e.to_string())?;
+        let (ids, labels) = batch(n);
+        let step = c.train_step(&ids, Some(&labels)).map_err(|e| e.to_string())?;
+        let params = c.params();
+        let g: Vec<Vec<f32>> = params.iter().map(|p| flat(step.grads.get(p).unwrap())).collect();
+        AdamW::new(AdamWConfig::default()).unwrap().step(&params, &step.grads, 1e-2).unwrap();
+        Ok::<Outcome, String>((step.loss, g, params.iter().map(|p| flat(&p.tensor())).collect()))
+    });
+    let mut results: Vec<Outcome> = out.into_iter().map(|r| r.expect("rank failed").expect("step failed")).collect();
+    let first = results.remove(0);
+    for other in results {
+        assert_eq!(other.1, first.1, "every rank must hold the same gradients");
+        assert_eq!(other.2, first.2, "every rank must hold the same parameters");
+    }
+    first
+}
+
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12) as f64;
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max) / scale
+}
+
+fn assert_close(what: &str, got: &Outcome, want: &Outcome, tol: f64) {
+    assert!((got.0 - want.0).abs() <= tol * want.0.abs(), "{what}: loss {} vs {}", got.0, want.0);
+    for (i, (g, w)) in got.1.iter().zip(&want.1).enumerate() {
+        assert!(rel(g, w) <= tol, "{what}: gradient {i} off by {:e}", rel(g, w));
+    }
+    for (i, (g, w)) in got.2.iter().zip(&want.2).enumerate() {
+        assert!(rel(g, w) <= tol, "{what}: parameter {i} after AdamW off by {:e}", rel(g, w));
+    }
+}
+
+#[test]
+fn compiled_custom_model_matches_single_rank() {
+    // n = 45: not divisible by P or 2P, so every layout pads.
+    let n = 45;
+    for kv in [2, 1] {
+        let want = reference(kv, n);
+        for p in [1, 2, 4] {
+            let strategies: &[Strategy] = if p == 4 {
+                &[Strategy::Ulysses, Strategy::Ring, Strategy::Hybrid { ulysses: 2 }, Strategy::Auto]
+            } else {
+                &[Strategy::Ulysses, Strategy::Ring, Strategy::Auto]
+            };
+            for &s in strategies {
+                for policy in [CheckpointPolicy::None, CheckpointPolicy::Full, CheckpointPolicy::SequenceAware] {
+                    let got = compiled(p, kv, n, s, policy);
+                    let tol = match s {
+                        Strategy::Ring | Strategy::Hybrid { .. } => 1e-5 * p as f64,
+                        _ => 1e-5,
+                    };
+                    assert_close(&format!("P={p} kv={kv} {s:?} {policy:?}"), &got, &want, tol);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn impossible_requests_fail_before_any_step() {
+    let out = run_ranks(4, std::time::Duration::from_secs(10), |pg| {
+        // 4 heads, 3 kv heads: Ulysses cannot split over 4.
+        let cfg = CompileConfig::new(pg, Strategy::Ulysses, Checkpointing::Policy(CheckpointPolicy::None));
+        match compile(Tiny::new(3), cfg) {
+            Err(e @ CompileError::Infeasible { .. }) => Ok(e.to_string()),
+            Err(e) => Err(format!("wrong error: {e}")),
+            Ok(_) => Err("compiled".to_string()),
+        }
+    });
+    for r in out {
+        let msg = r.unwrap().unwrap();
+        assert!(msg.contains("P = 4") && msg.contains("Ring"), "{msg}");
+    }
+    let out = run_ranks(1, std::time::Duration::from_secs(30), |pg| {
+        let mut cfg = CompileConfig::new(pg, Strategy::Auto, Checkpointing::Budget(1000));
+        cfg.seq_len = Some(4096);
+        compile(Tiny::new(2), cfg).err().map(|e| e.to_string())
+    });
+    let msg = out.into_iter().next().unwrap().unwrap().expect("a 1000-byte budget must be refused");
+    assert!(msg.contains("budget") && msg.contains("Full"), "{msg}");
+}
