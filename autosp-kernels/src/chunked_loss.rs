@@ -150,9 +150,9 @@ fn chunk_dlogits<T: Real>(logits: &[T], vocab: usize, targets: &[i64], g: T) -> 
         }
         let scale = g / sum;
         for d in dr.iter_mut() {
-            *d = *d * scale;
+            *d *= scale;
         }
-        dr[t as usize] = dr[t as usize] - g;
+        dr[t as usize] -= g;
     });
     dl
 }

@@ -11,7 +11,7 @@ pub use rms_norm::{rms_norm, rms_norm_backward, rms_norm_forward, rms_norm_recip
 pub use rope::{rope, rope_backward, rope_forward, FusedRope};
 pub use swiglu::{swiglu, swiglu_backward, swiglu_forward, FusedSwiGlu};
 
-use std::ops::{Add, AddAssign, Div, Mul, Neg, Sub};
+use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
 
 use candle_core::{DType, Device, Layout, Shape, Storage, Tensor, WithDType};
 
@@ -30,6 +30,8 @@ pub trait Real:
     + Div<Output = Self>
     + Neg<Output = Self>
     + AddAssign
+    + SubAssign
+    + MulAssign
 {
     /// 0.
     const ZERO: Self;
