@@ -2,8 +2,9 @@
 //! gradients of hidden and lm_head, with ignored targets and m not a multiple of the chunk; finite differences
 //! in f64; determinism; the bytes the tape holds; bad shapes.
 //!
-//! Tolerances: f32 5e-6 of the largest element (the chunked loss sums token losses in f64 and exps in
-//! eight lanes, candle sums in another order); f64 1e-12.
+//! Tolerances: f32 1e-6 of the largest element (the chunked loss sums token losses in f64 and exps in
+//! eight lanes, candle's matmul and reductions sum in another order; d_hidden differs by 2.7e-7 of its largest
+//! element); f64 1e-12.
 
 use autosp_core::gradcheck::{check_gradients, probe};
 use autosp_core::ops;
@@ -63,7 +64,7 @@ fn run(hidden: &Tensor, lm_head: &Tensor, tg: &Tensor, chunk: Option<usize>) -> 
 #[test]
 fn chunked_equals_linear_plus_cross_entropy_f32_and_f64() {
     // m = 37 is not a multiple of the chunk (8); every 5th target is ignored.
-    for (dtype, tol) in [(DType::F32, 5e-6), (DType::F64, 1e-12)] {
+    for (dtype, tol) in [(DType::F32, 1e-6), (DType::F64, 1e-12)] {
         let (m, d, vocab) = (37, 16, 50);
         let hidden = (rand(&[m, d], 1, dtype) * 2.0).unwrap();
         let lm_head = rand(&[vocab, d], 2, dtype);
@@ -88,7 +89,7 @@ fn chunk_size_does_not_change_the_result_and_runs_repeat_bit_for_bit() {
     let tg = targets(m, vocab, 4);
     let a = run(&hidden, &lm_head, &tg, Some(1));
     let b = run(&hidden, &lm_head, &tg, Some(64));
-    assert!(rel_diff(&a.loss, &b.loss) <= 5e-6 && rel_diff(&a.dh, &b.dh) <= 5e-6 && rel_diff(&a.dw, &b.dw) <= 5e-6);
+    assert!(rel_diff(&a.loss, &b.loss) <= 1e-6 && rel_diff(&a.dh, &b.dh) <= 1e-6 && rel_diff(&a.dw, &b.dw) <= 1e-6);
     let c = run(&hidden, &lm_head, &tg, Some(1));
     assert_eq!(rel_diff(&a.loss, &c.loss), 0.0);
     assert_eq!(rel_diff(&a.dh, &c.dh), 0.0);
@@ -133,7 +134,7 @@ fn tape_holds_under_an_eighth_of_the_unchunked_bytes() {
     let tg = targets(m, vocab, 7);
     let c = run(&hidden, &lm_head, &tg, Some(128));
     let u = run(&hidden, &lm_head, &tg, None);
-    assert!(rel_diff(&c.loss, &u.loss) <= 5e-6);
+    assert!(rel_diff(&c.loss, &u.loss) <= 1e-6);
     // Unchunked: the [m, vocab] logits (16 MiB) are held after forward, and their gradient too in backward.
     assert!(u.after_forward.held_bytes >= m * vocab * 4);
     assert!(
