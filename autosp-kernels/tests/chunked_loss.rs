@@ -176,3 +176,22 @@ fn bad_input_is_a_typed_error_naming_the_shapes() {
     let err = chunked_cross_entropy_forward(&hidden, &lm_head, &out_of_range, 2).unwrap_err().to_string();
     assert!(err.contains("target 9") && err.contains("9 classes"), "{err}");
 }
+
+#[test]
+fn bf16_inputs_are_computed_in_f32() {
+    // bf16 inputs are widened to f32 once; the results, rounded to bf16 (8 bits of mantissa), are within 2^-6
+    // of the f32 results on the same (bf16-rounded) inputs.
+    let (m, d, vocab) = (20, 8, 40);
+    let hidden = rand(&[m, d], 14, DType::BF16);
+    let lm_head = rand(&[vocab, d], 15, DType::BF16);
+    let tg = targets(m, vocab, 6);
+    let (h32, w32) = (hidden.to_dtype(DType::F32).unwrap(), lm_head.to_dtype(DType::F32).unwrap());
+    let (l16, c16) = chunked_cross_entropy_forward(&hidden, &lm_head, &tg, 7).unwrap();
+    let (l32, c32) = chunked_cross_entropy_forward(&h32, &w32, &tg, 7).unwrap();
+    assert_eq!((l16.dtype(), c16), (DType::BF16, c32));
+    assert!(rel_diff(&l16, &l32) < 2f64.powi(-6));
+    let (dh16, dw16) = chunked_cross_entropy_backward(&hidden, &lm_head, &tg, 7, 1.0).unwrap();
+    let (dh32, dw32) = chunked_cross_entropy_backward(&h32, &w32, &tg, 7, 1.0).unwrap();
+    assert_eq!((dh16.dtype(), dw16.dtype()), (DType::BF16, DType::BF16));
+    assert!(rel_diff(&dh16, &dh32) < 2f64.powi(-6) && rel_diff(&dw16, &dw32) < 2f64.powi(-6));
+}
