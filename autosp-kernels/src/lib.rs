@@ -1,10 +1,16 @@
-//! autosp-kernels: autosp's heavy ops. Today: CPU flash attention forward and backward as plain functions on
-//! candle tensors ([`flash`]).
+//! autosp-kernels: autosp's heavy ops, each a tape op with a hand-written backward and a plain function on
+//! candle tensors: CPU flash attention ([`flash`], on the tape as [`FlashAttention`]), fused RMSNorm / RoPE /
+//! SwiGLU ([`fused`]) and the chunked linear + cross-entropy ([`chunked_loss`]).
 
 pub mod attention_op;
+pub mod chunked_loss;
 pub mod error;
 pub mod flash;
+pub mod fused;
 
 pub use attention_op::{flash_attention, FlashAttention, FlashAttentionOp};
+pub use chunked_loss::{
+    chunked_cross_entropy, chunked_cross_entropy_backward, chunked_cross_entropy_forward, ChunkedCrossEntropy,
+};
 pub use error::{Error, Result};
 pub use flash::{flash_attention_backward, flash_attention_forward, MAX_HEAD_DIM};

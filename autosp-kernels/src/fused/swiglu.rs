@@ -1,0 +1,143 @@
+//! Fused SwiGLU, `y = silu(gate) * up` with `silu(a) = a / (1 + e^-a)`: one pass forward, one pass backward
+//! (which recomputes the sigmoid rather than saving it).
+
+use candle_core::{DType, Tensor};
+use rayon::prelude::*;
+
+use autosp_core::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
+
+use super::{compute_dtype, mismatch, tensor_from, with_contiguous, Real};
+
+const OP: &str = "fused_swiglu";
+
+/// Elements per rayon task.
+const TASK: usize = 16384;
+
+/// The fused SwiGLU tape op: inputs `gate, up: [.., f]`, output `[.., f]`. Kind [`NodeKind::Elementwise`].
+#[derive(Debug)]
+pub struct FusedSwiGlu;
+
+fn check(gate: &Tensor, up: &Tensor) -> Result<()> {
+    if gate.dims() != up.dims() {
+        return Err(mismatch(
+            OP,
+            "gate",
+            gate.dims(),
+            "up",
+            up.dims(),
+            "gate and up must have one shape [.., f]".into(),
+        ));
+    }
+    Ok(())
+}
+
+#[inline]
+fn sigmoid<T: Real>(a: T) -> T {
+    T::ONE / (T::ONE + (-a).exp())
+}
+
+fn forward_slices<T: Real>(a: &[T], u: &[T]) -> Vec<T> {
+    let mut y = vec![T::ZERO; a.len()];
+    y.par_chunks_mut(TASK).zip(a.par_chunks(TASK).zip(u.par_chunks(TASK))).for_each(|(yb, (ab, ub))| {
+        for ((yv, &av), &uv) in yb.iter_mut().zip(ab).zip(ub) {
+            *yv = av / (T::ONE + (-av).exp()) * uv;
+        }
+    });
+    y
+}
+
+fn backward_slices<T: Real>(a: &[T], u: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
+    let mut da = vec![T::ZERO; a.len()];
+    let mut du = vec![T::ZERO; a.len()];
+    da.par_chunks_mut(TASK).zip(du.par_chunks_mut(TASK)).enumerate().for_each(|(c, (dab, dub))| {
+        let r = c * TASK..(c * TASK + dab.len());
+        let (ab, ub, gb) = (&a[r.clone()], &u[r.clone()], &g[r]);
+        for i in 0..dab.len() {
+            let (av, uv, gv) = (ab[i], ub[i], gb[i]);
+            let s = sigmoid(av);
+            dab[i] = gv * uv * (s * (av * (T::ONE - s) + T::ONE));
+            dub[i] = gv * (av / (T::ONE + (-av).exp()));
+        }
+    });
+    (da, du)
+}
+
+fn forward_typed<T: Real>(a: &Tensor, u: &Tensor) -> Result<Tensor> {
+    with_contiguous(a, OP, "gate", |av: &[T]| {
+        with_contiguous(u, OP, "up", |uv: &[T]| tensor_from(forward_slices(av, uv), a.dims()))
+    })
+}
+
+fn backward_typed<T: Real>(a: &Tensor, u: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
+    with_contiguous(a, OP, "gate", |av: &[T]| {
+        with_contiguous(u, OP, "up", |uv: &[T]| {
+            with_contiguous(g, OP, "grad", |gv: &[T]| {
+                let (da, du) = backward_slices(av, uv, gv);
+                Ok((tensor_from(da, a.dims())?, tensor_from(du, a.dims())?))
+            })
+        })
+    })
+}
+
+/// SwiGLU without a tape: `gate, up: [.., f]` -> `silu(gate) * up`, `[.., f]` in gate's dtype.
+pub fn swiglu_forward(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    check(gate, up)?;
+    let cd = compute_dtype(OP, gate.dtype())?;
+    let (a, u) = (gate.to_dtype(cd)?, up.to_dtype(cd)?);
+    let y = match cd {
+        DType::F64 => forward_typed::<f64>(&a, &u)?,
+        DType::F32 => forward_typed::<f32>(&a, &u)?,
+        other => return Err(Error::Internal(format!("{OP}: compute dtype {other:?}"))),
+    };
+    Ok(y.to_dtype(gate.dtype())?)
+}
+
+/// SwiGLU's backward without a tape: `gate, up, g: [.., f]` (g the output's gradient) -> `(d_gate, d_up)`.
+pub fn swiglu_backward(gate: &Tensor, up: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
+    check(gate, up)?;
+    if g.dims() != gate.dims() {
+        return Err(mismatch(
+            OP,
+            "grad",
+            g.dims(),
+            "gate",
+            gate.dims(),
+            "the output gradient must have gate's shape".into(),
+        ));
+    }
+    let cd = compute_dtype(OP, gate.dtype())?;
+    let (a, u, gc) = (gate.to_dtype(cd)?, up.to_dtype(cd)?, g.to_dtype(cd)?);
+    let (da, du) = match cd {
+        DType::F64 => backward_typed::<f64>(&a, &u, &gc)?,
+        DType::F32 => backward_typed::<f32>(&a, &u, &gc)?,
+        other => return Err(Error::Internal(format!("{OP}: compute dtype {other:?}"))),
+    };
+    Ok((da.to_dtype(gate.dtype())?, du.to_dtype(up.dtype())?))
+}
+
+impl Op for FusedSwiGlu {
+    fn name(&self) -> &'static str {
+        OP
+    }
+    fn kind(&self) -> NodeKind {
+        NodeKind::Elementwise
+    }
+    fn forward(&self, i: &[&Tensor]) -> Result<Vec<Tensor>> {
+        Ok(vec![swiglu_forward(i[0], i[1])?])
+    }
+    fn saves(&self) -> Saves {
+        Saves::inputs(&[0, 1])
+    }
+    fn backward(&self, s: &SavedTensors<'_>, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
+        let Some(g) = &g[0] else { return Ok(vec![None, None]) };
+        let (da, du) = swiglu_backward(s.input(0)?, s.input(1)?, g)?;
+        Ok(vec![Some(da), Some(du)])
+    }
+}
+
+/// Fused SwiGLU on the tape: `gate, up: [.., f]` -> `silu(gate) * up`, the same maths as
+/// `ops::mul(ops::silu(gate), up)` from autosp-core in one pass.
+pub fn swiglu(tape: &Tape, gate: &Value, up: &Value) -> Result<Value> {
+    check(gate.tensor(), up.tensor())?;
+    Ok(tape.apply(FusedSwiGlu, &[gate, up])?.remove(0))
+}

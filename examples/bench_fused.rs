@@ -1,0 +1,131 @@
+//! Fused RMSNorm / RoPE / SwiGLU vs their unfused compositions from autosp-core, on the tape: prints one JSON
+//! line per op with the median time of forward (inference tape) and forward + backward (recording tape), and
+//! the effective bandwidth (the bytes the op must read and write at least, over the time). Also times the
+//! RMSNorm backward with the reciprocal RMS recomputed vs passed in.
+//!
+//! `cargo run --release --example bench_fused -- --rows 8192 --dim 1376 --head-dim 64 --repeats 7`
+
+use std::time::Instant;
+
+use autosp::core::gradcheck::probe;
+use autosp::core::ops::{self, rope::default_inv_freq};
+use autosp::core::{CheckpointPolicy, Result, Tape, Value};
+use autosp::kernels::fused;
+use candle_core::{DType, Device, Tensor};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(about = "Fused vs unfused RMSNorm, RoPE and SwiGLU: time and GB/s")]
+struct Args {
+    /// Rows (tokens).
+    #[arg(long, default_value_t = 8192)]
+    rows: usize,
+    /// Row width (hidden size for RMSNorm, intermediate size for SwiGLU; heads * head_dim for RoPE).
+    #[arg(long, default_value_t = 1376)]
+    dim: usize,
+    /// Head dim for RoPE (heads = dim / head_dim).
+    #[arg(long, default_value_t = 64)]
+    head_dim: usize,
+    /// Timed repeats after one warm-up; the median is printed.
+    #[arg(long, default_value_t = 7)]
+    repeats: usize,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median seconds of `f` over `repeats` runs after one warm-up.
+fn time(repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut t = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        let t0 = Instant::now();
+        f()?;
+        t.push(t0.elapsed().as_secs_f64());
+    }
+    Ok(median(t))
+}
+
+type Graph = dyn Fn(&Tape, &[Value]) -> Result<Value>;
+
+/// `(forward s, forward + backward s)` of `f` on `inputs`, differentiating the first `wrt` inputs.
+fn bench(f: &Graph, inputs: &[Tensor], wrt: usize, repeats: usize) -> Result<(f64, f64)> {
+    let fwd = time(repeats, || {
+        let tape = Tape::inference();
+        let v: Vec<Value> = inputs.iter().map(|t| Value::constant(t.clone())).collect();
+        f(&tape, &v)?;
+        Ok(())
+    })?;
+    let seed = probe(&[inputs[0].elem_count()], 99, &Device::Cpu)?.to_dtype(DType::F32)?;
+    let both = time(repeats, || {
+        let tape = Tape::new(CheckpointPolicy::None);
+        let v: Vec<Value> = inputs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| if i < wrt { tape.leaf(t.clone()) } else { tape.constant(t.clone()) })
+            .collect();
+        let y = f(&tape, &v)?;
+        tape.backward_with_grad(&y, &seed.reshape(y.dims())?, false)?;
+        Ok(())
+    })?;
+    Ok((fwd, both))
+}
+
+fn report(op: &str, shape: &[usize], bytes_fwd: usize, bytes_bwd: usize, fused: (f64, f64), unfused: (f64, f64)) {
+    let gbs = |b: usize, s: f64| b as f64 / s / 1e9;
+    let line = serde_json::json!({
+        "bench": "fused", "op": op, "shape": shape,
+        "fused_fwd_s": fused.0, "fused_fwd_bwd_s": fused.1,
+        "unfused_fwd_s": unfused.0, "unfused_fwd_bwd_s": unfused.1,
+        "fused_fwd_gb_s": gbs(bytes_fwd, fused.0), "fused_fwd_bwd_gb_s": gbs(bytes_fwd + bytes_bwd, fused.1),
+        "unfused_fwd_gb_s": gbs(bytes_fwd, unfused.0), "unfused_fwd_bwd_gb_s": gbs(bytes_fwd + bytes_bwd, unfused.1),
+        "speedup_fwd": unfused.0 / fused.0, "speedup_fwd_bwd": unfused.1 / fused.1,
+    });
+    println!("{line}");
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    let dev = Device::Cpu;
+    let (m, d, r) = (a.rows, a.dim, a.repeats);
+    let f32s = |shape: &[usize], seed: u64| -> Result<Tensor> { Ok(probe(shape, seed, &dev)?.to_dtype(DType::F32)?) };
+    let el = m * d * 4;
+
+    // RMSNorm: forward reads x, writes y; backward reads x and g, writes dx.
+    let x = f32s(&[m, d], 1)?;
+    let w = (f32s(&[d], 2)? + 1.0)?;
+    const EPS: f64 = 1e-5;
+    let eps = EPS;
+    let f = bench(&|t, v| fused::rms_norm(t, &v[0], &v[1], EPS), &[x.clone(), w.clone()], 2, r)?;
+    let u = bench(&|t, v| ops::rms_norm(t, &v[0], &v[1], EPS), &[x.clone(), w.clone()], 2, r)?;
+    report("rms_norm", &[m, d], 2 * el, 3 * el, f, u);
+    let g = f32s(&[m, d], 3)?;
+    let recip = fused::rms_norm_recip(&x, eps)?;
+    let recompute = time(r, || fused::rms_norm_backward(&x, &w, &g, eps, None).map(|_| ()))?;
+    let saved = time(r, || fused::rms_norm_backward(&x, &w, &g, eps, Some(&recip)).map(|_| ()))?;
+    println!(
+        "{}",
+        serde_json::json!({"bench": "rms_norm_backward", "shape": [m, d],
+            "recompute_recip_s": recompute, "saved_recip_s": saved, "saved_recip_bytes": m * 4})
+    );
+
+    // SwiGLU: forward reads gate and up, writes y; backward reads gate, up, g, writes two gradients.
+    let gate = (f32s(&[m, d], 4)? * 3.0)?;
+    let up = f32s(&[m, d], 5)?;
+    let f = bench(&|t, v| fused::swiglu(t, &v[0], &v[1]), &[gate.clone(), up.clone()], 2, r)?;
+    let u = bench(&|t, v| ops::mul(t, &ops::silu(t, &v[0])?, &v[1]), &[gate, up], 2, r)?;
+    report("swiglu", &[m, d], 3 * el, 5 * el, f, u);
+
+    // RoPE on [1, rows, dim / head_dim, head_dim]: forward reads x, writes y; backward reads g, writes dx.
+    let h = d / a.head_dim;
+    let x = f32s(&[1, m, h, a.head_dim], 6)?;
+    let pos: Vec<usize> = (0..m).collect();
+    let (cos, sin) = ops::rope_tables(&pos, &default_inv_freq(a.head_dim, 10000.0), DType::F32, &dev)?;
+    let rb = m * h * a.head_dim * 4;
+    let f = bench(&|t, v| fused::rope(t, &v[0], &v[1], &v[2]), &[x.clone(), cos.clone(), sin.clone()], 1, r)?;
+    let u = bench(&|t, v| ops::rope(t, &v[0], &v[1], &v[2]), &[x, cos, sin], 1, r)?;
+    report("rope", &[1, m, h, a.head_dim], 2 * rb, 2 * rb, f, u);
+    Ok(())
+}
