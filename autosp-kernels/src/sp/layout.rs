@@ -52,7 +52,7 @@ impl SeqLayout {
         Ok(match *self {
             SeqLayout::Contiguous => {
                 let s = n / p;
-                vec![rank * s..(rank + 1) * s]
+                vec![Range { start: rank * s, end: (rank + 1) * s }]
             }
             SeqLayout::Zigzag => {
                 let c = n / (2 * p);

@@ -32,6 +32,9 @@ use autosp_core::{Attention, Tape, Value};
 use super::all_to_all::{all_to_all, even_ranges, AllToAllPlan};
 use super::error::SpError;
 
+/// Per rank j: `(query heads, kv heads)` it receives.
+pub type HeadRanges = (Vec<Range<usize>>, Vec<Range<usize>>);
+
 /// Ulysses attention over `group` as an [`Attention`]: `q: [b, n, h, d]`, `k, v: [b, n, h_kv, d]`, this rank's
 /// n = N/P tokens -> `(o: [b, n, h, d], lse: [b, h, n])`, the same tokens.
 #[derive(Debug, Clone)]
@@ -52,11 +55,7 @@ impl UlyssesAttention {
     }
 
     /// The query-head and kv-head ranges each of `p` ranks receives, or [`SpError::UlyssesHeads`].
-    pub fn head_ranges(
-        p: usize,
-        heads: usize,
-        kv_heads: usize,
-    ) -> Result<(Vec<Range<usize>>, Vec<Range<usize>>), SpError> {
+    pub fn head_ranges(p: usize, heads: usize, kv_heads: usize) -> Result<HeadRanges, SpError> {
         let err = SpError::UlyssesHeads { p, heads, kv_heads };
         if p == 0 || heads % p != 0 || kv_heads == 0 {
             return Err(err);
