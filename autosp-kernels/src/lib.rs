@@ -1,12 +1,14 @@
 //! autosp-kernels: autosp's heavy ops, each a tape op with a hand-written backward and a plain function on
 //! candle tensors: CPU flash attention ([`flash`], on the tape as [`FlashAttention`]), fused RMSNorm / RoPE /
-//! SwiGLU ([`fused`]) and the chunked linear + cross-entropy ([`chunked_loss`]).
+//! SwiGLU ([`fused`]), the chunked linear + cross-entropy ([`chunked_loss`]), and sequence-parallel attention:
+//! Ulysses, Ring and hybrid ([`sp`]).
 
 pub mod attention_op;
 pub mod chunked_loss;
 pub mod error;
 pub mod flash;
 pub mod fused;
+pub mod sp;
 
 pub use attention_op::{flash_attention, FlashAttention, FlashAttentionOp};
 pub use chunked_loss::{
@@ -14,3 +16,4 @@ pub use chunked_loss::{
 };
 pub use error::{Error, Result};
 pub use flash::{flash_attention_backward, flash_attention_forward, MAX_HEAD_DIM};
+pub use sp::{HybridAttention, RingAttention, RingLayout, SeqLayout, SpError, UlyssesAttention};
