@@ -21,7 +21,10 @@ const HD: usize = 8;
 const VOCAB: usize = 40;
 
 fn param(name: &str, shape: &[usize], seed: u64, scale: f64) -> Param {
-    Param::new(name, probe(shape, seed, &Device::Cpu).unwrap().affine(scale, 0.0).unwrap().to_dtype(DType::F32).unwrap())
+    Param::new(
+        name,
+        probe(shape, seed, &Device::Cpu).unwrap().affine(scale, 0.0).unwrap().to_dtype(DType::F32).unwrap(),
+    )
 }
 
 fn norm(name: &str, seed: u64) -> RmsNorm {
@@ -71,7 +74,10 @@ impl Tiny {
                 let s = 100 * (i as u64 + 1);
                 Layer {
                     norm: norm("norm", s),
-                    qkv: Linear { weight: param("qkv", &[(HEADS + 2 * kv_heads) * HD, HIDDEN], s + 1, 0.3), bias: None },
+                    qkv: Linear {
+                        weight: param("qkv", &[(HEADS + 2 * kv_heads) * HD, HIDDEN], s + 1, 0.3),
+                        bias: None,
+                    },
                     out: Linear { weight: param("out", &[HIDDEN, HEADS * HD], s + 2, 0.3), bias: None },
                     attention: AttentionSlot::new(Arc::new(autosp_core::module::NaiveAttention)),
                     region: RegionSlot::default(),
@@ -99,7 +105,8 @@ impl Tiny {
                 let h = l.norm.forward(t, &x)?;
                 let qkv = l.qkv.forward(t, &h)?;
                 let q = ops::reshape(t, &ops::narrow(t, &qkv, 2, 0, HEADS * HD)?, (b, n, HEADS, HD))?;
-                let k = ops::reshape(t, &ops::narrow(t, &qkv, 2, HEADS * HD, l.kv_heads * HD)?, (b, n, l.kv_heads, HD))?;
+                let k =
+                    ops::reshape(t, &ops::narrow(t, &qkv, 2, HEADS * HD, l.kv_heads * HD)?, (b, n, l.kv_heads, HD))?;
                 let v = ops::narrow(t, &qkv, 2, (HEADS + l.kv_heads) * HD, l.kv_heads * HD)?;
                 let v = ops::reshape(t, &ops::contiguous(t, &v)?, (b, n, l.kv_heads, HD))?;
                 let q = ops::rope(t, &ops::contiguous(t, &q)?, &cos, &sin)?;

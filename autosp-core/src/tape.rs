@@ -42,7 +42,8 @@ pub(crate) struct ValueInfo {
     pub(crate) tensor: Option<Tensor>,
     /// Nodes not yet differentiated whose backward reads this value.
     pub(crate) save_count: usize,
-    /// Regions, not yet differentiated, that read this value without producing it.
+    /// Regions, not yet differentiated, that need this value to replay: they read it without producing it,
+    /// or it is the output of a node they may not replay.
     pub(crate) region_uses: usize,
     /// Dropped by a closing region: backward regenerates it by replay.
     pub(crate) dropped: bool,
@@ -218,6 +219,15 @@ impl Tape {
             if saves.output(j) {
                 inner.values[index].save_count += 1;
                 inner.hold(index, &t);
+            }
+            // A region that may not replay this kind of node (SequenceAware: attention, collectives) must keep
+            // its outputs whether or not a backward reads them: regenerating anything downstream starts here.
+            if let Some(r) = region {
+                if !inner.regions[r].policy.may_replay(op.kind()) {
+                    inner.region_inputs[r].push(index);
+                    inner.values[index].region_uses += 1;
+                    inner.hold(index, &t);
+                }
             }
             output_ids.push(index);
             values.push(Value { tensor: t, id: Some(ValueRef { tape: self.id, index }) });

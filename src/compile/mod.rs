@@ -5,7 +5,6 @@
 
 pub mod config;
 pub mod error;
-pub mod layout;
 pub mod plan;
 pub mod step;
 pub mod strategy;
@@ -16,9 +15,9 @@ use autosp_core::comm::ProcessGroup;
 use autosp_core::module::visit_mut;
 use autosp_core::{Attention, CausalLm, CheckpointPolicy};
 
+pub use autosp_kernels::SeqLayout;
 pub use config::{Checkpointing, CompileConfig, Strategy};
 pub use error::CompileError;
-pub use layout::SeqLayout;
 pub use plan::{Flops, LinearFit, Plan, PolicyMemory};
 pub use step::StepOutput;
 pub use strategy::Resolved;
@@ -47,6 +46,17 @@ impl<M: CausalLm> Compiled<M> {
         self.resolved.layout
     }
 
+    /// `n` padded up to what the layout needs over this group.
+    pub fn padded_len(&self, n: usize) -> usize {
+        let m = self.layout().multiple(self.group.size());
+        n.div_ceil(m) * m
+    }
+
+    /// The global positions this rank holds of a padded sequence of `n_pad` tokens.
+    pub fn positions(&self, n_pad: usize, rank: usize) -> Result<Vec<usize>, CompileError> {
+        self.layout().positions(n_pad, self.group.size(), rank).map_err(|e| CompileError::Core(e.into()))
+    }
+
     /// This rank's group.
     pub fn group(&self) -> &Arc<dyn ProcessGroup> {
         &self.group
@@ -73,15 +83,18 @@ impl<M: CausalLm> Compiled<M> {
 
 /// The attention that `resolved` runs on this rank.
 fn build_attention(resolved: &Resolved, group: &Arc<dyn ProcessGroup>) -> Result<Arc<dyn Attention>, CompileError> {
-    use autosp_kernels::sp;
+    use autosp_kernels::sp::{HybridAttention, RingAttention, RingLayout, UlyssesAttention};
     let flash: Arc<dyn Attention> = Arc::new(autosp_kernels::FlashAttention);
-    Ok(match (resolved.strategy, resolved.layout) {
-        (_, SeqLayout::Whole) => flash,
-        (Strategy::Ulysses, _) => Arc::new(sp::UlyssesAttention::new(group.clone(), flash)),
-        (Strategy::Ring, SeqLayout::Zigzag { .. }) => Arc::new(sp::RingAttention::new(group.clone(), sp::RingLayout::Zigzag)),
-        (Strategy::Ring, _) => Arc::new(sp::RingAttention::new(group.clone(), sp::RingLayout::Contiguous)),
-        (Strategy::Hybrid { ulysses }, _) => Arc::new(sp::HybridAttention::new(group.clone(), ulysses)?),
-        (Strategy::Auto, _) => return Err(CompileError::Input("Auto must be resolved before building".into())),
+    let ring_layout = match resolved.layout {
+        SeqLayout::Contiguous => RingLayout::Contiguous,
+        SeqLayout::Zigzag | SeqLayout::HybridZigzag { .. } => RingLayout::Zigzag,
+    };
+    Ok(match resolved.strategy {
+        _ if group.size() == 1 => flash,
+        Strategy::Ulysses => Arc::new(UlyssesAttention::new(group.clone(), flash)),
+        Strategy::Ring => Arc::new(RingAttention::new(group.clone(), ring_layout)),
+        Strategy::Hybrid { ulysses } => Arc::new(HybridAttention::new(group.as_ref(), ulysses, ring_layout)?),
+        Strategy::Auto => return Err(CompileError::Input("Auto must be resolved before building".into())),
     })
 }
 
@@ -113,7 +126,9 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
     let mut compiled = Compiled { model, group: config.group, resolved, checkpoint: config.checkpoint };
     if let Checkpointing::Budget(bytes) = config.checkpoint {
         let n = config.seq_len.ok_or_else(|| {
-            CompileError::Input("a byte budget needs the sequence length it must fit: set CompileConfig::seq_len".into())
+            CompileError::Input(
+                "a byte budget needs the sequence length it must fit: set CompileConfig::seq_len".into(),
+            )
         })?;
         if regions == 0 {
             return Err(CompileError::Input("a byte budget needs blocks with checkpoint regions (RegionSlot)".into()));

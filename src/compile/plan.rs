@@ -73,7 +73,7 @@ pub struct Plan {
 impl<M: CausalLm> Compiled<M> {
     /// Probe lengths: two short sequences that fit the layout.
     fn probe_lengths(&self) -> (usize, usize) {
-        let n1 = self.layout().padded_len(64.max(16 * self.group.size()));
+        let n1 = self.padded_len(64.max(16 * self.group.size()));
         (n1, 2 * n1)
     }
 
@@ -192,7 +192,7 @@ impl<M: CausalLm> Compiled<M> {
         };
         let d = self.model.dims();
         let p = self.group.size();
-        let n_loc = self.layout().padded_len(n) as f64 / p as f64;
+        let n_loc = self.padded_len(n) as f64 / p as f64;
         let (dq, dkv) = ((d.heads * d.head_dim) as f64, (d.kv_heads * d.head_dim) as f64);
         let layer_params = d.hidden as f64 * (2.0 * dq + 2.0 * dkv) + 3.0 * (d.hidden * d.intermediate) as f64;
         let mut flops = Flops::default();
@@ -212,7 +212,8 @@ impl<M: CausalLm> Compiled<M> {
         let s = self.resolved.strategy;
         let elem = 4.0;
         let attn_comm = if p > 1 { 3.0 * comm_elems_per_layer(s, &d, n, p) * d.layers as f64 * elem } else { 0.0 };
-        let params: f64 = autosp_core::module::all_params(&self.model).iter().map(|x| x.tensor().elem_count() as f64).sum();
+        let params: f64 =
+            autosp_core::module::all_params(&self.model).iter().map(|x| x.tensor().elem_count() as f64).sum();
         let grad_comm = if p > 1 { 2.0 * (p as f64 - 1.0) / p as f64 * params * elem } else { 0.0 };
         Ok(Plan {
             n,

@@ -64,9 +64,9 @@ impl<M: CausalLm> Compiled<M> {
         if n < 2 {
             return Err(CompileError::Input(format!("a training sequence needs at least 2 tokens, got {n}")));
         }
-        let n_pad = self.layout().padded_len(n);
+        let n_pad = self.padded_len(n);
         let (ids, targets) = shift_and_pad(ids, labels, n_pad)?;
-        let positions = self.layout().positions(n_pad, self.group.rank());
+        let positions = self.positions(n_pad, self.group.rank())?;
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
         let ids_local = ids.index_select(&index, 1)?;
         let targets_local = targets.index_select(&index, 1)?.flatten_all()?;
@@ -132,19 +132,22 @@ impl<M: CausalLm> Compiled<M> {
     /// gathered back into sequence order on every rank.
     pub fn logits(&self, ids: &Tensor) -> Result<Tensor, CompileError> {
         let (b, n) = ids.dims2()?;
-        let n_pad = self.layout().padded_len(n);
+        let n_pad = self.padded_len(n);
         let ids = if n_pad > n {
             Tensor::cat(&[ids.to_dtype(DType::U32)?, Tensor::zeros((b, n_pad - n), DType::U32, ids.device())?], 1)?
         } else {
             ids.to_dtype(DType::U32)?
         };
-        let positions = self.layout().positions(n_pad, self.group.rank());
+        let positions = self.positions(n_pad, self.group.rank())?;
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
         let tape = Tape::inference();
         let local = self.model.logits(&tape, &ids.index_select(&index, 1)?, &positions)?.into_tensor();
         let gathered = self.group.all_gather(&local.contiguous()?, 1)?;
         // gathered[i] holds global position order[i]; invert that permutation.
-        let order: Vec<usize> = (0..self.group.size()).flat_map(|r| self.layout().positions(n_pad, r)).collect();
+        let mut order = Vec::with_capacity(n_pad);
+        for r in 0..self.group.size() {
+            order.extend(self.positions(n_pad, r)?);
+        }
         let mut inverse = vec![0u32; n_pad];
         for (i, &pos) in order.iter().enumerate() {
             inverse[pos] = i as u32;

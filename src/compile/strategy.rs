@@ -4,8 +4,8 @@
 use autosp_core::LmDims;
 
 use super::config::Strategy;
-use super::layout::SeqLayout;
 use super::CompileError;
+use autosp_kernels::SeqLayout;
 
 /// A concrete strategy with its layout and the reason it was chosen.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,11 +49,11 @@ pub fn comm_elems_per_layer(strategy: Strategy, d: &LmDims, n: usize, p: usize) 
 
 fn layout_for(strategy: Strategy, p: usize, causal: bool) -> SeqLayout {
     match strategy {
-        _ if p == 1 => SeqLayout::Whole,
-        Strategy::Ulysses | Strategy::Auto => SeqLayout::Contiguous { p },
-        Strategy::Ring if causal => SeqLayout::Zigzag { p },
-        Strategy::Ring => SeqLayout::Contiguous { p },
-        Strategy::Hybrid { ulysses } => SeqLayout::Hybrid { u: ulysses, ring: p / ulysses },
+        _ if p == 1 => SeqLayout::Contiguous,
+        Strategy::Ulysses | Strategy::Auto => SeqLayout::Contiguous,
+        Strategy::Ring if causal => SeqLayout::Zigzag,
+        Strategy::Hybrid { ulysses } if causal => SeqLayout::HybridZigzag { u: ulysses },
+        Strategy::Ring | Strategy::Hybrid { .. } => SeqLayout::Contiguous,
     }
 }
 
@@ -128,7 +128,10 @@ pub fn resolve(strategy: Strategy, d: &LmDims, p: usize, causal: bool) -> Result
                     ),
                 ));
             }
-            Ok(make(Strategy::Ring, format!("{} heads / {} kv heads do not split over any factor of P = {p}", d.heads, d.kv_heads)))
+            Ok(make(
+                Strategy::Ring,
+                format!("{} heads / {} kv heads do not split over any factor of P = {p}", d.heads, d.kv_heads),
+            ))
         }
     }
 }
@@ -150,14 +153,14 @@ mod tests {
 
     #[test]
     fn auto_and_errors() {
-        assert_eq!(resolve(Strategy::Auto, &dims(8, 4), 1, true).unwrap().layout, SeqLayout::Whole);
+        assert_eq!(resolve(Strategy::Auto, &dims(8, 4), 1, true).unwrap().layout, SeqLayout::Contiguous);
         assert_eq!(resolve(Strategy::Auto, &dims(8, 4), 4, true).unwrap().strategy, Strategy::Ulysses);
         // 6 heads over 4: Ulysses no; u = 2 fits.
         assert_eq!(resolve(Strategy::Auto, &dims(6, 2), 4, true).unwrap().strategy, Strategy::Hybrid { ulysses: 2 });
         assert_eq!(resolve(Strategy::Auto, &dims(5, 5), 4, true).unwrap().strategy, Strategy::Ring);
         let e = resolve(Strategy::Ulysses, &dims(6, 2), 4, true).unwrap_err().to_string();
         assert!(e.contains("P = 4") && e.contains("Hybrid"), "{e}");
-        assert_eq!(resolve(Strategy::Ring, &dims(6, 2), 4, true).unwrap().layout, SeqLayout::Zigzag { p: 4 });
+        assert_eq!(resolve(Strategy::Ring, &dims(6, 2), 4, true).unwrap().layout, SeqLayout::Zigzag);
         // kv heads fewer than P but dividing it: replicated.
         assert!(resolve(Strategy::Ulysses, &dims(8, 2), 4, true).is_ok());
     }
