@@ -50,7 +50,7 @@ pub enum Error {
 
     /// A collective failed (timeout, a rank that left, mismatched arguments).
     #[error(transparent)]
-    Comm(#[from] crate::comm::CommError),
+    Comm(Box<crate::comm::CommError>),
 
     /// An error from an op implemented outside autosp-core (a kernel), passed through.
     #[error(transparent)]
@@ -81,3 +81,9 @@ pub struct ShapeMismatch {
 
 /// The result type of autosp-core.
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<crate::comm::CommError> for Error {
+    fn from(e: crate::comm::CommError) -> Self {
+        Error::Comm(Box::new(e))
+    }
+}
