@@ -1,13 +1,13 @@
 //! Imports Llama-architecture GGUF files (llama.cpp): reads and dequantises every tensor with candle's
 //! GGUF reader (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q8_K), renames the tensors to HF
-//! names, undoes the Q/K row permutation, builds the [`LlamaConfig`] from the metadata and the tokenizer
-//! from `tokenizer.ggml.*`.
+//! names, undoes the Q/K row permutation and builds the [`LlamaConfig`] from the metadata; the tokenizer
+//! comes from `tokenizer.ggml.*` (see `gguf_tokenizer`).
 
 use crate::config::{LlamaConfig, ModelType, RopeScaling};
 use crate::error::{Error, Result};
 use crate::gguf_names::{hf_name, unpermute_rows};
+use crate::gguf_tokenizer::tokenizer_from_gguf;
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -18,7 +18,17 @@ pub struct GgufModel {
     pub config: LlamaConfig,
     /// HF name -> dequantised tensor, shapes as [`LlamaConfig::expected_tensors`].
     pub weights: HashMap<String, Tensor>,
-    pub tokenizer: Tokenizer,
+}
+
+/// The tokenizer of a GGUF file (see [`tokenizer_from_gguf`]); separate from [`import_gguf`] so a model
+/// whose tokenizer family is not supported still imports, with its tokenizer.json used instead.
+pub fn gguf_tokenizer(path: &Path) -> Result<Tokenizer> {
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let ct = Content::read(&mut file).map_err(|e| Error::Gguf {
+        path: path.into(),
+        message: e.to_string(),
+    })?;
+    tokenizer_from_gguf(&ct, path)
 }
 
 struct Meta<'a> {
@@ -185,13 +195,5 @@ pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufMod
             });
         }
     }
-    let tokenizer = Tokenizer::from_gguf(&ct).map_err(|e| Error::Tokenizer {
-        source_name: format!("{} (tokenizer.ggml.*)", path.display()),
-        message: e.to_string(),
-    })?;
-    Ok(GgufModel {
-        config,
-        weights,
-        tokenizer,
-    })
+    Ok(GgufModel { config, weights })
 }

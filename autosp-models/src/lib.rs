@@ -6,6 +6,7 @@ pub mod config;
 pub mod error;
 pub mod gguf;
 pub mod gguf_names;
+pub mod gguf_tokenizer;
 pub mod hub;
 pub mod rope;
 pub mod save;
@@ -15,7 +16,7 @@ pub mod weights;
 
 pub use config::{LlamaConfig, ModelType, RopeScaling};
 pub use error::{Error, Result};
-pub use gguf::{config_from_gguf, import_gguf, GgufModel};
+pub use gguf::{config_from_gguf, gguf_tokenizer, import_gguf, GgufModel};
 pub use hub::{resolve_model, HubOptions, ModelSpec, ResolvedModel};
 pub use rope::rope_inv_freq;
 pub use save::{save_model, SaveOptions};
