@@ -277,7 +277,8 @@ impl LlamaModel {
     }
 
     /// Logits of new tokens against a KV cache: `ids: [b, n]` u32 take positions `cache.len()..+n`;
-    /// their keys and values are appended to `cache`. Returns `[b, n, vocab]`.
+    /// their keys and values are appended to `cache`. Returns `[b, n, vocab]`. After an error the cache may
+    /// hold some layers' new rows and not others: [`clear`](KvCache::clear) it before reuse.
     pub fn forward_cached(&self, tape: &Tape, ids: &Tensor, cache: &mut KvCache) -> ModelResult<Value> {
         let (b, n) = self.check_ids(ids)?;
         cache.check(b, self.layers.0.len())?;
