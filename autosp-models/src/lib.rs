@@ -1,1 +1,27 @@
-//! autosp-models
+//! autosp-models: Llama-family checkpoints (llama, mistral, qwen2, SmolLM) for autosp: HF `config.json`,
+//! safetensors weights (single or sharded, memory-mapped), hub resolution (cache first, offline aware),
+//! HF-compatible saving, tiny random checkpoints, GGUF import and tokenizers.
+
+pub mod config;
+pub mod error;
+pub mod gguf;
+pub mod gguf_names;
+pub mod gguf_tokenizer;
+pub mod hub;
+pub mod llama;
+pub mod rope;
+pub mod save;
+pub mod tiny;
+pub mod tokenizer;
+pub mod weights;
+
+pub use config::{LlamaConfig, ModelType, RopeScaling};
+pub use error::{Error, Result};
+pub use gguf::{config_from_gguf, gguf_tokenizer, import_gguf, GgufModel};
+pub use hub::{resolve_model, HubOptions, ModelSpec, ResolvedModel};
+pub use llama::{GenerateConfig, Generation, KvCache, LlamaModel, ModelError, ModelResult, Sampling};
+pub use rope::rope_inv_freq;
+pub use save::{save_model, SaveOptions};
+pub use tiny::{random_weights, write_tiny, TinySpec};
+pub use tokenizer::{load_tokenizer, Tokenizer};
+pub use weights::{load_dir, load_weights, weight_files, WeightFiles};

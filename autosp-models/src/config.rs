@@ -1,0 +1,498 @@
+//! `LlamaConfig`: the architecture of a Llama-family model (llama, mistral, qwen2) read from an HF
+//! `config.json`, in both the older spelling (`rope_theta`, `rope_scaling`, `torch_dtype`) and the current
+//! one (`rope_parameters`, `dtype`); written back as a config.json HF transformers loads; and the list of
+//! HF tensor names and shapes the config implies.
+
+use crate::error::{Error, Result};
+use candle_core::DType;
+use serde_json::{json, Map, Value};
+use std::path::{Path, PathBuf};
+
+/// The model families that share the Llama layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelType {
+    /// Llama 2/3/3.x, SmolLM: optional q/k/v/o biases (`attention_bias`).
+    Llama,
+    /// Mistral: no biases; sliding window attention is not supported.
+    Mistral,
+    /// Qwen2: q/k/v always have biases, o_proj never.
+    Qwen2,
+}
+
+impl ModelType {
+    /// The `model_type` string of config.json.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ModelType::Llama => "llama",
+            ModelType::Mistral => "mistral",
+            ModelType::Qwen2 => "qwen2",
+        }
+    }
+
+    fn architecture(&self) -> &'static str {
+        match self {
+            ModelType::Llama => "LlamaForCausalLM",
+            ModelType::Mistral => "MistralForCausalLM",
+            ModelType::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+}
+
+/// RoPE frequency scaling, as HF transformers' `rope_scaling` / `rope_parameters`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Positions divided by `factor` (every inverse frequency divided by `factor`).
+    Linear { factor: f64 },
+    /// Llama 3.1 scaling: low frequencies divided by `factor`, high ones kept, a smooth blend between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+}
+
+/// The architecture of a Llama-family decoder.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    pub model_type: ModelType,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    /// Key/value heads (GQA when smaller than `num_attention_heads`, MQA when 1).
+    pub num_key_value_heads: usize,
+    /// Per-head dimension; `hidden_size / num_attention_heads` unless config.json gives `head_dim`.
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections have biases (always true for qwen2; for llama also the o_proj bias).
+    pub attention_bias: bool,
+    /// dtype the checkpoint was saved in (`torch_dtype` / `dtype`), if given.
+    pub torch_dtype: Option<DType>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_id: Option<u32>,
+}
+
+/// Reads a config field through the JSON object, recording which file it came from for errors.
+struct Fields<'a> {
+    obj: &'a Map<String, Value>,
+    path: &'a Path,
+}
+
+impl Fields<'_> {
+    fn get(&self, field: &str) -> Option<&Value> {
+        self.obj.get(field).filter(|v| !v.is_null())
+    }
+    fn invalid(&self, field: &str, v: &Value, reason: &str) -> Error {
+        Error::InvalidField {
+            path: self.path.to_path_buf(),
+            field: field.into(),
+            value: v.to_string(),
+            reason: reason.into(),
+        }
+    }
+    fn usize_opt(&self, field: &str) -> Result<Option<usize>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|x| Some(x as usize))
+                .ok_or_else(|| self.invalid(field, v, "expected a non-negative integer")),
+        }
+    }
+    fn usize(&self, field: &str) -> Result<usize> {
+        self.usize_opt(field)?.ok_or_else(|| Error::MissingField {
+            path: self.path.to_path_buf(),
+            field: field.into(),
+        })
+    }
+    fn f64_opt(&self, field: &str) -> Result<Option<f64>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.invalid(field, v, "expected a number")),
+        }
+    }
+    fn bool_opt(&self, field: &str) -> Result<Option<bool>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.invalid(field, v, "expected true or false")),
+        }
+    }
+    fn token_id(&self, field: &str) -> Result<Option<u32>> {
+        // eos_token_id may be a list (Llama 3 instruct); the first id is the primary one.
+        match self.get(field) {
+            None => Ok(None),
+            Some(Value::Array(a)) => Ok(a.first().and_then(|v| v.as_u64()).map(|x| x as u32)),
+            Some(v) => v
+                .as_u64()
+                .map(|x| Some(x as u32))
+                .ok_or_else(|| self.invalid(field, v, "expected a token id")),
+        }
+    }
+}
+
+fn parse_dtype(s: &str) -> Option<DType> {
+    match s.trim_start_matches("torch.") {
+        "float32" | "float" => Some(DType::F32),
+        "bfloat16" => Some(DType::BF16),
+        "float16" | "half" => Some(DType::F16),
+        _ => None,
+    }
+}
+
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    }
+}
+
+/// Parses `rope_scaling` (old) or `rope_parameters` (new) into the theta (new spelling only) and scaling.
+fn parse_rope(f: &Fields, field: &str, v: &Value) -> Result<(Option<f64>, Option<RopeScaling>)> {
+    let obj = v
+        .as_object()
+        .ok_or_else(|| f.invalid(field, v, "expected an object"))?;
+    let sub = Fields { obj, path: f.path };
+    let theta = sub.f64_opt("rope_theta")?;
+    let ty = sub
+        .get("rope_type")
+        .or_else(|| sub.get("type"))
+        .map(|t| t.as_str().unwrap_or("").to_string())
+        .unwrap_or_else(|| "default".to_string());
+    let need = |name: &str| -> Result<f64> {
+        sub.f64_opt(name)?.ok_or_else(|| Error::MissingField {
+            path: f.path.to_path_buf(),
+            field: format!("{field}.{name}"),
+        })
+    };
+    let scaling = match ty.as_str() {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear {
+            factor: need("factor")?,
+        }),
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: need("factor")?,
+            low_freq_factor: need("low_freq_factor")?,
+            high_freq_factor: need("high_freq_factor")?,
+            original_max_position_embeddings: need("original_max_position_embeddings")? as usize,
+        }),
+        other => {
+            return Err(Error::UnknownRopeType {
+                path: f.path.to_path_buf(),
+                field: field.into(),
+                rope_type: other.into(),
+            })
+        }
+    };
+    Ok((theta, scaling))
+}
+
+impl LlamaConfig {
+    /// Reads and validates `config.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::from_json_str(&text, path)
+    }
+
+    /// Parses config.json text; `path` is only used in error messages.
+    pub fn from_json_str(text: &str, path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let v: Value = serde_json::from_str(text).map_err(|e| Error::Json {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        let obj = v.as_object().ok_or_else(|| Error::Json {
+            path: path.to_path_buf(),
+            message: "the top level is not an object".into(),
+        })?;
+        Self::from_json_object(obj, path)
+    }
+
+    fn from_json_object(obj: &Map<String, Value>, path: &Path) -> Result<Self> {
+        let f = Fields { obj, path };
+        let model_type = match f.get("model_type").and_then(|v| v.as_str()) {
+            Some("llama") => ModelType::Llama,
+            Some("mistral") => ModelType::Mistral,
+            Some("qwen2") => ModelType::Qwen2,
+            Some(other) => {
+                return Err(Error::UnknownModelType {
+                    path: path.into(),
+                    model_type: other.into(),
+                })
+            }
+            None => {
+                return Err(Error::MissingField {
+                    path: path.into(),
+                    field: "model_type".into(),
+                })
+            }
+        };
+        let unsupported = |field: &str, v: &Value, reason: &str| Error::Unsupported {
+            path: path.into(),
+            field: field.into(),
+            value: v.to_string(),
+            reason: reason.into(),
+        };
+
+        let vocab_size = f.usize("vocab_size")?;
+        let hidden_size = f.usize("hidden_size")?;
+        let intermediate_size = f.usize("intermediate_size")?;
+        let num_hidden_layers = f.usize("num_hidden_layers")?;
+        let num_attention_heads = f.usize("num_attention_heads")?;
+        let num_key_value_heads = f
+            .usize_opt("num_key_value_heads")?
+            .unwrap_or(num_attention_heads);
+        if num_attention_heads == 0 || num_key_value_heads == 0 {
+            return Err(f.invalid(
+                "num_attention_heads",
+                &json!(num_attention_heads),
+                "head counts must be positive",
+            ));
+        }
+        if num_attention_heads % num_key_value_heads != 0 {
+            return Err(f.invalid(
+                "num_key_value_heads",
+                &json!(num_key_value_heads),
+                &format!("must divide num_attention_heads = {num_attention_heads}"),
+            ));
+        }
+        let head_dim = match f.usize_opt("head_dim")? {
+            Some(h) => h,
+            None => {
+                if hidden_size % num_attention_heads != 0 {
+                    return Err(f.invalid(
+                        "hidden_size",
+                        &json!(hidden_size),
+                        &format!("not divisible by num_attention_heads = {num_attention_heads}; give head_dim"),
+                    ));
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+        if head_dim % 2 != 0 {
+            return Err(f.invalid("head_dim", &json!(head_dim), "RoPE needs an even head_dim"));
+        }
+
+        // RoPE: new spelling `rope_parameters` (theta inside), old `rope_theta` + `rope_scaling`.
+        let mut rope_theta = f.f64_opt("rope_theta")?;
+        let mut rope_scaling = None;
+        for field in ["rope_scaling", "rope_parameters"] {
+            if let Some(v) = f.get(field) {
+                let (theta, scaling) = parse_rope(&f, field, v)?;
+                if theta.is_some() {
+                    rope_theta = theta;
+                }
+                if scaling.is_some() {
+                    rope_scaling = scaling;
+                }
+            }
+        }
+        let rope_theta = rope_theta.unwrap_or(10000.0);
+        if let Some(v) = f.get("partial_rotary_factor") {
+            if v.as_f64() != Some(1.0) {
+                return Err(unsupported(
+                    "partial_rotary_factor",
+                    v,
+                    "RoPE on part of the head is not implemented",
+                ));
+            }
+        }
+
+        if let Some(v) = f.get("hidden_act") {
+            if v.as_str() != Some("silu") {
+                return Err(unsupported("hidden_act", v, "only silu (SwiGLU) is implemented"));
+            }
+        }
+        if f.bool_opt("mlp_bias")? == Some(true) {
+            return Err(unsupported(
+                "mlp_bias",
+                &json!(true),
+                "MLP biases are not implemented",
+            ));
+        }
+
+        // Sliding window attention changes the maths and is not implemented: refuse it when active.
+        let max_position_embeddings = f.usize_opt("max_position_embeddings")?.unwrap_or(4096);
+        match model_type {
+            ModelType::Qwen2 => {
+                if f.bool_opt("use_sliding_window")? == Some(true) {
+                    return Err(unsupported(
+                        "use_sliding_window",
+                        &json!(true),
+                        "sliding window attention is not implemented; set use_sliding_window to false",
+                    ));
+                }
+                if let Some(Value::Array(types)) = f.get("layer_types") {
+                    if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
+                        return Err(unsupported(
+                            "layer_types",
+                            t,
+                            "only full_attention layers are implemented",
+                        ));
+                    }
+                }
+            }
+            ModelType::Mistral | ModelType::Llama => {
+                if let Some(w) = f.usize_opt("sliding_window")? {
+                    if w < max_position_embeddings {
+                        return Err(unsupported(
+                            "sliding_window",
+                            &json!(w),
+                            &format!("sliding window attention is not implemented and a window smaller than max_position_embeddings = {max_position_embeddings} would be active; set sliding_window to null"),
+                        ));
+                    }
+                }
+            }
+        }
+
+        let attention_bias = match model_type {
+            ModelType::Qwen2 => true,
+            ModelType::Mistral => false,
+            ModelType::Llama => f.bool_opt("attention_bias")?.unwrap_or(false),
+        };
+        let torch_dtype = match f.get("dtype").or_else(|| f.get("torch_dtype")) {
+            None => None,
+            Some(v) => Some(v.as_str().and_then(parse_dtype).ok_or_else(|| {
+                f.invalid("torch_dtype", v, "expected float32, bfloat16 or float16")
+            })?),
+        };
+
+        Ok(LlamaConfig {
+            model_type,
+            vocab_size,
+            hidden_size,
+            intermediate_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: f.f64_opt("rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings,
+            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            attention_bias,
+            torch_dtype,
+            bos_token_id: f.token_id("bos_token_id")?,
+            eos_token_id: f.token_id("eos_token_id")?,
+        })
+    }
+
+    /// True when o_proj has a bias (llama with attention_bias; never qwen2 or mistral).
+    pub fn o_proj_bias(&self) -> bool {
+        self.attention_bias && self.model_type == ModelType::Llama
+    }
+
+    /// config.json text HF transformers loads (both 4.x and 5.x): the older `rope_theta` / `rope_scaling`
+    /// / `torch_dtype` spelling, which current transformers still reads.
+    pub fn to_json(&self) -> String {
+        let mut m = Map::new();
+        m.insert("architectures".into(), json!([self.model_type.architecture()]));
+        m.insert("model_type".into(), json!(self.model_type.as_str()));
+        m.insert("vocab_size".into(), json!(self.vocab_size));
+        m.insert("hidden_size".into(), json!(self.hidden_size));
+        m.insert("intermediate_size".into(), json!(self.intermediate_size));
+        m.insert("num_hidden_layers".into(), json!(self.num_hidden_layers));
+        m.insert("num_attention_heads".into(), json!(self.num_attention_heads));
+        m.insert("num_key_value_heads".into(), json!(self.num_key_value_heads));
+        m.insert("head_dim".into(), json!(self.head_dim));
+        m.insert("hidden_act".into(), json!("silu"));
+        m.insert("rms_norm_eps".into(), json!(self.rms_norm_eps));
+        m.insert("rope_theta".into(), json!(self.rope_theta));
+        let scaling = match self.rope_scaling {
+            None => Value::Null,
+            Some(RopeScaling::Linear { factor }) => json!({"rope_type": "linear", "factor": factor}),
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
+            }),
+        };
+        m.insert("rope_scaling".into(), scaling);
+        m.insert(
+            "max_position_embeddings".into(),
+            json!(self.max_position_embeddings),
+        );
+        m.insert("tie_word_embeddings".into(), json!(self.tie_word_embeddings));
+        match self.model_type {
+            ModelType::Llama => {
+                m.insert("attention_bias".into(), json!(self.attention_bias));
+                m.insert("mlp_bias".into(), json!(false));
+            }
+            ModelType::Mistral => {
+                m.insert("sliding_window".into(), Value::Null);
+            }
+            ModelType::Qwen2 => {
+                m.insert("use_sliding_window".into(), json!(false));
+                m.insert("sliding_window".into(), Value::Null);
+            }
+        }
+        if let Some(d) = self.torch_dtype {
+            m.insert("torch_dtype".into(), json!(dtype_name(d)));
+        }
+        m.insert("bos_token_id".into(), json!(self.bos_token_id));
+        m.insert("eos_token_id".into(), json!(self.eos_token_id));
+        serde_json::to_string_pretty(&Value::Object(m)).expect("a JSON map always serialises")
+    }
+
+    /// Every HF tensor name of this model with its shape, in a fixed order (embedding, layers, norm, head).
+    ///
+    /// Shapes are PyTorch `nn.Linear` weights: `[out_features, in_features]`.
+    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, hd) = (self.hidden_size, self.head_dim);
+        let q = self.num_attention_heads * hd;
+        let kv = self.num_key_value_heads * hd;
+        let i = self.intermediate_size;
+        let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, h])];
+        for l in 0..self.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            t.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
+            t.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
+            t.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
+            t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+            if self.attention_bias {
+                t.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
+                t.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+                t.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+            }
+            if self.o_proj_bias() {
+                t.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
+            }
+            t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
+            t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+            t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+            t.push((format!("{p}.input_layernorm.weight"), vec![h]));
+            t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        }
+        t.push(("model.norm.weight".to_string(), vec![h]));
+        if !self.tie_word_embeddings {
+            t.push(("lm_head.weight".to_string(), vec![self.vocab_size, h]));
+        }
+        t
+    }
+
+    /// The path of `config.json` inside a model directory.
+    pub fn path_in(dir: &Path) -> PathBuf {
+        dir.join("config.json")
+    }
+}

@@ -1,0 +1,199 @@
+//! Imports Llama-architecture GGUF files (llama.cpp): reads and dequantises every tensor with candle's
+//! GGUF reader (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q8_K), renames the tensors to HF
+//! names, undoes the Q/K row permutation and builds the [`LlamaConfig`] from the metadata; the tokenizer
+//! comes from `tokenizer.ggml.*` (see `gguf_tokenizer`).
+
+use crate::config::{LlamaConfig, ModelType, RopeScaling};
+use crate::error::{Error, Result};
+use crate::gguf_names::{hf_name, unpermute_rows};
+use crate::gguf_tokenizer::tokenizer_from_gguf;
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use tokenizers::Tokenizer;
+
+/// A GGUF model converted to the HF layout.
+pub struct GgufModel {
+    pub config: LlamaConfig,
+    /// HF name -> dequantised tensor, shapes as [`LlamaConfig::expected_tensors`].
+    pub weights: HashMap<String, Tensor>,
+}
+
+/// The tokenizer of a GGUF file (see [`tokenizer_from_gguf`]); separate from [`import_gguf`] so a model
+/// whose tokenizer family is not supported still imports, with its tokenizer.json used instead.
+pub fn gguf_tokenizer(path: &Path) -> Result<Tokenizer> {
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let ct = Content::read(&mut file).map_err(|e| Error::Gguf {
+        path: path.into(),
+        message: e.to_string(),
+    })?;
+    tokenizer_from_gguf(&ct, path)
+}
+
+struct Meta<'a> {
+    ct: &'a Content,
+    path: PathBuf,
+}
+
+impl Meta<'_> {
+    fn err(&self, message: String) -> Error {
+        Error::Gguf {
+            path: self.path.clone(),
+            message,
+        }
+    }
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.ct.metadata.get(key)
+    }
+    fn num(&self, key: &str) -> Result<Option<f64>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let x = match v {
+            Value::U8(x) => *x as f64,
+            Value::I8(x) => *x as f64,
+            Value::U16(x) => *x as f64,
+            Value::I16(x) => *x as f64,
+            Value::U32(x) => *x as f64,
+            Value::I32(x) => *x as f64,
+            Value::U64(x) => *x as f64,
+            Value::I64(x) => *x as f64,
+            Value::F32(x) => *x as f64,
+            Value::F64(x) => *x,
+            other => return Err(self.err(format!("metadata `{key}` = {other:?} is not a number"))),
+        };
+        Ok(Some(x))
+    }
+    fn need(&self, key: &str) -> Result<f64> {
+        self.num(key)?
+            .ok_or_else(|| self.err(format!("metadata key `{key}` is missing")))
+    }
+    fn string(&self, key: &str) -> Option<String> {
+        self.get(key).and_then(|v| v.to_string().ok()).cloned()
+    }
+}
+
+/// Builds the config of a `general.architecture = llama` GGUF from its metadata.
+pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
+    let m = Meta {
+        ct,
+        path: path.into(),
+    };
+    let arch = m.string("general.architecture").unwrap_or_default();
+    if arch != "llama" {
+        return Err(m.err(format!(
+            "general.architecture is `{arch}`; only `llama` GGUF files are supported"
+        )));
+    }
+    if ct.tensor_infos.contains_key("rope_freqs.weight") {
+        return Err(m.err(
+            "tensor `rope_freqs.weight` (llama3 RoPE scaling stored as factors) is not supported; \
+             use the HF checkpoint"
+                .into(),
+        ));
+    }
+    let heads = m.need("llama.attention.head_count")? as usize;
+    let hidden = m.need("llama.embedding_length")? as usize;
+    let embd = ct
+        .tensor_infos
+        .get("token_embd.weight")
+        .ok_or_else(|| m.err("tensor `token_embd.weight` is missing".into()))?;
+    let vocab = match m.num("llama.vocab_size")? {
+        Some(v) => v as usize,
+        None => embd.shape.dims()[0],
+    };
+    let head_dim = match m.num("llama.attention.key_length")? {
+        Some(k) => k as usize,
+        None => match m.num("llama.rope.dimension_count")? {
+            Some(d) => d as usize,
+            None => hidden / heads,
+        },
+    };
+    let rope_scaling = match m.string("llama.rope.scaling.type").as_deref() {
+        None | Some("none") => None,
+        Some("linear") => Some(RopeScaling::Linear {
+            factor: m.need("llama.rope.scaling.factor")?,
+        }),
+        Some(other) => {
+            return Err(Error::UnknownRopeType {
+                path: path.into(),
+                field: "llama.rope.scaling.type".into(),
+                rope_type: other.into(),
+            })
+        }
+    };
+    let tok_id = |k: &str| -> Result<Option<u32>> { Ok(m.num(k)?.map(|x| x as u32)) };
+    Ok(LlamaConfig {
+        model_type: ModelType::Llama,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: m.need("llama.feed_forward_length")? as usize,
+        num_hidden_layers: m.need("llama.block_count")? as usize,
+        num_attention_heads: heads,
+        num_key_value_heads: m.num("llama.attention.head_count_kv")?.unwrap_or(heads as f64) as usize,
+        head_dim,
+        rms_norm_eps: m.need("llama.attention.layer_norm_rms_epsilon")?,
+        rope_theta: m.num("llama.rope.freq_base")?.unwrap_or(10000.0),
+        rope_scaling,
+        max_position_embeddings: m.num("llama.context_length")?.unwrap_or(4096.0) as usize,
+        tie_word_embeddings: !ct.tensor_infos.contains_key("output.weight"),
+        attention_bias: false,
+        torch_dtype: None,
+        bos_token_id: tok_id("tokenizer.ggml.bos_token_id")?,
+        eos_token_id: tok_id("tokenizer.ggml.eos_token_id")?,
+    })
+}
+
+/// Imports a Llama GGUF file: config, dequantised weights in `dtype` on `device`, tokenizer.
+pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufModel> {
+    let gguf_err = |e: candle_core::Error| Error::Gguf {
+        path: path.into(),
+        message: e.to_string(),
+    };
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let ct = Content::read(&mut file).map_err(gguf_err)?;
+    let config = config_from_gguf(&ct, path)?;
+    let expected: HashMap<String, Vec<usize>> = config.expected_tensors().into_iter().collect();
+
+    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
+    names.sort();
+    let mut weights = HashMap::new();
+    for gguf_name in names {
+        let hf = hf_name(gguf_name, config.num_attention_heads, config.num_key_value_heads)
+            .ok_or_else(|| Error::UnexpectedTensor {
+                name: gguf_name.clone(),
+                found: ct.tensor_infos[gguf_name].shape.dims().to_vec(),
+                path: path.into(),
+            })?;
+        let q = ct.tensor(&mut file, gguf_name, &Device::Cpu).map_err(gguf_err)?;
+        let mut t = q.dequantize(&Device::Cpu).map_err(gguf_err)?;
+        let shape = expected.get(&hf.name).ok_or_else(|| Error::UnexpectedTensor {
+            name: format!("{gguf_name} (HF {})", hf.name),
+            found: t.dims().to_vec(),
+            path: path.into(),
+        })?;
+        if t.dims() != shape.as_slice() {
+            return Err(Error::ShapeMismatch {
+                name: format!("{gguf_name} (HF {})", hf.name),
+                expected: shape.clone(),
+                found: t.dims().to_vec(),
+                path: path.into(),
+            });
+        }
+        if let Some(n_head) = hf.permuted_heads {
+            t = unpermute_rows(&t, n_head)?;
+        }
+        weights.insert(hf.name, t.to_dtype(dtype)?.to_device(device)?);
+    }
+    for (name, shape) in config.expected_tensors() {
+        if !weights.contains_key(&name) {
+            return Err(Error::MissingTensor {
+                name,
+                expected: shape,
+                path: path.into(),
+            });
+        }
+    }
+    Ok(GgufModel { config, weights })
+}

