@@ -5,13 +5,14 @@
 
 use std::sync::Arc;
 
+mod common;
+
 use autosp::compile::{compile, Checkpointing, CompileConfig, CompileError, Strategy};
 use autosp_core::comm::run_ranks;
 use autosp_core::gradcheck::probe;
-use autosp_core::module::{all_params, Module};
+use autosp_core::module::Module;
 use autosp_core::nn::{Embedding, Linear, RmsNorm};
 use autosp_core::ops::{self, AttentionSpec};
-use autosp_core::optim::{AdamW, AdamWConfig, Optimizer};
 use autosp_core::{AttentionSlot, CausalLm, CheckpointPolicy, LmDims, Param, RegionSlot, Result, Tape, Value};
 use candle_core::{DType, Device, Tensor};
 
@@ -168,97 +169,18 @@ impl CausalLm for Tiny {
     }
 }
 
-fn batch(n: usize) -> (Tensor, Tensor) {
-    let ids: Vec<u32> = (0..n as u32).map(|i| (i * 17 + 5) % VOCAB as u32).collect();
-    // Ignored labels spread unevenly: a block at the start and a few scattered ones.
-    let labels: Vec<i64> =
-        ids.iter().enumerate().map(|(i, &x)| if i < 5 || i % 7 == 3 { -100 } else { x as i64 }).collect();
-    (Tensor::from_vec(ids, (1, n), &Device::Cpu).unwrap(), Tensor::from_vec(labels, (1, n), &Device::Cpu).unwrap())
-}
-
-/// Loss, gradients (model order) and parameters after one AdamW step.
-type Outcome = (f64, Vec<Vec<f32>>, Vec<Vec<f32>>);
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
-}
-
-/// The uncompiled model trained on one rank, its own way.
-fn reference(kv: usize, n: usize) -> Outcome {
-    let model = Tiny::new(kv);
-    let (ids, labels) = batch(n);
-    let labels = labels.to_vec2::<i64>().unwrap().remove(0);
-    let mut targets: Vec<i64> = labels[1..].to_vec();
-    targets.push(-100);
-    let targets = Tensor::from_vec(targets, n, &Device::Cpu).unwrap();
-    let tape = Tape::new(CheckpointPolicy::None);
-    let positions: Vec<usize> = (0..n).collect();
-    let (sum, count) = model.loss(&tape, &ids, &positions, &targets).unwrap();
-    let loss = ops::scale(&tape, &sum, 1.0 / count as f64).unwrap();
-    tape.backward(&loss).unwrap();
-    let grads = tape.param_grads();
-    let params = all_params(&model);
-    let g: Vec<Vec<f32>> = params.iter().map(|p| flat(grads.get(p).unwrap())).collect();
-    AdamW::new(AdamWConfig::default()).unwrap().step(&params, &grads, 1e-2).unwrap();
-    let l = loss.tensor().to_scalar::<f32>().unwrap() as f64;
-    (l, g, params.iter().map(|p| flat(&p.tensor())).collect())
-}
-
-fn compiled(p: usize, kv: usize, n: usize, strategy: Strategy, policy: CheckpointPolicy) -> Outcome {
-    let out = run_ranks(p, std::time::Duration::from_secs(30), move |pg| {
-        let cfg = CompileConfig::new(pg, strategy, Checkpointing::Policy(policy));
-        let c = compile(Tiny::new(kv), cfg).map_err(|e| e.to_string())?;
-        let (ids, labels) = batch(n);
-        let step = c.train_step(&ids, Some(&labels)).map_err(|e| e.to_string())?;
-        let params = c.params();
-        let g: Vec<Vec<f32>> = params.iter().map(|p| flat(step.grads.get(p).unwrap())).collect();
-        AdamW::new(AdamWConfig::default()).unwrap().step(&params, &step.grads, 1e-2).unwrap();
-        Ok::<Outcome, String>((step.loss, g, params.iter().map(|p| flat(&p.tensor())).collect()))
-    });
-    let mut results: Vec<Outcome> = out.into_iter().map(|r| r.expect("rank failed").expect("step failed")).collect();
-    let first = results.remove(0);
-    for other in results {
-        assert_eq!(other.1, first.1, "every rank must hold the same gradients");
-        assert_eq!(other.2, first.2, "every rank must hold the same parameters");
-    }
-    first
-}
-
-fn rel(a: &[f32], b: &[f32]) -> f64 {
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12) as f64;
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max) / scale
-}
-
-fn assert_close(what: &str, got: &Outcome, want: &Outcome, tol: f64) {
-    assert!((got.0 - want.0).abs() <= tol * want.0.abs(), "{what}: loss {} vs {}", got.0, want.0);
-    for (i, (g, w)) in got.1.iter().zip(&want.1).enumerate() {
-        assert!(rel(g, w) <= tol, "{what}: gradient {i} off by {:e}", rel(g, w));
-    }
-    for (i, (g, w)) in got.2.iter().zip(&want.2).enumerate() {
-        assert!(rel(g, w) <= tol, "{what}: parameter {i} after AdamW off by {:e}", rel(g, w));
-    }
-}
-
 #[test]
 fn compiled_custom_model_matches_single_rank() {
     // n = 45: not divisible by P or 2P, so every layout pads.
     let n = 45;
     for kv in [2, 1] {
-        let want = reference(kv, n);
+        let want = common::reference(Tiny::new(kv), n);
         for p in [1, 2, 4] {
-            let strategies: &[Strategy] = if p == 4 {
-                &[Strategy::Ulysses, Strategy::Ring, Strategy::Hybrid { ulysses: 2 }, Strategy::Auto]
-            } else {
-                &[Strategy::Ulysses, Strategy::Ring, Strategy::Auto]
-            };
-            for &s in strategies {
+            for s in common::strategies(p) {
                 for policy in [CheckpointPolicy::None, CheckpointPolicy::Full, CheckpointPolicy::SequenceAware] {
-                    let got = compiled(p, kv, n, s, policy);
-                    let tol = match s {
-                        Strategy::Ring | Strategy::Hybrid { .. } => 1e-5 * p as f64,
-                        _ => 1e-5,
-                    };
-                    assert_close(&format!("P={p} kv={kv} {s:?} {policy:?}"), &got, &want, tol);
+                    let got = common::compiled(move || Tiny::new(kv), p, n, s, policy);
+                    let what = format!("P={p} kv={kv} {s:?} {policy:?}");
+                    common::assert_close(&what, &got, &want, common::tolerance(s, p));
                 }
             }
         }

@@ -44,12 +44,7 @@ pub enum RopeScaling {
     /// Positions divided by `factor` (every inverse frequency divided by `factor`).
     Linear { factor: f64 },
     /// Llama 3.1 scaling: low frequencies divided by `factor`, high ones kept, a smooth blend between.
-    Llama3 {
-        factor: f64,
-        low_freq_factor: f64,
-        high_freq_factor: f64,
-        original_max_position_embeddings: usize,
-    },
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
 }
 
 /// The architecture of a Llama-family decoder.
@@ -106,27 +101,18 @@ impl Fields<'_> {
         }
     }
     fn usize(&self, field: &str) -> Result<usize> {
-        self.usize_opt(field)?.ok_or_else(|| Error::MissingField {
-            path: self.path.to_path_buf(),
-            field: field.into(),
-        })
+        self.usize_opt(field)?.ok_or_else(|| Error::MissingField { path: self.path.to_path_buf(), field: field.into() })
     }
     fn f64_opt(&self, field: &str) -> Result<Option<f64>> {
         match self.get(field) {
             None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| self.invalid(field, v, "expected a number")),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.invalid(field, v, "expected a number")),
         }
     }
     fn bool_opt(&self, field: &str) -> Result<Option<bool>> {
         match self.get(field) {
             None => Ok(None),
-            Some(v) => v
-                .as_bool()
-                .map(Some)
-                .ok_or_else(|| self.invalid(field, v, "expected true or false")),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.invalid(field, v, "expected true or false")),
         }
     }
     fn token_id(&self, field: &str) -> Result<Option<u32>> {
@@ -134,10 +120,7 @@ impl Fields<'_> {
         match self.get(field) {
             None => Ok(None),
             Some(Value::Array(a)) => Ok(a.first().and_then(|v| v.as_u64()).map(|x| x as u32)),
-            Some(v) => v
-                .as_u64()
-                .map(|x| Some(x as u32))
-                .ok_or_else(|| self.invalid(field, v, "expected a token id")),
+            Some(v) => v.as_u64().map(|x| Some(x as u32)).ok_or_else(|| self.invalid(field, v, "expected a token id")),
         }
     }
 }
@@ -161,9 +144,7 @@ fn dtype_name(d: DType) -> &'static str {
 
 /// Parses `rope_scaling` (old) or `rope_parameters` (new) into the theta (new spelling only) and scaling.
 fn parse_rope(f: &Fields, field: &str, v: &Value) -> Result<(Option<f64>, Option<RopeScaling>)> {
-    let obj = v
-        .as_object()
-        .ok_or_else(|| f.invalid(field, v, "expected an object"))?;
+    let obj = v.as_object().ok_or_else(|| f.invalid(field, v, "expected an object"))?;
     let sub = Fields { obj, path: f.path };
     let theta = sub.f64_opt("rope_theta")?;
     let ty = sub
@@ -172,16 +153,12 @@ fn parse_rope(f: &Fields, field: &str, v: &Value) -> Result<(Option<f64>, Option
         .map(|t| t.as_str().unwrap_or("").to_string())
         .unwrap_or_else(|| "default".to_string());
     let need = |name: &str| -> Result<f64> {
-        sub.f64_opt(name)?.ok_or_else(|| Error::MissingField {
-            path: f.path.to_path_buf(),
-            field: format!("{field}.{name}"),
-        })
+        sub.f64_opt(name)?
+            .ok_or_else(|| Error::MissingField { path: f.path.to_path_buf(), field: format!("{field}.{name}") })
     };
     let scaling = match ty.as_str() {
         "default" => None,
-        "linear" => Some(RopeScaling::Linear {
-            factor: need("factor")?,
-        }),
+        "linear" => Some(RopeScaling::Linear { factor: need("factor")? }),
         "llama3" => Some(RopeScaling::Llama3 {
             factor: need("factor")?,
             low_freq_factor: need("low_freq_factor")?,
@@ -210,10 +187,8 @@ impl LlamaConfig {
     /// Parses config.json text; `path` is only used in error messages.
     pub fn from_json_str(text: &str, path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let v: Value = serde_json::from_str(text).map_err(|e| Error::Json {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| Error::Json { path: path.to_path_buf(), message: e.to_string() })?;
         let obj = v.as_object().ok_or_else(|| Error::Json {
             path: path.to_path_buf(),
             message: "the top level is not an object".into(),
@@ -227,18 +202,8 @@ impl LlamaConfig {
             Some("llama") => ModelType::Llama,
             Some("mistral") => ModelType::Mistral,
             Some("qwen2") => ModelType::Qwen2,
-            Some(other) => {
-                return Err(Error::UnknownModelType {
-                    path: path.into(),
-                    model_type: other.into(),
-                })
-            }
-            None => {
-                return Err(Error::MissingField {
-                    path: path.into(),
-                    field: "model_type".into(),
-                })
-            }
+            Some(other) => return Err(Error::UnknownModelType { path: path.into(), model_type: other.into() }),
+            None => return Err(Error::MissingField { path: path.into(), field: "model_type".into() }),
         };
         let unsupported = |field: &str, v: &Value, reason: &str| Error::Unsupported {
             path: path.into(),
@@ -252,15 +217,9 @@ impl LlamaConfig {
         let intermediate_size = f.usize("intermediate_size")?;
         let num_hidden_layers = f.usize("num_hidden_layers")?;
         let num_attention_heads = f.usize("num_attention_heads")?;
-        let num_key_value_heads = f
-            .usize_opt("num_key_value_heads")?
-            .unwrap_or(num_attention_heads);
+        let num_key_value_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(num_attention_heads);
         if num_attention_heads == 0 || num_key_value_heads == 0 {
-            return Err(f.invalid(
-                "num_attention_heads",
-                &json!(num_attention_heads),
-                "head counts must be positive",
-            ));
+            return Err(f.invalid("num_attention_heads", &json!(num_attention_heads), "head counts must be positive"));
         }
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(f.invalid(
@@ -303,11 +262,7 @@ impl LlamaConfig {
         let rope_theta = rope_theta.unwrap_or(10000.0);
         if let Some(v) = f.get("partial_rotary_factor") {
             if v.as_f64() != Some(1.0) {
-                return Err(unsupported(
-                    "partial_rotary_factor",
-                    v,
-                    "RoPE on part of the head is not implemented",
-                ));
+                return Err(unsupported("partial_rotary_factor", v, "RoPE on part of the head is not implemented"));
             }
         }
 
@@ -317,11 +272,7 @@ impl LlamaConfig {
             }
         }
         if f.bool_opt("mlp_bias")? == Some(true) {
-            return Err(unsupported(
-                "mlp_bias",
-                &json!(true),
-                "MLP biases are not implemented",
-            ));
+            return Err(unsupported("mlp_bias", &json!(true), "MLP biases are not implemented"));
         }
 
         // Sliding window attention changes the maths and is not implemented: refuse it when active.
@@ -337,11 +288,7 @@ impl LlamaConfig {
                 }
                 if let Some(Value::Array(types)) = f.get("layer_types") {
                     if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
-                        return Err(unsupported(
-                            "layer_types",
-                            t,
-                            "only full_attention layers are implemented",
-                        ));
+                        return Err(unsupported("layer_types", t, "only full_attention layers are implemented"));
                     }
                 }
             }
@@ -365,9 +312,11 @@ impl LlamaConfig {
         };
         let torch_dtype = match f.get("dtype").or_else(|| f.get("torch_dtype")) {
             None => None,
-            Some(v) => Some(v.as_str().and_then(parse_dtype).ok_or_else(|| {
-                f.invalid("torch_dtype", v, "expected float32, bfloat16 or float16")
-            })?),
+            Some(v) => Some(
+                v.as_str()
+                    .and_then(parse_dtype)
+                    .ok_or_else(|| f.invalid("torch_dtype", v, "expected float32, bfloat16 or float16"))?,
+            ),
         };
 
         Ok(LlamaConfig {
@@ -429,10 +378,7 @@ impl LlamaConfig {
             }),
         };
         m.insert("rope_scaling".into(), scaling);
-        m.insert(
-            "max_position_embeddings".into(),
-            json!(self.max_position_embeddings),
-        );
+        m.insert("max_position_embeddings".into(), json!(self.max_position_embeddings));
         m.insert("tie_word_embeddings".into(), json!(self.tie_word_embeddings));
         match self.model_type {
             ModelType::Llama => {

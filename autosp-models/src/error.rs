@@ -20,27 +20,13 @@ pub enum Error {
     MissingField { path: PathBuf, field: String },
     /// A config field has a value that is malformed or inconsistent with the others.
     #[error("{path}: config field `{field}` = {value}: {reason}")]
-    InvalidField {
-        path: PathBuf,
-        field: String,
-        value: String,
-        reason: String,
-    },
+    InvalidField { path: PathBuf, field: String, value: String, reason: String },
     /// A config field that changes the maths and that autosp does not implement.
     #[error("{path}: config field `{field}` = {value} is not supported: {reason}")]
-    Unsupported {
-        path: PathBuf,
-        field: String,
-        value: String,
-        reason: String,
-    },
+    Unsupported { path: PathBuf, field: String, value: String, reason: String },
     /// A rope_scaling / rope_parameters type other than default, linear and llama3.
     #[error("{path}: unknown rope type `{rope_type}` in `{field}`; supported: default, linear, llama3")]
-    UnknownRopeType {
-        path: PathBuf,
-        field: String,
-        rope_type: String,
-    },
+    UnknownRopeType { path: PathBuf, field: String, rope_type: String },
     /// The model_type is not one of the Llama family.
     #[error("{path}: model_type `{model_type}` is not supported; supported: llama, mistral, qwen2")]
     UnknownModelType { path: PathBuf, model_type: String },
@@ -49,55 +35,25 @@ pub enum Error {
     Safetensors { path: PathBuf, message: String },
     /// A tensor the config needs is in no weight file.
     #[error("tensor `{name}` (expected shape {expected:?}) is missing from {path}")]
-    MissingTensor {
-        name: String,
-        expected: Vec<usize>,
-        path: PathBuf,
-    },
+    MissingTensor { name: String, expected: Vec<usize>, path: PathBuf },
     /// A weight file holds a tensor the config does not describe.
     #[error("tensor `{name}` (shape {found:?}) in {path} is not part of this model's config; the config and weights disagree")]
-    UnexpectedTensor {
-        name: String,
-        found: Vec<usize>,
-        path: PathBuf,
-    },
+    UnexpectedTensor { name: String, found: Vec<usize>, path: PathBuf },
     /// A tensor has a different shape from the one the config implies.
     #[error("tensor `{name}` in {path} has shape {found:?}, the config expects {expected:?}")]
-    ShapeMismatch {
-        name: String,
-        expected: Vec<usize>,
-        found: Vec<usize>,
-        path: PathBuf,
-    },
+    ShapeMismatch { name: String, expected: Vec<usize>, found: Vec<usize>, path: PathBuf },
     /// A tensor is stored in a dtype other than f32, bf16, f16.
     #[error("tensor `{name}` in {path} has dtype {dtype}; only F32, BF16 and F16 weights are supported")]
-    UnsupportedDtype {
-        name: String,
-        dtype: String,
-        path: PathBuf,
-    },
+    UnsupportedDtype { name: String, dtype: String, path: PathBuf },
     /// The sharded index names a shard file that is not there.
     #[error("shard `{shard}` named in {index} is missing (looked for {path})")]
-    MissingShard {
-        shard: String,
-        index: PathBuf,
-        path: PathBuf,
-    },
+    MissingShard { shard: String, index: PathBuf, path: PathBuf },
     /// A model string resolved to nothing: files missing locally and from the hub cache.
     #[error("model `{model}`: missing {missing:?}; looked in {looked_in}{hint}")]
-    NotFound {
-        model: String,
-        missing: Vec<String>,
-        looked_in: String,
-        hint: String,
-    },
+    NotFound { model: String, missing: Vec<String>, looked_in: String, hint: String },
     /// The hub could be reached but a download failed.
     #[error("model `{model}`: downloading `{file}` from the hub failed: {message}")]
-    Hub {
-        model: String,
-        file: String,
-        message: String,
-    },
+    Hub { model: String, file: String, message: String },
     /// A GGUF file is malformed or is not a Llama-architecture model.
     #[error("{path}: GGUF: {message}")]
     Gguf { path: PathBuf, message: String },
@@ -115,9 +71,6 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     /// Wraps an io error with the path it concerns.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.into(),
-            source,
-        }
+        Error::Io { path: path.into(), source }
     }
 }

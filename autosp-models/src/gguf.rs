@@ -24,10 +24,7 @@ pub struct GgufModel {
 /// whose tokenizer family is not supported still imports, with its tokenizer.json used instead.
 pub fn gguf_tokenizer(path: &Path) -> Result<Tokenizer> {
     let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let ct = Content::read(&mut file).map_err(|e| Error::Gguf {
-        path: path.into(),
-        message: e.to_string(),
-    })?;
+    let ct = Content::read(&mut file).map_err(|e| Error::Gguf { path: path.into(), message: e.to_string() })?;
     tokenizer_from_gguf(&ct, path)
 }
 
@@ -38,10 +35,7 @@ struct Meta<'a> {
 
 impl Meta<'_> {
     fn err(&self, message: String) -> Error {
-        Error::Gguf {
-            path: self.path.clone(),
-            message,
-        }
+        Error::Gguf { path: self.path.clone(), message }
     }
     fn get(&self, key: &str) -> Option<&Value> {
         self.ct.metadata.get(key)
@@ -66,8 +60,7 @@ impl Meta<'_> {
         Ok(Some(x))
     }
     fn need(&self, key: &str) -> Result<f64> {
-        self.num(key)?
-            .ok_or_else(|| self.err(format!("metadata key `{key}` is missing")))
+        self.num(key)?.ok_or_else(|| self.err(format!("metadata key `{key}` is missing")))
     }
     fn string(&self, key: &str) -> Option<String> {
         self.get(key).and_then(|v| v.to_string().ok()).cloned()
@@ -76,15 +69,10 @@ impl Meta<'_> {
 
 /// Builds the config of a `general.architecture = llama` GGUF from its metadata.
 pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
-    let m = Meta {
-        ct,
-        path: path.into(),
-    };
+    let m = Meta { ct, path: path.into() };
     let arch = m.string("general.architecture").unwrap_or_default();
     if arch != "llama" {
-        return Err(m.err(format!(
-            "general.architecture is `{arch}`; only `llama` GGUF files are supported"
-        )));
+        return Err(m.err(format!("general.architecture is `{arch}`; only `llama` GGUF files are supported")));
     }
     if ct.tensor_infos.contains_key("rope_freqs.weight") {
         return Err(m.err(
@@ -112,9 +100,7 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
     };
     let rope_scaling = match m.string("llama.rope.scaling.type").as_deref() {
         None | Some("none") => None,
-        Some("linear") => Some(RopeScaling::Linear {
-            factor: m.need("llama.rope.scaling.factor")?,
-        }),
+        Some("linear") => Some(RopeScaling::Linear { factor: m.need("llama.rope.scaling.factor")? }),
         Some(other) => {
             return Err(Error::UnknownRopeType {
                 path: path.into(),
@@ -147,10 +133,7 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
 
 /// Imports a Llama GGUF file: config, dequantised weights in `dtype` on `device`, tokenizer.
 pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufModel> {
-    let gguf_err = |e: candle_core::Error| Error::Gguf {
-        path: path.into(),
-        message: e.to_string(),
-    };
+    let gguf_err = |e: candle_core::Error| Error::Gguf { path: path.into(), message: e.to_string() };
     let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let ct = Content::read(&mut file).map_err(gguf_err)?;
     let config = config_from_gguf(&ct, path)?;
@@ -160,12 +143,13 @@ pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufMod
     names.sort();
     let mut weights = HashMap::new();
     for gguf_name in names {
-        let hf = hf_name(gguf_name, config.num_attention_heads, config.num_key_value_heads)
-            .ok_or_else(|| Error::UnexpectedTensor {
+        let hf = hf_name(gguf_name, config.num_attention_heads, config.num_key_value_heads).ok_or_else(|| {
+            Error::UnexpectedTensor {
                 name: gguf_name.clone(),
                 found: ct.tensor_infos[gguf_name].shape.dims().to_vec(),
                 path: path.into(),
-            })?;
+            }
+        })?;
         let q = ct.tensor(&mut file, gguf_name, &Device::Cpu).map_err(gguf_err)?;
         let mut t = q.dequantize(&Device::Cpu).map_err(gguf_err)?;
         let shape = expected.get(&hf.name).ok_or_else(|| Error::UnexpectedTensor {
@@ -188,11 +172,7 @@ pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufMod
     }
     for (name, shape) in config.expected_tensors() {
         if !weights.contains_key(&name) {
-            return Err(Error::MissingTensor {
-                name,
-                expected: shape,
-                path: path.into(),
-            });
+            return Err(Error::MissingTensor { name, expected: shape, path: path.into() });
         }
     }
     Ok(GgufModel { config, weights })

@@ -14,12 +14,7 @@ pub struct HfName {
 
 /// The HF name of llama.cpp tensor `gguf`, or `None` for a name the Llama layout does not have.
 pub fn hf_name(gguf: &str, heads: usize, kv_heads: usize) -> Option<HfName> {
-    let plain = |s: &str| {
-        Some(HfName {
-            name: s.to_string(),
-            permuted_heads: None,
-        })
-    };
+    let plain = |s: &str| Some(HfName { name: s.to_string(), permuted_heads: None });
     match gguf {
         "token_embd.weight" => return plain("model.embed_tokens.weight"),
         "output_norm.weight" => return plain("model.norm.weight"),
@@ -42,10 +37,7 @@ pub fn hf_name(gguf: &str, heads: usize, kv_heads: usize) -> Option<HfName> {
         "ffn_norm.weight" => (format!("{p}.post_attention_layernorm.weight"), None),
         _ => return None,
     };
-    Some(HfName {
-        name: hf,
-        permuted_heads,
-    })
+    Some(HfName { name: hf, permuted_heads })
 }
 
 /// Undoes convert_hf_to_gguf.py's `permute(w, n_head)`, which is
@@ -56,10 +48,7 @@ pub fn hf_name(gguf: &str, heads: usize, kv_heads: usize) -> Option<HfName> {
 pub fn unpermute_rows(w: &Tensor, n_head: usize) -> Result<Tensor> {
     let (rows, cols) = w.dims2()?;
     let half = rows / n_head / 2;
-    Ok(w.reshape((n_head, half, 2, cols))?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape((rows, cols))?)
+    Ok(w.reshape((n_head, half, 2, cols))?.transpose(1, 2)?.contiguous()?.reshape((rows, cols))?)
 }
 
 #[cfg(test)]

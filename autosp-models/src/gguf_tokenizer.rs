@@ -15,10 +15,8 @@ use tokenizers::{PreTokenizerWrapper, Tokenizer};
 /// Builds the tokenizer of GGUF `ct` (read from `path`, named in errors). Supports `tokenizer.ggml.model
 /// = gpt2` (byte-level BPE) with pre-tokenizer families gpt2, smollm, llama3 / smaug-bpe, qwen2.
 pub fn tokenizer_from_gguf(ct: &Content, path: &Path) -> Result<Tokenizer> {
-    let err = |message: String| Error::Tokenizer {
-        source_name: format!("{} (tokenizer.ggml.*)", path.display()),
-        message,
-    };
+    let err =
+        |message: String| Error::Tokenizer { source_name: format!("{} (tokenizer.ggml.*)", path.display()), message };
     let pre = ct
         .metadata
         .get("tokenizer.ggml.pre")

@@ -48,16 +48,9 @@ pub fn parse_model_spec(model: &str) -> Result<ModelSpec> {
         None => (model, "main"),
     };
     let parts: Vec<&str> = repo.split('/').collect();
-    let valid = |s: &str| {
-        !s.is_empty()
-            && s.chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-    };
+    let valid = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
     if parts.len() == 2 && parts.iter().all(|s| valid(s)) && !revision.is_empty() {
-        return Ok(ModelSpec::Hub {
-            repo: repo.to_string(),
-            revision: revision.to_string(),
-        });
+        return Ok(ModelSpec::Hub { repo: repo.to_string(), revision: revision.to_string() });
     }
     Err(Error::NotFound {
         model: model.into(),
@@ -108,11 +101,7 @@ fn resolve_local(dir: &Path) -> Result<ResolvedModel> {
     }
     let weights = crate::weights::weight_files(dir)?;
     let tok = dir.join("tokenizer.json");
-    Ok(ResolvedModel {
-        config,
-        weights,
-        tokenizer: tok.is_file().then_some(tok),
-    })
+    Ok(ResolvedModel { config, weights, tokenizer: tok.is_file().then_some(tok) })
 }
 
 /// One hub repo at one revision: cache lookups, then downloads when online.
@@ -128,19 +117,11 @@ struct HubRepo {
 
 impl HubRepo {
     fn new(model: &str, repo: &str, revision: &str, root: PathBuf, offline: bool) -> Self {
-        HubRepo {
-            model: model.into(),
-            repo: repo.into(),
-            revision: revision.into(),
-            root,
-            offline,
-            unreachable: None,
-        }
+        HubRepo { model: model.into(), repo: repo.into(), revision: revision.into(), root, offline, unreachable: None }
     }
 
     fn repo_dir(&self) -> PathBuf {
-        self.root
-            .join(format!("models--{}", self.repo.replace('/', "--")))
+        self.root.join(format!("models--{}", self.repo.replace('/', "--")))
     }
 
     /// The snapshot folder of the revision: `refs/<revision>` names the commit; a full commit hash is
@@ -169,16 +150,8 @@ impl HubRepo {
         let api = hf_hub::api::sync::ApiBuilder::from_cache(hf_hub::Cache::new(self.root.clone()))
             .with_progress(false)
             .build()
-            .map_err(|e| Error::Hub {
-                model: self.model.clone(),
-                file: file.into(),
-                message: e.to_string(),
-            })?;
-        let repo = hf_hub::Repo::with_revision(
-            self.repo.clone(),
-            hf_hub::RepoType::Model,
-            self.revision.clone(),
-        );
+            .map_err(|e| Error::Hub { model: self.model.clone(), file: file.into(), message: e.to_string() })?;
+        let repo = hf_hub::Repo::with_revision(self.repo.clone(), hf_hub::RepoType::Model, self.revision.clone());
         match api.repo(repo).get(file) {
             Ok(p) => Ok(Some(p)),
             Err(hf_hub::api::sync::ApiError::RequestError(e)) => match *e {
@@ -243,11 +216,7 @@ impl HubRepo {
         match (config, weights) {
             (Some(config), Some(weights)) => {
                 let tokenizer = self.get("tokenizer.json")?;
-                Ok(ResolvedModel {
-                    config,
-                    weights,
-                    tokenizer,
-                })
+                Ok(ResolvedModel { config, weights, tokenizer })
             }
             _ => Err(self.miss(missing)),
         }

@@ -9,18 +9,11 @@ use crate::config::{LlamaConfig, RopeScaling};
 ///
 /// Computed in f64 and returned in f64; transformers computes in f32, so the two agree to f32 rounding.
 pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<&RopeScaling>) -> Vec<f64> {
-    let base: Vec<f64> = (0..head_dim / 2)
-        .map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64))
-        .collect();
+    let base: Vec<f64> = (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64)).collect();
     match scaling {
         None => base,
         Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / factor).collect(),
-        Some(&RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        }) => {
+        Some(&RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
             let old_len = original_max_position_embeddings as f64;
             let low_freq_wavelen = old_len / low_freq_factor;
             let high_freq_wavelen = old_len / high_freq_factor;
@@ -35,8 +28,7 @@ pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<&RopeScaling>)
                         f
                     } else {
                         // In between: blend the scaled and unscaled frequency.
-                        let smooth = (old_len / wavelen - low_freq_factor)
-                            / (high_freq_factor - low_freq_factor);
+                        let smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                         (1.0 - smooth) * f / factor + smooth * f
                     }
                 })

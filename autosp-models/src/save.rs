@@ -21,10 +21,7 @@ pub struct SaveOptions {
 
 impl Default for SaveOptions {
     fn default() -> Self {
-        SaveOptions {
-            dtype: None,
-            max_shard_bytes: 5_000_000_000,
-        }
+        SaveOptions { dtype: None, max_shard_bytes: 5_000_000_000 }
     }
 }
 
@@ -90,21 +87,11 @@ pub fn save_model(
     replace_dir(&tmp, dir)
 }
 
-fn check_weights(
-    dir: &Path,
-    expected: &[(String, Vec<usize>)],
-    weights: &HashMap<String, Tensor>,
-) -> Result<()> {
+fn check_weights(dir: &Path, expected: &[(String, Vec<usize>)], weights: &HashMap<String, Tensor>) -> Result<()> {
     let names: HashMap<&str, &Vec<usize>> = expected.iter().map(|(n, s)| (n.as_str(), s)).collect();
     for (name, shape) in expected {
         match weights.get(name) {
-            None => {
-                return Err(Error::MissingTensor {
-                    name: name.clone(),
-                    expected: shape.clone(),
-                    path: dir.into(),
-                })
-            }
+            None => return Err(Error::MissingTensor { name: name.clone(), expected: shape.clone(), path: dir.into() }),
             Some(t) if t.dims() != shape.as_slice() => {
                 return Err(Error::ShapeMismatch {
                     name: name.clone(),
@@ -128,12 +115,7 @@ fn check_weights(
     Ok(())
 }
 
-fn write_files(
-    tmp: &Path,
-    config: &LlamaConfig,
-    shards: &[Vec<(String, Tensor)>],
-    total: usize,
-) -> Result<()> {
+fn write_files(tmp: &Path, config: &LlamaConfig, shards: &[Vec<(String, Tensor)>], total: usize) -> Result<()> {
     let cfg_path = tmp.join("config.json");
     std::fs::write(&cfg_path, config.to_json()).map_err(|e| Error::io(&cfg_path, e))?;
     // transformers refuses safetensors files without format metadata.
@@ -141,19 +123,11 @@ fn write_files(
     let n = shards.len();
     let mut weight_map = BTreeMap::new();
     for (i, shard) in shards.iter().enumerate() {
-        let file = if n == 1 {
-            SINGLE_FILE.to_string()
-        } else {
-            format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
-        };
+        let file = if n == 1 { SINGLE_FILE.to_string() } else { format!("model-{:05}-of-{:05}.safetensors", i + 1, n) };
         let path = tmp.join(&file);
         let data: Vec<(&str, &Tensor)> = shard.iter().map(|(k, t)| (k.as_str(), t)).collect();
-        safetensors::serialize_to_file(data, Some(meta.clone()), &path).map_err(|e| {
-            Error::Safetensors {
-                path: path.clone(),
-                message: e.to_string(),
-            }
-        })?;
+        safetensors::serialize_to_file(data, Some(meta.clone()), &path)
+            .map_err(|e| Error::Safetensors { path: path.clone(), message: e.to_string() })?;
         for (name, _) in shard {
             weight_map.insert(name.clone(), file.clone());
         }
@@ -173,21 +147,14 @@ fn write_files(
 /// `.<name>.<tag>-<pid>` next to `dir`.
 fn sibling(dir: &Path, tag: &str) -> Result<PathBuf> {
     let name = dir.file_name().ok_or_else(|| {
-        Error::io(
-            dir,
-            std::io::Error::new(std::io::ErrorKind::InvalidInput, "save path has no directory name"),
-        )
+        Error::io(dir, std::io::Error::new(std::io::ErrorKind::InvalidInput, "save path has no directory name"))
     })?;
     let parent = match dir.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
     std::fs::create_dir_all(&parent).map_err(|e| Error::io(&parent, e))?;
-    Ok(parent.join(format!(
-        ".{}.{tag}-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    )))
+    Ok(parent.join(format!(".{}.{tag}-{}", name.to_string_lossy(), std::process::id())))
 }
 
 /// Moves the complete `tmp` to `dir`; an old `dir` is moved aside first and deleted after.

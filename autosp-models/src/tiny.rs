@@ -87,9 +87,7 @@ impl SplitMix64 {
 }
 
 fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Random weights for `config`: HF name -> tensor of [`LlamaConfig::expected_tensors`]' shapes, in
@@ -116,9 +114,7 @@ pub fn random_weights(
             (0.0, (3.0 / shape[1] as f32).sqrt())
         };
         let data: Vec<f32> = (0..n).map(|_| offset + scale * rng.uniform()).collect();
-        let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu)?
-            .to_dtype(dtype)?
-            .to_device(device)?;
+        let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu)?.to_dtype(dtype)?.to_device(device)?;
         out.insert(name, t);
     }
     Ok(out)
@@ -128,10 +124,7 @@ pub fn random_weights(
 pub fn write_tiny(dir: &Path, spec: &TinySpec, seed: u64, dtype: DType) -> Result<LlamaConfig> {
     let config = spec.config();
     let weights = random_weights(&config, seed, dtype, &Device::Cpu)?;
-    let opts = SaveOptions {
-        dtype: Some(dtype),
-        ..SaveOptions::default()
-    };
+    let opts = SaveOptions { dtype: Some(dtype), ..SaveOptions::default() };
     save_model(dir, &config, &weights, &opts)?;
     let mut config = config;
     config.torch_dtype = Some(dtype);

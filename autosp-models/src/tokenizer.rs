@@ -7,26 +7,18 @@ pub use tokenizers::Tokenizer;
 
 /// Reads `tokenizer.json`.
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
-    Tokenizer::from_file(path).map_err(|e| Error::Tokenizer {
-        source_name: path.display().to_string(),
-        message: e.to_string(),
-    })
+    Tokenizer::from_file(path)
+        .map_err(|e| Error::Tokenizer { source_name: path.display().to_string(), message: e.to_string() })
 }
 
 /// Token ids of `text`, without special tokens added.
 pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
     tok.encode(text, false)
         .map(|e| e.get_ids().to_vec())
-        .map_err(|e| Error::Tokenizer {
-            source_name: "encode".into(),
-            message: e.to_string(),
-        })
+        .map_err(|e| Error::Tokenizer { source_name: "encode".into(), message: e.to_string() })
 }
 
 /// Text of `ids`, special tokens skipped.
 pub fn decode(tok: &Tokenizer, ids: &[u32]) -> Result<String> {
-    tok.decode(ids, true).map_err(|e| Error::Tokenizer {
-        source_name: "decode".into(),
-        message: e.to_string(),
-    })
+    tok.decode(ids, true).map_err(|e| Error::Tokenizer { source_name: "decode".into(), message: e.to_string() })
 }

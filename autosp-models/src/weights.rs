@@ -26,24 +26,18 @@ pub enum WeightFiles {
 /// Reads the `weight_map` of a sharded index: tensor name -> shard file name.
 pub fn read_index(index: &Path) -> Result<HashMap<String, String>> {
     let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
-        path: index.into(),
-        message: e.to_string(),
-    })?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::Json { path: index.into(), message: e.to_string() })?;
     let map = v
         .get("weight_map")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| Error::Json {
-            path: index.into(),
-            message: "no `weight_map` object".into(),
-        })?;
+        .ok_or_else(|| Error::Json { path: index.into(), message: "no `weight_map` object".into() })?;
     map.iter()
         .map(|(k, f)| match f.as_str() {
             Some(f) => Ok((k.clone(), f.to_string())),
-            None => Err(Error::Json {
-                path: index.into(),
-                message: format!("weight_map entry `{k}` is not a file name"),
-            }),
+            None => {
+                Err(Error::Json { path: index.into(), message: format!("weight_map entry `{k}` is not a file name") })
+            }
         })
         .collect()
 }
@@ -63,11 +57,7 @@ pub fn weight_files(dir: &Path) -> Result<WeightFiles> {
         for name in shard_names(&map) {
             let path = dir.join(&name);
             if !path.is_file() {
-                return Err(Error::MissingShard {
-                    shard: name,
-                    index,
-                    path,
-                });
+                return Err(Error::MissingShard { shard: name, index, path });
             }
             shards.push(path);
         }
@@ -116,11 +106,7 @@ pub fn load_weights(
                 WeightFiles::Single(p) => p.clone(),
                 WeightFiles::Sharded { index, .. } => index.clone(),
             };
-            return Err(Error::MissingTensor {
-                name,
-                expected: shape,
-                path,
-            });
+            return Err(Error::MissingTensor { name, expected: shape, path });
         }
     }
     Ok(out)
@@ -138,43 +124,25 @@ fn load_file(
     // SAFETY: the map is read-only and dropped before returning; a file changed by another process
     // while we read it is outside what any safetensors reader can guard against.
     let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-    let st = safetensors::SafeTensors::deserialize(&mmap).map_err(|e| Error::Safetensors {
-        path: path.into(),
-        message: e.to_string(),
-    })?;
+    let st = safetensors::SafeTensors::deserialize(&mmap)
+        .map_err(|e| Error::Safetensors { path: path.into(), message: e.to_string() })?;
     let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
     names.sort();
     for name in names {
-        let view = st.tensor(&name).map_err(|e| Error::Safetensors {
-            path: path.into(),
-            message: e.to_string(),
-        })?;
+        let view = st.tensor(&name).map_err(|e| Error::Safetensors { path: path.into(), message: e.to_string() })?;
         let found = view.shape().to_vec();
         let Some(shape) = expected.get(&name) else {
             if ignorable(&name) || (config.tie_word_embeddings && name == "lm_head.weight") {
                 continue;
             }
-            return Err(Error::UnexpectedTensor {
-                name,
-                found,
-                path: path.into(),
-            });
+            return Err(Error::UnexpectedTensor { name, found, path: path.into() });
         };
         if *shape != found {
-            return Err(Error::ShapeMismatch {
-                name,
-                expected: shape.clone(),
-                found,
-                path: path.into(),
-            });
+            return Err(Error::ShapeMismatch { name, expected: shape.clone(), found, path: path.into() });
         }
         use safetensors::Dtype as D;
         if !matches!(view.dtype(), D::F32 | D::BF16 | D::F16) {
-            return Err(Error::UnsupportedDtype {
-                name,
-                dtype: format!("{:?}", view.dtype()),
-                path: path.into(),
-            });
+            return Err(Error::UnsupportedDtype { name, dtype: format!("{:?}", view.dtype()), path: path.into() });
         }
         let t = view.load(&Device::Cpu)?.to_dtype(dtype)?.to_device(device)?;
         out.insert(name, t);
@@ -183,11 +151,7 @@ fn load_file(
 }
 
 /// Loads `config.json` and the weights of a local model directory.
-pub fn load_dir(
-    dir: &Path,
-    dtype: DType,
-    device: &Device,
-) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
+pub fn load_dir(dir: &Path, dtype: DType, device: &Device) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
     let config = LlamaConfig::from_file(LlamaConfig::path_in(dir))?;
     let files = weight_files(dir)?;
     let weights = load_weights(&files, &config, dtype, device)?;

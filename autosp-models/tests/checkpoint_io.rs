@@ -1,9 +1,7 @@
 //! Save / load of HF checkpoints: bit-exact round trips (f32, bf16), sharding, atomic replacement, and
 //! the errors for a corrupted header, a truncated file, a missing shard, a wrong shape, a missing tensor.
 
-use autosp_models::{
-    load_dir, random_weights, save_model, write_tiny, Error, LlamaConfig, SaveOptions, TinySpec,
-};
+use autosp_models::{load_dir, random_weights, save_model, write_tiny, Error, LlamaConfig, SaveOptions, TinySpec};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 use std::path::Path;
@@ -13,12 +11,7 @@ fn bits(t: &Tensor) -> Vec<u8> {
     let t = t.flatten_all().unwrap();
     match t.dtype() {
         DType::F32 => t.to_vec1::<f32>().unwrap().iter().flat_map(|x| x.to_le_bytes()).collect(),
-        DType::BF16 => t
-            .to_vec1::<half::bf16>()
-            .unwrap()
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect(),
+        DType::BF16 => t.to_vec1::<half::bf16>().unwrap().iter().flat_map(|x| x.to_le_bytes()).collect(),
         d => panic!("unexpected dtype {d:?}"),
     }
 }
@@ -53,14 +46,7 @@ fn save_load_round_trip_f32_bit_exact() {
 
 #[test]
 fn save_load_round_trip_bf16_bit_exact() {
-    round_trip(
-        DType::BF16,
-        TinySpec {
-            tied: true,
-            bias: true,
-            ..TinySpec::default()
-        },
-    );
+    round_trip(DType::BF16, TinySpec { tied: true, bias: true, ..TinySpec::default() });
 }
 
 #[test]
@@ -93,10 +79,7 @@ fn write_sharded(dir: &Path) -> (LlamaConfig, HashMap<String, Tensor>) {
     let config = TinySpec::default().config();
     let w = random_weights(&config, 5, DType::F32, &Device::Cpu).unwrap();
     // Embedding alone is 128*64*4 = 32 KiB; 40 KB shards make several files.
-    let opts = SaveOptions {
-        dtype: None,
-        max_shard_bytes: 40_000,
-    };
+    let opts = SaveOptions { dtype: None, max_shard_bytes: 40_000 };
     save_model(dir, &config, &w, &opts).unwrap();
     (config, w)
 }
@@ -158,12 +141,7 @@ fn truncated_file_names_the_file() {
     let dir = tmp.path().join("m");
     let f = single(&dir);
     let len = std::fs::metadata(&f).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&f)
-        .unwrap()
-        .set_len(len - 100)
-        .unwrap();
+    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 100).unwrap();
     let e = load_dir(&dir, DType::F32, &Device::Cpu).unwrap_err();
     assert!(matches!(&e, Error::Safetensors { path, .. } if *path == f), "{e}");
     assert!(e.to_string().contains(&f.display().to_string()));
@@ -180,12 +158,7 @@ fn wrong_shape_names_tensor_shapes_and_file() {
     std::fs::write(&cfg_path, text.replace("\"intermediate_size\": 128", "\"intermediate_size\": 96")).unwrap();
     let e = load_dir(&dir, DType::F32, &Device::Cpu).unwrap_err();
     match &e {
-        Error::ShapeMismatch {
-            name,
-            expected,
-            found,
-            path,
-        } => {
+        Error::ShapeMismatch { name, expected, found, path } => {
             assert!(name.contains("mlp"), "{name}");
             assert!(expected.contains(&96) && found.contains(&128));
             assert!(path.ends_with("model.safetensors"));
@@ -229,9 +202,7 @@ fn failed_save_leaves_the_old_model_and_no_temporaries() {
     let w = random_weights(&config, 9, DType::F32, &Device::Cpu).unwrap();
     save_model(&dir, &config, &w, &SaveOptions::default()).unwrap();
     assert_ne!(std::fs::read(dir.join("model.safetensors")).unwrap(), before);
-    let entries: Vec<String> = std::fs::read_dir(tmp.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
-        .collect();
+    let entries: Vec<String> =
+        std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect();
     assert_eq!(entries, vec!["m".to_string()]);
 }

@@ -118,18 +118,10 @@ fn unknown_model_type_and_missing_field() {
 
 #[test]
 fn biases_follow_the_model_type() {
-    let llama_bias = TinySpec {
-        bias: true,
-        ..TinySpec::default()
-    }
-    .config();
+    let llama_bias = TinySpec { bias: true, ..TinySpec::default() }.config();
     let names: Vec<String> = llama_bias.expected_tensors().into_iter().map(|x| x.0).collect();
     assert!(names.contains(&"model.layers.1.self_attn.o_proj.bias".to_string()));
-    let qwen = TinySpec {
-        model_type: ModelType::Qwen2,
-        ..TinySpec::default()
-    }
-    .config();
+    let qwen = TinySpec { model_type: ModelType::Qwen2, ..TinySpec::default() }.config();
     let names: Vec<String> = qwen.expected_tensors().into_iter().map(|x| x.0).collect();
     assert!(names.contains(&"model.layers.1.self_attn.k_proj.bias".to_string()));
     assert!(!names.contains(&"model.layers.1.self_attn.o_proj.bias".to_string()));
@@ -141,11 +133,7 @@ fn biases_follow_the_model_type() {
 fn to_json_round_trips() {
     for spec in [
         TinySpec::default(),
-        TinySpec {
-            model_type: ModelType::Qwen2,
-            tied: true,
-            ..TinySpec::default()
-        },
+        TinySpec { model_type: ModelType::Qwen2, tied: true, ..TinySpec::default() },
         TinySpec {
             model_type: ModelType::Mistral,
             rope_scaling: Some(RopeScaling::Linear { factor: 4.0 }),

@@ -97,14 +97,7 @@ fn rel_rms(a: &Tensor, b: &Tensor) -> f32 {
 #[test]
 fn synthetic_gguf_every_quant_type() {
     // hidden and intermediate are multiples of 256 so the K-quants (256-element blocks) apply.
-    let spec = TinySpec {
-        hidden: 256,
-        intermediate: 512,
-        heads: 4,
-        kv_heads: 2,
-        vocab: 64,
-        ..TinySpec::default()
-    };
+    let spec = TinySpec { hidden: 256, intermediate: 512, heads: 4, kv_heads: 2, vocab: 64, ..TinySpec::default() };
     let config = spec.config();
     let w = random_weights(&config, 21, DType::F32, &Device::Cpu).unwrap();
     let tmp = tempfile::tempdir().unwrap();
@@ -158,13 +151,9 @@ fn smollm2_path() -> PathBuf {
              print(list(s.submodule_search_locations)[0] if s else '')",
         ])
         .output();
-    let dir = out
-        .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default();
+    let dir = out.ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
     let file = std::fs::read_dir(&dir).ok().and_then(|rd| {
-        rd.filter_map(|e| e.ok().map(|e| e.path()))
-            .find(|p| p.extension().is_some_and(|x| x == "gguf"))
+        rd.filter_map(|e| e.ok().map(|e| e.path())).find(|p| p.extension().is_some_and(|x| x == "gguf"))
     });
     file.unwrap_or_else(|| {
         panic!(

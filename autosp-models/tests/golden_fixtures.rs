@@ -7,9 +7,7 @@ use candle_core::{DType, Device};
 use std::path::PathBuf;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/golden")
-        .join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/golden").join(name)
 }
 
 fn check(name: &str) -> autosp_models::LlamaConfig {
@@ -26,8 +24,7 @@ fn check(name: &str) -> autosp_models::LlamaConfig {
 
     // transformers computes inv_freq in f32; ours is f64: agree to f32 rounding (2^-23 relative, with
     // slack for pow's rounding in f32).
-    let golden =
-        candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
     let hf: Vec<f32> = golden["inv_freq"].to_vec1().unwrap();
     let ours = config.rope_inv_freq();
     assert_eq!(hf.len(), ours.len());

@@ -19,28 +19,16 @@ fn fake_cache(root: &Path) -> std::path::PathBuf {
 }
 
 fn offline(root: &Path) -> HubOptions {
-    HubOptions {
-        cache_dir: Some(root.to_path_buf()),
-        offline: true,
-    }
+    HubOptions { cache_dir: Some(root.to_path_buf()), offline: true }
 }
 
 #[test]
 fn parses_model_strings() {
     assert_eq!(
         parse_model_spec("HuggingFaceTB/SmolLM2-135M@v1.0").unwrap(),
-        ModelSpec::Hub {
-            repo: "HuggingFaceTB/SmolLM2-135M".into(),
-            revision: "v1.0".into()
-        }
+        ModelSpec::Hub { repo: "HuggingFaceTB/SmolLM2-135M".into(), revision: "v1.0".into() }
     );
-    assert_eq!(
-        parse_model_spec("a/b").unwrap(),
-        ModelSpec::Hub {
-            repo: "a/b".into(),
-            revision: "main".into()
-        }
-    );
+    assert_eq!(parse_model_spec("a/b").unwrap(), ModelSpec::Hub { repo: "a/b".into(), revision: "main".into() });
     assert!(matches!(parse_model_spec("not a model"), Err(Error::NotFound { .. })));
 }
 
@@ -72,9 +60,7 @@ fn cache_miss_offline_names_files_and_folder() {
     std::fs::remove_file(snap.join("model.safetensors")).unwrap();
     let e = resolve_model("owner/tiny", &offline(tmp.path())).unwrap_err();
     match &e {
-        Error::NotFound {
-            missing, looked_in, ..
-        } => {
+        Error::NotFound { missing, looked_in, .. } => {
             assert_eq!(missing.len(), 1);
             assert!(missing[0].contains("model.safetensors"), "{missing:?}");
             assert!(looked_in.contains("models--owner--tiny"), "{looked_in}");

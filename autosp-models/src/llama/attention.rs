@@ -4,10 +4,12 @@
 
 use std::sync::Arc;
 
-use autosp_core::module::{Module, NaiveAttention};
+use autosp_core::module::Module;
 use autosp_core::nn::Linear;
 use autosp_core::ops::{self, AttentionSpec};
 use autosp_core::{AttentionSlot, Tape, Value};
+use autosp_kernels::fused::rope::rope;
+use autosp_kernels::FlashAttention;
 
 use super::error::ModelResult;
 use super::kv_cache::LayerKv;
@@ -45,7 +47,7 @@ impl LlamaAttention {
         num_kv_heads: usize,
         head_dim: usize,
     ) -> Self {
-        let attention = AttentionSlot::new(Arc::new(NaiveAttention));
+        let attention = AttentionSlot::new(Arc::new(FlashAttention));
         Self { q_proj, k_proj, v_proj, o_proj, num_heads, num_kv_heads, head_dim, attention }
     }
 
@@ -65,8 +67,8 @@ impl LlamaAttention {
         let q = ops::reshape(tape, &self.q_proj.forward(tape, x)?, (b, n, h, d))?;
         let k = ops::reshape(tape, &self.k_proj.forward(tape, x)?, (b, n, hkv, d))?;
         let v = ops::reshape(tape, &self.v_proj.forward(tape, x)?, (b, n, hkv, d))?;
-        let q = ops::rope(tape, &q, &rot.cos, &rot.sin)?;
-        let k = ops::rope(tape, &k, &rot.cos, &rot.sin)?;
+        let q = rope(tape, &q, &rot.cos, &rot.sin)?;
+        let k = rope(tape, &k, &rot.cos, &rot.sin)?;
         let (k, v) = match cache {
             None => (k, v),
             Some(c) => {

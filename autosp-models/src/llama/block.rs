@@ -46,9 +46,9 @@ impl LlamaDecoderLayer {
         spec: &AttentionSpec,
         cache: Option<&mut LayerKv>,
     ) -> ModelResult<Value> {
-        let a = self.self_attn.forward(tape, &self.input_layernorm.forward(tape, x)?, rot, spec, cache)?;
+        let a = self.self_attn.forward(tape, &fused_norm(tape, &self.input_layernorm, x)?, rot, spec, cache)?;
         let h = ops::add(tape, x, &a)?;
-        let m = self.mlp.forward(tape, &self.post_attention_layernorm.forward(tape, &h)?)?;
+        let m = self.mlp.forward(tape, &fused_norm(tape, &self.post_attention_layernorm, &h)?)?;
         Ok(ops::add(tape, &h, &m)?)
     }
 }
@@ -76,4 +76,9 @@ impl Module for LlamaDecoderLayer {
     fn region_slot(&mut self) -> Option<&mut RegionSlot> {
         Some(&mut self.region)
     }
+}
+
+/// RMSNorm through the fused kernel: `x: [.., d]` -> `[.., d]`.
+pub(crate) fn fused_norm(tape: &Tape, norm: &autosp_core::nn::RmsNorm, x: &Value) -> autosp_core::Result<Value> {
+    autosp_kernels::fused::rms_norm::rms_norm(tape, x, &tape.param(&norm.weight), norm.eps)
 }

@@ -2,7 +2,8 @@
 
 use autosp_core::module::Module;
 use autosp_core::nn::Linear;
-use autosp_core::{ops, Tape, Value};
+use autosp_core::{Tape, Value};
+use autosp_kernels::fused::swiglu::swiglu;
 
 use super::error::ModelResult;
 
@@ -18,9 +19,9 @@ pub struct LlamaMlp {
 impl LlamaMlp {
     /// `x: [b, n, hidden]` -> `[b, n, hidden]`.
     pub fn forward(&self, tape: &Tape, x: &Value) -> ModelResult<Value> {
-        let gate = ops::silu(tape, &self.gate_proj.forward(tape, x)?)?;
+        let gate = self.gate_proj.forward(tape, x)?;
         let up = self.up_proj.forward(tape, x)?;
-        Ok(self.down_proj.forward(tape, &ops::mul(tape, &gate, &up)?)?)
+        Ok(self.down_proj.forward(tape, &swiglu(tape, &gate, &up)?)?)
     }
 }
 

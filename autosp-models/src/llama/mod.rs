@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod block;
+pub mod causal_lm;
 pub mod error;
 pub mod generate;
 pub mod kv_cache;

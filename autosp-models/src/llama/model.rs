@@ -239,7 +239,7 @@ impl LlamaModel {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers_mut()[i]);
             h = layer.forward(tape, &h, &rot, spec, layer_cache)?;
         }
-        Ok(self.norm.forward(tape, &h)?)
+        Ok(super::block::fused_norm(tape, &self.norm, &h)?)
     }
 
     /// The LM head: `hidden: [.., hidden]` -> `[.., vocab]` (the embedding matrix when tied).
@@ -270,10 +270,16 @@ impl LlamaModel {
         if targets.rank() != 1 || targets.elem_count() != b * n {
             return Err(ModelError::TargetsMismatch { dims: targets.dims().to_vec(), expected: b * n });
         }
-        let logits = self.logits(tape, ids, positions)?;
-        let logits = ops::reshape(tape, &logits, (b * n, self.config.vocab_size))?;
+        let h = self.hidden_states(tape, ids, positions)?;
+        let h = ops::reshape(tape, &h, (b * n, self.config.hidden_size))?;
+        let head = match &self.lm_head {
+            Some(l) => tape.param(&l.weight),
+            None => tape.param(&self.embed_tokens.table),
+        };
         let targets = tape.constant(targets.to_dtype(DType::I64)?);
-        Ok(ops::cross_entropy(tape, &logits, &targets)?)
+        // The loss in row chunks: no [b * n, vocab] logits tensor is ever held (about 32 MiB of logits at a time).
+        let chunk = ((8usize << 20) / self.config.vocab_size.max(1)).clamp(16, 4096);
+        Ok(autosp_kernels::chunked_cross_entropy(tape, &h, &head, &targets, chunk)?)
     }
 
     /// Logits of new tokens against a KV cache: `ids: [b, n]` u32 take positions `cache.len()..+n`;
