@@ -52,7 +52,12 @@ fn values(rank: usize, n: usize, salt: usize) -> Vec<f32> {
 
 /// Rank `rank`'s input of the reduction tests: `dims` (built as the transpose of a contiguous tensor when
 /// `transposed`, so the collective sees a non-contiguous input), in `dtype`.
-fn input(rank: usize, dims: &[usize], dtype: DType, transposed: bool) -> candle_core::Result<Tensor> {
+fn input(
+    rank: usize,
+    dims: &[usize],
+    dtype: DType,
+    transposed: bool,
+) -> candle_core::Result<Tensor> {
     let n: usize = dims.iter().product();
     let mut v = values(rank, n, 1);
     if !dtype.is_float() {
@@ -87,9 +92,9 @@ fn expected_reduce(inputs: &[Vec<f64>], dtype: DType, op: ReduceOp) -> Vec<f64> 
                 return column.fold(f64::NEG_INFINITY, f64::max);
             }
             match dtype {
-                DType::F64 | DType::U32 | DType::I64 => column.fold(None, |acc: Option<f64>, x| {
-                    Some(acc.map_or(x, |a| a + x))
-                }),
+                DType::F64 | DType::U32 | DType::I64 => {
+                    column.fold(None, |acc: Option<f64>, x| Some(acc.map_or(x, |a| a + x)))
+                }
                 DType::F32 | DType::BF16 | DType::F16 => column
                     .map(|x| x as f32)
                     .fold(None, |acc: Option<f32>, x| Some(acc.map_or(x, |a| a + x)))
@@ -231,9 +236,14 @@ fn all_to_all_routes_uneven_tensors_between_every_pair() {
     for p in 1..=4 {
         let outs = run(p, GUARD, |pg| {
             let r = pg.rank();
-            let inputs = (0..p).map(|j| piece(r, j)).collect::<candle_core::Result<_>>()?;
+            let inputs = (0..p)
+                .map(|j| piece(r, j))
+                .collect::<candle_core::Result<_>>()?;
             let outputs = pg.all_to_all(inputs)?;
-            Ok(outputs.iter().map(|t| (t.dims().to_vec(), as_f64(t))).collect::<Vec<_>>())
+            Ok(outputs
+                .iter()
+                .map(|t| (t.dims().to_vec(), as_f64(t)))
+                .collect::<Vec<_>>())
         });
         for (r, outputs) in outs.iter().enumerate() {
             assert_eq!(outputs.len(), p);
@@ -301,7 +311,10 @@ fn barrier_waits_for_the_last_rank() {
         Ok(start.elapsed())
     });
     for (r, t) in outs.iter().enumerate() {
-        assert!(*t >= Duration::from_millis(300), "rank {r} left the barrier after {t:?}");
+        assert!(
+            *t >= Duration::from_millis(300),
+            "rank {r} left the barrier after {t:?}"
+        );
     }
 }
 
@@ -350,7 +363,10 @@ fn two_by_two_subgroups_inner_and_orthogonal() {
         };
         assert_eq!((crank, gc), (want_rank, want_gc), "rank {r}");
         assert_eq!(ss, vec![r as f32]);
-        assert!(names[0].contains("world/split0") && names[1].contains("world/split1"), "{names:?}");
+        assert!(
+            names[0].contains("world/split0") && names[1].contains("world/split1"),
+            "{names:?}"
+        );
         assert_ne!(names[0], names[1]);
     }
 }
@@ -369,7 +385,11 @@ fn stats_count_calls_and_bytes_exactly() {
             .map(|j| Tensor::zeros((r + 1, j + 2), DType::F64, dev))
             .collect::<candle_core::Result<_>>()?;
         pg.all_to_all(pieces)?;
-        pg.send_recv(&Tensor::zeros(5, DType::I64, dev)?, (r + 1) % 4, (r + 3) % 4)?;
+        pg.send_recv(
+            &Tensor::zeros(5, DType::I64, dev)?,
+            (r + 1) % 4,
+            (r + 3) % 4,
+        )?;
         if r == 0 {
             pg.send(&Tensor::zeros(7, DType::U32, dev)?, 1)?;
         }
@@ -402,11 +422,18 @@ fn stats_count_calls_and_bytes_exactly() {
         // all_reduce: 2 (P-1)/P n s = 2 * 3/4 * 48 * 4 = 288 for the first; the second, n = 10 in chunks
         // 3,3,2,2 of 4 bytes: (n + (P-2) c_r) s = (10 + 2 * 3) * 4 = 64 for ranks 0,1 and 56 for ranks 2,3.
         let second = if r < 2 { 64 } else { 56 };
-        assert_eq!(s.bytes_sent(Collective::AllReduce), 288 + second, "rank {r}");
+        assert_eq!(
+            s.bytes_sent(Collective::AllReduce),
+            288 + second,
+            "rank {r}"
+        );
         assert_eq!(s.bytes_sent(Collective::AllGather), 3 * 12);
         assert_eq!(s.bytes_sent(Collective::ReduceScatter), 3 * 192 / 4);
         // all_to_all: (r + 1)(j + 2) f64s to each j != r.
-        let a2a: u64 = (0..4).filter(|&j| j != r).map(|j| ((r + 1) * (j + 2) * 8) as u64).sum();
+        let a2a: u64 = (0..4)
+            .filter(|&j| j != r)
+            .map(|j| ((r + 1) * (j + 2) * 8) as u64)
+            .sum();
         assert_eq!(s.bytes_sent(Collective::AllToAll), a2a, "rank {r}");
         assert_eq!(s.bytes_sent(Collective::SendRecv), 40);
         assert_eq!(s.bytes_sent(Collective::Send), if r == 0 { 28 } else { 0 });
@@ -417,8 +444,18 @@ fn stats_count_calls_and_bytes_exactly() {
         // split: the group list [2, 2, 0, 1, 2, 2, 3] as i64 to the 3 others: 3 * 7 * 8 = 168 bytes.
         assert_eq!(world.calls(Collective::Split), 1);
         assert_eq!(world.bytes_sent(Collective::Split), 168);
-        assert_eq!(world.calls(Collective::AllGather), 1, "subgroup calls stay on the subgroup");
-        assert_eq!((sub.calls(Collective::AllGather), sub.bytes_sent(Collective::AllGather)), (1, 16));
+        assert_eq!(
+            world.calls(Collective::AllGather),
+            1,
+            "subgroup calls stay on the subgroup"
+        );
+        assert_eq!(
+            (
+                sub.calls(Collective::AllGather),
+                sub.bytes_sent(Collective::AllGather)
+            ),
+            (1, 16)
+        );
         assert_eq!(sub.total_calls(), 1);
         assert_eq!((reset.total_calls(), reset.total_bytes_sent()), (0, 0));
     }
@@ -455,6 +492,9 @@ fn concurrent_candle_work_on_every_rank_does_not_deadlock() {
     }
 }
 
+/// What one rank of a failure test returns: its call's result and how long the call took.
+type RankOutcome = (Result<(), CommError>, Duration);
+
 /// Runs `p` ranks with the short timeout; rank `odd` does `odd_one`, the others `others`; returns each
 /// result with the time it took.
 fn run_failure(
@@ -462,7 +502,7 @@ fn run_failure(
     odd: usize,
     odd_one: impl Fn(&Arc<dyn ProcessGroup>) -> Result<(), CommError> + Sync,
     others: impl Fn(&Arc<dyn ProcessGroup>) -> Result<(), CommError> + Sync,
-) -> Vec<Result<(Result<(), CommError>, Duration), CommError>> {
+) -> Vec<Result<RankOutcome, CommError>> {
     run_ranks(p, SHORT, |pg| {
         let start = Instant::now();
         let r = if pg.rank() == odd {
@@ -475,8 +515,11 @@ fn run_failure(
 }
 
 fn all_reduce_once(pg: &Arc<dyn ProcessGroup>) -> Result<(), CommError> {
-    pg.all_reduce(&Tensor::ones(4, DType::F32, &Device::Cpu).unwrap(), ReduceOp::Sum)
-        .map(|_| ())
+    pg.all_reduce(
+        &Tensor::ones(4, DType::F32, &Device::Cpu).unwrap(),
+        ReduceOp::Sum,
+    )
+    .map(|_| ())
 }
 
 #[test]
@@ -490,14 +533,26 @@ fn a_rank_that_returns_early_is_reported_at_once() {
         }
         let err = res.unwrap_err();
         match &err {
-            CommError::PeerGone { collective, group, peer, how, .. } => {
-                assert_eq!((*collective, group.as_str(), *peer), (Collective::AllReduce, "world", 3));
+            CommError::PeerGone {
+                collective,
+                group,
+                peer,
+                how,
+                ..
+            } => {
+                assert_eq!(
+                    (*collective, group.as_str(), *peer),
+                    (Collective::AllReduce, "world", 3)
+                );
                 assert_eq!(*how, Departure::Returned);
             }
             other => panic!("rank {r}: expected PeerGone, got {other}"),
         }
         let msg = err.to_string();
-        assert!(msg.contains("all_reduce") && msg.contains("`world`") && msg.contains("rank 3"), "{msg}");
+        assert!(
+            msg.contains("all_reduce") && msg.contains("`world`") && msg.contains("rank 3"),
+            "{msg}"
+        );
         assert!(took < SHORT, "rank {r} noticed after {took:?}, not at once");
     }
 }
@@ -514,7 +569,12 @@ fn a_rank_that_panics_is_reported_as_panicked() {
     for r in [0, 2] {
         let (res, took) = outs[r].as_ref().unwrap();
         match res {
-            Err(CommError::PeerGone { peer: 1, how: Departure::Panicked, collective, .. }) => {
+            Err(CommError::PeerGone {
+                peer: 1,
+                how: Departure::Panicked,
+                collective,
+                ..
+            }) => {
                 assert_eq!(*collective, Collective::AllReduce)
             }
             other => panic!("rank {r}: expected PeerGone from a panic, got {other:?}"),
@@ -542,19 +602,36 @@ fn a_rank_that_arrives_too_late_gives_a_timeout_then_the_group_is_poisoned() {
         let (res, took) = outs[r].as_ref().unwrap();
         let err = res.as_ref().unwrap_err();
         match err {
-            CommError::Timeout { collective, group, missing, .. } => {
-                assert_eq!((*collective, group.as_str()), (Collective::AllGather, "world"));
+            CommError::Timeout {
+                collective,
+                group,
+                missing,
+                ..
+            } => {
+                assert_eq!(
+                    (*collective, group.as_str()),
+                    (Collective::AllGather, "world")
+                );
                 assert_eq!(missing, &vec![2]);
             }
             other => panic!("rank {r}: expected Timeout, got {other}"),
         }
         let msg = err.to_string();
-        assert!(msg.contains("all_gather") && msg.contains("`world`") && msg.contains("[2]"), "{msg}");
+        assert!(
+            msg.contains("all_gather") && msg.contains("`world`") && msg.contains("[2]"),
+            "{msg}"
+        );
         assert!(*took < SHORT + MARGIN, "rank {r} gave up after {took:?}");
     }
     let (late, _) = outs[2].as_ref().unwrap();
     assert!(
-        matches!(late, Err(CommError::Poisoned { collective: Collective::AllGather, .. })),
+        matches!(
+            late,
+            Err(CommError::Poisoned {
+                collective: Collective::AllGather,
+                ..
+            })
+        ),
         "late rank: {late:?}"
     );
 }
@@ -572,7 +649,11 @@ fn a_recv_from_a_silent_rank_times_out() {
     );
     let (res, took) = outs[1].as_ref().unwrap();
     match res {
-        Err(CommError::Timeout { collective: Collective::Recv, missing, .. }) => {
+        Err(CommError::Timeout {
+            collective: Collective::Recv,
+            missing,
+            ..
+        }) => {
             assert_eq!(missing, &vec![0])
         }
         other => panic!("expected a recv timeout, got {other:?}"),
@@ -587,14 +668,26 @@ fn a_failure_in_a_subgroup_names_the_subgroup_and_spares_the_other() {
         if pg.rank() == 3 {
             return Ok(String::new());
         }
-        let y = inner.all_reduce(&Tensor::ones(3, DType::F32, &Device::Cpu).unwrap(), ReduceOp::Sum)?;
+        let y = inner.all_reduce(
+            &Tensor::ones(3, DType::F32, &Device::Cpu).unwrap(),
+            ReduceOp::Sum,
+        )?;
         Ok::<_, CommError>(format!("{:?}", y.to_vec1::<f32>().unwrap()))
     });
-    assert_eq!(outs[0].as_ref().unwrap().as_ref().unwrap(), "[2.0, 2.0, 2.0]");
-    assert_eq!(outs[1].as_ref().unwrap().as_ref().unwrap(), "[2.0, 2.0, 2.0]");
+    assert_eq!(
+        outs[0].as_ref().unwrap().as_ref().unwrap(),
+        "[2.0, 2.0, 2.0]"
+    );
+    assert_eq!(
+        outs[1].as_ref().unwrap().as_ref().unwrap(),
+        "[2.0, 2.0, 2.0]"
+    );
     match outs[2].as_ref().unwrap() {
         Err(CommError::PeerGone { group, peer: 1, .. }) => {
-            assert!(group.starts_with("world/split0") && group.contains("[2, 3]"), "{group}")
+            assert!(
+                group.starts_with("world/split0") && group.contains("[2, 3]"),
+                "{group}"
+            )
         }
         other => panic!("rank 2: expected PeerGone of subgroup rank 1, got {other:?}"),
     }
@@ -611,7 +704,9 @@ fn bad_arguments_on_one_rank_fail_every_rank_promptly() {
     });
     assert!(start.elapsed() < GUARD / 4, "took {:?}", start.elapsed());
     match outs[1].as_ref().unwrap() {
-        Err(CommError::InvalidArgument { detail, .. }) => assert!(detail.contains("dim 5"), "{detail}"),
+        Err(CommError::InvalidArgument { detail, .. }) => {
+            assert!(detail.contains("dim 5"), "{detail}")
+        }
         other => panic!("rank 1: {other:?}"),
     }
     for r in [0, 2] {
@@ -630,7 +725,10 @@ fn bad_arguments_on_one_rank_fail_every_rank_promptly() {
         pg.split(&groups).map(|_| ())
     });
     for (r, out) in outs.iter().enumerate() {
-        assert!(matches!(out, Ok(Err(CommError::Mismatch { .. }))), "rank {r}: {out:?}");
+        assert!(
+            matches!(out, Ok(Err(CommError::Mismatch { .. }))),
+            "rank {r}: {out:?}"
+        );
     }
     // Shapes that do not fit together in an all_gather.
     let outs = run_ranks(2, GUARD, |pg| {
@@ -638,6 +736,9 @@ fn bad_arguments_on_one_rank_fail_every_rank_promptly() {
         pg.all_gather(&x, 0).map(|_| ())
     });
     for (r, out) in outs.iter().enumerate() {
-        assert!(matches!(out, Ok(Err(CommError::Mismatch { .. }))), "rank {r}: {out:?}");
+        assert!(
+            matches!(out, Ok(Err(CommError::Mismatch { .. }))),
+            "rank {r}: {out:?}"
+        );
     }
 }

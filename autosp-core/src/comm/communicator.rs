@@ -75,7 +75,11 @@ impl<T: Transport> Communicator<T> {
         self.all_present(collective, incoming)
     }
 
-    fn all_present(&self, collective: Collective, incoming: Vec<Option<Tensor>>) -> Result<Vec<Tensor>> {
+    fn all_present(
+        &self,
+        collective: Collective,
+        incoming: Vec<Option<Tensor>>,
+    ) -> Result<Vec<Tensor>> {
         incoming
             .into_iter()
             .enumerate()
@@ -132,6 +136,10 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
 
     fn timeout(&self) -> Duration {
         self.transport.timeout()
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        self.transport.set_timeout(timeout)
     }
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -242,7 +250,11 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
         let c = Collective::Send;
         self.check_peer(c, dst, "destination")?;
-        let bytes = if dst == self.rank() { 0 } else { tensor_bytes(x) };
+        let bytes = if dst == self.rank() {
+            0
+        } else {
+            tensor_bytes(x)
+        };
         self.stats.record(c, bytes);
         self.transport.send(x, dst)
     }
@@ -258,7 +270,11 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         let c = Collective::SendRecv;
         self.check_peer(c, dst, "destination")?;
         self.check_peer(c, src, "source")?;
-        let bytes = if dst == self.rank() { 0 } else { tensor_bytes(x) };
+        let bytes = if dst == self.rank() {
+            0
+        } else {
+            tensor_bytes(x)
+        };
         self.stats.record(c, bytes);
         self.transport.send_recv(x, dst, src)
     }

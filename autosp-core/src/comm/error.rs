@@ -96,7 +96,7 @@ pub enum CommError {
         group: String,
         rank: usize,
         #[source]
-        source: candle_core::Error,
+        source: Box<candle_core::Error>,
     },
     /// The MPI back end failed (bad message, unsupported dtype, MPI setup).
     #[error("{collective} on group `{group}` (rank {rank}): MPI: {detail}")]
@@ -146,7 +146,7 @@ impl ErrCtx<'_> {
             collective: self.collective,
             group: self.group.to_string(),
             rank: self.rank,
-            source,
+            source: Box::new(source),
         }
     }
 

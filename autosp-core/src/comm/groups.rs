@@ -33,7 +33,11 @@ fn check_grid(size: usize, u: usize) -> Result<()> {
 }
 
 /// Checks that `groups` partition `0..size` and returns `(g, i)`: `rank` is `groups[g][i]`.
-pub(crate) fn locate(groups: &[Vec<usize>], size: usize, rank: usize) -> Result<(usize, usize), String> {
+pub(crate) fn locate(
+    groups: &[Vec<usize>],
+    size: usize,
+    rank: usize,
+) -> Result<(usize, usize), String> {
     let mut seen = vec![false; size];
     for (g, members) in groups.iter().enumerate() {
         if members.is_empty() {
@@ -41,10 +45,14 @@ pub(crate) fn locate(groups: &[Vec<usize>], size: usize, rank: usize) -> Result<
         }
         for &m in members {
             if m >= size {
-                return Err(format!("group {g} names rank {m}, but the group has {size} ranks"));
+                return Err(format!(
+                    "group {g} names rank {m}, but the group has {size} ranks"
+                ));
             }
             if seen[m] {
-                return Err(format!("rank {m} appears in more than one place in {groups:?}"));
+                return Err(format!(
+                    "rank {m} appears in more than one place in {groups:?}"
+                ));
             }
             seen[m] = true;
         }
@@ -96,7 +104,9 @@ mod tests {
         assert_eq!(locate(&g, 4, 0), Ok((0, 1)));
         assert_eq!(locate(&g, 4, 3), Ok((1, 1)));
         assert!(locate(&[vec![0, 1], vec![1, 2]], 3, 0).is_err());
-        assert!(locate(&[vec![0, 1]], 3, 0).unwrap_err().contains("rank 2 is in no group"));
+        assert!(locate(&[vec![0, 1]], 3, 0)
+            .unwrap_err()
+            .contains("rank 2 is in no group"));
         assert!(locate(&[vec![0, 5]], 2, 0).is_err());
         assert!(locate(&[vec![0, 1], vec![]], 2, 0).is_err());
     }
@@ -104,6 +114,9 @@ mod tests {
     #[test]
     fn encoding_distinguishes_layouts() {
         assert_eq!(encode(&[vec![0, 1], vec![2]]), vec![2, 2, 0, 1, 1, 2]);
-        assert_ne!(encode(&[vec![0, 1], vec![2]]), encode(&[vec![0], vec![1, 2]]));
+        assert_ne!(
+            encode(&[vec![0, 1], vec![2]]),
+            encode(&[vec![0], vec![1, 2]])
+        );
     }
 }

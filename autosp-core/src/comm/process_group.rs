@@ -103,6 +103,10 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
     /// How long any call waits for the other ranks.
     fn timeout(&self) -> Duration;
 
+    /// Changes this rank's timeout for later calls on this handle (give every rank the same value; values
+    /// above a year count as a year).
+    fn set_timeout(&self, timeout: Duration);
+
     /// Element-wise reduction of `x` over all ranks; every rank gets the same bits.
     /// `x`: any shape, the same shape and dtype on every rank. Returns that shape.
     /// Algorithm: reduce-scatter of the flattened tensor in P nearly equal chunks (chunk j reduced by rank j

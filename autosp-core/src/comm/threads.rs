@@ -57,7 +57,7 @@ impl Communicator<ThreadTransport> {
                     key: Arc::from("world"),
                     rank,
                     members: members.clone(),
-                    timeout,
+                    timeout_ns: AtomicU64::new(nanos(timeout)),
                     seq: AtomicU64::new(0),
                     splits: AtomicU64::new(0),
                 })
@@ -103,6 +103,12 @@ where
             })
             .collect()
     })
+}
+
+/// A timeout in whole nanoseconds, clamped to a year so that `Instant + timeout` cannot overflow.
+pub(crate) fn nanos(d: Duration) -> u64 {
+    const YEAR_NS: u64 = 365 * 24 * 3600 * 1_000_000_000;
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).min(YEAR_NS)
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
@@ -208,7 +214,8 @@ pub struct ThreadTransport {
     rank: usize,
     /// World rank of each rank of this group.
     members: Arc<[usize]>,
-    timeout: Duration,
+    /// Timeout in nanoseconds.
+    timeout_ns: AtomicU64,
     /// Exchange rounds this rank started on this group.
     seq: AtomicU64,
     /// Splits this rank made of this group (names the subgroups).
@@ -221,7 +228,7 @@ impl fmt::Debug for ThreadTransport {
             .field("group", &self.key)
             .field("rank", &self.rank)
             .field("world_ranks", &self.members)
-            .field("timeout", &self.timeout)
+            .field("timeout", &self.timeout())
             .finish()
     }
 }
@@ -252,7 +259,8 @@ impl ThreadTransport {
     ) -> Result<T> {
         let ctx = self.ctx(collective);
         let start = Instant::now();
-        let deadline = start + self.timeout;
+        let timeout = self.timeout();
+        let deadline = start + timeout;
         let mut st = self.world.lock();
         loop {
             let missing = match poll(&mut st) {
@@ -262,9 +270,12 @@ impl ThreadTransport {
             if let Some(f) = st.failures.get(&self.key) {
                 // Another rank of this round already failed it: report the same cause.
                 return Err(match (&f.kind, f.seq.is_some() && f.seq == seq) {
-                    (FailureKind::Timeout { missing }, true) => {
-                        ctx.timeout(self.members.len(), missing.clone(), start.elapsed(), self.timeout)
-                    }
+                    (FailureKind::Timeout { missing }, true) => ctx.timeout(
+                        self.members.len(),
+                        missing.clone(),
+                        start.elapsed(),
+                        timeout,
+                    ),
                     (FailureKind::PeerGone { peer, how }, true) => {
                         ctx.peer_gone(*peer, *how, start.elapsed())
                     }
@@ -301,7 +312,7 @@ impl ThreadTransport {
             return Err(match kind {
                 FailureKind::PeerGone { peer, how } => ctx.peer_gone(peer, how, start.elapsed()),
                 FailureKind::Timeout { missing } => {
-                    ctx.timeout(self.members.len(), missing, start.elapsed(), self.timeout)
+                    ctx.timeout(self.members.len(), missing, start.elapsed(), timeout)
                 }
             });
         }
@@ -349,7 +360,11 @@ impl Transport for ThreadTransport {
     }
 
     fn timeout(&self) -> Duration {
-        self.timeout
+        Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        self.timeout_ns.store(nanos(timeout), Ordering::Relaxed)
     }
 
     fn exchange(
@@ -418,7 +433,7 @@ impl Transport for ThreadTransport {
             key: Arc::from(format!("{}/split{n}:{:?}", self.key, members).as_str()),
             rank: index,
             members,
-            timeout: self.timeout,
+            timeout_ns: AtomicU64::new(nanos(self.timeout())),
             seq: AtomicU64::new(0),
             splits: AtomicU64::new(0),
         })

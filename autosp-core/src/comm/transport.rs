@@ -21,6 +21,8 @@ pub trait Transport: Send + Sync + fmt::Debug + Sized + 'static {
     fn name(&self) -> &str;
     /// How long a call waits for the other ranks.
     fn timeout(&self) -> Duration;
+    /// Changes the timeout of later calls.
+    fn set_timeout(&self, timeout: Duration);
 
     /// One synchronising round: `outgoing[j]` (`outgoing.len() == size()`) goes to rank j, and entry i of the
     /// result is what rank i put at this rank's index. `None` entries carry no payload but the round still

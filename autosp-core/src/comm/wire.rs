@@ -102,9 +102,14 @@ pub fn decode(bytes: &[u8], device: &Device) -> Result<Option<Tensor>, WireError
     match bytes[0] {
         0 => return Ok(None),
         1 => {}
-        b => return Err(bad(format!("first byte {b} is neither 0 (none) nor 1 (tensor)"))),
+        b => {
+            return Err(bad(format!(
+                "first byte {b} is neither 0 (none) nor 1 (tensor)"
+            )))
+        }
     }
-    let dtype = code_dtype(bytes[1]).ok_or_else(|| bad(format!("unknown dtype code {}", bytes[1])))?;
+    let dtype =
+        code_dtype(bytes[1]).ok_or_else(|| bad(format!("unknown dtype code {}", bytes[1])))?;
     let ndim = bytes[2] as usize;
     let data_start = HEADER + 8 * ndim;
     if bytes.len() < data_start {
@@ -159,14 +164,20 @@ mod tests {
             let back = round_trip(&t);
             assert_eq!(back.dtype(), dtype);
             assert_eq!(back.dims(), &[2, 3, 4]);
-            assert_eq!(encode(Some(&back)).unwrap(), encode(Some(&t)).unwrap(), "{dtype:?}");
+            assert_eq!(
+                encode(Some(&back)).unwrap(),
+                encode(Some(&t)).unwrap(),
+                "{dtype:?}"
+            );
         }
         Ok(())
     }
 
     #[test]
     fn non_contiguous_scalar_and_empty_tensors() -> candle_core::Result<()> {
-        let t = Tensor::arange(0f32, 12., &Device::Cpu)?.reshape((3, 4))?.t()?;
+        let t = Tensor::arange(0f32, 12., &Device::Cpu)?
+            .reshape((3, 4))?
+            .t()?;
         assert!(!t.is_contiguous());
         let back = round_trip(&t);
         assert_eq!(back.to_vec2::<f32>()?, t.to_vec2::<f32>()?);
@@ -174,7 +185,9 @@ mod tests {
         assert_eq!(round_trip(&s).to_scalar::<f64>()?, 7.5);
         let e = Tensor::zeros((0, 5), DType::F32, &Device::Cpu)?;
         assert_eq!(round_trip(&e).dims(), &[0, 5]);
-        assert!(decode(&encode(None).unwrap(), &Device::Cpu).unwrap().is_none());
+        assert!(decode(&encode(None).unwrap(), &Device::Cpu)
+            .unwrap()
+            .is_none());
         Ok(())
     }
 
