@@ -196,6 +196,24 @@ fn check_all(world: &Arc<dyn ProcessGroup>) -> Result<usize> {
     }
     checks += 1;
 
+    // The same ring with started steps: the 1 MiB transfer is under way while this rank computes.
+    let mut work = Tensor::ones((64, 64), DType::F32, dev)?;
+    for step in 1..=size {
+        let pending = world.start_send_recv(&block, (rank + 1) % size, (rank + size - 1) % size)?;
+        work = work.matmul(&work)?.affine(1.0 / 64.0, 0.)?;
+        block = pending.wait()?;
+        let from = (rank + 2 * size - step) % size;
+        ensure!(
+            block.max(0)?.to_scalar::<f32>()? == from as f32,
+            "started ring step {step}"
+        );
+    }
+    ensure!(
+        work.max(0)?.max(0)?.to_scalar::<f32>()? == 1.0,
+        "compute during the ring"
+    );
+    checks += 1;
+
     // Point to point: rank 0 sends two messages to every other rank, which receive them in order.
     if rank == 0 {
         for dst in 1..size {

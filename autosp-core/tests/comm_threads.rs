@@ -280,6 +280,43 @@ fn send_recv_rotates_blocks_around_the_ring() {
 }
 
 #[test]
+fn started_ring_steps_overlap_with_compute_and_count_as_send_recv() {
+    for p in 1..=4 {
+        let outs = run(p, GUARD, |pg| {
+            let (r, p) = (pg.rank(), pg.size());
+            let mut block = Tensor::full(r as f32, 64, &Device::Cpu)?;
+            let mut seen = vec![];
+            let mut work = Tensor::ones((32, 32), DType::F32, &Device::Cpu)?;
+            for _ in 0..p {
+                let step = pg.start_send_recv(&block, (r + 1) % p, (r + p - 1) % p)?;
+                // Compute on the current block while the next one travels.
+                work = work.matmul(&work)?.affine(1.0 / 32.0, 0.)?;
+                block = step.wait()?;
+                seen.push(block.max(0)?.to_scalar::<f32>()? as usize);
+            }
+            assert_eq!(
+                work.max_keepdim(0)?
+                    .max_keepdim(1)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?,
+                vec![1.0]
+            );
+            let s = pg.stats();
+            let bytes = if p == 1 { 0 } else { 64 * 4 * p as u64 };
+            assert_eq!(
+                (s.calls(Collective::SendRecv), s.total_bytes_sent()),
+                (p as u64, bytes)
+            );
+            Ok(seen)
+        });
+        for (r, seen) in outs.iter().enumerate() {
+            let want: Vec<usize> = (1..=p).map(|k| (r + p * 2 - k) % p).collect();
+            assert_eq!(seen, &want, "P={p} rank {r}");
+        }
+    }
+}
+
+#[test]
 fn send_and_recv_keep_the_order_of_messages() {
     let outs = run(3, GUARD, |pg| {
         let r = pg.rank();

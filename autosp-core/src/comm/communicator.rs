@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 
 use super::error::{ErrCtx, Result};
 use super::groups;
-use super::process_group::{Collective, ProcessGroup, ReduceOp};
+use super::process_group::{Collective, PendingRecv, ProcessGroup, ReduceOp};
 use super::reduce::{chunk_sizes, reduce_in_rank_order};
 use super::stats::{tensor_bytes, CommStats, StatsCounter};
 use super::transport::Transport;
@@ -267,6 +267,15 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
     }
 
     fn send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Tensor> {
+        self.start_send_recv(x, dst, src)?.wait()
+    }
+
+    fn start_send_recv(
+        &self,
+        x: &Tensor,
+        dst: usize,
+        src: usize,
+    ) -> Result<Box<dyn PendingRecv + '_>> {
         let c = Collective::SendRecv;
         self.check_peer(c, dst, "destination")?;
         self.check_peer(c, src, "source")?;
@@ -276,7 +285,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
             tensor_bytes(x)
         };
         self.stats.record(c, bytes);
-        self.transport.send_recv(x, dst, src)
+        self.transport.start_send_recv(x, dst, src)
     }
 
     fn barrier(&self) -> Result<()> {

@@ -29,7 +29,7 @@ use mpi::Threading;
 
 use super::communicator::Communicator;
 use super::error::{CommError, ErrCtx, Result};
-use super::process_group::Collective;
+use super::process_group::{Collective, PendingRecv};
 use super::threads::nanos;
 use super::transport::Transport;
 use super::wire;
@@ -284,21 +284,19 @@ impl MpiTransport {
         }
     }
 
+    /// Sends `x` to `dst` (if given) and receives from `src` (if given), on the point-to-point tag.
     fn p2p(
         &self,
         collective: Collective,
-        x: Option<&Tensor>,
-        dst: Option<usize>,
+        send: Option<(PendingSend, Device)>,
         src: Option<usize>,
     ) -> Result<Option<Tensor>> {
         self.check_healthy(collective)?;
-        let payload = x.map(|x| self.encode(collective, Some(x))).transpose()?;
-        let device = x.map_or(Device::Cpu, |x| x.device().clone());
-        let _mpi = self.mpi_lock();
-        let sends = match (payload, dst) {
-            (Some(buf), Some(dst)) => vec![PendingSend::start(&self.comm.0, buf, dst, P2P_TAG)],
-            _ => vec![],
+        let (sends, device) = match send {
+            Some((s, device)) => (vec![s], device),
+            None => (vec![], Device::Cpu),
         };
+        let _mpi = self.mpi_lock();
         let received = self.complete(
             collective,
             sends,
@@ -313,6 +311,46 @@ impl MpiTransport {
                 "rank {from} sent an empty marker where a tensor was expected"
             ))),
         }
+    }
+
+    /// Serialises `x` and starts sending it to `dst` on the point-to-point tag.
+    fn start_send(
+        &self,
+        collective: Collective,
+        x: &Tensor,
+        dst: usize,
+    ) -> Result<(PendingSend, Device)> {
+        self.check_healthy(collective)?;
+        let buf = self.encode(collective, Some(x))?;
+        let _mpi = self.mpi_lock();
+        Ok((
+            PendingSend::start(&self.comm.0, buf, dst, P2P_TAG),
+            x.device().clone(),
+        ))
+    }
+}
+
+/// The rest of a ring step on the MPI back end: the send in flight and the receive still to do.
+struct MpiRecv<'a> {
+    transport: &'a MpiTransport,
+    send: (PendingSend, Device),
+    src: usize,
+}
+
+impl PendingRecv for MpiRecv<'_> {
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        let MpiRecv {
+            transport,
+            send,
+            src,
+        } = *self;
+        transport
+            .p2p(Collective::SendRecv, Some(send), Some(src))?
+            .ok_or_else(|| {
+                transport
+                    .ctx(Collective::SendRecv)
+                    .mpi("nothing received".to_string())
+            })
     }
 }
 
@@ -380,24 +418,29 @@ impl Transport for MpiTransport {
     }
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
-        self.p2p(Collective::Send, Some(x), Some(dst), None)
-            .map(|_| ())
+        let send = self.start_send(Collective::Send, x, dst)?;
+        self.p2p(Collective::Send, Some(send), None).map(|_| ())
     }
 
     fn recv(&self, src: usize) -> Result<Tensor> {
-        self.p2p(Collective::Recv, None, None, Some(src))?
-            .ok_or_else(|| {
-                self.ctx(Collective::Recv)
-                    .mpi("nothing received".to_string())
-            })
+        self.p2p(Collective::Recv, None, Some(src))?.ok_or_else(|| {
+            self.ctx(Collective::Recv)
+                .mpi("nothing received".to_string())
+        })
     }
 
-    fn send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Tensor> {
-        self.p2p(Collective::SendRecv, Some(x), Some(dst), Some(src))?
-            .ok_or_else(|| {
-                self.ctx(Collective::SendRecv)
-                    .mpi("nothing received".to_string())
-            })
+    fn start_send_recv(
+        &self,
+        x: &Tensor,
+        dst: usize,
+        src: usize,
+    ) -> Result<Box<dyn PendingRecv + '_>> {
+        let send = self.start_send(Collective::SendRecv, x, dst)?;
+        Ok(Box::new(MpiRecv {
+            transport: self,
+            send,
+            src,
+        }))
     }
 
     fn split(&self, groups: &[Vec<usize>], group: usize, index: usize) -> Result<Self> {

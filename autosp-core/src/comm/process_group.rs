@@ -77,6 +77,13 @@ impl fmt::Display for Collective {
     }
 }
 
+/// A ring step in flight (see [`ProcessGroup::start_send_recv`]).
+pub trait PendingRecv {
+    /// Finishes the step: waits (at most the group's timeout, counted from this call) until the send is done
+    /// and the tensor from the source rank has arrived, and returns it.
+    fn wait(self: Box<Self>) -> Result<Tensor>;
+}
+
 /// A group of `size()` ranks that exchange candle tensors. Each rank holds its own handle and calls the
 /// collectives on it; every rank of the group must call the same collectives in the same order (point-to-point
 /// calls excepted), and one rank's calls on one handle must not overlap.
@@ -136,6 +143,17 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
     /// Sends `x` to `dst` while receiving from `src`: one ring step (`dst = rank+1`, `src = rank-1`, mod P).
     /// Never deadlocks when every rank calls it at once.
     fn send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Tensor>;
+
+    /// Starts a ring step and returns at once: the send to `dst` is under way and the receive from `src` is
+    /// completed by [`PendingRecv::wait`], so that work can run in between (overlap). Counts as a `send_recv`.
+    /// Until it is waited, do not receive from `src` on this group in any other way (messages from one rank
+    /// arrive in order); a step that is dropped unwaited leaves its message to the next receive from `src`.
+    fn start_send_recv(
+        &self,
+        x: &Tensor,
+        dst: usize,
+        src: usize,
+    ) -> Result<Box<dyn PendingRecv + '_>>;
 
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;

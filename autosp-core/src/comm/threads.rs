@@ -21,7 +21,7 @@ use candle_core::{Device, Tensor};
 
 use super::communicator::Communicator;
 use super::error::{CommError, Departure, ErrCtx, Result};
-use super::process_group::{Collective, ProcessGroup};
+use super::process_group::{Collective, PendingRecv, ProcessGroup};
 use super::transport::Transport;
 
 /// A rank's handle on an in-process group.
@@ -346,6 +346,18 @@ impl ThreadTransport {
     }
 }
 
+/// The receive half of a ring step on the thread back end.
+struct ThreadRecv<'a> {
+    transport: &'a ThreadTransport,
+    src: usize,
+}
+
+impl PendingRecv for ThreadRecv<'_> {
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        self.transport.recv_as(Collective::SendRecv, self.src)
+    }
+}
+
 impl Transport for ThreadTransport {
     fn rank(&self) -> usize {
         self.rank
@@ -418,10 +430,18 @@ impl Transport for ThreadTransport {
         self.recv_as(Collective::Recv, src)
     }
 
-    fn send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Tensor> {
+    fn start_send_recv(
+        &self,
+        x: &Tensor,
+        dst: usize,
+        src: usize,
+    ) -> Result<Box<dyn PendingRecv + '_>> {
         // Sends are buffered here, so sending first cannot deadlock.
         self.send_as(Collective::SendRecv, x, dst)?;
-        self.recv_as(Collective::SendRecv, src)
+        Ok(Box::new(ThreadRecv {
+            transport: self,
+            src,
+        }))
     }
 
     fn split(&self, groups: &[Vec<usize>], group: usize, index: usize) -> Result<Self> {
