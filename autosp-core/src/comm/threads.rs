@@ -242,10 +242,36 @@ impl ThreadTransport {
         }
     }
 
-    fn check_healthy(&self, collective: Collective, st: &WorldState) -> Result<()> {
+    /// Fails if the group failed; `seq` is this call's exchange round, if it is one.
+    fn check_healthy(
+        &self,
+        collective: Collective,
+        st: &WorldState,
+        seq: Option<u64>,
+    ) -> Result<()> {
         match st.failures.get(&self.key) {
-            Some(f) => Err(self.ctx(collective).poisoned(f.describe())),
+            Some(f) => Err(self.failure_error(collective, f, seq, Duration::ZERO)),
             None => Ok(()),
+        }
+    }
+
+    /// The error this rank reports for the group's failure `f`: the same cause when `f` failed this very
+    /// exchange round and this rank is not the one missing, `Poisoned` otherwise.
+    fn failure_error(
+        &self,
+        collective: Collective,
+        f: &Failure,
+        seq: Option<u64>,
+        waited: Duration,
+    ) -> CommError {
+        let ctx = self.ctx(collective);
+        let same_round = seq.is_some() && f.seq == seq;
+        match &f.kind {
+            FailureKind::Timeout { missing } if same_round && !missing.contains(&self.rank) => {
+                ctx.timeout(self.members.len(), missing.clone(), waited, self.timeout())
+            }
+            FailureKind::PeerGone { peer, how } if same_round => ctx.peer_gone(*peer, *how, waited),
+            _ => ctx.poisoned(f.describe()),
         }
     }
 
@@ -268,19 +294,7 @@ impl ThreadTransport {
                 Poll::Missing(missing) => missing,
             };
             if let Some(f) = st.failures.get(&self.key) {
-                // Another rank of this round already failed it: report the same cause.
-                return Err(match (&f.kind, f.seq.is_some() && f.seq == seq) {
-                    (FailureKind::Timeout { missing }, true) => ctx.timeout(
-                        self.members.len(),
-                        missing.clone(),
-                        start.elapsed(),
-                        timeout,
-                    ),
-                    (FailureKind::PeerGone { peer, how }, true) => {
-                        ctx.peer_gone(*peer, *how, start.elapsed())
-                    }
-                    _ => ctx.poisoned(f.describe()),
-                });
+                return Err(self.failure_error(collective, f, seq, start.elapsed()));
             }
             let gone = missing
                 .iter()
@@ -320,7 +334,7 @@ impl ThreadTransport {
 
     fn send_as(&self, collective: Collective, x: &Tensor, dst: usize) -> Result<()> {
         let mut st = self.world.lock();
-        self.check_healthy(collective, &st)?;
+        self.check_healthy(collective, &st, None)?;
         if dst != self.rank {
             if let Some(how) = st.departed[self.members[dst]] {
                 return Err(self.ctx(collective).peer_gone(dst, how, Duration::ZERO));
@@ -335,7 +349,7 @@ impl ThreadTransport {
     }
 
     fn recv_as(&self, collective: Collective, src: usize) -> Result<Tensor> {
-        self.check_healthy(collective, &self.world.lock())?;
+        self.check_healthy(collective, &self.world.lock(), None)?;
         let key = (self.key.clone(), src, self.rank);
         self.wait(collective, None, |st| {
             match st.mail.get_mut(&key).and_then(|q| q.pop_front()) {
@@ -391,7 +405,7 @@ impl Transport for ThreadTransport {
         let key = (self.key.clone(), seq);
         {
             let mut st = self.world.lock();
-            self.check_healthy(collective, &st)?;
+            self.check_healthy(collective, &st, Some(seq))?;
             let round = st.rounds.entry(key.clone()).or_insert_with(|| Round {
                 deposits: vec![None; size],
                 collected: 0,
