@@ -3,7 +3,7 @@
 //! MPI's own collectives cannot time out, so every collective here is built from non-blocking point-to-point
 //! messages (`MPI_Isend`, `MPI_Improbe` + `MPI_Mrecv`) polled against the group's deadline: a rank that never
 //! arrives gives the others `CommError::Timeout` naming it, never a hang. Each message is a tensor in the
-//! [`wire`](super::wire) format (a header with dtype and shape, then the elements), so receivers need not know
+//! [`wire`] format (a header with dtype and shape, then the elements), so receivers need not know
 //! shapes in advance; one message is limited to 2 GiB. Collective rounds use tags 1..=32000 (cycling, each round
 //! completes before the next starts); point-to-point messages use tag 0, so the two never mix.
 //!
