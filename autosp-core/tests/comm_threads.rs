@@ -120,6 +120,7 @@ fn all_reduce_is_the_rank_order_reduction_on_every_rank() {
         (DType::F32, &[5, 7], false),
         (DType::F32, &[6, 4], true),
         (DType::F32, &[3], false),
+        (DType::F32, &[], false),
         (DType::F64, &[2, 3, 4], false),
         (DType::BF16, &[33], false),
         (DType::F16, &[4, 5], true),
@@ -760,6 +761,18 @@ fn bad_arguments_on_one_rank_fail_every_rank_promptly() {
             vec![vec![1, 0]]
         };
         pg.split(&groups).map(|_| ())
+    });
+    for (r, out) in outs.iter().enumerate() {
+        assert!(
+            matches!(out, Ok(Err(CommError::Mismatch { .. }))),
+            "rank {r}: {out:?}"
+        );
+    }
+    // Element counts that differ in an all_reduce: some rank sees a chunk of the wrong size, and every
+    // rank fails.
+    let outs = run_ranks(3, GUARD, |pg| {
+        let x = Tensor::ones(6 + 3 * pg.rank(), DType::F32, &Device::Cpu).unwrap();
+        pg.all_reduce(&x, ReduceOp::Sum).map(|_| ())
     });
     for (r, out) in outs.iter().enumerate() {
         assert!(

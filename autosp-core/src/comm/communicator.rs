@@ -86,8 +86,8 @@ impl<T: Transport> Communicator<T> {
             .map(|(i, t)| {
                 t.ok_or_else(|| {
                     self.ctx(collective).mismatch(format!(
-                        "rank {i} rejected its own arguments for this call and sent nothing (see rank {i}'s \
-                         error)"
+                        "rank {i} sent nothing: it rejected its own arguments or found the ranks' inputs \
+                         inconsistent (see rank {i}'s error)"
                     ))
                 })
             })
