@@ -29,8 +29,7 @@ use mpi::Threading;
 
 use super::communicator::Communicator;
 use super::error::{CommError, ErrCtx, Result};
-use super::process_group::{Collective, PendingRecv};
-use super::threads::nanos;
+use super::process_group::{nanos, Collective, PendingRecv};
 use super::transport::Transport;
 use super::wire;
 

@@ -13,6 +13,12 @@ use super::stats::CommStats;
 /// Timeout a group gets when its constructor is not given one.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// A timeout in whole nanoseconds, clamped to a year so that `Instant + timeout` cannot overflow.
+pub(crate) fn nanos(d: Duration) -> u64 {
+    const YEAR_NS: u64 = 365 * 24 * 3600 * 1_000_000_000;
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).min(YEAR_NS)
+}
+
 /// How `all_reduce` and `reduce_scatter` combine the ranks' values, element by element.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReduceOp {

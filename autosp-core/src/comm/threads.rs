@@ -21,7 +21,7 @@ use candle_core::{Device, Tensor};
 
 use super::communicator::Communicator;
 use super::error::{CommError, Departure, ErrCtx, Result};
-use super::process_group::{Collective, PendingRecv, ProcessGroup};
+use super::process_group::{nanos, Collective, PendingRecv, ProcessGroup};
 use super::transport::Transport;
 
 /// A rank's handle on an in-process group.
@@ -103,12 +103,6 @@ where
             })
             .collect()
     })
-}
-
-/// A timeout in whole nanoseconds, clamped to a year so that `Instant + timeout` cannot overflow.
-pub(crate) fn nanos(d: Duration) -> u64 {
-    const YEAR_NS: u64 = 365 * 24 * 3600 * 1_000_000_000;
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).min(YEAR_NS)
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
