@@ -105,6 +105,7 @@ fn all_reduce_is_the_rank_order_reduction_on_every_rank() {
         (DType::F32, &[5, 7], false),
         (DType::F32, &[6, 4], true),
         (DType::F32, &[3], false),
+        (DType::F32, &[], false),
         (DType::F64, &[2, 3, 4], false),
         (DType::BF16, &[33], false),
         (DType::F16, &[4, 5], true),
@@ -240,6 +241,34 @@ fn send_recv_rotates_blocks_around_the_ring() {
         });
         for (r, seen) in outs.iter().enumerate() {
             // After step k the block of rank r - k has arrived; after P steps the own block is back.
+            let want: Vec<usize> = (1..=p).map(|k| (r + p * 2 - k) % p).collect();
+            assert_eq!(seen, &want, "P={p} rank {r}");
+        }
+    }
+}
+
+#[test]
+fn started_ring_steps_overlap_with_compute_and_count_as_send_recv() {
+    for p in 1..=4 {
+        let outs = run(p, GUARD, |pg| {
+            let (r, p) = (pg.rank(), pg.size());
+            let mut block = Tensor::full(r as f32, 64, &Device::Cpu)?;
+            let mut seen = vec![];
+            let mut work = Tensor::ones((32, 32), DType::F32, &Device::Cpu)?;
+            for _ in 0..p {
+                let step = pg.start_send_recv(&block, (r + 1) % p, (r + p - 1) % p)?;
+                // Compute on the current block while the next one travels.
+                work = work.matmul(&work)?.affine(1.0 / 32.0, 0.)?;
+                block = step.wait()?;
+                seen.push(block.max(0)?.to_scalar::<f32>()? as usize);
+            }
+            assert_eq!(work.max_keepdim(0)?.max_keepdim(1)?.flatten_all()?.to_vec1::<f32>()?, vec![1.0]);
+            let s = pg.stats();
+            let bytes = if p == 1 { 0 } else { 64 * 4 * p as u64 };
+            assert_eq!((s.calls(Collective::SendRecv), s.total_bytes_sent()), (p as u64, bytes));
+            Ok(seen)
+        });
+        for (r, seen) in outs.iter().enumerate() {
             let want: Vec<usize> = (1..=p).map(|k| (r + p * 2 - k) % p).collect();
             assert_eq!(seen, &want, "P={p} rank {r}");
         }
@@ -424,6 +453,9 @@ fn concurrent_candle_work_on_every_rank_does_not_deadlock() {
     }
 }
 
+/// What one rank of a failure test returns: its call's result and how long the call took.
+type RankOutcome = (Result<(), CommError>, Duration);
+
 /// Runs `p` ranks with the short timeout; rank `odd` does `odd_one`, the others `others`; returns each
 /// result with the time it took.
 fn run_failure(
@@ -431,7 +463,7 @@ fn run_failure(
     odd: usize,
     odd_one: impl Fn(&Arc<dyn ProcessGroup>) -> Result<(), CommError> + Sync,
     others: impl Fn(&Arc<dyn ProcessGroup>) -> Result<(), CommError> + Sync,
-) -> Vec<Result<(Result<(), CommError>, Duration), CommError>> {
+) -> Vec<Result<RankOutcome, CommError>> {
     run_ranks(p, SHORT, |pg| {
         let start = Instant::now();
         let r = if pg.rank() == odd { odd_one(&pg) } else { others(&pg) };
@@ -568,7 +600,9 @@ fn bad_arguments_on_one_rank_fail_every_rank_promptly() {
     });
     assert!(start.elapsed() < GUARD / 4, "took {:?}", start.elapsed());
     match outs[1].as_ref().unwrap() {
-        Err(CommError::InvalidArgument { detail, .. }) => assert!(detail.contains("dim 5"), "{detail}"),
+        Err(CommError::InvalidArgument { detail, .. }) => {
+            assert!(detail.contains("dim 5"), "{detail}")
+        }
         other => panic!("rank 1: {other:?}"),
     }
     for r in [0, 2] {
@@ -581,6 +615,15 @@ fn bad_arguments_on_one_rank_fail_every_rank_promptly() {
     let outs = run_ranks(2, GUARD, |pg| {
         let groups = if pg.rank() == 0 { vec![vec![0], vec![1]] } else { vec![vec![1, 0]] };
         pg.split(&groups).map(|_| ())
+    });
+    for (r, out) in outs.iter().enumerate() {
+        assert!(matches!(out, Ok(Err(CommError::Mismatch { .. }))), "rank {r}: {out:?}");
+    }
+    // Element counts that differ in an all_reduce: some rank sees a chunk of the wrong size, and every
+    // rank fails.
+    let outs = run_ranks(3, GUARD, |pg| {
+        let x = Tensor::ones(6 + 3 * pg.rank(), DType::F32, &Device::Cpu).unwrap();
+        pg.all_reduce(&x, ReduceOp::Sum).map(|_| ())
     });
     for (r, out) in outs.iter().enumerate() {
         assert!(matches!(out, Ok(Err(CommError::Mismatch { .. }))), "rank {r}: {out:?}");

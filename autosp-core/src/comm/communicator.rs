@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 
 use super::error::{ErrCtx, Result};
 use super::groups;
-use super::process_group::{Collective, ProcessGroup, ReduceOp};
+use super::process_group::{Collective, PendingRecv, ProcessGroup, ReduceOp};
 use super::reduce::{chunk_sizes, reduce_in_rank_order};
 use super::stats::{tensor_bytes, CommStats, StatsCounter};
 use super::transport::Transport;
@@ -24,10 +24,7 @@ pub struct Communicator<T: Transport> {
 impl<T: Transport> Communicator<T> {
     /// Wraps a transport; counters start at zero.
     pub fn new(transport: T) -> Self {
-        Self {
-            transport,
-            stats: StatsCounter::default(),
-        }
+        Self { transport, stats: StatsCounter::default() }
     }
 
     /// The underlying transport.
@@ -36,19 +33,15 @@ impl<T: Transport> Communicator<T> {
     }
 
     fn ctx(&self, collective: Collective) -> ErrCtx<'_> {
-        ErrCtx {
-            collective,
-            group: self.transport.name(),
-            rank: self.transport.rank(),
-        }
+        ErrCtx { collective, group: self.transport.name(), rank: self.transport.rank() }
     }
 
     fn check_peer(&self, collective: Collective, peer: usize, role: &str) -> Result<()> {
         let size = self.transport.size();
         if peer >= size {
-            return Err(self.ctx(collective).invalid(format!(
-                "{role} rank {peer} does not exist: the group has {size} ranks (0..{size})"
-            )));
+            return Err(self
+                .ctx(collective)
+                .invalid(format!("{role} rank {peer} does not exist: the group has {size} ranks (0..{size})")));
         }
         Ok(())
     }
@@ -82,8 +75,8 @@ impl<T: Transport> Communicator<T> {
             .map(|(i, t)| {
                 t.ok_or_else(|| {
                     self.ctx(collective).mismatch(format!(
-                        "rank {i} rejected its own arguments for this call and sent nothing (see rank {i}'s \
-                         error)"
+                        "rank {i} sent nothing: it rejected its own arguments or found the ranks' inputs \
+                         inconsistent (see rank {i}'s error)"
                     ))
                 })
             })
@@ -108,12 +101,7 @@ impl<T: Transport> Communicator<T> {
 
     fn bytes_to_others(&self, parts: &[Tensor]) -> u64 {
         let rank = self.transport.rank();
-        parts
-            .iter()
-            .enumerate()
-            .filter(|(j, _)| *j != rank)
-            .map(|(_, t)| tensor_bytes(t))
-            .sum()
+        parts.iter().enumerate().filter(|(j, _)| *j != rank).map(|(_, t)| tensor_bytes(t)).sum()
     }
 }
 
@@ -134,6 +122,10 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         self.transport.timeout()
     }
 
+    fn set_timeout(&self, timeout: Duration) {
+        self.transport.set_timeout(timeout)
+    }
+
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let c = Collective::AllReduce;
         let ctx = self.ctx(c);
@@ -149,13 +141,10 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         }
         let elem = x.dtype().size_in_bytes() as u64;
         // Bytes: every chunk but its own in phase 1, its reduced chunk to P-1 ranks in phase 2.
-        let bytes = |parts: &[Tensor]| {
-            self.bytes_to_others(parts) + (size as u64 - 1) * sizes[rank] as u64 * elem
-        };
+        let bytes = |parts: &[Tensor]| self.bytes_to_others(parts) + (size as u64 - 1) * sizes[rank] as u64 * elem;
         let mine = self.round(c, Ok(chunks), bytes, x.device())?;
-        let reduced = self
-            .same_layout(c, &mine)
-            .and_then(|()| reduce_in_rank_order(&mine, op).map_err(|e| ctx.candle(e)));
+        let reduced =
+            self.same_layout(c, &mine).and_then(|()| reduce_in_rank_order(&mine, op).map_err(|e| ctx.candle(e)));
         // Phase 2, all-gather of the reduced chunks. A rank that failed sends nothing so the others stop too.
         let outgoing = match &reduced {
             Ok(t) => vec![Some(t.clone()); size],
@@ -164,9 +153,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         let incoming = self.transport.exchange(c, outgoing, x.device())?;
         reduced?;
         let parts = self.all_present(c, incoming)?;
-        Tensor::cat(&parts, 0)
-            .and_then(|t| t.reshape(x.shape()))
-            .map_err(|e| ctx.candle(e))
+        Tensor::cat(&parts, 0).and_then(|t| t.reshape(x.shape())).map_err(|e| ctx.candle(e))
     }
 
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
@@ -176,15 +163,12 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         let prepared = if dim < x.rank() {
             Ok(vec![x.clone(); size])
         } else {
-            Err(ctx.invalid(format!(
-                "dim {dim} is out of range for a tensor of shape {:?}",
-                x.dims()
-            )))
+            Err(ctx.invalid(format!("dim {dim} is out of range for a tensor of shape {:?}", x.dims())))
         };
         let parts = self.round(c, prepared, |p| self.bytes_to_others(p), x.device())?;
         for (i, t) in parts.iter().enumerate() {
-            let same_rest = t.rank() == x.rank()
-                && (0..x.rank()).all(|d| d == dim || t.dims()[d] == parts[0].dims()[d]);
+            let same_rest =
+                t.rank() == x.rank() && (0..x.rank()).all(|d| d == dim || t.dims()[d] == parts[0].dims()[d]);
             if t.dtype() != parts[0].dtype() || !same_rest {
                 return Err(ctx.mismatch(format!(
                     "rank {i} sent {:?} {:?} where rank 0 sent {:?} {:?} (only dim {dim} may differ)",
@@ -203,10 +187,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         let ctx = self.ctx(c);
         let size = self.size();
         let prepared = if dim >= x.rank() {
-            Err(ctx.invalid(format!(
-                "dim {dim} is out of range for a tensor of shape {:?}",
-                x.dims()
-            )))
+            Err(ctx.invalid(format!("dim {dim} is out of range for a tensor of shape {:?}", x.dims())))
         } else if x.dims()[dim] % size != 0 {
             Err(ctx.invalid(format!(
                 "dim {dim} of shape {:?} has size {} which does not divide by the group size {size}; pad it",
@@ -215,9 +196,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
             )))
         } else {
             let len = x.dims()[dim] / size;
-            (0..size)
-                .map(|j| x.narrow(dim, j * len, len).map_err(|e| ctx.candle(e)))
-                .collect()
+            (0..size).map(|j| x.narrow(dim, j * len, len).map_err(|e| ctx.candle(e))).collect()
         };
         let parts = self.round(c, prepared, |p| self.bytes_to_others(p), x.device())?;
         self.same_layout(c, &parts)?;
@@ -231,10 +210,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         let prepared = if inputs.len() == size {
             Ok(inputs)
         } else {
-            Err(self.ctx(c).invalid(format!(
-                "got {} tensors, need one per rank ({size})",
-                inputs.len()
-            )))
+            Err(self.ctx(c).invalid(format!("got {} tensors, need one per rank ({size})", inputs.len())))
         };
         self.round(c, prepared, |p| self.bytes_to_others(p), &device)
     }
@@ -255,20 +231,22 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
     }
 
     fn send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Tensor> {
+        self.start_send_recv(x, dst, src)?.wait()
+    }
+
+    fn start_send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Box<dyn PendingRecv + '_>> {
         let c = Collective::SendRecv;
         self.check_peer(c, dst, "destination")?;
         self.check_peer(c, src, "source")?;
         let bytes = if dst == self.rank() { 0 } else { tensor_bytes(x) };
         self.stats.record(c, bytes);
-        self.transport.send_recv(x, dst, src)
+        self.transport.start_send_recv(x, dst, src)
     }
 
     fn barrier(&self) -> Result<()> {
         let c = Collective::Barrier;
         self.stats.record(c, 0);
-        self.transport
-            .exchange(c, vec![None; self.size()], &Device::Cpu)
-            .map(|_| ())
+        self.transport.exchange(c, vec![None; self.size()], &Device::Cpu).map(|_| ())
     }
 
     fn split(&self, groups: &[Vec<usize>]) -> Result<Arc<dyn ProcessGroup>> {
@@ -278,9 +256,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         let spec = groups::encode(groups);
         let located = groups::locate(groups, size, rank);
         let prepared = match &located {
-            Ok(_) => Tensor::new(spec.as_slice(), &Device::Cpu)
-                .map(|t| vec![t; size])
-                .map_err(|e| ctx.candle(e)),
+            Ok(_) => Tensor::new(spec.as_slice(), &Device::Cpu).map(|t| vec![t; size]).map_err(|e| ctx.candle(e)),
             Err(detail) => Err(ctx.invalid(detail.clone())),
         };
         let parts = self.round(c, prepared, |p| self.bytes_to_others(p), &Device::Cpu)?;

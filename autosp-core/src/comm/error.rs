@@ -51,44 +51,22 @@ pub enum CommError {
         "{collective} on group `{group}`: rank {peer} {how} before taking part, so rank {rank} cannot finish \
          (noticed after {waited:?}); look at rank {peer}'s own result or panic message for the cause"
     )]
-    PeerGone {
-        collective: Collective,
-        group: String,
-        rank: usize,
-        peer: usize,
-        how: Departure,
-        waited: Duration,
-    },
+    PeerGone { collective: Collective, group: String, rank: usize, peer: usize, how: Departure, waited: Duration },
     /// An earlier failure left the group's ranks out of step; the group cannot be used again.
     #[error(
         "{collective} on group `{group}` (rank {rank}): the group is unusable after an earlier failure \
          ({cause}); start a new group to go on"
     )]
-    Poisoned {
-        collective: Collective,
-        group: String,
-        rank: usize,
-        cause: String,
-    },
+    Poisoned { collective: Collective, group: String, rank: usize, cause: String },
     /// This rank's own arguments are wrong (a dimension out of range, a size that does not divide, ...).
     #[error("{collective} on group `{group}` (rank {rank}): {detail}")]
-    InvalidArgument {
-        collective: Collective,
-        group: String,
-        rank: usize,
-        detail: String,
-    },
+    InvalidArgument { collective: Collective, group: String, rank: usize, detail: String },
     /// Ranks passed inputs that do not fit together (shapes, dtypes, group lists), or a peer rejected its own.
     #[error(
         "{collective} on group `{group}` (rank {rank}): the ranks' inputs disagree: {detail}; every rank \
          must pass matching shapes and dtypes"
     )]
-    Mismatch {
-        collective: Collective,
-        group: String,
-        rank: usize,
-        detail: String,
-    },
+    Mismatch { collective: Collective, group: String, rank: usize, detail: String },
     /// A tensor operation inside the collective failed.
     #[error("{collective} on group `{group}` (rank {rank}): tensor operation failed: {source}")]
     Candle {
@@ -96,16 +74,11 @@ pub enum CommError {
         group: String,
         rank: usize,
         #[source]
-        source: candle_core::Error,
+        source: Box<candle_core::Error>,
     },
     /// The MPI back end failed (bad message, unsupported dtype, MPI setup).
     #[error("{collective} on group `{group}` (rank {rank}): MPI: {detail}")]
-    Mpi {
-        collective: Collective,
-        group: String,
-        rank: usize,
-        detail: String,
-    },
+    Mpi { collective: Collective, group: String, rank: usize, detail: String },
     /// A rank's function panicked (reported by the thread launcher for that rank).
     #[error("rank {rank} panicked: {message}")]
     RankPanicked { rank: usize, message: String },
@@ -146,7 +119,7 @@ impl ErrCtx<'_> {
             collective: self.collective,
             group: self.group.to_string(),
             rank: self.rank,
-            source,
+            source: Box::new(source),
         }
     }
 
@@ -169,13 +142,7 @@ impl ErrCtx<'_> {
         }
     }
 
-    pub fn timeout(
-        &self,
-        size: usize,
-        missing: Vec<usize>,
-        waited: Duration,
-        timeout: Duration,
-    ) -> CommError {
+    pub fn timeout(&self, size: usize, missing: Vec<usize>, waited: Duration, timeout: Duration) -> CommError {
         CommError::Timeout {
             collective: self.collective,
             group: self.group.to_string(),

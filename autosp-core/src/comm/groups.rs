@@ -7,26 +7,20 @@ use super::error::{CommError, Result};
 /// hybrid layout). Errors unless `u` divides `size`.
 pub fn contiguous_groups(size: usize, u: usize) -> Result<Vec<Vec<usize>>> {
     check_grid(size, u)?;
-    Ok((0..size / u)
-        .map(|g| (g * u..(g + 1) * u).collect())
-        .collect())
+    Ok((0..size / u).map(|g| (g * u..(g + 1) * u).collect()).collect())
 }
 
 /// `u` groups of the ranks with equal position in their contiguous group: `[[0, u, 2u, ..], [1, u+1, ..], ..]`
 /// (the Ring groups orthogonal to `contiguous_groups(size, u)`). Errors unless `u` divides `size`.
 pub fn strided_groups(size: usize, u: usize) -> Result<Vec<Vec<usize>>> {
     check_grid(size, u)?;
-    Ok((0..u)
-        .map(|i| (0..size / u).map(|g| g * u + i).collect())
-        .collect())
+    Ok((0..u).map(|i| (0..size / u).map(|g| g * u + i).collect()).collect())
 }
 
 fn check_grid(size: usize, u: usize) -> Result<()> {
     if u == 0 || size == 0 || size % u != 0 {
         return Err(CommError::Config {
-            detail: format!(
-                "a grid of {size} ranks needs an inner group size u that divides it, got u = {u}"
-            ),
+            detail: format!("a grid of {size} ranks needs an inner group size u that divides it, got u = {u}"),
         });
     }
     Ok(())
@@ -50,9 +44,7 @@ pub(crate) fn locate(groups: &[Vec<usize>], size: usize, rank: usize) -> Result<
         }
     }
     if let Some(m) = seen.iter().position(|s| !s) {
-        return Err(format!(
-            "rank {m} is in no group of {groups:?}; the groups must cover every rank 0..{size}"
-        ));
+        return Err(format!("rank {m} is in no group of {groups:?}; the groups must cover every rank 0..{size}"));
     }
     for (g, members) in groups.iter().enumerate() {
         if let Some(i) = members.iter().position(|&m| m == rank) {
@@ -78,14 +70,8 @@ mod tests {
 
     #[test]
     fn grid_layouts_of_eight_ranks() {
-        assert_eq!(
-            contiguous_groups(8, 2).unwrap(),
-            vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]
-        );
-        assert_eq!(
-            strided_groups(8, 2).unwrap(),
-            vec![vec![0, 2, 4, 6], vec![1, 3, 5, 7]]
-        );
+        assert_eq!(contiguous_groups(8, 2).unwrap(), vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]);
+        assert_eq!(strided_groups(8, 2).unwrap(), vec![vec![0, 2, 4, 6], vec![1, 3, 5, 7]]);
         assert!(contiguous_groups(6, 4).is_err());
         assert!(strided_groups(6, 0).is_err());
     }

@@ -1,7 +1,8 @@
 //! Communication between the ranks of a sequence-parallel job.
 //!
 //! [`ProcessGroup`] is the interface the sharded attention strategies and the loss/gradient reductions call:
-//! `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `send`/`recv`/`send_recv` (the ring step),
+//! `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `send`/`recv`/`send_recv` (the ring step;
+//! `start_send_recv` returns a [`PendingRecv`] so compute can overlap the transfer),
 //! `barrier`, and `split` into subgroups (for 2D layouts: [`contiguous_groups`], [`strided_groups`]). Back ends:
 //!
 //! - [`ThreadGroup`] (always built): P ranks as threads of one process; start them with [`run_ranks`].
@@ -35,7 +36,7 @@
 //! | `all_gather(x, dim)` | `(P-1)·bytes(x)` |
 //! | `reduce_scatter(x, dim)` | `(P-1)/P·bytes(x)` |
 //! | `all_to_all(inputs)` | `sum over j != r of bytes(inputs[j])` |
-//! | `send(x, dst)`, `send_recv(x, dst, src)` | `bytes(x)`, or 0 when `dst == r` |
+//! | `send(x, dst)`, `send_recv(x, dst, src)`, `start_send_recv` | `bytes(x)`, or 0 when `dst == r` (both send_recv forms count as `SendRecv`) |
 //! | `recv`, `barrier` | 0 |
 //! | `split(groups)` | `(P-1)·8·(1 + G + P)` (the group list, G groups, as i64, to compare across ranks) |
 //!
@@ -59,7 +60,7 @@ pub use error::{CommError, Departure, Result};
 pub use groups::{contiguous_groups, strided_groups};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiGroup, MpiTransport};
-pub use process_group::{Collective, ProcessGroup, ReduceOp, DEFAULT_TIMEOUT};
+pub use process_group::{Collective, PendingRecv, ProcessGroup, ReduceOp, DEFAULT_TIMEOUT};
 pub use stats::{tensor_bytes, CommStats};
 pub use threads::{run_ranks, ThreadGroup, ThreadTransport};
 pub use transport::Transport;

@@ -13,6 +13,12 @@ use super::stats::CommStats;
 /// Timeout a group gets when its constructor is not given one.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// A timeout in whole nanoseconds, clamped to a year so that `Instant + timeout` cannot overflow.
+pub(crate) fn nanos(d: Duration) -> u64 {
+    const YEAR_NS: u64 = 365 * 24 * 3600 * 1_000_000_000;
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).min(YEAR_NS)
+}
+
 /// How `all_reduce` and `reduce_scatter` combine the ranks' values, element by element.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
@@ -77,6 +83,13 @@ impl fmt::Display for Collective {
     }
 }
 
+/// A ring step in flight (see [`ProcessGroup::start_send_recv`]).
+pub trait PendingRecv {
+    /// Finishes the step: waits (at most the group's timeout, counted from this call) until the send is done
+    /// and the tensor from the source rank has arrived, and returns it.
+    fn wait(self: Box<Self>) -> Result<Tensor>;
+}
+
 /// A group of `size()` ranks that exchange candle tensors. Each rank holds its own handle and calls the
 /// collectives on it; every rank of the group must call the same collectives in the same order (point-to-point
 /// calls excepted), and one rank's calls on one handle must not overlap.
@@ -102,6 +115,10 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
 
     /// How long any call waits for the other ranks.
     fn timeout(&self) -> Duration;
+
+    /// Changes this rank's timeout for later calls on this handle (give every rank the same value; values
+    /// above a year count as a year).
+    fn set_timeout(&self, timeout: Duration);
 
     /// Element-wise reduction of `x` over all ranks; every rank gets the same bits.
     /// `x`: any shape, the same shape and dtype on every rank. Returns that shape.
@@ -132,6 +149,12 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
     /// Sends `x` to `dst` while receiving from `src`: one ring step (`dst = rank+1`, `src = rank-1`, mod P).
     /// Never deadlocks when every rank calls it at once.
     fn send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Tensor>;
+
+    /// Starts a ring step and returns at once: the send to `dst` is under way and the receive from `src` is
+    /// completed by [`PendingRecv::wait`], so that work can run in between (overlap). Counts as a `send_recv`.
+    /// Until it is waited, do not receive from `src` on this group in any other way (messages from one rank
+    /// arrive in order); a step that is dropped unwaited leaves its message to the next receive from `src`.
+    fn start_send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Box<dyn PendingRecv + '_>>;
 
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;

@@ -46,11 +46,7 @@ mod tests {
         let dev = Device::Cpu;
         // In f32 (spacing 8 at 1e8), (1e8 + 4) + 4 = 1e8 (ties to even) but 1e8 + (4 + 4) = 1e8 + 8:
         // the order is observable, and must be left to right.
-        let parts = [
-            Tensor::new(&[1e8f32], &dev)?,
-            Tensor::new(&[4f32], &dev)?,
-            Tensor::new(&[4f32], &dev)?,
-        ];
+        let parts = [Tensor::new(&[1e8f32], &dev)?, Tensor::new(&[4f32], &dev)?, Tensor::new(&[4f32], &dev)?];
         let s = reduce_in_rank_order(&parts, ReduceOp::Sum)?.to_vec1::<f32>()?;
         assert_eq!(s, vec![100_000_000f32]);
         // bf16: 256 + 1 + 1 is 258 in f32, but 256 in bf16 step by step (bf16 has 8 mantissa bits).

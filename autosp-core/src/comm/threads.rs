@@ -21,7 +21,7 @@ use candle_core::{Device, Tensor};
 
 use super::communicator::Communicator;
 use super::error::{CommError, Departure, ErrCtx, Result};
-use super::process_group::{Collective, ProcessGroup};
+use super::process_group::{nanos, Collective, PendingRecv, ProcessGroup};
 use super::transport::Transport;
 
 /// A rank's handle on an in-process group.
@@ -32,9 +32,7 @@ impl Communicator<ThreadTransport> {
     /// thread that plays rank r. Every call waits at most `timeout` for the other ranks.
     pub fn world(size: usize, timeout: Duration) -> Result<Vec<ThreadGroup>> {
         if size == 0 {
-            return Err(CommError::Config {
-                detail: "a world needs at least one rank, got size 0".to_string(),
-            });
+            return Err(CommError::Config { detail: "a world needs at least one rank, got size 0".to_string() });
         }
         let world = Arc::new(World {
             state: Mutex::new(WorldState {
@@ -49,15 +47,12 @@ impl Communicator<ThreadTransport> {
         Ok((0..size)
             .map(|rank| {
                 Communicator::new(ThreadTransport {
-                    life: Arc::new(RankLife {
-                        world: world.clone(),
-                        global: rank,
-                    }),
+                    life: Arc::new(RankLife { world: world.clone(), global: rank }),
                     world: world.clone(),
                     key: Arc::from("world"),
                     rank,
                     members: members.clone(),
-                    timeout,
+                    timeout_ns: AtomicU64::new(nanos(timeout)),
                     seq: AtomicU64::new(0),
                     splits: AtomicU64::new(0),
                 })
@@ -96,10 +91,9 @@ where
             .into_iter()
             .enumerate()
             .map(|(rank, handle)| {
-                handle?.join().map_err(|payload| CommError::RankPanicked {
-                    rank,
-                    message: panic_message(payload.as_ref()),
-                })
+                handle?
+                    .join()
+                    .map_err(|payload| CommError::RankPanicked { rank, message: panic_message(payload.as_ref()) })
             })
             .collect()
     })
@@ -164,14 +158,12 @@ enum FailureKind {
 impl Failure {
     fn describe(&self) -> String {
         match &self.kind {
-            FailureKind::Timeout { missing } => format!(
-                "rank {} timed out in {} waiting for rank(s) {missing:?}",
-                self.by_rank, self.collective
-            ),
-            FailureKind::PeerGone { peer, how } => format!(
-                "rank {peer} {how} before joining {} (seen by rank {})",
-                self.collective, self.by_rank
-            ),
+            FailureKind::Timeout { missing } => {
+                format!("rank {} timed out in {} waiting for rank(s) {missing:?}", self.by_rank, self.collective)
+            }
+            FailureKind::PeerGone { peer, how } => {
+                format!("rank {peer} {how} before joining {} (seen by rank {})", self.collective, self.by_rank)
+            }
         }
     }
 }
@@ -184,11 +176,7 @@ struct RankLife {
 
 impl Drop for RankLife {
     fn drop(&mut self) {
-        let how = if std::thread::panicking() {
-            Departure::Panicked
-        } else {
-            Departure::Returned
-        };
+        let how = if std::thread::panicking() { Departure::Panicked } else { Departure::Returned };
         self.world.lock().departed[self.global] = Some(how);
         self.world.cv.notify_all();
     }
@@ -208,7 +196,8 @@ pub struct ThreadTransport {
     rank: usize,
     /// World rank of each rank of this group.
     members: Arc<[usize]>,
-    timeout: Duration,
+    /// Timeout in nanoseconds.
+    timeout_ns: AtomicU64,
     /// Exchange rounds this rank started on this group.
     seq: AtomicU64,
     /// Splits this rank made of this group (names the subgroups).
@@ -221,24 +210,35 @@ impl fmt::Debug for ThreadTransport {
             .field("group", &self.key)
             .field("rank", &self.rank)
             .field("world_ranks", &self.members)
-            .field("timeout", &self.timeout)
+            .field("timeout", &self.timeout())
             .finish()
     }
 }
 
 impl ThreadTransport {
     fn ctx(&self, collective: Collective) -> ErrCtx<'_> {
-        ErrCtx {
-            collective,
-            group: &self.key,
-            rank: self.rank,
+        ErrCtx { collective, group: &self.key, rank: self.rank }
+    }
+
+    /// Fails if the group failed; `seq` is this call's exchange round, if it is one.
+    fn check_healthy(&self, collective: Collective, st: &WorldState, seq: Option<u64>) -> Result<()> {
+        match st.failures.get(&self.key) {
+            Some(f) => Err(self.failure_error(collective, f, seq, Duration::ZERO)),
+            None => Ok(()),
         }
     }
 
-    fn check_healthy(&self, collective: Collective, st: &WorldState) -> Result<()> {
-        match st.failures.get(&self.key) {
-            Some(f) => Err(self.ctx(collective).poisoned(f.describe())),
-            None => Ok(()),
+    /// The error this rank reports for the group's failure `f`: the same cause when `f` failed this very
+    /// exchange round and this rank is not the one missing, `Poisoned` otherwise.
+    fn failure_error(&self, collective: Collective, f: &Failure, seq: Option<u64>, waited: Duration) -> CommError {
+        let ctx = self.ctx(collective);
+        let same_round = seq.is_some() && f.seq == seq;
+        match &f.kind {
+            FailureKind::Timeout { missing } if same_round && !missing.contains(&self.rank) => {
+                ctx.timeout(self.members.len(), missing.clone(), waited, self.timeout())
+            }
+            FailureKind::PeerGone { peer, how } if same_round => ctx.peer_gone(*peer, *how, waited),
+            _ => ctx.poisoned(f.describe()),
         }
     }
 
@@ -252,7 +252,8 @@ impl ThreadTransport {
     ) -> Result<T> {
         let ctx = self.ctx(collective);
         let start = Instant::now();
-        let deadline = start + self.timeout;
+        let timeout = self.timeout();
+        let deadline = start + timeout;
         let mut st = self.world.lock();
         loop {
             let missing = match poll(&mut st) {
@@ -260,78 +261,60 @@ impl ThreadTransport {
                 Poll::Missing(missing) => missing,
             };
             if let Some(f) = st.failures.get(&self.key) {
-                // Another rank of this round already failed it: report the same cause.
-                return Err(match (&f.kind, f.seq.is_some() && f.seq == seq) {
-                    (FailureKind::Timeout { missing }, true) => {
-                        ctx.timeout(self.members.len(), missing.clone(), start.elapsed(), self.timeout)
-                    }
-                    (FailureKind::PeerGone { peer, how }, true) => {
-                        ctx.peer_gone(*peer, *how, start.elapsed())
-                    }
-                    _ => ctx.poisoned(f.describe()),
-                });
+                return Err(self.failure_error(collective, f, seq, start.elapsed()));
             }
-            let gone = missing
-                .iter()
-                .find_map(|&m| st.departed[self.members[m]].map(|how| (m, how)));
+            let gone = missing.iter().find_map(|&m| st.departed[self.members[m]].map(|how| (m, how)));
             let now = Instant::now();
             let kind = if let Some((peer, how)) = gone {
                 FailureKind::PeerGone { peer, how }
             } else if now >= deadline {
-                FailureKind::Timeout {
-                    missing: missing.clone(),
-                }
+                FailureKind::Timeout { missing: missing.clone() }
             } else {
-                st = self
-                    .world
-                    .cv
-                    .wait_timeout(st, deadline - now)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
+                st = self.world.cv.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
                 continue;
             };
-            let failure = Failure {
-                seq,
-                collective,
-                by_rank: self.rank,
-                kind: kind.clone(),
-            };
+            let failure = Failure { seq, collective, by_rank: self.rank, kind: kind.clone() };
             st.failures.insert(self.key.clone(), failure);
             self.world.cv.notify_all();
             return Err(match kind {
                 FailureKind::PeerGone { peer, how } => ctx.peer_gone(peer, how, start.elapsed()),
-                FailureKind::Timeout { missing } => {
-                    ctx.timeout(self.members.len(), missing, start.elapsed(), self.timeout)
-                }
+                FailureKind::Timeout { missing } => ctx.timeout(self.members.len(), missing, start.elapsed(), timeout),
             });
         }
     }
 
     fn send_as(&self, collective: Collective, x: &Tensor, dst: usize) -> Result<()> {
         let mut st = self.world.lock();
-        self.check_healthy(collective, &st)?;
+        self.check_healthy(collective, &st, None)?;
         if dst != self.rank {
             if let Some(how) = st.departed[self.members[dst]] {
                 return Err(self.ctx(collective).peer_gone(dst, how, Duration::ZERO));
             }
         }
-        st.mail
-            .entry((self.key.clone(), self.rank, dst))
-            .or_default()
-            .push_back(x.clone());
+        st.mail.entry((self.key.clone(), self.rank, dst)).or_default().push_back(x.clone());
         self.world.cv.notify_all();
         Ok(())
     }
 
     fn recv_as(&self, collective: Collective, src: usize) -> Result<Tensor> {
-        self.check_healthy(collective, &self.world.lock())?;
+        self.check_healthy(collective, &self.world.lock(), None)?;
         let key = (self.key.clone(), src, self.rank);
-        self.wait(collective, None, |st| {
-            match st.mail.get_mut(&key).and_then(|q| q.pop_front()) {
-                Some(t) => Poll::Ready(t),
-                None => Poll::Missing(vec![src]),
-            }
+        self.wait(collective, None, |st| match st.mail.get_mut(&key).and_then(|q| q.pop_front()) {
+            Some(t) => Poll::Ready(t),
+            None => Poll::Missing(vec![src]),
         })
+    }
+}
+
+/// The receive half of a ring step on the thread back end.
+struct ThreadRecv<'a> {
+    transport: &'a ThreadTransport,
+    src: usize,
+}
+
+impl PendingRecv for ThreadRecv<'_> {
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        self.transport.recv_as(Collective::SendRecv, self.src)
     }
 }
 
@@ -349,7 +332,11 @@ impl Transport for ThreadTransport {
     }
 
     fn timeout(&self) -> Duration {
-        self.timeout
+        Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        self.timeout_ns.store(nanos(timeout), Ordering::Relaxed)
     }
 
     fn exchange(
@@ -364,29 +351,21 @@ impl Transport for ThreadTransport {
         let key = (self.key.clone(), seq);
         {
             let mut st = self.world.lock();
-            self.check_healthy(collective, &st)?;
-            let round = st.rounds.entry(key.clone()).or_insert_with(|| Round {
-                deposits: vec![None; size],
-                collected: 0,
-            });
+            self.check_healthy(collective, &st, Some(seq))?;
+            let round =
+                st.rounds.entry(key.clone()).or_insert_with(|| Round { deposits: vec![None; size], collected: 0 });
             round.deposits[self.rank] = Some(outgoing);
             self.world.cv.notify_all();
         }
         let rank = self.rank;
         self.wait(collective, Some(seq), |st| {
-            let round = st
-                .rounds
-                .get_mut(&key)
-                .expect("a round stays open until every rank collected its part");
+            let round = st.rounds.get_mut(&key).expect("a round stays open until every rank collected its part");
             let missing: Vec<usize> = (0..size).filter(|&i| round.deposits[i].is_none()).collect();
             if !missing.is_empty() {
                 return Poll::Missing(missing);
             }
-            let column: Vec<Option<Tensor>> = round
-                .deposits
-                .iter_mut()
-                .map(|d| d.as_mut().and_then(|d| d[rank].take()))
-                .collect();
+            let column: Vec<Option<Tensor>> =
+                round.deposits.iter_mut().map(|d| d.as_mut().and_then(|d| d[rank].take())).collect();
             round.collected += 1;
             if round.collected == size {
                 st.rounds.remove(&key);
@@ -403,10 +382,10 @@ impl Transport for ThreadTransport {
         self.recv_as(Collective::Recv, src)
     }
 
-    fn send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Tensor> {
+    fn start_send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Box<dyn PendingRecv + '_>> {
         // Sends are buffered here, so sending first cannot deadlock.
         self.send_as(Collective::SendRecv, x, dst)?;
-        self.recv_as(Collective::SendRecv, src)
+        Ok(Box::new(ThreadRecv { transport: self, src }))
     }
 
     fn split(&self, groups: &[Vec<usize>], group: usize, index: usize) -> Result<Self> {
@@ -418,7 +397,7 @@ impl Transport for ThreadTransport {
             key: Arc::from(format!("{}/split{n}:{:?}", self.key, members).as_str()),
             rank: index,
             members,
-            timeout: self.timeout,
+            timeout_ns: AtomicU64::new(nanos(self.timeout())),
             seq: AtomicU64::new(0),
             splits: AtomicU64::new(0),
         })

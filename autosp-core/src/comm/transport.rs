@@ -7,7 +7,7 @@ use std::time::Duration;
 use candle_core::{Device, Tensor};
 
 use super::error::Result;
-use super::process_group::Collective;
+use super::process_group::{Collective, PendingRecv};
 
 /// What a back end must provide. Ranks are ranks within this group. Every method waits at most `timeout()`
 /// and reports missing ranks with `CommError::Timeout` / `CommError::PeerGone`; after such a failure the
@@ -21,6 +21,8 @@ pub trait Transport: Send + Sync + fmt::Debug + Sized + 'static {
     fn name(&self) -> &str;
     /// How long a call waits for the other ranks.
     fn timeout(&self) -> Duration;
+    /// Changes the timeout of later calls.
+    fn set_timeout(&self, timeout: Duration);
 
     /// One synchronising round: `outgoing[j]` (`outgoing.len() == size()`) goes to rank j, and entry i of the
     /// result is what rank i put at this rank's index. `None` entries carry no payload but the round still
@@ -39,8 +41,9 @@ pub trait Transport: Send + Sync + fmt::Debug + Sized + 'static {
     /// Receives the next tensor from rank `src`.
     fn recv(&self, src: usize) -> Result<Tensor>;
 
-    /// Sends `x` to `dst` and receives from `src` at the same time; must not deadlock when all ranks call it.
-    fn send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Tensor>;
+    /// Starts sending `x` to `dst` and returns the pending receive from `src`; waiting on it must not deadlock
+    /// when all ranks do the same.
+    fn start_send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Box<dyn PendingRecv + '_>>;
 
     /// The transport of subgroup `groups[group]` in which this rank is number `index`. Called by every rank
     /// after the ranks agreed on `groups` (a partition of `0..size()`).

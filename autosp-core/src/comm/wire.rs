@@ -92,10 +92,7 @@ pub fn encode(t: Option<&Tensor>) -> Result<Vec<u8>, WireError> {
 
 /// Parses bytes made by [`encode`] into a tensor on `device` (`None` for an empty marker).
 pub fn decode(bytes: &[u8], device: &Device) -> Result<Option<Tensor>, WireError> {
-    let bad = |detail: String| WireError::Malformed {
-        len: bytes.len(),
-        detail,
-    };
+    let bad = |detail: String| WireError::Malformed { len: bytes.len(), detail };
     if bytes.len() < HEADER {
         return Err(bad(format!("shorter than the {HEADER}-byte header")));
     }
@@ -117,10 +114,7 @@ pub fn decode(bytes: &[u8], device: &Device) -> Result<Option<Tensor>, WireError
     let expected = dims.iter().product::<usize>() * dtype.size_in_bytes();
     let data = &bytes[data_start..];
     if data.len() != expected {
-        return Err(bad(format!(
-            "shape {dims:?} of {dtype:?} needs {expected} data bytes, got {}",
-            data.len()
-        )));
+        return Err(bad(format!("shape {dims:?} of {dtype:?} needs {expected} data bytes, got {}", data.len())));
     }
     Ok(Some(Tensor::from_raw_buffer(data, dtype, &dims, device)?))
 }
@@ -130,32 +124,16 @@ mod tests {
     use super::*;
 
     fn round_trip(t: &Tensor) -> Tensor {
-        decode(&encode(Some(t)).unwrap(), &Device::Cpu)
-            .unwrap()
-            .unwrap()
+        decode(&encode(Some(t)).unwrap(), &Device::Cpu).unwrap().unwrap()
     }
 
     #[test]
     fn every_supported_dtype_round_trips_bit_for_bit() -> candle_core::Result<()> {
-        let base = Tensor::arange(0f32, 24., &Device::Cpu)?
-            .affine(0.37, -3.1)?
-            .reshape((2, 3, 4))?;
-        for dtype in [
-            DType::U8,
-            DType::U32,
-            DType::I16,
-            DType::I32,
-            DType::I64,
-            DType::BF16,
-            DType::F16,
-            DType::F32,
-            DType::F64,
-        ] {
-            let t = if dtype.is_int() {
-                base.abs()?.to_dtype(dtype)?
-            } else {
-                base.to_dtype(dtype)?
-            };
+        let base = Tensor::arange(0f32, 24., &Device::Cpu)?.affine(0.37, -3.1)?.reshape((2, 3, 4))?;
+        for dtype in
+            [DType::U8, DType::U32, DType::I16, DType::I32, DType::I64, DType::BF16, DType::F16, DType::F32, DType::F64]
+        {
+            let t = if dtype.is_int() { base.abs()?.to_dtype(dtype)? } else { base.to_dtype(dtype)? };
             let back = round_trip(&t);
             assert_eq!(back.dtype(), dtype);
             assert_eq!(back.dims(), &[2, 3, 4]);

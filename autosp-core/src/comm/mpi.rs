@@ -1,0 +1,406 @@
+//! MPI back end (feature `mpi`, the `mpi` crate over OpenMPI): one process per rank, started by `mpirun`.
+//!
+//! MPI's own collectives cannot time out, so every collective here is built from non-blocking point-to-point
+//! messages (`MPI_Isend`, `MPI_Improbe` + `MPI_Mrecv`) polled against the group's deadline: a rank that never
+//! arrives gives the others `CommError::Timeout` naming it, never a hang. Each message is a tensor in the
+//! [`wire`] format (a header with dtype and shape, then the elements), so receivers need not know
+//! shapes in advance; one message is limited to 2 GiB. Collective rounds use tags 1..=32000 (cycling, each round
+//! completes before the next starts); point-to-point messages use tag 0, so the two never mix.
+//!
+//! Use: `let world = MpiGroup::init(timeout)?;` once per process, keep it (and any subgroup) alive while
+//! communicating, and drop them all before `main` returns: MPI is finalised when the last handle goes, and
+//! `mpirun` reports a process that exits without finalising. A rank whose timed-out send never completed
+//! leaks that message's buffer (MPI may still read it); the group is poisoned afterwards anyway.
+//! `split` uses `MPI_Comm_split`, which has no timeout; it runs right after the ranks agreed on the groups.
+//! Sending to oneself with `send` completes only for small messages (MPI's eager limit); use `send_recv`.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor, TensorId};
+use mpi::environment::Universe;
+use mpi::request::{Request, StaticScope};
+use mpi::topology::{Color, SimpleCommunicator};
+use mpi::traits::{Communicator as _, Destination as _, Equivalence as _, Source as _};
+use mpi::Threading;
+
+use super::communicator::Communicator;
+use super::error::{CommError, ErrCtx, Result};
+use super::process_group::{nanos, Collective, PendingRecv};
+use super::transport::Transport;
+use super::wire;
+
+/// A process's handle on an MPI group.
+pub type MpiGroup = Communicator<MpiTransport>;
+
+impl Communicator<MpiTransport> {
+    /// Initialises MPI (thread level `Serialized` or better) and returns this process's handle on the world:
+    /// every process of the `mpirun` job, ranked as MPI ranks them. Call once per process.
+    pub fn init(timeout: Duration) -> Result<MpiGroup> {
+        let config = |detail: String| CommError::Config { detail };
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized).ok_or_else(|| {
+            config(
+                "MPI is already initialised in this process: call MpiGroup::init once and split the \
+                     world it returns"
+                    .to_string(),
+            )
+        })?;
+        if !matches!(threading, Threading::Serialized | Threading::Multiple) {
+            return Err(config(format!(
+                "the MPI library offers only {threading:?} threading; autosp needs Serialized (calls from \
+                 any thread, one at a time): use an MPI built with thread support"
+            )));
+        }
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        Ok(Communicator::new(MpiTransport {
+            comm: Comm(world),
+            runtime: Arc::new(Runtime { _universe: universe, lock: Mutex::new(()) }),
+            name: "world".to_string(),
+            rank,
+            members: (0..size).collect(),
+            timeout_ns: AtomicU64::new(nanos(timeout)),
+            seq: AtomicU64::new(0),
+            splits: AtomicU64::new(0),
+            failure: Mutex::new(None),
+        }))
+    }
+}
+
+/// Tag of point-to-point messages; collective rounds use `1 + seq % COLLECTIVE_TAGS`.
+const P2P_TAG: i32 = 0;
+const COLLECTIVE_TAGS: u64 = 32_000;
+
+/// Keeps MPI initialised while any handle lives, and serialises all MPI calls of this process.
+struct Runtime {
+    /// Finalises MPI when dropped.
+    _universe: Universe,
+    lock: Mutex<()>,
+}
+
+/// An MPI communicator that may be moved between threads.
+struct Comm(SimpleCommunicator);
+
+// SAFETY: MPI was initialised with at least `Threading::Serialized`, so any thread may call MPI as long as no
+// two calls overlap; every use of the communicator happens while holding `Runtime::lock`.
+unsafe impl Send for Comm {}
+// SAFETY: as above; shared references only reach MPI under `Runtime::lock`.
+unsafe impl Sync for Comm {}
+
+/// One process's view of one MPI group.
+pub struct MpiTransport {
+    /// Dropped (freed) before `runtime`, which may finalise MPI.
+    comm: Comm,
+    runtime: Arc<Runtime>,
+    name: String,
+    rank: usize,
+    /// World rank of each rank of this group (for names).
+    members: Vec<usize>,
+    timeout_ns: AtomicU64,
+    seq: AtomicU64,
+    splits: AtomicU64,
+    /// Why the group is unusable, once it is.
+    failure: Mutex<Option<String>>,
+}
+
+impl fmt::Debug for MpiTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MpiTransport")
+            .field("group", &self.name)
+            .field("rank", &self.rank)
+            .field("world_ranks", &self.members)
+            .field("timeout", &self.timeout())
+            .finish()
+    }
+}
+
+/// A non-blocking send in flight. If dropped unfinished (the peer never received), the request and its
+/// buffer are leaked rather than freed, because MPI may still read the buffer.
+struct PendingSend {
+    dst: usize,
+    request: Option<Request<'static, [u8], StaticScope>>,
+    buffer: Option<Arc<Vec<u8>>>,
+}
+
+impl PendingSend {
+    fn start(comm: &SimpleCommunicator, buffer: Arc<Vec<u8>>, dst: usize, tag: i32) -> Self {
+        // SAFETY: `data` points into the heap allocation of `buffer`, which is never mutated and lives at least
+        // as long as the request: `self.buffer` is released only after `test` saw the request complete, and is
+        // leaked together with the request otherwise (see `Drop`).
+        let data: &'static [u8] = unsafe { &*(buffer.as_slice() as *const [u8]) };
+        let request = comm.process_at_rank(dst as i32).immediate_send_with_tag(StaticScope, data, tag);
+        Self { dst, request: Some(request), buffer: Some(buffer) }
+    }
+
+    /// True once the send has completed.
+    fn test(&mut self) -> bool {
+        let Some(request) = self.request.take() else {
+            return true;
+        };
+        match request.test() {
+            Ok(_) => {
+                self.buffer = None;
+                true
+            }
+            Err(request) => {
+                self.request = Some(request);
+                false
+            }
+        }
+    }
+}
+
+impl Drop for PendingSend {
+    fn drop(&mut self) {
+        if let Some(request) = self.request.take() {
+            std::mem::forget(request);
+            std::mem::forget(self.buffer.take());
+        }
+    }
+}
+
+impl MpiTransport {
+    fn ctx(&self, collective: Collective) -> ErrCtx<'_> {
+        ErrCtx { collective, group: &self.name, rank: self.rank }
+    }
+
+    fn mpi_lock(&self) -> MutexGuard<'_, ()> {
+        self.runtime.lock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn check_healthy(&self, collective: Collective) -> Result<()> {
+        match &*self.failure.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(cause) => Err(self.ctx(collective).poisoned(cause.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn poison(&self, cause: String) {
+        *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(cause);
+    }
+
+    fn encode(&self, collective: Collective, t: Option<&Tensor>) -> Result<Arc<Vec<u8>>> {
+        let bytes = wire::encode(t).map_err(|e| self.ctx(collective).mpi(e.to_string()))?;
+        if bytes.len() > i32::MAX as usize {
+            return Err(self
+                .ctx(collective)
+                .mpi(format!("a message of {} bytes exceeds MPI's 2 GiB count limit; split the tensor", bytes.len())));
+        }
+        Ok(Arc::new(bytes))
+    }
+
+    /// Polls `sends` and the receives from `sources` (with `tag`) until all are done or the timeout passed.
+    /// Returns the received tensors by source. Call with the MPI lock held.
+    fn complete(
+        &self,
+        collective: Collective,
+        mut sends: Vec<PendingSend>,
+        mut sources: Vec<usize>,
+        tag: i32,
+        device: &Device,
+    ) -> Result<Vec<(usize, Option<Tensor>)>> {
+        let ctx = self.ctx(collective);
+        let timeout = self.timeout();
+        let start = Instant::now();
+        let mut received = Vec::with_capacity(sources.len());
+        let mut idle_rounds = 0u32;
+        loop {
+            let mut progressed = false;
+            let mut k = 0;
+            while k < sources.len() {
+                let src = sources[k];
+                let probe = self.comm.0.process_at_rank(src as i32).immediate_matched_probe_with_tag(tag);
+                let Some((message, status)) = probe else {
+                    k += 1;
+                    continue;
+                };
+                let len = status.count(u8::equivalent_datatype()).max(0) as usize;
+                let mut buf = vec![0u8; len];
+                message.matched_receive_into(&mut buf[..]);
+                let tensor = wire::decode(&buf, device).map_err(|e| {
+                    let detail = format!("bad message from rank {src}: {e}");
+                    self.poison(format!("rank {} got a {detail}", self.rank));
+                    ctx.mpi(detail)
+                })?;
+                received.push((src, tensor));
+                sources.swap_remove(k);
+                progressed = true;
+            }
+            let before = sends.len();
+            sends.retain_mut(|s| !s.test());
+            progressed |= sends.len() < before;
+            if sources.is_empty() && sends.is_empty() {
+                return Ok(received);
+            }
+            let waited = start.elapsed();
+            if waited >= timeout {
+                let mut missing = if sources.is_empty() { sends.iter().map(|s| s.dst).collect() } else { sources };
+                missing.sort_unstable();
+                self.poison(format!("rank {} timed out in {collective} waiting for rank(s) {missing:?}", self.rank));
+                return Err(ctx.timeout(self.members.len(), missing, waited, timeout));
+            }
+            if progressed {
+                idle_rounds = 0;
+            } else {
+                // Spin briefly for latency, then back off so that oversubscribed ranks share the cores.
+                idle_rounds += 1;
+                if idle_rounds < 64 {
+                    std::thread::yield_now();
+                } else {
+                    let micros = (idle_rounds as u64 - 63).min(1000);
+                    std::thread::sleep(Duration::from_micros(micros));
+                }
+            }
+        }
+    }
+
+    /// Sends `x` to `dst` (if given) and receives from `src` (if given), on the point-to-point tag.
+    fn p2p(
+        &self,
+        collective: Collective,
+        send: Option<(PendingSend, Device)>,
+        src: Option<usize>,
+    ) -> Result<Option<Tensor>> {
+        self.check_healthy(collective)?;
+        let (sends, device) = match send {
+            Some((s, device)) => (vec![s], device),
+            None => (vec![], Device::Cpu),
+        };
+        let _mpi = self.mpi_lock();
+        let received = self.complete(collective, sends, src.into_iter().collect(), P2P_TAG, &device)?;
+        match received.into_iter().next() {
+            None => Ok(None),
+            Some((_, Some(t))) => Ok(Some(t)),
+            Some((from, None)) => {
+                Err(self.ctx(collective).mpi(format!("rank {from} sent an empty marker where a tensor was expected")))
+            }
+        }
+    }
+
+    /// Serialises `x` and starts sending it to `dst` on the point-to-point tag.
+    fn start_send(&self, collective: Collective, x: &Tensor, dst: usize) -> Result<(PendingSend, Device)> {
+        self.check_healthy(collective)?;
+        let buf = self.encode(collective, Some(x))?;
+        let _mpi = self.mpi_lock();
+        Ok((PendingSend::start(&self.comm.0, buf, dst, P2P_TAG), x.device().clone()))
+    }
+}
+
+/// The rest of a ring step on the MPI back end: the send in flight and the receive still to do.
+struct MpiRecv<'a> {
+    transport: &'a MpiTransport,
+    send: (PendingSend, Device),
+    src: usize,
+}
+
+impl PendingRecv for MpiRecv<'_> {
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        let MpiRecv { transport, send, src } = *self;
+        transport
+            .p2p(Collective::SendRecv, Some(send), Some(src))?
+            .ok_or_else(|| transport.ctx(Collective::SendRecv).mpi("nothing received".to_string()))
+    }
+}
+
+impl Transport for MpiTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        self.timeout_ns.store(nanos(timeout), Ordering::Relaxed)
+    }
+
+    fn exchange(
+        &self,
+        collective: Collective,
+        mut outgoing: Vec<Option<Tensor>>,
+        device: &Device,
+    ) -> Result<Vec<Option<Tensor>>> {
+        self.check_healthy(collective)?;
+        let (size, rank) = (self.members.len(), self.rank);
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let tag = 1 + (seq % COLLECTIVE_TAGS) as i32;
+        // Serialise each distinct tensor once (all_gather sends the same tensor to everyone).
+        let mut encoded: HashMap<Option<TensorId>, Arc<Vec<u8>>> = HashMap::new();
+        let mut payloads = Vec::with_capacity(size);
+        for (j, t) in outgoing.iter().enumerate() {
+            if j == rank {
+                continue;
+            }
+            let key = t.as_ref().map(|t| t.id());
+            let bytes = match encoded.get(&key) {
+                Some(b) => b.clone(),
+                None => {
+                    let b = self.encode(collective, t.as_ref())?;
+                    encoded.insert(key, b.clone());
+                    b
+                }
+            };
+            payloads.push((j, bytes));
+        }
+        let mut incoming: Vec<Option<Tensor>> = vec![None; size];
+        incoming[rank] = outgoing[rank].take();
+        let _mpi = self.mpi_lock();
+        let sends = payloads.into_iter().map(|(j, b)| PendingSend::start(&self.comm.0, b, j, tag)).collect();
+        let sources = (0..size).filter(|&i| i != rank).collect();
+        for (src, t) in self.complete(collective, sends, sources, tag, device)? {
+            incoming[src] = t;
+        }
+        Ok(incoming)
+    }
+
+    fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
+        let send = self.start_send(Collective::Send, x, dst)?;
+        self.p2p(Collective::Send, Some(send), None).map(|_| ())
+    }
+
+    fn recv(&self, src: usize) -> Result<Tensor> {
+        self.p2p(Collective::Recv, None, Some(src))?
+            .ok_or_else(|| self.ctx(Collective::Recv).mpi("nothing received".to_string()))
+    }
+
+    fn start_send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Box<dyn PendingRecv + '_>> {
+        let send = self.start_send(Collective::SendRecv, x, dst)?;
+        Ok(Box::new(MpiRecv { transport: self, send, src }))
+    }
+
+    fn split(&self, groups: &[Vec<usize>], group: usize, index: usize) -> Result<Self> {
+        self.check_healthy(Collective::Split)?;
+        let n = self.splits.fetch_add(1, Ordering::Relaxed);
+        let members: Vec<usize> = groups[group].iter().map(|&r| self.members[r]).collect();
+        let comm = {
+            let _mpi = self.mpi_lock();
+            self.comm.0.split_by_color_with_key(Color::with_value(group as i32), index as i32)
+        }
+        .ok_or_else(|| {
+            self.ctx(Collective::Split).mpi("MPI_Comm_split returned no communicator for this rank".to_string())
+        })?;
+        Ok(MpiTransport {
+            comm: Comm(comm),
+            runtime: self.runtime.clone(),
+            name: format!("{}/split{n}:{:?}", self.name, members),
+            rank: index,
+            members,
+            timeout_ns: AtomicU64::new(nanos(self.timeout())),
+            seq: AtomicU64::new(0),
+            splits: AtomicU64::new(0),
+            failure: Mutex::new(None),
+        })
+    }
+}
