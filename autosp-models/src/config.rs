@@ -313,7 +313,11 @@ impl LlamaConfig {
 
         if let Some(v) = f.get("hidden_act") {
             if v.as_str() != Some("silu") {
-                return Err(unsupported("hidden_act", v, "only silu (SwiGLU) is implemented"));
+                return Err(unsupported(
+                    "hidden_act",
+                    v,
+                    "only silu (SwiGLU) is implemented",
+                ));
             }
         }
         if f.bool_opt("mlp_bias")? == Some(true) {
@@ -400,21 +404,32 @@ impl LlamaConfig {
     /// / `torch_dtype` spelling, which current transformers still reads.
     pub fn to_json(&self) -> String {
         let mut m = Map::new();
-        m.insert("architectures".into(), json!([self.model_type.architecture()]));
+        m.insert(
+            "architectures".into(),
+            json!([self.model_type.architecture()]),
+        );
         m.insert("model_type".into(), json!(self.model_type.as_str()));
         m.insert("vocab_size".into(), json!(self.vocab_size));
         m.insert("hidden_size".into(), json!(self.hidden_size));
         m.insert("intermediate_size".into(), json!(self.intermediate_size));
         m.insert("num_hidden_layers".into(), json!(self.num_hidden_layers));
-        m.insert("num_attention_heads".into(), json!(self.num_attention_heads));
-        m.insert("num_key_value_heads".into(), json!(self.num_key_value_heads));
+        m.insert(
+            "num_attention_heads".into(),
+            json!(self.num_attention_heads),
+        );
+        m.insert(
+            "num_key_value_heads".into(),
+            json!(self.num_key_value_heads),
+        );
         m.insert("head_dim".into(), json!(self.head_dim));
         m.insert("hidden_act".into(), json!("silu"));
         m.insert("rms_norm_eps".into(), json!(self.rms_norm_eps));
         m.insert("rope_theta".into(), json!(self.rope_theta));
         let scaling = match self.rope_scaling {
             None => Value::Null,
-            Some(RopeScaling::Linear { factor }) => json!({"rope_type": "linear", "factor": factor}),
+            Some(RopeScaling::Linear { factor }) => {
+                json!({"rope_type": "linear", "factor": factor})
+            }
             Some(RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -433,7 +448,10 @@ impl LlamaConfig {
             "max_position_embeddings".into(),
             json!(self.max_position_embeddings),
         );
-        m.insert("tie_word_embeddings".into(), json!(self.tie_word_embeddings));
+        m.insert(
+            "tie_word_embeddings".into(),
+            json!(self.tie_word_embeddings),
+        );
         match self.model_type {
             ModelType::Llama => {
                 m.insert("attention_bias".into(), json!(self.attention_bias));
@@ -463,7 +481,10 @@ impl LlamaConfig {
         let q = self.num_attention_heads * hd;
         let kv = self.num_key_value_heads * hd;
         let i = self.intermediate_size;
-        let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, h])];
+        let mut t = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![self.vocab_size, h],
+        )];
         for l in 0..self.num_hidden_layers {
             let p = format!("model.layers.{l}");
             t.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));

@@ -35,14 +35,18 @@ pub enum Error {
         reason: String,
     },
     /// A rope_scaling / rope_parameters type other than default, linear and llama3.
-    #[error("{path}: unknown rope type `{rope_type}` in `{field}`; supported: default, linear, llama3")]
+    #[error(
+        "{path}: unknown rope type `{rope_type}` in `{field}`; supported: default, linear, llama3"
+    )]
     UnknownRopeType {
         path: PathBuf,
         field: String,
         rope_type: String,
     },
     /// The model_type is not one of the Llama family.
-    #[error("{path}: model_type `{model_type}` is not supported; supported: llama, mistral, qwen2")]
+    #[error(
+        "{path}: model_type `{model_type}` is not supported; supported: llama, mistral, qwen2"
+    )]
     UnknownModelType { path: PathBuf, model_type: String },
     /// A safetensors file could not be parsed: bad header, truncated data, bad dtype.
     #[error("{path}: not a valid safetensors file ({message}); the file is corrupted or truncated, download or save it again")]
@@ -70,7 +74,9 @@ pub enum Error {
         path: PathBuf,
     },
     /// A tensor is stored in a dtype other than f32, bf16, f16.
-    #[error("tensor `{name}` in {path} has dtype {dtype}; only F32, BF16 and F16 weights are supported")]
+    #[error(
+        "tensor `{name}` in {path} has dtype {dtype}; only F32, BF16 and F16 weights are supported"
+    )]
     UnsupportedDtype {
         name: String,
         dtype: String,
@@ -103,7 +109,10 @@ pub enum Error {
     Gguf { path: PathBuf, message: String },
     /// The tokenizer could not be loaded or used.
     #[error("tokenizer {source_name}: {message}")]
-    Tokenizer { source_name: String, message: String },
+    Tokenizer {
+        source_name: String,
+        message: String,
+    },
     /// A candle operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -131,7 +131,9 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
         intermediate_size: m.need("llama.feed_forward_length")? as usize,
         num_hidden_layers: m.need("llama.block_count")? as usize,
         num_attention_heads: heads,
-        num_key_value_heads: m.num("llama.attention.head_count_kv")?.unwrap_or(heads as f64) as usize,
+        num_key_value_heads: m
+            .num("llama.attention.head_count_kv")?
+            .unwrap_or(heads as f64) as usize,
         head_dim,
         rms_norm_eps: m.need("llama.attention.layer_norm_rms_epsilon")?,
         rope_theta: m.num("llama.rope.freq_base")?.unwrap_or(10000.0),
@@ -160,19 +162,27 @@ pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufMod
     names.sort();
     let mut weights = HashMap::new();
     for gguf_name in names {
-        let hf = hf_name(gguf_name, config.num_attention_heads, config.num_key_value_heads)
-            .ok_or_else(|| Error::UnexpectedTensor {
-                name: gguf_name.clone(),
-                found: ct.tensor_infos[gguf_name].shape.dims().to_vec(),
-                path: path.into(),
-            })?;
-        let q = ct.tensor(&mut file, gguf_name, &Device::Cpu).map_err(gguf_err)?;
-        let mut t = q.dequantize(&Device::Cpu).map_err(gguf_err)?;
-        let shape = expected.get(&hf.name).ok_or_else(|| Error::UnexpectedTensor {
-            name: format!("{gguf_name} (HF {})", hf.name),
-            found: t.dims().to_vec(),
+        let hf = hf_name(
+            gguf_name,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+        )
+        .ok_or_else(|| Error::UnexpectedTensor {
+            name: gguf_name.clone(),
+            found: ct.tensor_infos[gguf_name].shape.dims().to_vec(),
             path: path.into(),
         })?;
+        let q = ct
+            .tensor(&mut file, gguf_name, &Device::Cpu)
+            .map_err(gguf_err)?;
+        let mut t = q.dequantize(&Device::Cpu).map_err(gguf_err)?;
+        let shape = expected
+            .get(&hf.name)
+            .ok_or_else(|| Error::UnexpectedTensor {
+                name: format!("{gguf_name} (HF {})", hf.name),
+                found: t.dims().to_vec(),
+                path: path.into(),
+            })?;
         if t.dims() != shape.as_slice() {
             return Err(Error::ShapeMismatch {
                 name: format!("{gguf_name} (HF {})", hf.name),

@@ -82,7 +82,12 @@ mod tests {
         // Two heads of head_dim 4: each head is unpermuted on its own.
         let stored: Vec<f32> = vec![0., 2., 1., 3., 10., 12., 11., 13.];
         let w = Tensor::from_vec(stored, (8, 1), &Device::Cpu).unwrap();
-        let v: Vec<f32> = unpermute_rows(&w, 2).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let v: Vec<f32> = unpermute_rows(&w, 2)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         assert_eq!(v, vec![0., 1., 2., 3., 10., 11., 12., 13.]);
     }
 

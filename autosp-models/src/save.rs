@@ -116,7 +116,10 @@ fn check_weights(
             Some(_) => {}
         }
     }
-    let mut extra: Vec<&String> = weights.keys().filter(|k| !names.contains_key(k.as_str())).collect();
+    let mut extra: Vec<&String> = weights
+        .keys()
+        .filter(|k| !names.contains_key(k.as_str()))
+        .collect();
     extra.sort();
     if let Some(name) = extra.first() {
         return Err(Error::UnexpectedTensor {
@@ -175,7 +178,10 @@ fn sibling(dir: &Path, tag: &str) -> Result<PathBuf> {
     let name = dir.file_name().ok_or_else(|| {
         Error::io(
             dir,
-            std::io::Error::new(std::io::ErrorKind::InvalidInput, "save path has no directory name"),
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "save path has no directory name",
+            ),
         )
     })?;
     let parent = match dir.parent() {

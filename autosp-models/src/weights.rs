@@ -20,7 +20,10 @@ pub enum WeightFiles {
     /// `model.safetensors`.
     Single(PathBuf),
     /// `model.safetensors.index.json` and its shards, in the order of first appearance.
-    Sharded { index: PathBuf, shards: Vec<PathBuf> },
+    Sharded {
+        index: PathBuf,
+        shards: Vec<PathBuf>,
+    },
 }
 
 /// Reads the `weight_map` of a sharded index: tensor name -> shard file name.
@@ -176,7 +179,10 @@ fn load_file(
                 path: path.into(),
             });
         }
-        let t = view.load(&Device::Cpu)?.to_dtype(dtype)?.to_device(device)?;
+        let t = view
+            .load(&Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)?;
         out.insert(name, t);
     }
     Ok(())

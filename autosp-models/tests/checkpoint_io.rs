@@ -12,7 +12,12 @@ fn bits(t: &Tensor) -> Vec<u8> {
     // Compare raw bytes: bit-exact, NaN-safe.
     let t = t.flatten_all().unwrap();
     match t.dtype() {
-        DType::F32 => t.to_vec1::<f32>().unwrap().iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::F32 => t
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
         DType::BF16 => t
             .to_vec1::<half::bf16>()
             .unwrap()
@@ -110,7 +115,13 @@ fn sharded_save_load_round_trip() {
     assert!(!dir.join("model.safetensors").exists());
     let shards = std::fs::read_dir(&dir)
         .unwrap()
-        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("model-"))
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("model-")
+        })
         .count();
     assert!(shards >= 3, "{shards} shards");
     let (_, w2) = load_dir(&dir, DType::F32, &Device::Cpu).unwrap();
@@ -129,7 +140,10 @@ fn missing_shard_is_named() {
         .unwrap();
     std::fs::remove_file(dir.join(&gone)).unwrap();
     let e = load_dir(&dir, DType::F32, &Device::Cpu).unwrap_err();
-    assert!(matches!(&e, Error::MissingShard { shard, .. } if *shard == gone), "{e}");
+    assert!(
+        matches!(&e, Error::MissingShard { shard, .. } if *shard == gone),
+        "{e}"
+    );
     assert!(e.to_string().contains(&gone));
 }
 
@@ -148,7 +162,10 @@ fn corrupted_header_names_the_file() {
     bytes[8] = b'#';
     std::fs::write(&f, bytes).unwrap();
     let e = load_dir(&dir, DType::F32, &Device::Cpu).unwrap_err();
-    assert!(matches!(&e, Error::Safetensors { path, .. } if *path == f), "{e}");
+    assert!(
+        matches!(&e, Error::Safetensors { path, .. } if *path == f),
+        "{e}"
+    );
     assert!(e.to_string().contains("model.safetensors"));
 }
 
@@ -165,7 +182,10 @@ fn truncated_file_names_the_file() {
         .set_len(len - 100)
         .unwrap();
     let e = load_dir(&dir, DType::F32, &Device::Cpu).unwrap_err();
-    assert!(matches!(&e, Error::Safetensors { path, .. } if *path == f), "{e}");
+    assert!(
+        matches!(&e, Error::Safetensors { path, .. } if *path == f),
+        "{e}"
+    );
     assert!(e.to_string().contains(&f.display().to_string()));
 }
 
@@ -177,7 +197,11 @@ fn wrong_shape_names_tensor_shapes_and_file() {
     // Same weights, but a config with a larger intermediate size.
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).unwrap();
-    std::fs::write(&cfg_path, text.replace("\"intermediate_size\": 128", "\"intermediate_size\": 96")).unwrap();
+    std::fs::write(
+        &cfg_path,
+        text.replace("\"intermediate_size\": 128", "\"intermediate_size\": 96"),
+    )
+    .unwrap();
     let e = load_dir(&dir, DType::F32, &Device::Cpu).unwrap_err();
     match &e {
         Error::ShapeMismatch {
@@ -192,7 +216,10 @@ fn wrong_shape_names_tensor_shapes_and_file() {
         }
         other => panic!("expected ShapeMismatch, got {other}"),
     }
-    assert!(e.to_string().contains("[96, 64]") || e.to_string().contains("[64, 96]"), "{e}");
+    assert!(
+        e.to_string().contains("[96, 64]") || e.to_string().contains("[64, 96]"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -203,13 +230,27 @@ fn missing_and_unexpected_tensors_are_named() {
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).unwrap();
     // Three layers expected, two saved.
-    std::fs::write(&cfg_path, text.replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 3")).unwrap();
+    std::fs::write(
+        &cfg_path,
+        text.replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 3"),
+    )
+    .unwrap();
     let e = load_dir(&dir, DType::F32, &Device::Cpu).unwrap_err();
-    assert!(matches!(&e, Error::MissingTensor { name, .. } if name.starts_with("model.layers.2.")), "{e}");
+    assert!(
+        matches!(&e, Error::MissingTensor { name, .. } if name.starts_with("model.layers.2.")),
+        "{e}"
+    );
     // One layer expected, two saved.
-    std::fs::write(&cfg_path, text.replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 1")).unwrap();
+    std::fs::write(
+        &cfg_path,
+        text.replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 1"),
+    )
+    .unwrap();
     let e = load_dir(&dir, DType::F32, &Device::Cpu).unwrap_err();
-    assert!(matches!(&e, Error::UnexpectedTensor { name, .. } if name.starts_with("model.layers.1.")), "{e}");
+    assert!(
+        matches!(&e, Error::UnexpectedTensor { name, .. } if name.starts_with("model.layers.1.")),
+        "{e}"
+    );
 }
 
 #[test]
@@ -224,11 +265,17 @@ fn failed_save_leaves_the_old_model_and_no_temporaries() {
     w.remove("model.norm.weight");
     let e = save_model(&dir, &config, &w, &SaveOptions::default()).unwrap_err();
     assert!(matches!(&e, Error::MissingTensor { name, .. } if name == "model.norm.weight"));
-    assert_eq!(std::fs::read(dir.join("model.safetensors")).unwrap(), before);
+    assert_eq!(
+        std::fs::read(dir.join("model.safetensors")).unwrap(),
+        before
+    );
     // A successful save replaces it whole and leaves only `m` in the parent.
     let w = random_weights(&config, 9, DType::F32, &Device::Cpu).unwrap();
     save_model(&dir, &config, &w, &SaveOptions::default()).unwrap();
-    assert_ne!(std::fs::read(dir.join("model.safetensors")).unwrap(), before);
+    assert_ne!(
+        std::fs::read(dir.join("model.safetensors")).unwrap(),
+        before
+    );
     let entries: Vec<String> = std::fs::read_dir(tmp.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())

@@ -66,9 +66,15 @@ fn linear_rope_old_type_key() {
 fn unknown_rope_type_is_an_error_naming_it() {
     let s = NEW_LLAMA31.replace(r#""rope_type": "llama3""#, r#""rope_type": "yarn""#);
     let e = parse(&s).unwrap_err();
-    assert!(matches!(&e, Error::UnknownRopeType { rope_type, .. } if rope_type == "yarn"), "{e}");
+    assert!(
+        matches!(&e, Error::UnknownRopeType { rope_type, .. } if rope_type == "yarn"),
+        "{e}"
+    );
     let msg = e.to_string();
-    assert!(msg.contains("yarn") && msg.contains("rope_parameters"), "{msg}");
+    assert!(
+        msg.contains("yarn") && msg.contains("rope_parameters"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -82,8 +88,14 @@ fn explicit_head_dim_and_defaults() {
     assert_eq!(c.rope_theta, 10000.0);
     assert!(!c.attention_bias);
     let shapes: std::collections::HashMap<_, _> = c.expected_tensors().into_iter().collect();
-    assert_eq!(shapes["model.layers.0.self_attn.q_proj.weight"], vec![96, 64]);
-    assert_eq!(shapes["model.layers.0.self_attn.o_proj.weight"], vec![64, 96]);
+    assert_eq!(
+        shapes["model.layers.0.self_attn.q_proj.weight"],
+        vec![96, 64]
+    );
+    assert_eq!(
+        shapes["model.layers.0.self_attn.o_proj.weight"],
+        vec![64, 96]
+    );
 }
 
 #[test]
@@ -92,18 +104,27 @@ fn active_sliding_window_is_an_error_naming_the_field() {
       "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32768,
       "sliding_window": 4096}"#;
     let e = parse(mistral).unwrap_err();
-    assert!(matches!(&e, Error::Unsupported { field, .. } if field == "sliding_window"), "{e}");
+    assert!(
+        matches!(&e, Error::Unsupported { field, .. } if field == "sliding_window"),
+        "{e}"
+    );
     assert!(e.to_string().contains("sliding_window"));
 
     let qwen = r#"{"model_type": "qwen2", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
       "num_hidden_layers": 1, "num_attention_heads": 2, "use_sliding_window": true,
       "sliding_window": 4096}"#;
     let e = parse(qwen).unwrap_err();
-    assert!(matches!(&e, Error::Unsupported { field, .. } if field == "use_sliding_window"), "{e}");
+    assert!(
+        matches!(&e, Error::Unsupported { field, .. } if field == "use_sliding_window"),
+        "{e}"
+    );
 
     // Inactive windows are fine: qwen2 with use_sliding_window false, mistral window >= max positions.
     let qwen_off = qwen.replace("true", "false");
-    assert!(parse(&qwen_off).unwrap().attention_bias, "qwen2 always has q/k/v biases");
+    assert!(
+        parse(&qwen_off).unwrap().attention_bias,
+        "qwen2 always has q/k/v biases"
+    );
     let mistral_wide = mistral.replace("4096", "32768");
     parse(&mistral_wide).unwrap();
 }
@@ -113,7 +134,10 @@ fn unknown_model_type_and_missing_field() {
     let e = parse(r#"{"model_type": "gemma"}"#).unwrap_err();
     assert!(matches!(&e, Error::UnknownModelType { model_type, .. } if model_type == "gemma"));
     let e = parse(r#"{"model_type": "llama", "vocab_size": 3}"#).unwrap_err();
-    assert!(matches!(&e, Error::MissingField { field, .. } if field == "hidden_size"), "{e}");
+    assert!(
+        matches!(&e, Error::MissingField { field, .. } if field == "hidden_size"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -123,7 +147,11 @@ fn biases_follow_the_model_type() {
         ..TinySpec::default()
     }
     .config();
-    let names: Vec<String> = llama_bias.expected_tensors().into_iter().map(|x| x.0).collect();
+    let names: Vec<String> = llama_bias
+        .expected_tensors()
+        .into_iter()
+        .map(|x| x.0)
+        .collect();
     assert!(names.contains(&"model.layers.1.self_attn.o_proj.bias".to_string()));
     let qwen = TinySpec {
         model_type: ModelType::Qwen2,

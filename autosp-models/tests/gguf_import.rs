@@ -71,15 +71,33 @@ fn write_gguf(
     }
     let meta: Vec<(&str, Value)> = vec![
         ("general.architecture", Value::String("llama".into())),
-        ("llama.block_count", Value::U32(config.num_hidden_layers as u32)),
-        ("llama.embedding_length", Value::U32(config.hidden_size as u32)),
-        ("llama.feed_forward_length", Value::U32(config.intermediate_size as u32)),
-        ("llama.attention.head_count", Value::U32(config.num_attention_heads as u32)),
-        ("llama.attention.head_count_kv", Value::U32(config.num_key_value_heads as u32)),
+        (
+            "llama.block_count",
+            Value::U32(config.num_hidden_layers as u32),
+        ),
+        (
+            "llama.embedding_length",
+            Value::U32(config.hidden_size as u32),
+        ),
+        (
+            "llama.feed_forward_length",
+            Value::U32(config.intermediate_size as u32),
+        ),
+        (
+            "llama.attention.head_count",
+            Value::U32(config.num_attention_heads as u32),
+        ),
+        (
+            "llama.attention.head_count_kv",
+            Value::U32(config.num_key_value_heads as u32),
+        ),
         ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
         ("llama.rope.freq_base", Value::F32(10000.0)),
         ("llama.context_length", Value::U32(256)),
-        ("llama.rope.dimension_count", Value::U32(config.head_dim as u32)),
+        (
+            "llama.rope.dimension_count",
+            Value::U32(config.head_dim as u32),
+        ),
     ];
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
     let tensors: Vec<(&str, &QTensor)> = q.iter().map(|(k, v)| (k.as_str(), v)).collect();
@@ -89,8 +107,21 @@ fn write_gguf(
 }
 
 fn rel_rms(a: &Tensor, b: &Tensor) -> f32 {
-    let d = (a - b).unwrap().sqr().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap();
-    let n = b.sqr().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap();
+    let d = (a - b)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let n = b
+        .sqr()
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
     (d / n).sqrt()
 }
 
@@ -124,8 +155,14 @@ fn synthetic_gguf_every_quant_type() {
         let stored = write_gguf(&path, &config, &w, qtype);
         let m = import_gguf(&path, DType::F32, &Device::Cpu).unwrap();
         assert_eq!(m.config.num_hidden_layers, 2);
-        assert_eq!((m.config.num_attention_heads, m.config.num_key_value_heads), (4, 2));
-        assert_eq!((m.config.hidden_size, m.config.intermediate_size), (256, 512));
+        assert_eq!(
+            (m.config.num_attention_heads, m.config.num_key_value_heads),
+            (4, 2)
+        );
+        assert_eq!(
+            (m.config.hidden_size, m.config.intermediate_size),
+            (256, 512)
+        );
         assert!(!m.config.tie_word_embeddings);
         assert_eq!(m.weights.len(), config.expected_tensors().len());
         for (name, shape) in config.expected_tensors() {
@@ -141,7 +178,10 @@ fn synthetic_gguf_every_quant_type() {
             assert_eq!(rel_rms(got, &want), 0.0, "{qtype:?} {name}");
             // And close to the original HF tensor (so the permutation was undone, not just matched).
             let err = rel_rms(got, &w[&name]);
-            assert!(err <= bound, "{qtype:?} {name}: relative RMS error {err} > {bound}");
+            assert!(
+                err <= bound,
+                "{qtype:?} {name}: relative RMS error {err} > {bound}"
+            );
         }
     }
 }
@@ -183,7 +223,10 @@ fn smollm2_135m_imports() {
     assert_eq!(c.num_hidden_layers, 30);
     assert_eq!(c.hidden_size, 576);
     assert_eq!(c.intermediate_size, 1536);
-    assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (9, 3, 64));
+    assert_eq!(
+        (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+        (9, 3, 64)
+    );
     assert_eq!(c.vocab_size, 49152);
     assert!(c.tie_word_embeddings);
     assert_eq!(c.rope_theta, 100000.0);
@@ -195,7 +238,13 @@ fn smollm2_135m_imports() {
     assert_eq!(m.weights.len(), c.expected_tensors().len());
     // Dequantised weights are finite and not degenerate.
     let e = &m.weights["model.embed_tokens.weight"];
-    let s = e.abs().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap();
+    let s = e
+        .abs()
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
     assert!(s.is_finite() && s > 1e-3, "{s}");
 }
 
@@ -207,7 +256,10 @@ fn smollm2_tokenizer_round_trips() {
     // The ids llama.cpp itself gives (llama_cpp.Llama(vocab_only=True).tokenize(add_bos=False)).
     assert_eq!(ids, vec![504, 3575, 282, 4649, 314]);
     assert_eq!(autosp_models::tokenizer::decode(&tok, &ids).unwrap(), text);
-    assert_eq!(autosp_models::tokenizer::encode(&tok, " Paris").unwrap(), vec![7042]);
+    assert_eq!(
+        autosp_models::tokenizer::encode(&tok, " Paris").unwrap(),
+        vec![7042]
+    );
     // Digits split one by one, as SmolLM2's tokenizer.json does.
     let d = autosp_models::tokenizer::encode(&tok, "2024").unwrap();
     assert_eq!(d.len(), 4);

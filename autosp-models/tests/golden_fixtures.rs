@@ -33,7 +33,10 @@ fn check(name: &str) -> autosp_models::LlamaConfig {
     assert_eq!(hf.len(), ours.len());
     for (i, (a, b)) in hf.iter().zip(&ours).enumerate() {
         let rel = ((*a as f64) - b).abs() / b.abs();
-        assert!(rel < 1e-6, "{name}: inv_freq[{i}] hf {a} ours {b} rel {rel}");
+        assert!(
+            rel < 1e-6,
+            "{name}: inv_freq[{i}] hf {a} ours {b} rel {rel}"
+        );
     }
     config
 }
@@ -48,14 +51,20 @@ fn mha() {
 #[test]
 fn gqa() {
     let c = check("gqa");
-    assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (8, 2, 8));
+    assert_eq!(
+        (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+        (8, 2, 8)
+    );
 }
 
 #[test]
 fn tied() {
     let c = check("tied");
     assert!(c.tie_word_embeddings);
-    assert!(!c.expected_tensors().iter().any(|(n, _)| n == "lm_head.weight"));
+    assert!(!c
+        .expected_tensors()
+        .iter()
+        .any(|(n, _)| n == "lm_head.weight"));
 }
 
 #[test]

@@ -41,7 +41,10 @@ fn parses_model_strings() {
             revision: "main".into()
         }
     );
-    assert!(matches!(parse_model_spec("not a model"), Err(Error::NotFound { .. })));
+    assert!(matches!(
+        parse_model_spec("not a model"),
+        Err(Error::NotFound { .. })
+    ));
 }
 
 #[test]
@@ -50,7 +53,10 @@ fn resolves_from_cache_offline_by_ref_and_by_commit() {
     let snap = fake_cache(tmp.path());
     let r = resolve_model("owner/tiny", &offline(tmp.path())).unwrap();
     assert_eq!(r.config, snap.join("config.json"));
-    assert_eq!(r.weights, WeightFiles::Single(snap.join("model.safetensors")));
+    assert_eq!(
+        r.weights,
+        WeightFiles::Single(snap.join("model.safetensors"))
+    );
     assert_eq!(r.tokenizer, None);
     let r = resolve_model(&format!("owner/tiny@{COMMIT}"), &offline(tmp.path())).unwrap();
     assert_eq!(r.config, snap.join("config.json"));
@@ -62,7 +68,10 @@ fn resolves_a_local_directory() {
     let dir = tmp.path().join("local");
     write_tiny(&dir, &TinySpec::default(), 1, DType::F32).unwrap();
     let r = resolve_model(dir.to_str().unwrap(), &HubOptions::default()).unwrap();
-    assert_eq!(r.weights, WeightFiles::Single(dir.join("model.safetensors")));
+    assert_eq!(
+        r.weights,
+        WeightFiles::Single(dir.join("model.safetensors"))
+    );
 }
 
 #[test]
@@ -82,10 +91,16 @@ fn cache_miss_offline_names_files_and_folder() {
         other => panic!("expected NotFound, got {other}"),
     }
     let msg = e.to_string();
-    assert!(msg.contains("offline") && msg.contains("owner/tiny"), "{msg}");
+    assert!(
+        msg.contains("offline") && msg.contains("owner/tiny"),
+        "{msg}"
+    );
 
     // A repo that is not in the cache at all: both files missing.
     let e = resolve_model("owner/absent@dev", &offline(tmp.path())).unwrap_err();
-    assert!(matches!(&e, Error::NotFound { missing, .. } if missing.len() == 2), "{e}");
+    assert!(
+        matches!(&e, Error::NotFound { missing, .. } if missing.len() == 2),
+        "{e}"
+    );
     assert!(e.to_string().contains("models--owner--absent"));
 }
