@@ -363,7 +363,9 @@ impl LlamaConfig {
         m.insert("rope_theta".into(), json!(self.rope_theta));
         let scaling = match self.rope_scaling {
             None => Value::Null,
-            Some(RopeScaling::Linear { factor }) => json!({"rope_type": "linear", "factor": factor}),
+            Some(RopeScaling::Linear { factor }) => {
+                json!({"rope_type": "linear", "factor": factor})
+            }
             Some(RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,

