@@ -209,4 +209,11 @@ fn impossible_requests_fail_before_any_step() {
     });
     let msg = out.into_iter().next().unwrap().unwrap().expect("a 1000-byte budget must be refused");
     assert!(msg.contains("budget") && msg.contains("Full"), "{msg}");
+    let out = run_ranks(1, std::time::Duration::from_secs(10), |pg| {
+        let mut cfg = CompileConfig::new(pg, Strategy::Auto, Checkpointing::Policy(CheckpointPolicy::None));
+        cfg.dtype = DType::BF16;
+        compile(Tiny::new(2), cfg).err().map(|e| e.to_string())
+    });
+    let msg = out.into_iter().next().unwrap().unwrap().expect("an f32 model compiled as bf16 must be refused");
+    assert!(msg.contains("F32") && msg.contains("BF16"), "{msg}");
 }

@@ -42,7 +42,7 @@ pub struct CompileConfig {
     pub strategy: Strategy,
     /// The checkpointing.
     pub checkpoint: Checkpointing,
-    /// The compute dtype of activations (the model's parameters decide the matmul dtype).
+    /// The dtype of the model's parameters and activations (f32 by default; compile checks the parameters).
     pub dtype: DType,
     /// The sequence length a byte budget must fit (needed for `Checkpointing::Budget`).
     pub seq_len: Option<usize>,
