@@ -8,8 +8,9 @@ use candle_core::DType;
 pub enum Error {
     /// An error from autosp-core, e.g. the shape checks of `AttentionSpec::dims` (mismatched head counts,
     /// heads not divisible by kv heads, wrong ranks), each naming the shapes.
+    /// Boxed: autosp-core's error is large, and kernels return `Result` on every call.
     #[error(transparent)]
-    Core(#[from] autosp_core::Error),
+    Core(Box<autosp_core::Error>),
 
     /// An error from candle itself (allocation, dtype conversion, ...).
     #[error("candle: {0}")]
@@ -20,11 +21,23 @@ pub enum Error {
         "{op}: head_dim {head_dim} (q has shape {q_shape:?}) is outside 1..={max}; the CPU flash kernel \
          supports head dimensions up to {max}: split larger heads or use the naive attention"
     )]
-    HeadDim { op: &'static str, head_dim: usize, max: usize, q_shape: Vec<usize> },
+    HeadDim {
+        op: &'static str,
+        head_dim: usize,
+        max: usize,
+        q_shape: Vec<usize>,
+    },
 
     /// Two tensors that must share a dtype do not.
-    #[error("{op}: {name} has dtype {got:?} but q has dtype {want:?}; convert them to one dtype first")]
-    DTypeMismatch { op: &'static str, name: &'static str, got: DType, want: DType },
+    #[error(
+        "{op}: {name} has dtype {got:?} but q has dtype {want:?}; convert them to one dtype first"
+    )]
+    DTypeMismatch {
+        op: &'static str,
+        name: &'static str,
+        got: DType,
+        want: DType,
+    },
 
     /// A dtype the kernel does not compute in.
     #[error("{op}: dtype {dtype:?} is not supported; use f32, f64, bf16 or f16")]
@@ -32,11 +45,27 @@ pub enum Error {
 
     /// A tensor that is not on the CPU.
     #[error("{op}: {name} is on {device}; the CPU flash kernel needs CPU tensors (move them with `to_device`)")]
-    NotCpu { op: &'static str, name: &'static str, device: String },
+    NotCpu {
+        op: &'static str,
+        name: &'static str,
+        device: String,
+    },
 
     /// A tensor of the backward pass whose shape does not follow from q.
     #[error("{op}: {name} has shape {got:?} but must have shape {want:?} (from q {q_shape:?})")]
-    Shape { op: &'static str, name: &'static str, got: Vec<usize>, want: Vec<usize>, q_shape: Vec<usize> },
+    Shape {
+        op: &'static str,
+        name: &'static str,
+        got: Vec<usize>,
+        want: Vec<usize>,
+        q_shape: Vec<usize>,
+    },
+}
+
+impl From<autosp_core::Error> for Error {
+    fn from(e: autosp_core::Error) -> Self {
+        Error::Core(Box::new(e))
+    }
 }
 
 /// The result type of autosp-kernels.

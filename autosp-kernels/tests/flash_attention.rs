@@ -3,7 +3,9 @@
 //! offsets (with rows that see no key), head_dim 64/128/80 and odd ones; every output element written
 //! (poisoned buffers), identical bits on a second run, and typed errors for bad input.
 
-use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
+use autosp_core::ops::attention::{
+    naive_attention_backward, naive_attention_forward, AttentionSpec,
+};
 use autosp_kernels::flash::poisoned;
 use autosp_kernels::{flash_attention_backward, flash_attention_forward, Error};
 use candle_core::{DType, Device, Tensor};
@@ -21,22 +23,46 @@ struct Case {
 }
 
 fn spec(causal: bool, q_offset: usize, k_offset: usize) -> AttentionSpec {
-    AttentionSpec { causal, scale: None, q_offset, k_offset }
+    AttentionSpec {
+        causal,
+        scale: None,
+        q_offset,
+        k_offset,
+    }
 }
 
 /// The shapes every numerical check runs (tiles are 64 × 64, so 70, 100, 131, 150 cut tiles).
 fn cases() -> Vec<Case> {
-    let c = |b, nq, nk, h, hkv, d, spec| Case { b, nq, nk, h, hkv, d, spec };
+    let c = |b, nq, nk, h, hkv, d, spec| Case {
+        b,
+        nq,
+        nk,
+        h,
+        hkv,
+        d,
+        spec,
+    };
     vec![
-        c(1, 150, 150, 4, 4, 64, spec(true, 0, 0)),          // MHA causal, head_dim 64
-        c(2, 70, 130, 4, 2, 80, spec(false, 0, 0)),          // GQA, full, head_dim 80, q_len != k_len
-        c(1, 131, 131, 4, 1, 128, spec(true, 0, 0)),         // MQA causal, head_dim 128
-        c(1, 100, 90, 2, 2, 64, spec(true, 40, 60)),         // offsets: query rows 0..20 see no key
-        c(1, 65, 200, 3, 3, 24, spec(true, 150, 0)),         // later query shard against earlier keys
-        c(2, 33, 47, 6, 2, 72, spec(false, 0, 0)),           // head_dim not a multiple of 16
-        c(1, 1, 1, 1, 1, 16, spec(true, 0, 0)),              // one token
-        c(1, 80, 80, 2, 1, 256, spec(true, 0, 0)),           // the largest head_dim
-        c(1, 64, 128, 2, 2, 64, AttentionSpec { scale: Some(0.3), ..spec(true, 64, 0) }), // own scale
+        c(1, 150, 150, 4, 4, 64, spec(true, 0, 0)), // MHA causal, head_dim 64
+        c(2, 70, 130, 4, 2, 80, spec(false, 0, 0)), // GQA, full, head_dim 80, q_len != k_len
+        c(1, 131, 131, 4, 1, 128, spec(true, 0, 0)), // MQA causal, head_dim 128
+        c(1, 100, 90, 2, 2, 64, spec(true, 40, 60)), // offsets: query rows 0..20 see no key
+        c(1, 65, 200, 3, 3, 24, spec(true, 150, 0)), // later query shard against earlier keys
+        c(2, 33, 47, 6, 2, 72, spec(false, 0, 0)),  // head_dim not a multiple of 16
+        c(1, 1, 1, 1, 1, 16, spec(true, 0, 0)),     // one token
+        c(1, 80, 80, 2, 1, 256, spec(true, 0, 0)),  // the largest head_dim
+        c(
+            1,
+            64,
+            128,
+            2,
+            2,
+            64,
+            AttentionSpec {
+                scale: Some(0.3),
+                ..spec(true, 64, 0)
+            },
+        ), // own scale
     ]
 }
 
@@ -54,7 +80,10 @@ fn random(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
             (z >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
         })
         .collect();
-    Tensor::from_vec(data, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    Tensor::from_vec(data, shape, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
 }
 
 struct Inputs {
@@ -71,12 +100,25 @@ fn inputs(c: &Case, seed: u64, dtype: DType) -> Inputs {
         k: random(&[c.b, c.nk, c.hkv, c.d], seed + 1, dtype),
         v: random(&[c.b, c.nk, c.hkv, c.d], seed + 2, dtype),
         d_o: random(&[c.b, c.nq, c.h, c.d], seed + 3, dtype),
-        d_lse: random(&[c.b, c.h, c.nq], seed + 4, if dtype == DType::F64 { DType::F64 } else { DType::F32 }),
+        d_lse: random(
+            &[c.b, c.h, c.nq],
+            seed + 4,
+            if dtype == DType::F64 {
+                DType::F64
+            } else {
+                DType::F32
+            },
+        ),
     }
 }
 
 fn values(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }
 
 /// Asserts `|got - want| <= tol · max(1, max |want|)` elementwise (equal infinities pass), and that `got`
@@ -84,13 +126,22 @@ fn values(t: &Tensor) -> Vec<f64> {
 fn assert_close(what: &str, c: &Case, got: &Tensor, want: &Tensor, tol: f64) {
     assert_eq!(got.dims(), want.dims(), "{what} shape, {c:?}");
     let (g, w) = (values(got), values(want));
-    let scale = w.iter().filter(|x| x.is_finite()).fold(1f64, |m, x| m.max(x.abs()));
+    let scale = w
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(1f64, |m, x| m.max(x.abs()));
     for (i, (&a, &b)) in g.iter().zip(&w).enumerate() {
-        assert!(!a.is_nan(), "{what}[{i}] is NaN (poison not overwritten?), {c:?}");
+        assert!(
+            !a.is_nan(),
+            "{what}[{i}] is NaN (poison not overwritten?), {c:?}"
+        );
         if a == b {
             continue;
         }
-        assert!((a - b).abs() <= tol * scale, "{what}[{i}]: got {a}, want {b} (tol {tol} x {scale}), {c:?}");
+        assert!(
+            (a - b).abs() <= tol * scale,
+            "{what}[{i}]: got {a}, want {b} (tol {tol} x {scale}), {c:?}"
+        );
     }
 }
 
@@ -102,13 +153,32 @@ fn check_against_naive(dtype: DType, tol: f64, seed0: u64) {
         let (o, lse) = poisoned::flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
         let (o_ref, lse_ref) = naive_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
         assert_eq!(o.dtype(), dtype);
-        assert_eq!(lse.dtype(), if dtype == DType::F64 { DType::F64 } else { DType::F32 });
+        assert_eq!(
+            lse.dtype(),
+            if dtype == DType::F64 {
+                DType::F64
+            } else {
+                DType::F32
+            }
+        );
         assert_close("o", c, &o, &o_ref, tol);
         assert_close("lse", c, &lse, &lse_ref, tol);
         for d_lse in [None, Some(&x.d_lse)] {
-            let got = poisoned::flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, d_lse, &c.spec).unwrap();
-            let want =
-                naive_attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, Some(&x.d_o), d_lse, &c.spec).unwrap();
+            let got = poisoned::flash_attention_backward(
+                &x.q, &x.k, &x.v, &o, &lse, &x.d_o, d_lse, &c.spec,
+            )
+            .unwrap();
+            let want = naive_attention_backward(
+                &x.q,
+                &x.k,
+                &x.v,
+                &o_ref,
+                &lse_ref,
+                Some(&x.d_o),
+                d_lse,
+                &c.spec,
+            )
+            .unwrap();
             assert_close("dq", c, &got.0, &want.0, tol);
             assert_close("dk", c, &got.1, &want.1, tol);
             assert_close("dv", c, &got.2, &want.2, tol);
@@ -138,7 +208,15 @@ fn f32_matches_naive() {
 /// to bf16 rounding of the outputs (2^-8 relative to the largest value), and lse stays f32.
 #[test]
 fn bf16_inputs_accumulate_in_f32() {
-    let c = Case { b: 1, nq: 90, nk: 90, h: 2, hkv: 1, d: 64, spec: spec(true, 0, 0) };
+    let c = Case {
+        b: 1,
+        nq: 90,
+        nk: 90,
+        h: 2,
+        hkv: 1,
+        d: 64,
+        spec: spec(true, 0, 0),
+    };
     let x = inputs(&c, 77, DType::BF16);
     let (o, lse) = flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
     assert_eq!((o.dtype(), lse.dtype()), (DType::BF16, DType::F32));
@@ -146,9 +224,20 @@ fn bf16_inputs_accumulate_in_f32() {
     let (o32, lse32) = flash_attention_forward(&f(&x.q), &f(&x.k), &f(&x.v), &c.spec).unwrap();
     assert_close("o bf16", &c, &o, &o32, 1.0 / 256.0);
     assert_close("lse bf16", &c, &lse, &lse32, 1e-6);
-    let (dq, dk, dv) = flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, None, &c.spec).unwrap();
+    let (dq, dk, dv) =
+        flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, None, &c.spec).unwrap();
     assert_eq!(dq.dtype(), DType::BF16);
-    let want = flash_attention_backward(&f(&x.q), &f(&x.k), &f(&x.v), &f(&o), &lse, &f(&x.d_o), None, &c.spec).unwrap();
+    let want = flash_attention_backward(
+        &f(&x.q),
+        &f(&x.k),
+        &f(&x.v),
+        &f(&o),
+        &lse,
+        &f(&x.d_o),
+        None,
+        &c.spec,
+    )
+    .unwrap();
     assert_close("dq bf16", &c, &dq, &want.0, 1.0 / 128.0);
     assert_close("dk bf16", &c, &dk, &want.1, 1.0 / 128.0);
     assert_close("dv bf16", &c, &dv, &want.2, 1.0 / 128.0);
@@ -158,13 +247,30 @@ fn bf16_inputs_accumulate_in_f32() {
 /// gradients; keys no query sees get zero dk/dv.
 #[test]
 fn rows_that_see_no_key() {
-    let c = Case { b: 1, nq: 70, nk: 70, h: 2, hkv: 2, d: 64, spec: spec(true, 0, 100) };
+    let c = Case {
+        b: 1,
+        nq: 70,
+        nk: 70,
+        h: 2,
+        hkv: 2,
+        d: 64,
+        spec: spec(true, 0, 100),
+    };
     let x = inputs(&c, 5, DType::F32);
     let (o, lse) = poisoned::flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
     assert!(values(&lse).iter().all(|&l| l == f64::NEG_INFINITY));
     assert!(values(&o).iter().all(|&v| v == 0.0));
-    let (dq, dk, dv) = poisoned::flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &c.spec)
-        .unwrap();
+    let (dq, dk, dv) = poisoned::flash_attention_backward(
+        &x.q,
+        &x.k,
+        &x.v,
+        &o,
+        &lse,
+        &x.d_o,
+        Some(&x.d_lse),
+        &c.spec,
+    )
+    .unwrap();
     for t in [&dq, &dk, &dv] {
         assert!(values(t).iter().all(|&v| v == 0.0));
     }
@@ -174,11 +280,20 @@ fn rows_that_see_no_key() {
 /// splits each head's key tiles over several tasks, and GQA sums).
 #[test]
 fn two_runs_give_identical_bits() {
-    let c = Case { b: 1, nq: 300, nk: 300, h: 4, hkv: 2, d: 64, spec: spec(true, 0, 0) };
+    let c = Case {
+        b: 1,
+        nq: 300,
+        nk: 300,
+        h: 4,
+        hkv: 2,
+        d: 64,
+        spec: spec(true, 0, 0),
+    };
     let x = inputs(&c, 9, DType::F32);
     let run = || {
         let (o, lse) = flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
-        let (dq, dk, dv) = flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, None, &c.spec).unwrap();
+        let (dq, dk, dv) =
+            flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, None, &c.spec).unwrap();
         [o, lse, dq, dk, dv].map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
     };
     let first = run();
@@ -193,10 +308,25 @@ fn two_runs_give_identical_bits() {
 /// Strided (non-contiguous) inputs give the same result as their contiguous copies.
 #[test]
 fn non_contiguous_inputs() {
-    let c = Case { b: 1, nq: 40, nk: 40, h: 2, hkv: 2, d: 32, spec: spec(true, 0, 0) };
+    let c = Case {
+        b: 1,
+        nq: 40,
+        nk: 40,
+        h: 2,
+        hkv: 2,
+        d: 32,
+        spec: spec(true, 0, 0),
+    };
     let x = inputs(&c, 31, DType::F32);
     // [b, h, n, d] transposed to [b, n, h, d]: a strided view.
-    let strided = |t: &Tensor| t.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
+    let strided = |t: &Tensor| {
+        t.transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+    };
     let (qs, ks, vs) = (strided(&x.q), strided(&x.k), strided(&x.v));
     assert!(!qs.is_contiguous());
     let (o1, l1) = flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
@@ -213,27 +343,71 @@ fn bad_inputs_are_typed_errors() {
     let msg = |e: &Error| e.to_string();
 
     // Heads not divisible by kv heads.
-    let e = flash_attention_forward(&t(&[1, 8, 6, 16]), &t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 16]), &s).unwrap_err();
-    assert!(matches!(e, Error::Core(autosp_core::Error::ShapeMismatch { .. })), "{e}");
-    assert!(msg(&e).contains("[1, 8, 6, 16]") && msg(&e).contains("[1, 8, 4, 16]"), "{e}");
+    let e = flash_attention_forward(
+        &t(&[1, 8, 6, 16]),
+        &t(&[1, 8, 4, 16]),
+        &t(&[1, 8, 4, 16]),
+        &s,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&e, Error::Core(c) if matches!(**c, autosp_core::Error::ShapeMismatch { .. })),
+        "{e}"
+    );
+    assert!(
+        msg(&e).contains("[1, 8, 6, 16]") && msg(&e).contains("[1, 8, 4, 16]"),
+        "{e}"
+    );
 
     // Mismatched k and v.
-    let e = flash_attention_forward(&t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 16]), &t(&[1, 8, 2, 16]), &s).unwrap_err();
-    assert!(matches!(e, Error::Core(autosp_core::Error::ShapeMismatch { .. })), "{e}");
+    let e = flash_attention_forward(
+        &t(&[1, 8, 4, 16]),
+        &t(&[1, 8, 4, 16]),
+        &t(&[1, 8, 2, 16]),
+        &s,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&e, Error::Core(c) if matches!(**c, autosp_core::Error::ShapeMismatch { .. })),
+        "{e}"
+    );
 
     // Mismatched head_dim of q and k.
-    let e = flash_attention_forward(&t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 32]), &t(&[1, 8, 4, 32]), &s).unwrap_err();
-    assert!(msg(&e).contains("[1, 8, 4, 16]") && msg(&e).contains("[1, 8, 4, 32]"), "{e}");
+    let e = flash_attention_forward(
+        &t(&[1, 8, 4, 16]),
+        &t(&[1, 8, 4, 32]),
+        &t(&[1, 8, 4, 32]),
+        &s,
+    )
+    .unwrap_err();
+    assert!(
+        msg(&e).contains("[1, 8, 4, 16]") && msg(&e).contains("[1, 8, 4, 32]"),
+        "{e}"
+    );
 
     // Wrong rank.
-    let e = flash_attention_forward(&t(&[8, 4, 16]), &t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 16]), &s).unwrap_err();
-    assert!(matches!(e, Error::Core(autosp_core::Error::InvalidArgument { .. })), "{e}");
+    let e = flash_attention_forward(&t(&[8, 4, 16]), &t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 16]), &s)
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Core(c) if matches!(**c, autosp_core::Error::InvalidArgument { .. })),
+        "{e}"
+    );
     assert!(msg(&e).contains("[8, 4, 16]"), "{e}");
 
     // head_dim over the limit.
     let big = t(&[1, 2, 1, 320]);
     let e = flash_attention_forward(&big, &big, &big, &s).unwrap_err();
-    assert!(matches!(e, Error::HeadDim { head_dim: 320, max: 256, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::HeadDim {
+                head_dim: 320,
+                max: 256,
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert!(msg(&e).contains("[1, 2, 1, 320]"), "{e}");
 
     // Mixed dtypes.
@@ -247,6 +421,7 @@ fn bad_inputs_are_typed_errors() {
     let e = flash_attention_backward(&q, &q, &q, &o, &lse.t().unwrap(), &o, None, &s).unwrap_err();
     assert!(matches!(e, Error::Shape { name: "lse", .. }), "{e}");
     assert!(msg(&e).contains("[1, 4, 8]"), "{e}");
-    let e = flash_attention_backward(&q, &q, &q, &o, &lse, &t(&[1, 8, 4, 8]), None, &s).unwrap_err();
+    let e =
+        flash_attention_backward(&q, &q, &q, &o, &lse, &t(&[1, 8, 4, 8]), None, &s).unwrap_err();
     assert!(matches!(e, Error::Shape { name: "d_o", .. }), "{e}");
 }

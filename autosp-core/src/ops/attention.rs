@@ -28,12 +28,22 @@ pub struct AttentionSpec {
 impl AttentionSpec {
     /// Causal attention of a block against itself at position 0, default scale.
     pub fn causal() -> Self {
-        Self { causal: true, scale: None, q_offset: 0, k_offset: 0 }
+        Self {
+            causal: true,
+            scale: None,
+            q_offset: 0,
+            k_offset: 0,
+        }
     }
 
     /// Full (unmasked) attention, default scale.
     pub fn full() -> Self {
-        Self { causal: false, scale: None, q_offset: 0, k_offset: 0 }
+        Self {
+            causal: false,
+            scale: None,
+            q_offset: 0,
+            k_offset: 0,
+        }
     }
 
     /// The softmax scale for this head dimension.
@@ -48,7 +58,13 @@ impl AttentionSpec {
     }
 
     /// Checks `q: [b, nq, h, d]`, `k, v: [b, nk, h_kv, d]` and returns their dimensions.
-    pub fn dims(&self, op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<AttentionDims> {
+    pub fn dims(
+        &self,
+        op: &'static str,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<AttentionDims> {
         for (name, t) in [("q", q), ("k", k), ("v", v)] {
             if t.rank() != 4 {
                 return Err(Error::InvalidArgument {
@@ -63,10 +79,24 @@ impl AttentionSpec {
         let (b, nq, h, d) = q.dims4()?;
         let (bk, nk, hkv, dk) = k.dims4()?;
         if k.dims() != v.dims() {
-            return Err(shape_err(op, "k", k, "v", v, "k and v must have the same shape"));
+            return Err(shape_err(
+                op,
+                "k",
+                k,
+                "v",
+                v,
+                "k and v must have the same shape",
+            ));
         }
         if bk != b || dk != d {
-            return Err(shape_err(op, "q", q, "k", k, "batch and head_dim of q and k must agree"));
+            return Err(shape_err(
+                op,
+                "q",
+                q,
+                "k",
+                k,
+                "batch and head_dim of q and k must agree",
+            ));
         }
         if hkv == 0 || h % hkv != 0 {
             return Err(shape_err(
@@ -80,10 +110,20 @@ impl AttentionSpec {
         }
         if let Some(s) = self.scale {
             if !s.is_finite() || s <= 0.0 {
-                return Err(Error::InvalidArgument { op, msg: format!("scale must be finite and > 0, got {s}") });
+                return Err(Error::InvalidArgument {
+                    op,
+                    msg: format!("scale must be finite and > 0, got {s}"),
+                });
             }
         }
-        Ok(AttentionDims { batch: b, q_len: nq, k_len: nk, heads: h, kv_heads: hkv, head_dim: d })
+        Ok(AttentionDims {
+            batch: b,
+            q_len: nq,
+            k_len: nk,
+            heads: h,
+            kv_heads: hkv,
+            head_dim: d,
+        })
     }
 }
 
@@ -105,7 +145,14 @@ impl AttentionDims {
     }
 }
 
-fn shape_err(op: &'static str, ln: &'static str, l: &Tensor, rn: &'static str, r: &Tensor, hint: &str) -> Error {
+fn shape_err(
+    op: &'static str,
+    ln: &'static str,
+    l: &Tensor,
+    rn: &'static str,
+    r: &Tensor,
+    hint: &str,
+) -> Error {
     Error::ShapeMismatch {
         op,
         lhs_name: ln,
@@ -132,11 +179,18 @@ fn heads_major(x: &Tensor, group: usize) -> Result<Tensor> {
     if group == 1 {
         return Ok(x.contiguous()?);
     }
-    Ok(x.unsqueeze(2)?.expand((b, hkv, group, n, d))?.reshape((b, hkv * group, n, d))?)
+    Ok(x.unsqueeze(2)?
+        .expand((b, hkv, group, n, d))?
+        .reshape((b, hkv * group, n, d))?)
 }
 
 /// The scaled, masked scores `[b, h, nq, nk]` (masked entries -inf) and the repeated q, k, v.
-fn scores(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+fn scores(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttentionSpec,
+) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
     let dims = spec.dims("naive_attention", q, k, v)?;
     let qt = heads_major(q, 1)?;
     let kt = heads_major(k, dims.group())?;
@@ -151,7 +205,8 @@ fn scores(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(T
                 }
             }
         }
-        let mask = Tensor::from_vec(mask, (dims.q_len, dims.k_len), q.device())?.to_dtype(s.dtype())?;
+        let mask =
+            Tensor::from_vec(mask, (dims.q_len, dims.k_len), q.device())?.to_dtype(s.dtype())?;
         s.broadcast_add(&mask)?
     } else {
         s
@@ -172,7 +227,12 @@ fn seq_major(x: &Tensor, dtype: DType) -> Result<Tensor> {
 
 /// Naive attention forward. Returns `(o: [b, nq, h, d], lse: [b, h, nq])`; a row that sees no key has
 /// `lse = -inf` and `o = 0`. Materialises the `[b, h, nq, nk]` scores: for tests and small shapes.
-pub fn naive_attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(Tensor, Tensor)> {
+pub fn naive_attention_forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttentionSpec,
+) -> Result<(Tensor, Tensor)> {
     let (s, _, _, vt) = scores(q, k, v, spec)?;
     let m = finite_or(&s.max_keepdim(D::Minus1)?, 0.0)?;
     let p = s.broadcast_sub(&m)?.exp()?;

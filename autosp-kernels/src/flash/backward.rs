@@ -38,7 +38,9 @@ pub(crate) fn backward<T: Real>(
 ) {
     let (d, nq, nk) = (g.d, g.nq, g.nk);
     let nkt = g.k_tiles();
-    let chunks = TARGET_TASKS.div_ceil((g.b * g.h).max(1)).clamp(1, nkt.max(1));
+    let chunks = TARGET_TASKS
+        .div_ceil((g.b * g.h).max(1))
+        .clamp(1, nkt.max(1));
     let log2e = std::f64::consts::LOG2_E;
 
     // Packed operands: Kᵀ and Vᵀ in tiles and K in contiguous rows once per kv head, Q and dO in contiguous
@@ -63,33 +65,43 @@ pub(crate) fn backward<T: Real>(
     let mut qc = vec![fill; g.b * g.h * q_len];
     let mut doc = vec![fill; g.b * g.h * q_len];
     if q_len > 0 {
-        qc.par_chunks_mut(q_len).zip(doc.par_chunks_mut(q_len)).enumerate().for_each(|(bh, (qd, dod))| {
-            let base = g.q_base(bh / g.h, bh % g.h);
-            pack_rows(x.q, base, g.q_rs, d, qd);
-            pack_rows(x.d_o, base, g.q_rs, d, dod);
-        });
+        qc.par_chunks_mut(q_len)
+            .zip(doc.par_chunks_mut(q_len))
+            .enumerate()
+            .for_each(|(bh, (qd, dod))| {
+                let base = g.q_base(bh / g.h, bh % g.h);
+                pack_rows(x.q, base, g.q_rs, d, qd);
+                pack_rows(x.d_o, base, g.q_rs, d, dod);
+            });
     }
 
     // Per row: lse in log2 units (+inf for a row that sees no key, so its P is 0), and D - d_lse.
     let mut lse2 = vec![fill; g.b * g.h * nq];
     let mut delta = vec![fill; g.b * g.h * nq];
     if nq > 0 {
-        lse2.par_chunks_mut(nq).zip(delta.par_chunks_mut(nq)).enumerate().for_each(|(bh, (l2, dl))| {
-            let (bi, hi) = (bh / g.h, bh % g.h);
-            for i in 0..nq {
-                let lse = x.lse[bh * nq + i];
-                l2[i] = if lse == T::NEG_INF { T::from_f64(f64::INFINITY) } else { lse * T::from_f64(log2e) };
-                let at = g.q_base(bi, hi) + i * g.q_rs;
-                let mut dsum = T::ZERO;
-                for (&a, &b) in x.d_o[at..at + d].iter().zip(&x.o[at..at + d]) {
-                    dsum = dsum + a * b;
+        lse2.par_chunks_mut(nq)
+            .zip(delta.par_chunks_mut(nq))
+            .enumerate()
+            .for_each(|(bh, (l2, dl))| {
+                let (bi, hi) = (bh / g.h, bh % g.h);
+                for i in 0..nq {
+                    let lse = x.lse[bh * nq + i];
+                    l2[i] = if lse == T::NEG_INF {
+                        T::from_f64(f64::INFINITY)
+                    } else {
+                        lse * T::from_f64(log2e)
+                    };
+                    let at = g.q_base(bi, hi) + i * g.q_rs;
+                    let mut dsum = T::ZERO;
+                    for (&a, &b) in x.d_o[at..at + d].iter().zip(&x.o[at..at + d]) {
+                        dsum = dsum + a * b;
+                    }
+                    dl[i] = match x.d_lse {
+                        Some(dl) => dsum - dl[bh * nq + i],
+                        None => dsum,
+                    };
                 }
-                dl[i] = match x.d_lse {
-                    Some(dl) => dsum - dl[bh * nq + i],
-                    None => dsum,
-                };
-            }
-        });
+            });
     }
 
     // Partial results: dQ per (b, h, chunk), dK and dV per (b, query head).
@@ -99,13 +111,23 @@ pub(crate) fn backward<T: Real>(
     let dq_out = SharedOut(dq_part.as_mut_ptr());
     let dk_out = SharedOut(dk_part.as_mut_ptr());
     let dv_out = SharedOut(dv_part.as_mut_ptr());
-    let packs = Packed { kt: &kt, vt: &vt, kc: &kc, qc: &qc, doc: &doc };
+    let packs = Packed {
+        kt: &kt,
+        vt: &vt,
+        kc: &kc,
+        qc: &qc,
+        doc: &doc,
+    };
     let (lse2, delta) = (&lse2[..], &delta[..]);
     // Chunk 0 holds the first key tiles, which the most query tiles see under a causal mask: run it early.
     (0..g.b * g.h * chunks).into_par_iter().for_each(|idx| {
         // SAFETY: task (bi, hi, ch) alone writes dq_part[bi, hi, ch] and the rows of the key tiles
         // t ≡ ch (mod chunks) of dk_part[bi, hi] and dv_part[bi, hi].
-        unsafe { key_chunk(g, &packs, lse2, delta, idx, chunks, &dq_out, &dk_out, &dv_out) };
+        unsafe {
+            key_chunk(
+                g, &packs, lse2, delta, idx, chunks, &dq_out, &dk_out, &dv_out,
+            )
+        };
     });
 
     // Fixed-order sums: dQ over chunks (times the scale), dK/dV over each kv head's group.
@@ -192,8 +214,8 @@ unsafe fn key_chunk<T: Real>(
 
     let dq = dq_out.slice((bh * chunks + ch) * nq * d, nq * d);
     dq.fill(T::ZERO);
-    let mut p = vec![T::ZERO; BR * BC];
-    let mut ds = vec![T::ZERO; BR * BC];
+    let mut p = [T::ZERO; BR * BC];
+    let mut ds = [T::ZERO; BR * BC];
     let mut dk_acc = vec![T::ZERO; BC * d];
     let mut dv_acc = vec![T::ZERO; BC * d];
 
@@ -203,7 +225,11 @@ unsafe fn key_chunk<T: Real>(
         dk_acc.fill(T::ZERO);
         dv_acc.fill(T::ZERO);
         let first_row = g.first_row_seeing(j0);
-        let first_tile = if first_row >= nq { g.q_tiles() } else { first_row / BR };
+        let first_tile = if first_row >= nq {
+            g.q_tiles()
+        } else {
+            first_row / BR
+        };
         for qt in first_tile..g.q_tiles() {
             let i0 = qt * BR;
             let rows = (nq - i0).min(BR);
@@ -213,7 +239,19 @@ unsafe fn key_chunk<T: Real>(
             let ds = &mut ds[..rows * BC];
 
             // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
-            T::gemm(false, rows, BC, d, qp, d, 1, kt.as_ptr().add(t * d * BC), BC, p.as_mut_ptr(), BC);
+            T::gemm(
+                false,
+                rows,
+                BC,
+                d,
+                qp,
+                d,
+                1,
+                kt.as_ptr().add(t * d * BC),
+                BC,
+                p.as_mut_ptr(),
+                BC,
+            );
             if g.tile_needs_mask(i0, j0) {
                 g.mask_tile(p, rows, i0, j0);
             }
@@ -221,19 +259,70 @@ unsafe fn key_chunk<T: Real>(
                 T::exp2_row(&mut p[r * BC..(r + 1) * BC], c, lse2[i0 + r]);
             }
             // dV += Pᵀ dO.
-            T::gemm(true, cols, d, rows, p.as_ptr(), 1, BC, dop, d, dv_acc.as_mut_ptr(), d);
+            T::gemm(
+                true,
+                cols,
+                d,
+                rows,
+                p.as_ptr(),
+                1,
+                BC,
+                dop,
+                d,
+                dv_acc.as_mut_ptr(),
+                d,
+            );
             // dP = dO Vᵀ, then dS = P ∘ (dP - D + d_lse).
-            T::gemm(false, rows, BC, d, dop, d, 1, vt.as_ptr().add(t * d * BC), BC, ds.as_mut_ptr(), BC);
+            T::gemm(
+                false,
+                rows,
+                BC,
+                d,
+                dop,
+                d,
+                1,
+                vt.as_ptr().add(t * d * BC),
+                BC,
+                ds.as_mut_ptr(),
+                BC,
+            );
             for r in 0..rows {
                 let dr = delta[i0 + r];
-                for (s, &pv) in ds[r * BC..(r + 1) * BC].iter_mut().zip(&p[r * BC..(r + 1) * BC]) {
+                for (s, &pv) in ds[r * BC..(r + 1) * BC]
+                    .iter_mut()
+                    .zip(&p[r * BC..(r + 1) * BC])
+                {
                     *s = pv * (*s - dr);
                 }
             }
             // dQ += dS K (scaled in the final sum); dK += dSᵀ Q.
             let kp = kc.as_ptr().add(j0 * d);
-            T::gemm(true, rows, d, cols, ds.as_ptr(), BC, 1, kp, d, dq.as_mut_ptr().add(i0 * d), d);
-            T::gemm(true, cols, d, rows, ds.as_ptr(), 1, BC, qp, d, dk_acc.as_mut_ptr(), d);
+            T::gemm(
+                true,
+                rows,
+                d,
+                cols,
+                ds.as_ptr(),
+                BC,
+                1,
+                kp,
+                d,
+                dq.as_mut_ptr().add(i0 * d),
+                d,
+            );
+            T::gemm(
+                true,
+                cols,
+                d,
+                rows,
+                ds.as_ptr(),
+                1,
+                BC,
+                qp,
+                d,
+                dk_acc.as_mut_ptr(),
+                d,
+            );
         }
         let dk_rows = dk_out.slice((bh * nk + j0) * d, cols * d);
         let dv_rows = dv_out.slice((bh * nk + j0) * d, cols * d);

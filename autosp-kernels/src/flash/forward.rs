@@ -9,18 +9,28 @@ use super::real::Real;
 
 /// Forward pass. `q: [b, nq, h, d]`, `k, v: [b, nk, hkv, d]` (contiguous slices); writes every element of
 /// `o: [b, nq, h, d]` and `lse: [b, h, nq]` (natural log; -inf and o = 0 for a row that sees no key).
-pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut [T], lse: &mut [T]) {
+pub(crate) fn forward<T: Real>(
+    g: &Geometry,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &mut [T],
+    lse: &mut [T],
+) {
     let kt_len = g.k_tiles() * g.d * BC;
     // Kᵀ in tiles and V in contiguous rows, once per kv head; the query heads of a GQA group share them.
     let v_len = g.nk * g.d;
     let mut kt = vec![T::ZERO; g.b * g.hkv * kt_len];
     let mut vp = vec![T::ZERO; g.b * g.hkv * v_len];
     if kt_len > 0 {
-        kt.par_chunks_mut(kt_len).zip(vp.par_chunks_mut(v_len)).enumerate().for_each(|(idx, (kd, vd))| {
-            let (bi, kh) = (idx / g.hkv, idx % g.hkv);
-            g.pack_transposed(k, bi, kh, kd);
-            pack_rows(v, g.k_base(bi, kh), g.k_rs, g.d, vd);
-        });
+        kt.par_chunks_mut(kt_len)
+            .zip(vp.par_chunks_mut(v_len))
+            .enumerate()
+            .for_each(|(idx, (kd, vd))| {
+                let (bi, kh) = (idx / g.hkv, idx % g.hkv);
+                g.pack_transposed(k, bi, kh, kd);
+                pack_rows(v, g.k_base(bi, kh), g.k_rs, g.d, vd);
+            });
     }
     let nqt = g.q_tiles();
     let o_out = SharedOut(o.as_mut_ptr());
@@ -61,7 +71,7 @@ unsafe fn query_tile<T: Real>(
     let qp = q.as_ptr().add(g.q_base(bi, hi) + i0 * g.q_rs);
     let c = T::from_f64(g.scale * std::f64::consts::LOG2_E);
 
-    let mut s = vec![T::ZERO; BR * BC];
+    let mut s = [T::ZERO; BR * BC];
     let mut acc = vec![T::ZERO; BR * d];
     let mut m = [T::NEG_INF; BR];
     let mut l = [T::ZERO; BR];
@@ -71,7 +81,19 @@ unsafe fn query_tile<T: Real>(
         let j0 = t * BC;
         let cols = (g.nk - j0).min(BC);
         let s = &mut s[..rows * BC];
-        T::gemm(false, rows, BC, d, qp, g.q_rs, 1, kt.as_ptr().add(t * d * BC), BC, s.as_mut_ptr(), BC);
+        T::gemm(
+            false,
+            rows,
+            BC,
+            d,
+            qp,
+            g.q_rs,
+            1,
+            kt.as_ptr().add(t * d * BC),
+            BC,
+            s.as_mut_ptr(),
+            BC,
+        );
         if g.tile_needs_mask(i0, j0) {
             g.mask_tile(s, rows, i0, j0);
         }
@@ -97,7 +119,19 @@ unsafe fn query_tile<T: Real>(
                 l[r] = l[r] + sum;
             }
         }
-        T::gemm(true, rows, d, cols, s.as_ptr(), BC, 1, v.as_ptr().add(j0 * d), d, acc.as_mut_ptr(), d);
+        T::gemm(
+            true,
+            rows,
+            d,
+            cols,
+            s.as_ptr(),
+            BC,
+            1,
+            v.as_ptr().add(j0 * d),
+            d,
+            acc.as_mut_ptr(),
+            d,
+        );
     }
 
     let ln2 = T::from_f64(std::f64::consts::LN_2);

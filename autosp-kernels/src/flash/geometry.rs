@@ -71,7 +71,9 @@ impl Geometry {
     /// How many keys (a prefix) query row `i` sees.
     pub fn visible_keys(&self, i: usize) -> usize {
         if self.causal {
-            (self.q_offset + i + 1).saturating_sub(self.k_offset).min(self.nk)
+            (self.q_offset + i + 1)
+                .saturating_sub(self.k_offset)
+                .min(self.nk)
         } else {
             self.nk
         }

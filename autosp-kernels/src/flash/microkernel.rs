@@ -87,8 +87,9 @@ pub(crate) mod avx512 {
         }
     }
 
+    /// One `R × 16·V` block of C, held in registers over the whole k loop.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
     unsafe fn block<const R: usize, const V: usize>(
         accumulate: bool,
         k: usize,
@@ -167,7 +168,12 @@ pub(crate) mod avx512 {
         while j < n {
             let w = (n - j).min(NV * 16);
             let nv = w.div_ceil(16);
-            let masks = [mask_for(w, 0), mask_for(w, 1), mask_for(w, 2), mask_for(w, 3)];
+            let masks = [
+                mask_for(w, 0),
+                mask_for(w, 1),
+                mask_for(w, 2),
+                mask_for(w, 3),
+            ];
             let bj = b.add(j);
             let mut i = 0;
             while i < m {
@@ -175,12 +181,24 @@ pub(crate) mod avx512 {
                 let ai = a.add(i * a_rs);
                 let ci = c.add(i * ldc + j);
                 match r {
-                    6 => dispatch_v!(6, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
-                    5 => dispatch_v!(5, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
-                    4 => dispatch_v!(4, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
-                    3 => dispatch_v!(3, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
-                    2 => dispatch_v!(2, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
-                    _ => dispatch_v!(1, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks),
+                    6 => {
+                        dispatch_v!(6, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks)
+                    }
+                    5 => {
+                        dispatch_v!(5, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks)
+                    }
+                    4 => {
+                        dispatch_v!(4, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks)
+                    }
+                    3 => {
+                        dispatch_v!(3, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks)
+                    }
+                    2 => {
+                        dispatch_v!(2, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks)
+                    }
+                    _ => {
+                        dispatch_v!(1, nv, accumulate, k, ai, a_rs, a_cs, bj, ldb, ci, ldc, &masks)
+                    }
                 }
                 i += r;
             }
@@ -193,7 +211,10 @@ pub(crate) mod avx512 {
     /// so about 1 ulp in f32), scaled by `2^n` with `vscalefps` (which underflows to exactly 0 below 2^-149).
     #[inline(always)]
     pub(crate) unsafe fn exp2_ps(x: __m512) -> __m512 {
-        let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-200.0)), _mm512_set1_ps(127.0));
+        let x = _mm512_min_ps(
+            _mm512_max_ps(x, _mm512_set1_ps(-200.0)),
+            _mm512_set1_ps(127.0),
+        );
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
         let f = _mm512_sub_ps(x, n);
         const L: f64 = std::f64::consts::LN_2;
@@ -253,7 +274,9 @@ mod tests {
     use super::*;
 
     fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
@@ -266,7 +289,14 @@ mod tests {
             return;
         }
         let mut seed = 7;
-        let shapes = [(1, 1, 1), (7, 17, 5), (13, 64, 64), (64, 80, 33), (6, 128, 9), (5, 200, 3)];
+        let shapes = [
+            (1, 1, 1),
+            (7, 17, 5),
+            (13, 64, 64),
+            (64, 80, 33),
+            (6, 128, 9),
+            (5, 200, 3),
+        ];
         for (&(m, n, k), accumulate) in shapes.iter().flat_map(|s| [(s, true), (s, false)]) {
             for &(a_rs, a_cs) in &[(k, 1), (1, m)] {
                 let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
@@ -275,13 +305,44 @@ mod tests {
                 let c0: Vec<f32> = (0..m * n).map(|_| lcg(&mut seed)).collect();
                 let mut c1 = c0.clone();
                 // Without accumulation C's old contents (here NaN) must not matter.
-                let mut c2 = if accumulate { c0.clone() } else { vec![f32::NAN; m * n] };
+                let mut c2 = if accumulate {
+                    c0.clone()
+                } else {
+                    vec![f32::NAN; m * n]
+                };
                 unsafe {
-                    gemm_portable(accumulate, m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, c1.as_mut_ptr(), n);
-                    avx512::gemm(accumulate, m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, c2.as_mut_ptr(), n);
+                    gemm_portable(
+                        accumulate,
+                        m,
+                        n,
+                        k,
+                        a.as_ptr(),
+                        a_rs,
+                        a_cs,
+                        b.as_ptr(),
+                        ldb,
+                        c1.as_mut_ptr(),
+                        n,
+                    );
+                    avx512::gemm(
+                        accumulate,
+                        m,
+                        n,
+                        k,
+                        a.as_ptr(),
+                        a_rs,
+                        a_cs,
+                        b.as_ptr(),
+                        ldb,
+                        c2.as_mut_ptr(),
+                        n,
+                    );
                 }
                 for (x, y) in c1.iter().zip(&c2) {
-                    assert!((x - y).abs() <= 1e-5 * (1.0 + x.abs()), "m={m} n={n} k={k}: {x} vs {y}");
+                    assert!(
+                        (x - y).abs() <= 1e-5 * (1.0 + x.abs()),
+                        "m={m} n={n} k={k}: {x} vs {y}"
+                    );
                 }
             }
         }
@@ -296,7 +357,7 @@ mod tests {
         }
         let mut xs: Vec<f32> = (0..4096).map(|i| -100.0 + i as f32 * 0.0271).collect();
         xs.extend([f32::NEG_INFINITY, -1e30, -300.0, 0.0, -0.5, 0.5]);
-        while xs.len() % 16 != 0 {
+        while !xs.len().is_multiple_of(16) {
             xs.push(0.25);
         }
         let mut ys = xs.clone();
@@ -306,7 +367,10 @@ mod tests {
             if x < -150.0 {
                 assert_eq!(y, 0.0, "2^{x}");
             } else if want > 1e-37 {
-                assert!(((y as f64) - want).abs() <= 2e-7 * want, "2^{x}: {y} vs {want}");
+                assert!(
+                    ((y as f64) - want).abs() <= 2e-7 * want,
+                    "2^{x}: {y} vs {want}"
+                );
             }
         }
     }

@@ -47,7 +47,12 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// Flash attention forward. `q: [batch, q_len, heads, head_dim]`, `k, v: [batch, k_len, kv_heads, head_dim]`
 /// (one dtype: f32, f64, bf16 or f16; on the CPU). Returns `(o: [batch, q_len, heads, head_dim]` in q's
 /// dtype, `lse: [batch, heads, q_len]` in f32 (f64 for f64 inputs)`)`.
-pub fn flash_attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(Tensor, Tensor)> {
+pub fn flash_attention_forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttentionSpec,
+) -> Result<(Tensor, Tensor)> {
     forward_with_fill(q, k, v, spec, false)
 }
 
@@ -105,10 +110,21 @@ const FWD: &str = "flash_attention_forward";
 const BWD: &str = "flash_attention_backward";
 
 /// Shape, head_dim, dtype and device checks shared by forward and backward.
-fn check(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<AttentionDims> {
+fn check(
+    op: &'static str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttentionSpec,
+) -> Result<AttentionDims> {
     let dims = spec.dims(op, q, k, v)?;
     if dims.head_dim == 0 || dims.head_dim > MAX_HEAD_DIM {
-        return Err(Error::HeadDim { op, head_dim: dims.head_dim, max: MAX_HEAD_DIM, q_shape: q.dims().to_vec() });
+        return Err(Error::HeadDim {
+            op,
+            head_dim: dims.head_dim,
+            max: MAX_HEAD_DIM,
+            q_shape: q.dims().to_vec(),
+        });
     }
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         same_dtype_cpu(op, name, t, q.dtype())?;
@@ -118,17 +134,38 @@ fn check(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionS
 
 fn same_dtype_cpu(op: &'static str, name: &'static str, t: &Tensor, want: DType) -> Result<()> {
     if !t.device().is_cpu() {
-        return Err(Error::NotCpu { op, name, device: format!("{:?}", t.device().location()) });
+        return Err(Error::NotCpu {
+            op,
+            name,
+            device: format!("{:?}", t.device().location()),
+        });
     }
     if t.dtype() != want {
-        return Err(Error::DTypeMismatch { op, name, got: t.dtype(), want });
+        return Err(Error::DTypeMismatch {
+            op,
+            name,
+            got: t.dtype(),
+            want,
+        });
     }
     Ok(())
 }
 
-fn check_shape(op: &'static str, name: &'static str, t: &Tensor, want: &[usize], q: &Tensor) -> Result<()> {
+fn check_shape(
+    op: &'static str,
+    name: &'static str,
+    t: &Tensor,
+    want: &[usize],
+    q: &Tensor,
+) -> Result<()> {
     if t.dims() != want {
-        return Err(Error::Shape { op, name, got: t.dims().to_vec(), want: want.to_vec(), q_shape: q.dims().to_vec() });
+        return Err(Error::Shape {
+            op,
+            name,
+            got: t.dims().to_vec(),
+            want: want.to_vec(),
+            q_shape: q.dims().to_vec(),
+        });
     }
     Ok(())
 }
@@ -158,9 +195,15 @@ impl<'a> Host<'a> {
     fn new(op: &'static str, name: &'static str, t: &'a Tensor) -> Result<Self> {
         let (guard, layout) = t.storage_and_layout();
         if !matches!(&*guard, Storage::Cpu(_)) {
-            return Err(Error::NotCpu { op, name, device: format!("{:?}", t.device().location()) });
+            return Err(Error::NotCpu {
+                op,
+                name,
+                device: format!("{:?}", t.device().location()),
+            });
         }
-        let (start, end) = layout.contiguous_offsets().expect("prepared() makes tensors contiguous");
+        let (start, end) = layout
+            .contiguous_offsets()
+            .expect("prepared() makes tensors contiguous");
         Ok(Self { guard, start, end })
     }
 
@@ -199,9 +242,16 @@ fn forward_typed<T: Real + WithDType>(
 ) -> Result<(Tensor, Tensor)> {
     let mut o = vec![fill; q.elem_count()];
     let mut lse = vec![fill; g.b * g.h * g.nq];
-    let (hq, hk, hv) = (Host::new(FWD, "q", q)?, Host::new(FWD, "k", k)?, Host::new(FWD, "v", v)?);
+    let (hq, hk, hv) = (
+        Host::new(FWD, "q", q)?,
+        Host::new(FWD, "k", k)?,
+        Host::new(FWD, "v", v)?,
+    );
     forward::forward(g, hq.slice()?, hk.slice()?, hv.slice()?, &mut o, &mut lse);
-    Ok((Tensor::from_vec(o, q.shape(), &Device::Cpu)?, Tensor::from_vec(lse, (g.b, g.h, g.nq), &Device::Cpu)?))
+    Ok((
+        Tensor::from_vec(o, q.shape(), &Device::Cpu)?,
+        Tensor::from_vec(lse, (g.b, g.h, g.nq), &Device::Cpu)?,
+    ))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -229,7 +279,11 @@ fn backward_with_fill(
         if let Some(t) = t {
             check_shape(BWD, name, t, &[g.b, g.h, g.nq], q)?;
             if !t.device().is_cpu() {
-                return Err(Error::NotCpu { op: BWD, name, device: format!("{:?}", t.device().location()) });
+                return Err(Error::NotCpu {
+                    op: BWD,
+                    name,
+                    device: format!("{:?}", t.device().location()),
+                });
             }
             compute_dtype(BWD, t.dtype())?;
         }
@@ -239,10 +293,24 @@ fn backward_with_fill(
     let dl2 = d_lse.map(p).transpose()?;
     let tensors = [&q2, &k2, &v2, &o2, &lse2, &do2];
     let (dq, dk, dv) = match cd {
-        DType::F64 => backward_typed::<f64>(&g, tensors, dl2.as_ref(), if poison { f64::NAN } else { 0.0 })?,
-        _ => backward_typed::<f32>(&g, tensors, dl2.as_ref(), if poison { f32::NAN } else { 0.0 })?,
+        DType::F64 => backward_typed::<f64>(
+            &g,
+            tensors,
+            dl2.as_ref(),
+            if poison { f64::NAN } else { 0.0 },
+        )?,
+        _ => backward_typed::<f32>(
+            &g,
+            tensors,
+            dl2.as_ref(),
+            if poison { f32::NAN } else { 0.0 },
+        )?,
     };
-    Ok((dq.to_dtype(q.dtype())?, dk.to_dtype(k.dtype())?, dv.to_dtype(v.dtype())?))
+    Ok((
+        dq.to_dtype(q.dtype())?,
+        dk.to_dtype(k.dtype())?,
+        dv.to_dtype(v.dtype())?,
+    ))
 }
 
 fn backward_typed<T: Real + WithDType>(
@@ -255,7 +323,14 @@ fn backward_typed<T: Real + WithDType>(
     let mut dk = vec![fill; k.elem_count()];
     let mut dv = vec![fill; v.elem_count()];
     let h = |name, t| Host::new(BWD, name, t);
-    let (hq, hk, hv, ho, hl, hdo) = (h("q", q)?, h("k", k)?, h("v", v)?, h("o", o)?, h("lse", lse)?, h("d_o", d_o)?);
+    let (hq, hk, hv, ho, hl, hdo) = (
+        h("q", q)?,
+        h("k", k)?,
+        h("v", v)?,
+        h("o", o)?,
+        h("lse", lse)?,
+        h("d_o", d_o)?,
+    );
     let hdl = d_lse.map(|t| h("d_lse", t)).transpose()?;
     let x = BackwardInputs {
         q: hq.slice()?,
@@ -268,5 +343,9 @@ fn backward_typed<T: Real + WithDType>(
     };
     backward::backward(g, &x, &mut dq, &mut dk, &mut dv, fill);
     let dev = &Device::Cpu;
-    Ok((Tensor::from_vec(dq, q.shape(), dev)?, Tensor::from_vec(dk, k.shape(), dev)?, Tensor::from_vec(dv, v.shape(), dev)?))
+    Ok((
+        Tensor::from_vec(dq, q.shape(), dev)?,
+        Tensor::from_vec(dk, k.shape(), dev)?,
+        Tensor::from_vec(dv, v.shape(), dev)?,
+    ))
 }

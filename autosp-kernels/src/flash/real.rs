@@ -56,7 +56,8 @@ pub(crate) trait Real:
 
     /// The maximum of `x` (-inf when all are -inf). `x.len()` is a multiple of 16.
     fn max_row(x: &[Self]) -> Self {
-        x.iter().fold(Self::NEG_INF, |m, &v| if v > m { v } else { m })
+        x.iter()
+            .fold(Self::NEG_INF, |m, &v| if v > m { v } else { m })
     }
 }
 
@@ -123,7 +124,7 @@ impl Real for f32 {
 
     fn exp2_row(x: &mut [Self], mul: Self, sub: Self) -> Self {
         #[cfg(target_arch = "x86_64")]
-        if microkernel::has_avx512() && x.len() % 16 == 0 {
+        if microkernel::has_avx512() && x.len().is_multiple_of(16) {
             // SAFETY: the features were detected and the length checked.
             return unsafe { microkernel::avx512::exp2_row(x, mul, sub) };
         }
@@ -137,7 +138,7 @@ impl Real for f32 {
 
     fn max_row(x: &[Self]) -> Self {
         #[cfg(target_arch = "x86_64")]
-        if microkernel::has_avx512() && x.len() % 16 == 0 {
+        if microkernel::has_avx512() && x.len().is_multiple_of(16) {
             // SAFETY: the features were detected and the length checked.
             return unsafe { microkernel::avx512::max_row(x) };
         }
