@@ -138,13 +138,14 @@ pub(crate) fn backward<T: Real>(
         for i in 0..nq {
             // SAFETY: task bh alone writes the rows of head hi of batch bi.
             let out = unsafe { dq_w.slice(g.q_base(bi, hi) + i * g.q_rs, d) };
-            for (dd, o) in out.iter_mut().enumerate() {
-                let mut s = T::ZERO;
-                for ch in 0..chunks {
-                    s = s + dq_part[((bh * chunks + ch) * nq + i) * d + dd];
+            out.copy_from_slice(&dq_part[(bh * chunks * nq + i) * d..][..d]);
+            for ch in 1..chunks {
+                let part = &dq_part[((bh * chunks + ch) * nq + i) * d..][..d];
+                for (o, &p) in out.iter_mut().zip(part) {
+                    *o = *o + p;
                 }
-                *o = s * scale;
             }
+            T::scale_row(out, scale);
         }
     });
     let dk_w = SharedOut(dk.as_mut_ptr());
@@ -155,15 +156,16 @@ pub(crate) fn backward<T: Real>(
             let at = g.k_base(bi, kh) + j * g.k_rs;
             // SAFETY: task bkh alone writes the rows of kv head kh of batch bi.
             let (ok, ov) = unsafe { (dk_w.slice(at, d), dv_w.slice(at, d)) };
-            for dd in 0..d {
-                let (mut sk, mut sv) = (T::ZERO, T::ZERO);
-                for gi in 0..g.group {
-                    let p = ((bi * g.h + kh * g.group + gi) * nk + j) * d + dd;
-                    sk = sk + dk_part[p];
-                    sv = sv + dv_part[p];
+            let row_at = |gi: usize| ((bi * g.h + kh * g.group + gi) * nk + j) * d;
+            ok.copy_from_slice(&dk_part[row_at(0)..][..d]);
+            ov.copy_from_slice(&dv_part[row_at(0)..][..d]);
+            for gi in 1..g.group {
+                for (o, &p) in ok.iter_mut().zip(&dk_part[row_at(gi)..][..d]) {
+                    *o = *o + p;
                 }
-                ok[dd] = sk;
-                ov[dd] = sv;
+                for (o, &p) in ov.iter_mut().zip(&dv_part[row_at(gi)..][..d]) {
+                    *o = *o + p;
+                }
             }
         }
     });
@@ -287,13 +289,11 @@ unsafe fn key_chunk<T: Real>(
                 BC,
             );
             for r in 0..rows {
-                let dr = delta[i0 + r];
-                for (s, &pv) in ds[r * BC..(r + 1) * BC]
-                    .iter_mut()
-                    .zip(&p[r * BC..(r + 1) * BC])
-                {
-                    *s = pv * (*s - dr);
-                }
+                T::ds_row(
+                    &mut ds[r * BC..(r + 1) * BC],
+                    &p[r * BC..(r + 1) * BC],
+                    delta[i0 + r],
+                );
             }
             // dQ += dS K (scaled in the final sum); dK += dSᵀ Q.
             let kp = kc.as_ptr().add(j0 * d);

@@ -110,9 +110,7 @@ unsafe fn query_tile<T: Real>(
             let sum = T::exp2_row(row, c, m_new);
             if m[r] != m_new {
                 let alpha = (m[r] - m_new).exp2();
-                for x in &mut acc[r * d..(r + 1) * d] {
-                    *x = *x * alpha;
-                }
+                T::scale_row(&mut acc[r * d..(r + 1) * d], alpha);
                 l[r] = l[r] * alpha + sum;
                 m[r] = m_new;
             } else {
