@@ -76,7 +76,7 @@ fn median_time(repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64
     }
     let cpu = process_cpu_s()
         .zip(cpu0)
-        .map(|(b, a)| (b - a) / times.len() as f64);
+        .map(|(b, a)| ((b - a) / times.len() as f64 * 1e3).round() / 1e3);
     times.sort_by(|a, b| a.total_cmp(b));
     Ok((times[times.len() / 2], cpu))
 }

@@ -22,7 +22,7 @@
 //! - The tile products run through one register-blocked micro-kernel (`microkernel.rs`): AVX-512 with
 //!   a 6 × 64 block in registers when the CPU has it (detected at run time), a portable loop otherwise and for
 //!   f64. Every head_dim that is a multiple of 16 (64 and 128 in particular) runs in whole vectors; others
-//!   use masked tail vectors. The exponential is a vectorised `exp2` (degree-7 polynomial + `vscalefps`, about
+//!   use masked tail vectors. The exponential is a vectorised `exp2` (degree-6 polynomial + `vscalefps`, about
 //!   1 ulp).
 //!
 //! Measured numbers and the command that produced them: docs/BENCHMARKS.md, "Flash attention (CPU)".
