@@ -1,16 +1,17 @@
 //! Flash attention backward on host slices, FlashAttention-2 style from the saved output and LSE, and
-//! deterministic: one task per (batch, query head, chunk of key tiles) owns the dK/dV of its key tiles (one
-//! buffer per query head) and a dQ buffer of its own; a last pass sums the dQ chunks and the dK/dV of each
-//! GQA group in a fixed order. No float is ever added from two threads, so the bits never depend on the
-//! scheduling.
+//! deterministic: one task per (batch, kv head, chunk of key tiles) owns the dK/dV rows of its key tiles
+//! (summing its GQA group's query heads in order) and a dQ buffer per query head of its group; a last pass
+//! sums the dQ chunks in a fixed order. No float is ever added from two threads, so the bits never depend
+//! on the scheduling.
 
 use rayon::prelude::*;
 
 use super::geometry::{pack_rows, Geometry, SharedOut, BC, BR};
 use super::real::Real;
 
-/// Tasks to aim for when batch × heads is small: the key tiles of a head are dealt round-robin to
-/// `ceil(TARGET_TASKS / (batch · heads))` chunks (a function of the shapes only, never of the thread count).
+/// Tasks to aim for when batch × kv heads is small: the key tiles of a kv head are dealt round-robin to
+/// `ceil(TARGET_TASKS / (batch · kv_heads))` chunks (a function of the shapes only, never of the thread
+/// count), which also balances the causal work (early key tiles are seen by more queries).
 const TARGET_TASKS: usize = 16;
 
 /// The slices the backward pass reads: `q, do, o: [b, nq, h, d]`, `k, v: [b, nk, hkv, d]`, `lse: [b, h, nq]`
@@ -104,33 +105,27 @@ pub(crate) fn backward<T: Real>(
             });
     }
 
-    // Partial results: dQ per (b, h, chunk), dK and dV per (b, query head).
+    // dQ per (b, query head, chunk), summed below; dK/dV straight into the outputs.
     let mut dq_part = vec![fill; g.b * g.h * chunks * nq * d];
-    let mut dk_part = vec![fill; g.b * g.h * nk * d];
-    let mut dv_part = vec![fill; g.b * g.h * nk * d];
     let dq_out = SharedOut(dq_part.as_mut_ptr());
-    let dk_out = SharedOut(dk_part.as_mut_ptr());
-    let dv_out = SharedOut(dv_part.as_mut_ptr());
+    let dk_out = SharedOut(dk.as_mut_ptr());
+    let dv_out = SharedOut(dv.as_mut_ptr());
     let packs = Packed {
         kt: &kt,
         vt: &vt,
         kc: &kc,
         qc: &qc,
         doc: &doc,
+        lse2: &lse2,
+        delta: &delta,
     };
-    let (lse2, delta) = (&lse2[..], &delta[..]);
-    // Chunk 0 holds the first key tiles, which the most query tiles see under a causal mask: run it early.
-    (0..g.b * g.h * chunks).into_par_iter().for_each(|idx| {
-        // SAFETY: task (bi, hi, ch) alone writes dq_part[bi, hi, ch] and the rows of the key tiles
-        // t ≡ ch (mod chunks) of dk_part[bi, hi] and dv_part[bi, hi].
-        unsafe {
-            key_chunk(
-                g, &packs, lse2, delta, idx, chunks, &dq_out, &dk_out, &dv_out,
-            )
-        };
+    (0..g.b * g.hkv * chunks).into_par_iter().for_each(|idx| {
+        // SAFETY: task (bi, kh, ch) alone writes dq_part[bi, h, ch] for the query heads h of kv head kh,
+        // and the rows of the key tiles t ≡ ch (mod chunks) of kv head kh of batch bi in dk and dv.
+        unsafe { key_chunk(g, &packs, idx, chunks, &dq_out, &dk_out, &dv_out) };
     });
 
-    // Fixed-order sums: dQ over chunks (times the scale), dK/dV over each kv head's group.
+    // Fixed-order sum of the dQ chunks, times the scale.
     let scale = T::from_f64(g.scale);
     let dq_w = SharedOut(dq.as_mut_ptr());
     (0..g.b * g.h).into_par_iter().for_each(|bh| {
@@ -148,50 +143,29 @@ pub(crate) fn backward<T: Real>(
             T::scale_row(out, scale);
         }
     });
-    let dk_w = SharedOut(dk.as_mut_ptr());
-    let dv_w = SharedOut(dv.as_mut_ptr());
-    (0..g.b * g.hkv).into_par_iter().for_each(|bkh| {
-        let (bi, kh) = (bkh / g.hkv, bkh % g.hkv);
-        for j in 0..nk {
-            let at = g.k_base(bi, kh) + j * g.k_rs;
-            // SAFETY: task bkh alone writes the rows of kv head kh of batch bi.
-            let (ok, ov) = unsafe { (dk_w.slice(at, d), dv_w.slice(at, d)) };
-            let row_at = |gi: usize| ((bi * g.h + kh * g.group + gi) * nk + j) * d;
-            ok.copy_from_slice(&dk_part[row_at(0)..][..d]);
-            ov.copy_from_slice(&dv_part[row_at(0)..][..d]);
-            for gi in 1..g.group {
-                for (o, &p) in ok.iter_mut().zip(&dk_part[row_at(gi)..][..d]) {
-                    *o = *o + p;
-                }
-                for (o, &p) in ov.iter_mut().zip(&dv_part[row_at(gi)..][..d]) {
-                    *o = *o + p;
-                }
-            }
-        }
-    });
 }
 
 /// The packed operands of the backward pass: `kt, vt: [b, hkv, k_tiles, d, BC]`, `kc: [b, hkv, nk, d]`,
-/// `qc, doc: [b, h, nq, d]`.
+/// `qc, doc: [b, h, nq, d]`, and per query row `lse2` (LSE in log2 units, +inf for rows that see no key)
+/// and `delta` (`rowsum(dO ∘ O) - d_lse`), `[b, h, nq]`.
 struct Packed<'a, T> {
     kt: &'a [T],
     vt: &'a [T],
     kc: &'a [T],
     qc: &'a [T],
     doc: &'a [T],
+    lse2: &'a [T],
+    delta: &'a [T],
 }
 
-/// One backward task: the key tiles `t ≡ ch (mod chunks)` of query head `hi` of batch `bi`, each against
-/// every query tile that sees it.
+/// One backward task: the key tiles `t ≡ ch (mod chunks)` of kv head `kh` of batch `bi`, each against every
+/// query tile of every query head of its group that sees it (group heads in order, then query tiles).
 ///
 /// # Safety
 /// No other task writes this task's parts of `dq_out`, `dk_out`, `dv_out` (see [`backward`]).
-#[allow(clippy::too_many_arguments)]
 unsafe fn key_chunk<T: Real>(
     g: &Geometry,
     pk: &Packed<T>,
-    lse2: &[T],
-    delta: &[T],
     idx: usize,
     chunks: usize,
     dq_out: &SharedOut<T>,
@@ -200,30 +174,35 @@ unsafe fn key_chunk<T: Real>(
 ) {
     let (d, nq, nk) = (g.d, g.nq, g.nk);
     let ch = idx % chunks;
-    let bh = idx / chunks;
-    let (bi, hi) = (bh / g.h, bh % g.h);
-    let kh = hi / g.group;
+    let bkh = idx / chunks;
+    let (bi, kh) = (bkh / g.hkv, bkh % g.hkv);
     let kt_len = g.k_tiles() * d * BC;
-    let kt = &pk.kt[(bi * g.hkv + kh) * kt_len..][..kt_len];
-    let vt = &pk.vt[(bi * g.hkv + kh) * kt_len..][..kt_len];
-    let kc = &pk.kc[(bi * g.hkv + kh) * nk * d..][..nk * d];
-    let qc = &pk.qc[bh * nq * d..][..nq * d];
-    let doc = &pk.doc[bh * nq * d..][..nq * d];
+    let kt = &pk.kt[bkh * kt_len..][..kt_len];
+    let vt = &pk.vt[bkh * kt_len..][..kt_len];
+    let kc = &pk.kc[bkh * nk * d..][..nk * d];
     let c = T::from_f64(g.scale * std::f64::consts::LOG2_E);
     let scale = T::from_f64(g.scale);
-    let lse2 = &lse2[bh * nq..][..nq];
-    let delta = &delta[bh * nq..][..nq];
+    let heads: Vec<usize> = (0..g.group)
+        .map(|gi| bi * g.h + kh * g.group + gi)
+        .collect();
+    for &bh in &heads {
+        dq_out
+            .slice((bh * chunks + ch) * nq * d, nq * d)
+            .fill(T::ZERO);
+    }
 
-    let dq = dq_out.slice((bh * chunks + ch) * nq * d, nq * d);
-    dq.fill(T::ZERO);
     let mut p = [T::ZERO; BR * BC];
     let mut ds = [T::ZERO; BR * BC];
     let mut dk_acc = vec![T::ZERO; BC * d];
     let mut dv_acc = vec![T::ZERO; BC * d];
-
     for t in (ch..g.k_tiles()).step_by(chunks) {
         let j0 = t * BC;
         let cols = (nk - j0).min(BC);
+        let (ktp, vtp, kp) = (
+            kt.as_ptr().add(t * d * BC),
+            vt.as_ptr().add(t * d * BC),
+            kc.as_ptr().add(j0 * d),
+        );
         dk_acc.fill(T::ZERO);
         dv_acc.fill(T::ZERO);
         let first_row = g.first_row_seeing(j0);
@@ -232,103 +211,87 @@ unsafe fn key_chunk<T: Real>(
         } else {
             first_row / BR
         };
-        for qt in first_tile..g.q_tiles() {
-            let i0 = qt * BR;
-            let rows = (nq - i0).min(BR);
-            let qp = qc.as_ptr().add(i0 * d);
-            let dop = doc.as_ptr().add(i0 * d);
-            let p = &mut p[..rows * BC];
-            let ds = &mut ds[..rows * BC];
+        for &bh in &heads {
+            let qc = &pk.qc[bh * nq * d..][..nq * d];
+            let doc = &pk.doc[bh * nq * d..][..nq * d];
+            let lse2 = &pk.lse2[bh * nq..][..nq];
+            let delta = &pk.delta[bh * nq..][..nq];
+            let dq = dq_out.slice((bh * chunks + ch) * nq * d, nq * d);
+            for qt in first_tile..g.q_tiles() {
+                let i0 = qt * BR;
+                let rows = (nq - i0).min(BR);
+                let qp = qc.as_ptr().add(i0 * d);
+                let dop = doc.as_ptr().add(i0 * d);
+                let p = &mut p[..rows * BC];
+                let ds = &mut ds[..rows * BC];
 
-            // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
-            T::gemm(
-                false,
-                rows,
-                BC,
-                d,
-                qp,
-                d,
-                1,
-                kt.as_ptr().add(t * d * BC),
-                BC,
-                p.as_mut_ptr(),
-                BC,
-            );
-            if g.tile_needs_mask(i0, j0) {
-                g.mask_tile(p, rows, i0, j0);
-            }
-            for r in 0..rows {
-                T::exp2_row(&mut p[r * BC..(r + 1) * BC], c, lse2[i0 + r]);
-            }
-            // dV += Pᵀ dO.
-            T::gemm(
-                true,
-                cols,
-                d,
-                rows,
-                p.as_ptr(),
-                1,
-                BC,
-                dop,
-                d,
-                dv_acc.as_mut_ptr(),
-                d,
-            );
-            // dP = dO Vᵀ, then dS = P ∘ (dP - D + d_lse).
-            T::gemm(
-                false,
-                rows,
-                BC,
-                d,
-                dop,
-                d,
-                1,
-                vt.as_ptr().add(t * d * BC),
-                BC,
-                ds.as_mut_ptr(),
-                BC,
-            );
-            for r in 0..rows {
-                T::ds_row(
-                    &mut ds[r * BC..(r + 1) * BC],
-                    &p[r * BC..(r + 1) * BC],
-                    delta[i0 + r],
+                // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
+                T::gemm(false, rows, BC, d, qp, d, 1, ktp, BC, p.as_mut_ptr(), BC);
+                if g.tile_needs_mask(i0, j0) {
+                    g.mask_tile(p, rows, i0, j0);
+                }
+                for r in 0..rows {
+                    T::exp2_row(&mut p[r * BC..(r + 1) * BC], c, lse2[i0 + r]);
+                }
+                // dV += Pᵀ dO.
+                T::gemm(
+                    true,
+                    cols,
+                    d,
+                    rows,
+                    p.as_ptr(),
+                    1,
+                    BC,
+                    dop,
+                    d,
+                    dv_acc.as_mut_ptr(),
+                    d,
+                );
+                // dP = dO Vᵀ, then dS = P ∘ (dP - D + d_lse).
+                T::gemm(false, rows, BC, d, dop, d, 1, vtp, BC, ds.as_mut_ptr(), BC);
+                for r in 0..rows {
+                    T::ds_row(
+                        &mut ds[r * BC..(r + 1) * BC],
+                        &p[r * BC..(r + 1) * BC],
+                        delta[i0 + r],
+                    );
+                }
+                // dQ += dS K (scaled in the final sum); dK += dSᵀ Q.
+                T::gemm(
+                    true,
+                    rows,
+                    d,
+                    cols,
+                    ds.as_ptr(),
+                    BC,
+                    1,
+                    kp,
+                    d,
+                    dq.as_mut_ptr().add(i0 * d),
+                    d,
+                );
+                T::gemm(
+                    true,
+                    cols,
+                    d,
+                    rows,
+                    ds.as_ptr(),
+                    1,
+                    BC,
+                    qp,
+                    d,
+                    dk_acc.as_mut_ptr(),
+                    d,
                 );
             }
-            // dQ += dS K (scaled in the final sum); dK += dSᵀ Q.
-            let kp = kc.as_ptr().add(j0 * d);
-            T::gemm(
-                true,
-                rows,
-                d,
-                cols,
-                ds.as_ptr(),
-                BC,
-                1,
-                kp,
-                d,
-                dq.as_mut_ptr().add(i0 * d),
-                d,
-            );
-            T::gemm(
-                true,
-                cols,
-                d,
-                rows,
-                ds.as_ptr(),
-                1,
-                BC,
-                qp,
-                d,
-                dk_acc.as_mut_ptr(),
-                d,
-            );
         }
-        let dk_rows = dk_out.slice((bh * nk + j0) * d, cols * d);
-        let dv_rows = dv_out.slice((bh * nk + j0) * d, cols * d);
-        for (o, &a) in dk_rows.iter_mut().zip(&dk_acc[..cols * d]) {
-            *o = a * scale;
+        for cc in 0..cols {
+            let at = g.k_base(bi, kh) + (j0 + cc) * g.k_rs;
+            let (ok, ov) = (dk_out.slice(at, d), dv_out.slice(at, d));
+            for (o, &a) in ok.iter_mut().zip(&dk_acc[cc * d..(cc + 1) * d]) {
+                *o = a * scale;
+            }
+            ov.copy_from_slice(&dv_acc[cc * d..(cc + 1) * d]);
         }
-        dv_rows.copy_from_slice(&dv_acc[..cols * d]);
     }
 }
