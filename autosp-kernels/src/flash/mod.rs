@@ -25,14 +25,16 @@
 //!   fixed order, so two runs give the same bits whatever the scheduling or thread count.
 //! - The tile products run through one register-blocked micro-kernel (`microkernel.rs`): AVX-512 with a
 //!   6 × 64 block of C in 24 registers when the CPU has it (detected at run time), a portable loop otherwise
-//!   and for f64. Measured against calling the `gemm` crate per tile: not done (the hand kernel reaches
-//!   ~240 GFLOP/s on one Zen 5 core on 64 × 64 × 64 tiles, near the core's FMA peak, so a library call could
-//!   only add packing and dispatch). Every head_dim that is a multiple of 16 (64 and 128 in particular) runs
-//!   in whole vectors; others use masked tail vectors. The exponential is a vectorised `exp2` (degree-6
-//!   polynomial + `vscalefps`, about 1 ulp).
-//! - Speed (2-core Zen 5, batch 1, 8 heads, head_dim 64, causal, f32): about 150 GFLOP per CPU-second for
-//!   forward+backward at N = 4096 and 8192 with the FLOP convention, i.e. ~0.8 s of wall time for
-//!   N = 8192 forward+backward on 2 free cores (PyTorch SDPA, the reference: 0.88 s).
+//!   and for f64. Measured against calling the `gemm` crate (0.19, candle's) per tile, one thread,
+//!   L1-resident 64 × 64 × 64 f32 tiles, best of 20 × 500 calls: this kernel ~240 GFLOP/s (near the Zen 5
+//!   core's FMA peak), `gemm::gemm` ~115 GFLOP/s (its packing and dispatch dominate at this size).
+//!   Every head_dim that is a multiple of 16 (64 and 128 in particular) runs in whole vectors; others use
+//!   masked tail vectors. The exponential is a vectorised `exp2` (degree-6 polynomial + `vscalefps`, about
+//!   1 ulp).
+//! - Speed (2-core Zen 5, batch 1, 8 heads, head_dim 64, causal, f32, both cores free): forward+backward
+//!   0.81 – 0.84 s at N = 8192 (PyTorch SDPA, the reference: 0.88 s) and 0.22 s at N = 4096 (0.24 s);
+//!   forward 0.22 – 0.23 s (0.25 s) and 0.071 s (0.069 s). About 150 GFLOP per CPU-second with the issue's
+//!   FLOP convention.
 //!
 //! Measured numbers and the command that produced them: docs/BENCHMARKS.md, "Flash attention (CPU)".
 
