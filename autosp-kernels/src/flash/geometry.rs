@@ -1,6 +1,6 @@
 //! Where things are: the tile sizes, the offsets of a head's rows in the `[batch, seq, heads, head_dim]`
-//! layout, which keys a query row sees, the packing of a kv head's keys or values into transposed tiles, and
-//! the raw pointer that lets parallel tasks write their own disjoint parts of one output buffer.
+//! layout, which keys a query row sees, the packing of a head's rows into transposed tiles or contiguous rows,
+//! and the raw pointer that lets parallel tasks write their own disjoint parts of one output buffer.
 
 use autosp_core::ops::attention::{AttentionDims, AttentionSpec};
 
