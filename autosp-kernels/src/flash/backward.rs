@@ -37,32 +37,16 @@ pub(crate) fn backward<T: Real>(
     dv: &mut [T],
     fill: T,
 ) {
-    let (d, nq, nk) = (g.d, g.nq, g.nk);
+    let (d, nq) = (g.d, g.nq);
     let nkt = g.k_tiles();
     let chunks = TARGET_TASKS
-        .div_ceil((g.b * g.h).max(1))
+        .div_ceil((g.b * g.hkv).max(1))
         .clamp(1, nkt.max(1));
     let log2e = std::f64::consts::LOG2_E;
 
-    // Packed operands: Kᵀ and Vᵀ in tiles and K in contiguous rows once per kv head, Q and dO in contiguous
-    // rows once per query head (O(N·d) each; see `pack_rows` for why).
-    let kt_len = nkt * d * BC;
-    let (k_len, q_len) = (nk * d, nq * d);
-    let mut kt = vec![fill; g.b * g.hkv * kt_len];
-    let mut vt = vec![fill; g.b * g.hkv * kt_len];
-    let mut kc = vec![fill; g.b * g.hkv * k_len];
-    if kt_len > 0 {
-        kt.par_chunks_mut(kt_len)
-            .zip(vt.par_chunks_mut(kt_len))
-            .zip(kc.par_chunks_mut(k_len))
-            .enumerate()
-            .for_each(|(idx, ((kd, vd), kcd))| {
-                let (bi, kh) = (idx / g.hkv, idx % g.hkv);
-                g.pack_transposed(x.k, bi, kh, kd);
-                g.pack_transposed(x.v, bi, kh, vd);
-                pack_rows(x.k, g.k_base(bi, kh), g.k_rs, d, kcd);
-            });
-    }
+    // Q and dO in contiguous rows once per query head (O(N·d) each; see `pack_rows` for why); the key tiles
+    // are packed by the one task that owns them.
+    let q_len = nq * d;
     let mut qc = vec![fill; g.b * g.h * q_len];
     let mut doc = vec![fill; g.b * g.h * q_len];
     if q_len > 0 {
@@ -105,25 +89,43 @@ pub(crate) fn backward<T: Real>(
             });
     }
 
-    // dQ per (b, query head, chunk), summed below; dK/dV straight into the outputs.
-    let mut dq_part = vec![fill; g.b * g.h * chunks * nq * d];
-    let dq_out = SharedOut(dq_part.as_mut_ptr());
+    // dK/dV go straight into the outputs. dQ too when each kv head is one task (chunks = 1); otherwise each
+    // (query head, chunk) has a partial, summed below in chunk order.
+    let mut dq_part = vec![
+        fill;
+        if chunks > 1 {
+            g.b * g.h * chunks * nq * d
+        } else {
+            0
+        }
+    ];
+    let dq_dst = if chunks > 1 {
+        DqDst {
+            out: SharedOut(dq_part.as_mut_ptr()),
+            direct: false,
+        }
+    } else {
+        DqDst {
+            out: SharedOut(dq.as_mut_ptr()),
+            direct: true,
+        }
+    };
     let dk_out = SharedOut(dk.as_mut_ptr());
     let dv_out = SharedOut(dv.as_mut_ptr());
     let packs = Packed {
-        kt: &kt,
-        vt: &vt,
-        kc: &kc,
         qc: &qc,
         doc: &doc,
         lse2: &lse2,
         delta: &delta,
     };
     (0..g.b * g.hkv * chunks).into_par_iter().for_each(|idx| {
-        // SAFETY: task (bi, kh, ch) alone writes dq_part[bi, h, ch] for the query heads h of kv head kh,
-        // and the rows of the key tiles t ≡ ch (mod chunks) of kv head kh of batch bi in dk and dv.
-        unsafe { key_chunk(g, &packs, idx, chunks, &dq_out, &dk_out, &dv_out) };
+        // SAFETY: task (bi, kh, ch) alone writes the dQ rows (or partials of chunk ch) of the query heads of
+        // kv head kh of batch bi, and the rows of the key tiles t ≡ ch (mod chunks) of that kv head in dk, dv.
+        unsafe { key_chunk(g, x, &packs, idx, chunks, &dq_dst, &dk_out, &dv_out) };
     });
+    if chunks == 1 {
+        return;
+    }
 
     // Fixed-order sum of the dQ chunks, times the scale.
     let scale = T::from_f64(g.scale);
@@ -145,30 +147,47 @@ pub(crate) fn backward<T: Real>(
     });
 }
 
-/// The packed operands of the backward pass: `kt, vt: [b, hkv, k_tiles, d, BC]`, `kc: [b, hkv, nk, d]`,
-/// `qc, doc: [b, h, nq, d]`, and per query row `lse2` (LSE in log2 units, +inf for rows that see no key)
+/// Where a task accumulates dQ: straight into the `[b, nq, h, d]` output (`direct`, one task per kv head,
+/// scaled by the task at the end), or into the `[b, h, chunks, nq, d]` partials.
+struct DqDst<T> {
+    out: SharedOut<T>,
+    direct: bool,
+}
+
+impl<T> DqDst<T> {
+    /// Offset and row stride of head `bh = bi·h + hi`'s dQ rows for chunk `ch`.
+    fn rows(&self, g: &Geometry, bh: usize, ch: usize, chunks: usize) -> (usize, usize) {
+        if self.direct {
+            (g.q_base(bh / g.h, bh % g.h), g.q_rs)
+        } else {
+            ((bh * chunks + ch) * g.nq * g.d, g.d)
+        }
+    }
+}
+
+/// The per-query-head operands of the backward pass: `qc, doc: [b, h, nq, d]`, and per query row `lse2` (LSE in log2 units, +inf for rows that see no key)
 /// and `delta` (`rowsum(dO ∘ O) - d_lse`), `[b, h, nq]`.
 struct Packed<'a, T> {
-    kt: &'a [T],
-    vt: &'a [T],
-    kc: &'a [T],
     qc: &'a [T],
     doc: &'a [T],
     lse2: &'a [T],
     delta: &'a [T],
 }
 
-/// One backward task: the key tiles `t ≡ ch (mod chunks)` of kv head `kh` of batch `bi`, each against every
-/// query tile of every query head of its group that sees it (group heads in order, then query tiles).
+/// One backward task: the key tiles `t ≡ ch (mod chunks)` of kv head `kh` of batch `bi`, each packed here
+/// (only this task reads it) and run against every query tile of every query head of its group that sees
+/// it (group heads in order, then query tiles).
 ///
 /// # Safety
-/// No other task writes this task's parts of `dq_out`, `dk_out`, `dv_out` (see [`backward`]).
+/// No other task writes this task's parts of `dq`, `dk_out`, `dv_out` (see [`backward`]).
+#[allow(clippy::too_many_arguments)]
 unsafe fn key_chunk<T: Real>(
     g: &Geometry,
+    x: &BackwardInputs<T>,
     pk: &Packed<T>,
     idx: usize,
     chunks: usize,
-    dq_out: &SharedOut<T>,
+    dq: &DqDst<T>,
     dk_out: &SharedOut<T>,
     dv_out: &SharedOut<T>,
 ) {
@@ -176,33 +195,28 @@ unsafe fn key_chunk<T: Real>(
     let ch = idx % chunks;
     let bkh = idx / chunks;
     let (bi, kh) = (bkh / g.hkv, bkh % g.hkv);
-    let kt_len = g.k_tiles() * d * BC;
-    let kt = &pk.kt[bkh * kt_len..][..kt_len];
-    let vt = &pk.vt[bkh * kt_len..][..kt_len];
-    let kc = &pk.kc[bkh * nk * d..][..nk * d];
     let c = T::from_f64(g.scale * std::f64::consts::LOG2_E);
     let scale = T::from_f64(g.scale);
     let heads: Vec<usize> = (0..g.group)
         .map(|gi| bi * g.h + kh * g.group + gi)
         .collect();
     for &bh in &heads {
-        dq_out
-            .slice((bh * chunks + ch) * nq * d, nq * d)
-            .fill(T::ZERO);
+        let (base, rs) = dq.rows(g, bh, ch, chunks);
+        for i in 0..nq {
+            dq.out.slice(base + i * rs, d).fill(T::ZERO);
+        }
     }
 
     let mut p = [T::ZERO; BR * BC];
     let mut ds = [T::ZERO; BR * BC];
+    let mut kt = vec![T::ZERO; d * BC];
+    let mut vt = vec![T::ZERO; d * BC];
+    let mut kc = vec![T::ZERO; BC * d];
     let mut dk_acc = vec![T::ZERO; BC * d];
     let mut dv_acc = vec![T::ZERO; BC * d];
     for t in (ch..g.k_tiles()).step_by(chunks) {
         let j0 = t * BC;
         let cols = (nk - j0).min(BC);
-        let (ktp, vtp, kp) = (
-            kt.as_ptr().add(t * d * BC),
-            vt.as_ptr().add(t * d * BC),
-            kc.as_ptr().add(j0 * d),
-        );
         dk_acc.fill(T::ZERO);
         dv_acc.fill(T::ZERO);
         let first_row = g.first_row_seeing(j0);
@@ -211,12 +225,24 @@ unsafe fn key_chunk<T: Real>(
         } else {
             first_row / BR
         };
+        if first_tile < g.q_tiles() {
+            g.pack_tile_transposed(x.k, bi, kh, t, &mut kt);
+            g.pack_tile_transposed(x.v, bi, kh, t, &mut vt);
+            pack_rows(
+                x.k,
+                g.k_base(bi, kh) + j0 * g.k_rs,
+                g.k_rs,
+                d,
+                &mut kc[..cols * d],
+            );
+        }
+        let (ktp, vtp, kp) = (kt.as_ptr(), vt.as_ptr(), kc.as_ptr());
         for &bh in &heads {
             let qc = &pk.qc[bh * nq * d..][..nq * d];
             let doc = &pk.doc[bh * nq * d..][..nq * d];
             let lse2 = &pk.lse2[bh * nq..][..nq];
             let delta = &pk.delta[bh * nq..][..nq];
-            let dq = dq_out.slice((bh * chunks + ch) * nq * d, nq * d);
+            let (dq_base, dq_rs) = dq.rows(g, bh, ch, chunks);
             for qt in first_tile..g.q_tiles() {
                 let i0 = qt * BR;
                 let rows = (nq - i0).min(BR);
@@ -256,20 +282,9 @@ unsafe fn key_chunk<T: Real>(
                         delta[i0 + r],
                     );
                 }
-                // dQ += dS K (scaled in the final sum); dK += dSᵀ Q.
-                T::gemm(
-                    true,
-                    rows,
-                    d,
-                    cols,
-                    ds.as_ptr(),
-                    BC,
-                    1,
-                    kp,
-                    d,
-                    dq.as_mut_ptr().add(i0 * d),
-                    d,
-                );
+                // dQ += dS K (scaled at the end); dK += dSᵀ Q.
+                let dqp = dq.out.slice(dq_base + i0 * dq_rs, 0).as_mut_ptr();
+                T::gemm(true, rows, d, cols, ds.as_ptr(), BC, 1, kp, d, dqp, dq_rs);
                 T::gemm(
                     true,
                     cols,
@@ -292,6 +307,14 @@ unsafe fn key_chunk<T: Real>(
                 *o = a * scale;
             }
             ov.copy_from_slice(&dv_acc[cc * d..(cc + 1) * d]);
+        }
+    }
+    if dq.direct {
+        for &bh in &heads {
+            let (base, rs) = dq.rows(g, bh, ch, chunks);
+            for i in 0..nq {
+                T::scale_row(dq.out.slice(base + i * rs, d), scale);
+            }
         }
     }
 }

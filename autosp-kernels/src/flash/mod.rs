@@ -13,10 +13,12 @@
 //!   cross the diagonal or pass the last key are masked.
 //! - Memory: O(N·d) per head besides the outputs. The inputs are read in their `[b, n, h, d]` layout where
 //!   they are the broadcast (A) operand of a tile product; where they are the streamed (B) operand they are
-//!   first packed once per head: Kᵀ in 64-key tiles and V rows contiguous for the forward (per kv head, shared
-//!   by its GQA group); Kᵀ, Vᵀ, K rows per kv head and Q, dO rows per query head for the backward, plus one dQ
-//!   partial per (query head, key chunk). Packing is ~2% of the time and avoids the `heads · d` row stride,
-//!   which maps a tile's rows onto 8 of the 64 L1 sets. Non-contiguous tensors are made contiguous first.
+//!   packed: Kᵀ in 64-key tiles and V rows contiguous once per kv head for the forward (shared by its GQA
+//!   group); for the backward each key tile is packed by the one task that owns it, and Q, dO rows once per
+//!   query head. Packing is ~2% of the time and avoids the `heads · d` row stride, which maps a tile's rows
+//!   onto 8 of the 64 L1 sets. dQ goes straight into the output when each kv head is one backward task;
+//!   when batch × kv_heads < 16 the key tiles are split into chunks and each (query head, chunk) keeps a dQ
+//!   partial. Non-contiguous tensors are made contiguous first.
 //! - Accumulation in f32 (f64 for f64 inputs); bf16/f16 inputs are converted to f32 once and the outputs
 //!   converted back (lse stays f32).
 //! - Threads: rayon over (batch, head, query tile) forward and (batch, kv head, chunk of key tiles) backward.
