@@ -34,9 +34,9 @@
 //!   masked tail vectors. The exponential is a vectorised `exp2` (degree-6 polynomial + `vscalefps`, about
 //!   1 ulp).
 //! - Speed (2-core Zen 5, batch 1, 8 heads, head_dim 64, causal, f32, both cores free): forward+backward
-//!   0.81 – 0.84 s at N = 8192 (PyTorch SDPA, the reference: 0.88 s) and 0.22 s at N = 4096 (0.24 s);
-//!   forward 0.22 – 0.23 s (0.25 s) and 0.071 s (0.069 s). About 150 GFLOP per CPU-second with the issue's
-//!   FLOP convention.
+//!   0.71 s at N = 8192 (PyTorch SDPA, the reference: 0.88 s) and 0.21 s at N = 4096 (0.24 s);
+//!   forward 0.21 s (0.25 s) and 0.063 s (0.069 s). 150 – 180 GFLOP per CPU-second with the FLOP
+//!   convention.
 //!
 //! Measured numbers and the command that produced them: docs/BENCHMARKS.md, "Flash attention (CPU)".
 
