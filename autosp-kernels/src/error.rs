@@ -8,8 +8,9 @@ use candle_core::DType;
 pub enum Error {
     /// An error from autosp-core, e.g. the shape checks of `AttentionSpec::dims` (mismatched head counts,
     /// heads not divisible by kv heads, wrong ranks), each naming the shapes.
+    /// Boxed: autosp-core's error is large, and kernels return `Result` on every call.
     #[error(transparent)]
-    Core(#[from] autosp_core::Error),
+    Core(Box<autosp_core::Error>),
 
     /// An error from candle itself (allocation, dtype conversion, ...).
     #[error("candle: {0}")]
@@ -39,13 +40,19 @@ pub enum Error {
     Shape { op: &'static str, name: &'static str, got: Vec<usize>, want: Vec<usize>, q_shape: Vec<usize> },
 }
 
+impl From<autosp_core::Error> for Error {
+    fn from(e: autosp_core::Error) -> Self {
+        Error::Core(Box::new(e))
+    }
+}
+
 /// The result type of autosp-kernels.
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl From<Error> for autosp_core::Error {
     fn from(e: Error) -> Self {
         match e {
-            Error::Core(e) => e,
+            Error::Core(e) => *e,
             Error::Candle(e) => autosp_core::Error::Candle(e),
             other => autosp_core::Error::External(Box::new(other)),
         }

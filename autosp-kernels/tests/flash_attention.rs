@@ -170,8 +170,8 @@ fn rows_that_see_no_key() {
     }
 }
 
-/// Two runs on the same inputs give the same bits (a shape with batch·heads small enough that the backward
-/// splits each head's key tiles over several tasks, and GQA sums).
+/// Runs on the same inputs give the same bits, whatever the thread count (a shape with batch · kv heads small
+/// enough that the backward splits each kv head's key tiles over several tasks, and GQA sums).
 #[test]
 fn two_runs_give_identical_bits() {
     let c = Case { b: 1, nq: 300, nk: 300, h: 4, hkv: 2, d: 64, spec: spec(true, 0, 0) };
@@ -182,9 +182,11 @@ fn two_runs_give_identical_bits() {
         [o, lse, dq, dk, dv].map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
     };
     let first = run();
-    for _ in 0..3 {
-        let again = run();
-        for (a, b) in first.iter().zip(&again) {
+    // Again on the default pool, and on pools of 1 and 3 threads (other schedules, other task placement).
+    let pool = |n| rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
+    let runs = [run(), pool(1).install(run), pool(3).install(run)];
+    for again in &runs {
+        for (a, b) in first.iter().zip(again) {
             assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
         }
     }
@@ -214,12 +216,12 @@ fn bad_inputs_are_typed_errors() {
 
     // Heads not divisible by kv heads.
     let e = flash_attention_forward(&t(&[1, 8, 6, 16]), &t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 16]), &s).unwrap_err();
-    assert!(matches!(e, Error::Core(autosp_core::Error::ShapeMismatch { .. })), "{e}");
+    assert!(matches!(&e, Error::Core(c) if matches!(**c, autosp_core::Error::ShapeMismatch { .. })), "{e}");
     assert!(msg(&e).contains("[1, 8, 6, 16]") && msg(&e).contains("[1, 8, 4, 16]"), "{e}");
 
     // Mismatched k and v.
     let e = flash_attention_forward(&t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 16]), &t(&[1, 8, 2, 16]), &s).unwrap_err();
-    assert!(matches!(e, Error::Core(autosp_core::Error::ShapeMismatch { .. })), "{e}");
+    assert!(matches!(&e, Error::Core(c) if matches!(**c, autosp_core::Error::ShapeMismatch { .. })), "{e}");
 
     // Mismatched head_dim of q and k.
     let e = flash_attention_forward(&t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 32]), &t(&[1, 8, 4, 32]), &s).unwrap_err();
@@ -227,7 +229,7 @@ fn bad_inputs_are_typed_errors() {
 
     // Wrong rank.
     let e = flash_attention_forward(&t(&[8, 4, 16]), &t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 16]), &s).unwrap_err();
-    assert!(matches!(e, Error::Core(autosp_core::Error::InvalidArgument { .. })), "{e}");
+    assert!(matches!(&e, Error::Core(c) if matches!(**c, autosp_core::Error::InvalidArgument { .. })), "{e}");
     assert!(msg(&e).contains("[8, 4, 16]"), "{e}");
 
     // head_dim over the limit.
@@ -249,4 +251,26 @@ fn bad_inputs_are_typed_errors() {
     assert!(msg(&e).contains("[1, 4, 8]"), "{e}");
     let e = flash_attention_backward(&q, &q, &q, &o, &lse, &t(&[1, 8, 4, 8]), None, &s).unwrap_err();
     assert!(matches!(e, Error::Shape { name: "d_o", .. }), "{e}");
+}
+
+/// Empty sequences: no keys gives o = 0, lse = -inf and zero dq; no queries gives zero dk/dv.
+#[test]
+fn empty_sequences() {
+    let s = AttentionSpec::full();
+    let q = random(&[2, 5, 4, 16], 1, DType::F32);
+    let kv = Tensor::zeros((2, 0, 2, 16), DType::F32, &Device::Cpu).unwrap();
+    let (o, lse) = poisoned::flash_attention_forward(&q, &kv, &kv, &s).unwrap();
+    assert_eq!((o.dims(), lse.dims()), (q.dims(), &[2, 4, 5][..]));
+    assert!(values(&o).iter().all(|&x| x == 0.0));
+    assert!(values(&lse).iter().all(|&x| x == f64::NEG_INFINITY));
+    let (dq, dk, dv) = poisoned::flash_attention_backward(&q, &kv, &kv, &o, &lse, &q, None, &s).unwrap();
+    assert!(values(&dq).iter().all(|&x| x == 0.0));
+    assert_eq!((dk.dims(), dv.dims()), (kv.dims(), kv.dims()));
+
+    let q0 = Tensor::zeros((2, 0, 4, 16), DType::F32, &Device::Cpu).unwrap();
+    let k = random(&[2, 7, 2, 16], 2, DType::F32);
+    let (o, lse) = poisoned::flash_attention_forward(&q0, &k, &k, &s).unwrap();
+    assert_eq!((o.dims(), lse.dims()), (q0.dims(), &[2, 4, 0][..]));
+    let (_, dk, dv) = poisoned::flash_attention_backward(&q0, &k, &k, &o, &lse, &q0, None, &s).unwrap();
+    assert!(values(&dk).iter().chain(&values(&dv)).all(|&x| x == 0.0));
 }

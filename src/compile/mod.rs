@@ -103,7 +103,8 @@ fn build_attention(resolved: &Resolved, group: &Arc<dyn ProcessGroup>) -> Result
 /// budget below the smallest plan) fail here, before any step runs, saying what would work.
 pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compiled<M>, CompileError> {
     let p = config.group.size();
-    if let Some(bad) = autosp_core::module::all_params(&model).into_iter().find(|x| x.tensor().dtype() != config.dtype) {
+    if let Some(bad) = autosp_core::module::all_params(&model).into_iter().find(|x| x.tensor().dtype() != config.dtype)
+    {
         return Err(CompileError::Input(format!(
             "parameter `{}` is {:?} but the compile dtype is {:?}: load the model in that dtype \
              (e.g. LlamaModel::load(path, dtype)) or set CompileConfig::dtype",

@@ -1,16 +1,17 @@
 //! Flash attention backward on host slices, FlashAttention-2 style from the saved output and LSE, and
-//! deterministic: one task per (batch, query head, chunk of key tiles) owns the dK/dV of its key tiles (one
-//! buffer per query head) and a dQ buffer of its own; a last pass sums the dQ chunks and the dK/dV of each
-//! GQA group in a fixed order. No float is ever added from two threads, so the bits never depend on the
-//! scheduling.
+//! deterministic: one task per (batch, kv head, chunk of key tiles) owns the dK/dV rows of its key tiles
+//! (summing its GQA group's query heads in order) and a dQ buffer per query head of its group; a last pass
+//! sums the dQ chunks in a fixed order. No float is ever added from two threads, so the bits never depend
+//! on the scheduling.
 
 use rayon::prelude::*;
 
 use super::geometry::{pack_rows, Geometry, SharedOut, BC, BR};
 use super::real::Real;
 
-/// Tasks to aim for when batch × heads is small: the key tiles of a head are dealt round-robin to
-/// `ceil(TARGET_TASKS / (batch · heads))` chunks (a function of the shapes only, never of the thread count).
+/// Tasks to aim for when batch × kv heads is small: the key tiles of a kv head are dealt round-robin to
+/// `ceil(TARGET_TASKS / (batch · kv_heads))` chunks (a function of the shapes only, never of the thread
+/// count), which also balances the causal work (early key tiles are seen by more queries).
 const TARGET_TASKS: usize = 16;
 
 /// The slices the backward pass reads: `q, do, o: [b, nq, h, d]`, `k, v: [b, nk, hkv, d]`, `lse: [b, h, nq]`
@@ -36,28 +37,14 @@ pub(crate) fn backward<T: Real>(
     dv: &mut [T],
     fill: T,
 ) {
-    let (d, nq, nk) = (g.d, g.nq, g.nk);
+    let (d, nq) = (g.d, g.nq);
     let nkt = g.k_tiles();
-    let chunks = TARGET_TASKS.div_ceil((g.b * g.h).max(1)).clamp(1, nkt.max(1));
+    let chunks = TARGET_TASKS.div_ceil((g.b * g.hkv).max(1)).clamp(1, nkt.max(1));
     let log2e = std::f64::consts::LOG2_E;
 
-    // Packed operands: Kᵀ and Vᵀ in tiles and K in contiguous rows once per kv head, Q and dO in contiguous
-    // rows once per query head (O(N·d) each; see `pack_rows` for why).
-    let kt_len = nkt * d * BC;
-    let (k_len, q_len) = (nk * d, nq * d);
-    let mut kt = vec![fill; g.b * g.hkv * kt_len];
-    let mut vt = vec![fill; g.b * g.hkv * kt_len];
-    let mut kc = vec![fill; g.b * g.hkv * k_len];
-    if kt_len > 0 {
-        kt.par_chunks_mut(kt_len).zip(vt.par_chunks_mut(kt_len)).zip(kc.par_chunks_mut(k_len)).enumerate().for_each(
-            |(idx, ((kd, vd), kcd))| {
-                let (bi, kh) = (idx / g.hkv, idx % g.hkv);
-                g.pack_transposed(x.k, bi, kh, kd);
-                g.pack_transposed(x.v, bi, kh, vd);
-                pack_rows(x.k, g.k_base(bi, kh), g.k_rs, d, kcd);
-            },
-        );
-    }
+    // Q and dO in contiguous rows once per query head (O(N·d) each; see `pack_rows` for why); the key tiles
+    // are packed by the one task that owns them.
+    let q_len = nq * d;
     let mut qc = vec![fill; g.b * g.h * q_len];
     let mut doc = vec![fill; g.b * g.h * q_len];
     if q_len > 0 {
@@ -90,23 +77,27 @@ pub(crate) fn backward<T: Real>(
         });
     }
 
-    // Partial results: dQ per (b, h, chunk), dK and dV per (b, query head).
-    let mut dq_part = vec![fill; g.b * g.h * chunks * nq * d];
-    let mut dk_part = vec![fill; g.b * g.h * nk * d];
-    let mut dv_part = vec![fill; g.b * g.h * nk * d];
-    let dq_out = SharedOut(dq_part.as_mut_ptr());
-    let dk_out = SharedOut(dk_part.as_mut_ptr());
-    let dv_out = SharedOut(dv_part.as_mut_ptr());
-    let packs = Packed { kt: &kt, vt: &vt, kc: &kc, qc: &qc, doc: &doc };
-    let (lse2, delta) = (&lse2[..], &delta[..]);
-    // Chunk 0 holds the first key tiles, which the most query tiles see under a causal mask: run it early.
-    (0..g.b * g.h * chunks).into_par_iter().for_each(|idx| {
-        // SAFETY: task (bi, hi, ch) alone writes dq_part[bi, hi, ch] and the rows of the key tiles
-        // t ≡ ch (mod chunks) of dk_part[bi, hi] and dv_part[bi, hi].
-        unsafe { key_chunk(g, &packs, lse2, delta, idx, chunks, &dq_out, &dk_out, &dv_out) };
+    // dK/dV go straight into the outputs. dQ too when each kv head is one task (chunks = 1); otherwise each
+    // (query head, chunk) has a partial, summed below in chunk order.
+    let mut dq_part = vec![fill; if chunks > 1 { g.b * g.h * chunks * nq * d } else { 0 }];
+    let dq_dst = if chunks > 1 {
+        DqDst { out: SharedOut(dq_part.as_mut_ptr()), direct: false }
+    } else {
+        DqDst { out: SharedOut(dq.as_mut_ptr()), direct: true }
+    };
+    let dk_out = SharedOut(dk.as_mut_ptr());
+    let dv_out = SharedOut(dv.as_mut_ptr());
+    let packs = Packed { qc: &qc, doc: &doc, lse2: &lse2, delta: &delta };
+    (0..g.b * g.hkv * chunks).into_par_iter().for_each(|idx| {
+        // SAFETY: task (bi, kh, ch) alone writes the dQ rows (or partials of chunk ch) of the query heads of
+        // kv head kh of batch bi, and the rows of the key tiles t ≡ ch (mod chunks) of that kv head in dk, dv.
+        unsafe { key_chunk(g, x, &packs, idx, chunks, &dq_dst, &dk_out, &dv_out) };
     });
+    if chunks == 1 {
+        return;
+    }
 
-    // Fixed-order sums: dQ over chunks (times the scale), dK/dV over each kv head's group.
+    // Fixed-order sum of the dQ chunks, times the scale.
     let scale = T::from_f64(g.scale);
     let dq_w = SharedOut(dq.as_mut_ptr());
     (0..g.b * g.h).into_par_iter().for_each(|bh| {
@@ -114,87 +105,83 @@ pub(crate) fn backward<T: Real>(
         for i in 0..nq {
             // SAFETY: task bh alone writes the rows of head hi of batch bi.
             let out = unsafe { dq_w.slice(g.q_base(bi, hi) + i * g.q_rs, d) };
-            for (dd, o) in out.iter_mut().enumerate() {
-                let mut s = T::ZERO;
-                for ch in 0..chunks {
-                    s = s + dq_part[((bh * chunks + ch) * nq + i) * d + dd];
+            out.copy_from_slice(&dq_part[(bh * chunks * nq + i) * d..][..d]);
+            for ch in 1..chunks {
+                let part = &dq_part[((bh * chunks + ch) * nq + i) * d..][..d];
+                for (o, &p) in out.iter_mut().zip(part) {
+                    *o = *o + p;
                 }
-                *o = s * scale;
             }
-        }
-    });
-    let dk_w = SharedOut(dk.as_mut_ptr());
-    let dv_w = SharedOut(dv.as_mut_ptr());
-    (0..g.b * g.hkv).into_par_iter().for_each(|bkh| {
-        let (bi, kh) = (bkh / g.hkv, bkh % g.hkv);
-        for j in 0..nk {
-            let at = g.k_base(bi, kh) + j * g.k_rs;
-            // SAFETY: task bkh alone writes the rows of kv head kh of batch bi.
-            let (ok, ov) = unsafe { (dk_w.slice(at, d), dv_w.slice(at, d)) };
-            for dd in 0..d {
-                let (mut sk, mut sv) = (T::ZERO, T::ZERO);
-                for gi in 0..g.group {
-                    let p = ((bi * g.h + kh * g.group + gi) * nk + j) * d + dd;
-                    sk = sk + dk_part[p];
-                    sv = sv + dv_part[p];
-                }
-                ok[dd] = sk;
-                ov[dd] = sv;
-            }
+            T::scale_row(out, scale);
         }
     });
 }
 
-/// The packed operands of the backward pass: `kt, vt: [b, hkv, k_tiles, d, BC]`, `kc: [b, hkv, nk, d]`,
-/// `qc, doc: [b, h, nq, d]`.
+/// Where a task accumulates dQ: straight into the `[b, nq, h, d]` output (`direct`, one task per kv head,
+/// scaled by the task at the end), or into the `[b, h, chunks, nq, d]` partials.
+struct DqDst<T> {
+    out: SharedOut<T>,
+    direct: bool,
+}
+
+impl<T> DqDst<T> {
+    /// Offset and row stride of head `bh = bi·h + hi`'s dQ rows for chunk `ch`.
+    fn rows(&self, g: &Geometry, bh: usize, ch: usize, chunks: usize) -> (usize, usize) {
+        if self.direct {
+            (g.q_base(bh / g.h, bh % g.h), g.q_rs)
+        } else {
+            ((bh * chunks + ch) * g.nq * g.d, g.d)
+        }
+    }
+}
+
+/// The per-query-head operands of the backward pass: `qc, doc: [b, h, nq, d]`, and per query row `lse2` (LSE in log2 units, +inf for rows that see no key)
+/// and `delta` (`rowsum(dO ∘ O) - d_lse`), `[b, h, nq]`.
 struct Packed<'a, T> {
-    kt: &'a [T],
-    vt: &'a [T],
-    kc: &'a [T],
     qc: &'a [T],
     doc: &'a [T],
+    lse2: &'a [T],
+    delta: &'a [T],
 }
 
-/// One backward task: the key tiles `t ≡ ch (mod chunks)` of query head `hi` of batch `bi`, each against
-/// every query tile that sees it.
+/// One backward task: the key tiles `t ≡ ch (mod chunks)` of kv head `kh` of batch `bi`, each packed here
+/// (only this task reads it) and run against every query tile of every query head of its group that sees
+/// it (group heads in order, then query tiles).
 ///
 /// # Safety
-/// No other task writes this task's parts of `dq_out`, `dk_out`, `dv_out` (see [`backward`]).
+/// No other task writes this task's parts of `dq`, `dk_out`, `dv_out` (see [`backward`]).
 #[allow(clippy::too_many_arguments)]
 unsafe fn key_chunk<T: Real>(
     g: &Geometry,
+    x: &BackwardInputs<T>,
     pk: &Packed<T>,
-    lse2: &[T],
-    delta: &[T],
     idx: usize,
     chunks: usize,
-    dq_out: &SharedOut<T>,
+    dq: &DqDst<T>,
     dk_out: &SharedOut<T>,
     dv_out: &SharedOut<T>,
 ) {
     let (d, nq, nk) = (g.d, g.nq, g.nk);
     let ch = idx % chunks;
-    let bh = idx / chunks;
-    let (bi, hi) = (bh / g.h, bh % g.h);
-    let kh = hi / g.group;
-    let kt_len = g.k_tiles() * d * BC;
-    let kt = &pk.kt[(bi * g.hkv + kh) * kt_len..][..kt_len];
-    let vt = &pk.vt[(bi * g.hkv + kh) * kt_len..][..kt_len];
-    let kc = &pk.kc[(bi * g.hkv + kh) * nk * d..][..nk * d];
-    let qc = &pk.qc[bh * nq * d..][..nq * d];
-    let doc = &pk.doc[bh * nq * d..][..nq * d];
+    let bkh = idx / chunks;
+    let (bi, kh) = (bkh / g.hkv, bkh % g.hkv);
     let c = T::from_f64(g.scale * std::f64::consts::LOG2_E);
     let scale = T::from_f64(g.scale);
-    let lse2 = &lse2[bh * nq..][..nq];
-    let delta = &delta[bh * nq..][..nq];
+    let heads: Vec<usize> = (0..g.group).map(|gi| bi * g.h + kh * g.group + gi).collect();
+    for &bh in &heads {
+        let (base, rs) = dq.rows(g, bh, ch, chunks);
+        for i in 0..nq {
+            dq.out.slice(base + i * rs, d).fill(T::ZERO);
+        }
+    }
 
-    let dq = dq_out.slice((bh * chunks + ch) * nq * d, nq * d);
-    dq.fill(T::ZERO);
-    let mut p = vec![T::ZERO; BR * BC];
-    let mut ds = vec![T::ZERO; BR * BC];
+    let mut p = [T::ZERO; BR * BC];
+    let mut ds = [T::ZERO; BR * BC];
+    let mut kt = vec![T::ZERO; d * BC];
+    let mut vt = vec![T::ZERO; d * BC];
+    let mut kc = vec![T::ZERO; BC * d];
     let mut dk_acc = vec![T::ZERO; BC * d];
     let mut dv_acc = vec![T::ZERO; BC * d];
-
     for t in (ch..g.k_tiles()).step_by(chunks) {
         let j0 = t * BC;
         let cols = (nk - j0).min(BC);
@@ -202,42 +189,62 @@ unsafe fn key_chunk<T: Real>(
         dv_acc.fill(T::ZERO);
         let first_row = g.first_row_seeing(j0);
         let first_tile = if first_row >= nq { g.q_tiles() } else { first_row / BR };
-        for qt in first_tile..g.q_tiles() {
-            let i0 = qt * BR;
-            let rows = (nq - i0).min(BR);
-            let qp = qc.as_ptr().add(i0 * d);
-            let dop = doc.as_ptr().add(i0 * d);
-            let p = &mut p[..rows * BC];
-            let ds = &mut ds[..rows * BC];
+        if first_tile < g.q_tiles() {
+            g.pack_tile_transposed(x.k, bi, kh, t, &mut kt);
+            g.pack_tile_transposed(x.v, bi, kh, t, &mut vt);
+            pack_rows(x.k, g.k_base(bi, kh) + j0 * g.k_rs, g.k_rs, d, &mut kc[..cols * d]);
+        }
+        let (ktp, vtp, kp) = (kt.as_ptr(), vt.as_ptr(), kc.as_ptr());
+        for &bh in &heads {
+            let qc = &pk.qc[bh * nq * d..][..nq * d];
+            let doc = &pk.doc[bh * nq * d..][..nq * d];
+            let lse2 = &pk.lse2[bh * nq..][..nq];
+            let delta = &pk.delta[bh * nq..][..nq];
+            let (dq_base, dq_rs) = dq.rows(g, bh, ch, chunks);
+            for qt in first_tile..g.q_tiles() {
+                let i0 = qt * BR;
+                let rows = (nq - i0).min(BR);
+                let qp = qc.as_ptr().add(i0 * d);
+                let dop = doc.as_ptr().add(i0 * d);
+                let p = &mut p[..rows * BC];
+                let ds = &mut ds[..rows * BC];
 
-            // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
-            T::gemm(false, rows, BC, d, qp, d, 1, kt.as_ptr().add(t * d * BC), BC, p.as_mut_ptr(), BC);
-            if g.tile_needs_mask(i0, j0) {
-                g.mask_tile(p, rows, i0, j0);
-            }
-            for r in 0..rows {
-                T::exp2_row(&mut p[r * BC..(r + 1) * BC], c, lse2[i0 + r]);
-            }
-            // dV += Pᵀ dO.
-            T::gemm(true, cols, d, rows, p.as_ptr(), 1, BC, dop, d, dv_acc.as_mut_ptr(), d);
-            // dP = dO Vᵀ, then dS = P ∘ (dP - D + d_lse).
-            T::gemm(false, rows, BC, d, dop, d, 1, vt.as_ptr().add(t * d * BC), BC, ds.as_mut_ptr(), BC);
-            for r in 0..rows {
-                let dr = delta[i0 + r];
-                for (s, &pv) in ds[r * BC..(r + 1) * BC].iter_mut().zip(&p[r * BC..(r + 1) * BC]) {
-                    *s = pv * (*s - dr);
+                // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
+                T::gemm(false, rows, BC, d, qp, d, 1, ktp, BC, p.as_mut_ptr(), BC);
+                if g.tile_needs_mask(i0, j0) {
+                    g.mask_tile(p, rows, i0, j0);
                 }
+                for r in 0..rows {
+                    T::exp2_row(&mut p[r * BC..(r + 1) * BC], c, lse2[i0 + r]);
+                }
+                // dV += Pᵀ dO.
+                T::gemm(true, cols, d, rows, p.as_ptr(), 1, BC, dop, d, dv_acc.as_mut_ptr(), d);
+                // dP = dO Vᵀ, then dS = P ∘ (dP - D + d_lse).
+                T::gemm(false, rows, BC, d, dop, d, 1, vtp, BC, ds.as_mut_ptr(), BC);
+                for r in 0..rows {
+                    T::ds_row(&mut ds[r * BC..(r + 1) * BC], &p[r * BC..(r + 1) * BC], delta[i0 + r]);
+                }
+                // dQ += dS K (scaled at the end); dK += dSᵀ Q.
+                let dqp = dq.out.slice(dq_base + i0 * dq_rs, 0).as_mut_ptr();
+                T::gemm(true, rows, d, cols, ds.as_ptr(), BC, 1, kp, d, dqp, dq_rs);
+                T::gemm(true, cols, d, rows, ds.as_ptr(), 1, BC, qp, d, dk_acc.as_mut_ptr(), d);
             }
-            // dQ += dS K (scaled in the final sum); dK += dSᵀ Q.
-            let kp = kc.as_ptr().add(j0 * d);
-            T::gemm(true, rows, d, cols, ds.as_ptr(), BC, 1, kp, d, dq.as_mut_ptr().add(i0 * d), d);
-            T::gemm(true, cols, d, rows, ds.as_ptr(), 1, BC, qp, d, dk_acc.as_mut_ptr(), d);
         }
-        let dk_rows = dk_out.slice((bh * nk + j0) * d, cols * d);
-        let dv_rows = dv_out.slice((bh * nk + j0) * d, cols * d);
-        for (o, &a) in dk_rows.iter_mut().zip(&dk_acc[..cols * d]) {
-            *o = a * scale;
+        for cc in 0..cols {
+            let at = g.k_base(bi, kh) + (j0 + cc) * g.k_rs;
+            let (ok, ov) = (dk_out.slice(at, d), dv_out.slice(at, d));
+            for (o, &a) in ok.iter_mut().zip(&dk_acc[cc * d..(cc + 1) * d]) {
+                *o = a * scale;
+            }
+            ov.copy_from_slice(&dv_acc[cc * d..(cc + 1) * d]);
         }
-        dv_rows.copy_from_slice(&dv_acc[..cols * d]);
+    }
+    if dq.direct {
+        for &bh in &heads {
+            let (base, rs) = dq.rows(g, bh, ch, chunks);
+            for i in 0..nq {
+                T::scale_row(dq.out.slice(base + i * rs, d), scale);
+            }
+        }
     }
 }

@@ -61,7 +61,7 @@ unsafe fn query_tile<T: Real>(
     let qp = q.as_ptr().add(g.q_base(bi, hi) + i0 * g.q_rs);
     let c = T::from_f64(g.scale * std::f64::consts::LOG2_E);
 
-    let mut s = vec![T::ZERO; BR * BC];
+    let mut s = [T::ZERO; BR * BC];
     let mut acc = vec![T::ZERO; BR * d];
     let mut m = [T::NEG_INF; BR];
     let mut l = [T::ZERO; BR];
@@ -88,9 +88,7 @@ unsafe fn query_tile<T: Real>(
             let sum = T::exp2_row(row, c, m_new);
             if m[r] != m_new {
                 let alpha = (m[r] - m_new).exp2();
-                for x in &mut acc[r * d..(r + 1) * d] {
-                    *x = *x * alpha;
-                }
+                T::scale_row(&mut acc[r * d..(r + 1) * d], alpha);
                 l[r] = l[r] * alpha + sum;
                 m[r] = m_new;
             } else {

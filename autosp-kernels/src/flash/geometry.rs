@@ -1,6 +1,6 @@
 //! Where things are: the tile sizes, the offsets of a head's rows in the `[batch, seq, heads, head_dim]`
-//! layout, which keys a query row sees, the packing of a kv head's keys or values into transposed tiles, and
-//! the raw pointer that lets parallel tasks write their own disjoint parts of one output buffer.
+//! layout, which keys a query row sees, the packing of a head's rows into transposed tiles or contiguous rows,
+//! and the raw pointer that lets parallel tasks write their own disjoint parts of one output buffer.
 
 use autosp_core::ops::attention::{AttentionDims, AttentionSpec};
 
@@ -103,20 +103,25 @@ impl Geometry {
     /// Packs the keys (or values) of kv head `kh` of batch `bi` as transposed tiles `[k_tiles][d][BC]`, zero
     /// past the last key, into `dst`.
     pub fn pack_transposed<T: Real>(&self, src: &[T], bi: usize, kh: usize, dst: &mut [T]) {
-        let base = self.k_base(bi, kh);
         for (t, tile) in dst.chunks_exact_mut(self.d * BC).enumerate() {
-            let j0 = t * BC;
-            let cols = (self.nk - j0).min(BC);
-            for c in 0..BC {
-                if c < cols {
-                    let row = &src[base + (j0 + c) * self.k_rs..][..self.d];
-                    for (kk, &x) in row.iter().enumerate() {
-                        tile[kk * BC + c] = x;
-                    }
-                } else {
-                    for kk in 0..self.d {
-                        tile[kk * BC + c] = T::ZERO;
-                    }
+            self.pack_tile_transposed(src, bi, kh, t, tile);
+        }
+    }
+
+    /// Packs key tile `t` of kv head `kh` of batch `bi` transposed, `[d][BC]`, zero past the last key.
+    pub fn pack_tile_transposed<T: Real>(&self, src: &[T], bi: usize, kh: usize, t: usize, tile: &mut [T]) {
+        let base = self.k_base(bi, kh);
+        let j0 = t * BC;
+        let cols = (self.nk - j0).min(BC);
+        for c in 0..BC {
+            if c < cols {
+                let row = &src[base + (j0 + c) * self.k_rs..][..self.d];
+                for (kk, &x) in row.iter().enumerate() {
+                    tile[kk * BC + c] = x;
+                }
+            } else {
+                for kk in 0..self.d {
+                    tile[kk * BC + c] = T::ZERO;
                 }
             }
         }

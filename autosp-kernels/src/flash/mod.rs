@@ -8,22 +8,35 @@
 //! that sees no key gets `lse = -inf` and `o = 0`.
 //!
 //! How it works:
-//! - Tiles of 64 query rows × 64 keys; the online softmax of ALGORITHMS.md in the log2 domain; no buffer
-//!   larger than a tile per task plus the transposed copy of each kv head's K (and V for backward): never
-//!   N × N. Under a causal mask the key tiles after a query tile are never visited; only tiles that cross the
-//!   diagonal or pass the last key are masked.
-//! - q, k, v are read in place in their `[b, n, h, d]` layout (rows of a head are strided by `heads · d`);
-//!   non-contiguous tensors are made contiguous first. Accumulation is in f32 (f64 for f64 inputs); bf16/f16
-//!   inputs are converted to f32 once and the outputs converted back (lse stays f32).
-//! - Threads: rayon over (batch, head, query tile) forward and (batch, head, chunk of key tiles) backward.
-//!   Backward is FlashAttention-2's from the saved `o` and `lse`; each task owns its outputs and the partial
-//!   sums (dQ over key chunks, dK/dV over a GQA group) are added in a fixed order, so two runs give the same
-//!   bits whatever the scheduling.
-//! - The tile products run through one register-blocked micro-kernel (`microkernel.rs`): AVX-512 with
-//!   a 6 × 64 block in registers when the CPU has it (detected at run time), a portable loop otherwise and for
-//!   f64. Every head_dim that is a multiple of 16 (64 and 128 in particular) runs in whole vectors; others
-//!   use masked tail vectors. The exponential is a vectorised `exp2` (degree-7 polynomial + `vscalefps`, about
+//! - Tiles of 64 query rows × 64 keys; the online softmax of ALGORITHMS.md in the log2 domain; never an
+//!   N × N buffer. Under a causal mask the key tiles after a query tile are never visited; only tiles that
+//!   cross the diagonal or pass the last key are masked.
+//! - Memory: O(N·d) per head besides the outputs. The inputs are read in their `[b, n, h, d]` layout where
+//!   they are the broadcast (A) operand of a tile product; where they are the streamed (B) operand they are
+//!   packed: Kᵀ in 64-key tiles and V rows contiguous once per kv head for the forward (shared by its GQA
+//!   group); for the backward each key tile is packed by the one task that owns it, and Q, dO rows once per
+//!   query head. Packing is ~2% of the time and avoids the `heads · d` row stride, which maps a tile's rows
+//!   onto 8 of the 64 L1 sets. dQ goes straight into the output when each kv head is one backward task;
+//!   when batch × kv_heads < 16 the key tiles are split into chunks and each (query head, chunk) keeps a dQ
+//!   partial. Non-contiguous tensors are made contiguous first.
+//! - Accumulation in f32 (f64 for f64 inputs); bf16/f16 inputs are converted to f32 once and the outputs
+//!   converted back (lse stays f32).
+//! - Threads: rayon over (batch, head, query tile) forward and (batch, kv head, chunk of key tiles) backward.
+//!   Backward is FlashAttention-2's from the saved `o` and `lse`; each task owns its outputs (dK/dV rows of its
+//!   key tiles, summed over the GQA group in order; its own dQ partials) and the dQ partials are summed in a
+//!   fixed order, so two runs give the same bits whatever the scheduling or thread count.
+//! - The tile products run through one register-blocked micro-kernel (`microkernel.rs`): AVX-512 with a
+//!   6 × 64 block of C in 24 registers when the CPU has it (detected at run time), a portable loop otherwise
+//!   and for f64. Measured against calling the `gemm` crate (0.19, candle's) per tile, one thread,
+//!   L1-resident 64 × 64 × 64 f32 tiles, best of 20 × 500 calls: this kernel ~240 GFLOP/s (near the Zen 5
+//!   core's FMA peak), `gemm::gemm` ~115 GFLOP/s (its packing and dispatch dominate at this size).
+//!   Every head_dim that is a multiple of 16 (64 and 128 in particular) runs in whole vectors; others use
+//!   masked tail vectors. The exponential is a vectorised `exp2` (degree-6 polynomial + `vscalefps`, about
 //!   1 ulp).
+//! - Speed (2-core Zen 5, batch 1, 8 heads, head_dim 64, causal, f32, both cores free): forward+backward
+//!   0.71 s at N = 8192 (PyTorch SDPA, the reference: 0.88 s) and 0.21 s at N = 4096 (0.24 s);
+//!   forward 0.21 s (0.25 s) and 0.063 s (0.069 s). 150 – 180 GFLOP per CPU-second with the FLOP
+//!   convention.
 //!
 //! Measured numbers and the command that produced them: docs/BENCHMARKS.md, "Flash attention (CPU)".
 

@@ -58,6 +58,20 @@ pub(crate) trait Real:
     fn max_row(x: &[Self]) -> Self {
         x.iter().fold(Self::NEG_INF, |m, &v| if v > m { v } else { m })
     }
+
+    /// In place `ds = p ∘ (ds - delta)`; equal lengths, a multiple of 16.
+    fn ds_row(ds: &mut [Self], p: &[Self], delta: Self) {
+        for (d, &pv) in ds.iter_mut().zip(p) {
+            *d = pv * (*d - delta);
+        }
+    }
+
+    /// In place `x *= a`.
+    fn scale_row(x: &mut [Self], a: Self) {
+        for v in x.iter_mut() {
+            *v = *v * a;
+        }
+    }
 }
 
 impl Real for f64 {
@@ -123,7 +137,7 @@ impl Real for f32 {
 
     fn exp2_row(x: &mut [Self], mul: Self, sub: Self) -> Self {
         #[cfg(target_arch = "x86_64")]
-        if microkernel::has_avx512() && x.len() % 16 == 0 {
+        if microkernel::has_avx512() && x.len().is_multiple_of(16) {
             // SAFETY: the features were detected and the length checked.
             return unsafe { microkernel::avx512::exp2_row(x, mul, sub) };
         }
@@ -137,10 +151,32 @@ impl Real for f32 {
 
     fn max_row(x: &[Self]) -> Self {
         #[cfg(target_arch = "x86_64")]
-        if microkernel::has_avx512() && x.len() % 16 == 0 {
+        if microkernel::has_avx512() && x.len().is_multiple_of(16) {
             // SAFETY: the features were detected and the length checked.
             return unsafe { microkernel::avx512::max_row(x) };
         }
         x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+    }
+
+    fn ds_row(ds: &mut [Self], p: &[Self], delta: Self) {
+        #[cfg(target_arch = "x86_64")]
+        if microkernel::has_avx512() && ds.len() == p.len() && ds.len().is_multiple_of(16) {
+            // SAFETY: the features were detected and the lengths checked.
+            return unsafe { microkernel::avx512::ds_row(ds, p, delta) };
+        }
+        for (d, &pv) in ds.iter_mut().zip(p) {
+            *d = pv * (*d - delta);
+        }
+    }
+
+    fn scale_row(x: &mut [Self], a: Self) {
+        #[cfg(target_arch = "x86_64")]
+        if microkernel::has_avx512() {
+            // SAFETY: the features were detected.
+            return unsafe { microkernel::avx512::scale_row(x, a) };
+        }
+        for v in x.iter_mut() {
+            *v *= a;
+        }
     }
 }

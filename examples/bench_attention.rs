@@ -1,0 +1,152 @@
+//! Benchmark of the CPU flash attention (forward, and forward + backward) against the naive attention
+//! that materialises the scores, in the same run. Prints one JSON line per sequence length.
+//!
+//! FLOP convention (the issue's, PyTorch's usual one): forward = 4 · batch · heads · N² · head_dim, halved
+//! when causal; forward + backward = 3.5 × forward. GFLOP/s are these counts over the measured time.
+//!
+//! ```text
+//! cargo run --release --example bench_attention -- --n 4096,8192 --causal
+//! ```
+//!
+//! `fwd_cpu_s` / `fwd_bwd_cpu_s` are the process CPU seconds per call (all threads; Linux only): on a shared
+//! machine they show the work done, where the wall times also include waiting for the cores.
+//!
+//! `--threads` sets RAYON_NUM_THREADS before anything starts, so both our kernels and candle's CPU ops
+//! (which size their pools from that variable) use that many threads.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
+use autosp_kernels::{flash_attention_backward, flash_attention_forward};
+use candle_core::{DType, Device, Tensor};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(about = "CPU flash attention vs naive attention: one JSON line per sequence length")]
+struct Args {
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    /// Key/value heads (default: --heads).
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    #[arg(long, default_value_t = 64)]
+    head_dim: usize,
+    /// Sequence lengths (queries = keys), comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1024,4096")]
+    n: Vec<usize>,
+    #[arg(long)]
+    causal: bool,
+    /// f32 or bf16 (bf16 computes in f32).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Threads for rayon (our kernels) and candle's CPU ops; default: all cores.
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Timed repeats after one warm-up run; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Skip the naive attention when its estimated peak memory is above this many GiB.
+    #[arg(long, default_value_t = 6.0)]
+    naive_max_gib: f64,
+}
+
+/// CPU seconds used by this process so far, all threads (Linux: /proc/self/stat, in clock ticks of 10 ms);
+/// None elsewhere. On a shared machine it shows the work done, where wall time also shows the waiting.
+fn process_cpu_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
+}
+
+/// Median wall time of `repeats` runs of `f` after one warm-up run, and the mean process CPU time per run.
+fn median_time(repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, Option<f64>)> {
+    f()?;
+    let mut times = Vec::with_capacity(repeats);
+    let cpu0 = process_cpu_s();
+    for _ in 0..repeats.max(1) {
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let cpu = process_cpu_s().zip(cpu0).map(|(b, a)| ((b - a) / times.len() as f64 * 1e3).round() / 1e3);
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok((times[times.len() / 2], cpu))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if let Some(t) = args.threads {
+        // Read by rayon's global pool and candle's thread count when they first start, which is below.
+        std::env::set_var("RAYON_NUM_THREADS", t.to_string());
+    }
+    let dtype = match args.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        other => bail!("--dtype {other}: use f32 or bf16"),
+    };
+    let (b, h, d) = (args.batch, args.heads, args.head_dim);
+    let hkv = args.kv_heads.unwrap_or(h);
+    let spec = AttentionSpec { causal: args.causal, scale: None, q_offset: 0, k_offset: 0 };
+    let threads = candle_core::utils::get_num_threads();
+    let dev = Device::Cpu;
+    for &n in &args.n {
+        let q = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
+        let k = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?.to_dtype(dtype)?;
+        let v = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?.to_dtype(dtype)?;
+        let d_o = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
+
+        let (fwd_s, fwd_cpu_s) = median_time(args.repeats, || {
+            flash_attention_forward(&q, &k, &v, &spec)?;
+            Ok(())
+        })?;
+        let (fwd_bwd_s, fwd_bwd_cpu_s) = median_time(args.repeats, || {
+            let (o, lse) = flash_attention_forward(&q, &k, &v, &spec)?;
+            flash_attention_backward(&q, &k, &v, &o, &lse, &d_o, None, &spec)?;
+            Ok(())
+        })?;
+
+        let fwd_flop = 4.0 * (b * h) as f64 * (n as f64).powi(2) * d as f64 * if args.causal { 0.5 } else { 1.0 };
+        let fwd_bwd_flop = 3.5 * fwd_flop;
+        // The naive backward holds about 8 score-sized tensors in f32 plus an f64 mask.
+        let naive_bytes = 8.0 * 4.0 * (b * h) as f64 * (n as f64).powi(2) + 8.0 * (n as f64).powi(2);
+        let naive_gib = naive_bytes / (1u64 << 30) as f64;
+        let naive_repeats = args.repeats.min(3);
+        let (naive_fwd_s, naive_fwd_bwd_s, naive_note) = if naive_gib <= args.naive_max_gib {
+            let (f, _) = median_time(naive_repeats, || {
+                naive_attention_forward(&q, &k, &v, &spec)?;
+                Ok(())
+            })?;
+            let (fb, _) = median_time(naive_repeats, || {
+                let (o, lse) = naive_attention_forward(&q, &k, &v, &spec)?;
+                naive_attention_backward(&q, &k, &v, &o, &lse, Some(&d_o), None, &spec)?;
+                Ok(())
+            })?;
+            (Some(f), Some(fb), format!("median of {naive_repeats} after a warm-up"))
+        } else {
+            (None, None, format!("skipped: needs about {naive_gib:.1} GiB > --naive-max-gib {}", args.naive_max_gib))
+        };
+        let line = serde_json::json!({
+            "kernel": "flash_attention_cpu",
+            "batch": b, "heads": h, "kv_heads": hkv, "head_dim": d, "n": n,
+            "causal": args.causal, "dtype": args.dtype, "threads": threads, "repeats": args.repeats,
+            "fwd_s": fwd_s,
+            "fwd_bwd_s": fwd_bwd_s,
+            "fwd_cpu_s": fwd_cpu_s,
+            "fwd_bwd_cpu_s": fwd_bwd_cpu_s,
+            "fwd_gflops": fwd_flop / fwd_s / 1e9,
+            "fwd_bwd_gflops": fwd_bwd_flop / fwd_bwd_s / 1e9,
+            "flop_convention": "fwd = 4*b*h*N^2*d (x0.5 causal); fwd_bwd = 3.5*fwd",
+            "naive_fwd_s": naive_fwd_s,
+            "naive_fwd_bwd_s": naive_fwd_bwd_s,
+            "naive_note": naive_note,
+            "speedup_fwd": naive_fwd_s.map(|t| t / fwd_s),
+            "speedup_fwd_bwd": naive_fwd_bwd_s.map(|t| t / fwd_bwd_s),
+        });
+        println!("{line}");
+    }
+    Ok(())
+}
