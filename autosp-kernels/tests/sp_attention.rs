@@ -160,7 +160,7 @@ fn rank_run(world: Arc<dyn ProcessGroup>, c: &Case, x: &Full) -> autosp_core::Re
 
 /// Ulysses's forward (= backward) bytes per rank: see `ulysses.rs`.
 fn ulysses_bytes(p: usize, b: usize, n: usize, h: usize, hkv: usize, d: usize) -> u64 {
-    let kvp = if hkv % p == 0 { hkv / p } else { 1 };
+    let kvp = if hkv.is_multiple_of(p) { hkv / p } else { 1 };
     ((p - 1) * b * n * ((2 * h / p + 2 * kvp) * d * 4 + (h / p) * 4)) as u64
 }
 

@@ -20,7 +20,7 @@ pub struct Resolved {
 
 /// Whether Ulysses can split `heads` query heads and `kv` kv heads over `p` ranks.
 pub fn ulysses_fits(heads: usize, kv: usize, p: usize) -> bool {
-    heads % p == 0 && (kv % p == 0 || p % kv == 0)
+    heads.is_multiple_of(p) && (kv.is_multiple_of(p) || p.is_multiple_of(kv))
 }
 
 /// Elements each rank sends per layer per forward pass, for `n` tokens in all (ALGORITHMS.md).
@@ -31,14 +31,14 @@ pub fn comm_elems_per_layer(strategy: Strategy, d: &LmDims, n: usize, p: usize) 
     match strategy {
         Strategy::Ulysses => {
             // q, k, v there and o back; replicated kv heads send one head per rank.
-            let kv_sent = if d.kv_heads % p == 0 { dkv } else { pf * d.head_dim as f64 };
+            let kv_sent = if d.kv_heads.is_multiple_of(p) { dkv } else { pf * d.head_dim as f64 };
             (2.0 * dq + 2.0 * kv_sent) * (n / pf) * (pf - 1.0) / pf
         }
         Strategy::Ring => 2.0 * n * dkv * (pf - 1.0) / pf,
         Strategy::Hybrid { ulysses: u } => {
             let r = p / u;
             let uf = u as f64;
-            let kv_sent = if d.kv_heads % u == 0 { dkv } else { uf * d.head_dim as f64 };
+            let kv_sent = if d.kv_heads.is_multiple_of(u) { dkv } else { uf * d.head_dim as f64 };
             let inner = (2.0 * dq + 2.0 * kv_sent) * (n / pf) * (uf - 1.0) / uf;
             let outer = 2.0 * (n / uf) * (kv_sent / uf) * (r as f64 - 1.0) / r as f64;
             inner + outer
@@ -59,7 +59,7 @@ fn layout_for(strategy: Strategy, p: usize, causal: bool) -> SeqLayout {
 
 /// The largest Ulysses degree u > 1 with u | p, u < p, that Ulysses can split the heads over.
 fn best_hybrid(d: &LmDims, p: usize) -> Option<usize> {
-    (2..p).rev().find(|&u| p % u == 0 && ulysses_fits(d.heads, d.kv_heads, u))
+    (2..p).rev().find(|&u| p.is_multiple_of(u) && ulysses_fits(d.heads, d.kv_heads, u))
 }
 
 /// Checks `strategy` against the model and P, resolving `Auto`; errors say what would work.
@@ -81,7 +81,7 @@ pub fn resolve(strategy: Strategy, d: &LmDims, p: usize, causal: bool) -> Result
         }
         Strategy::Ring => Ok(make(strategy, "asked for".into())),
         Strategy::Hybrid { ulysses: u } => {
-            if u < 1 || p % u != 0 || !ulysses_fits(d.heads, d.kv_heads, u) {
+            if u < 1 || !p.is_multiple_of(u) || !ulysses_fits(d.heads, d.kv_heads, u) {
                 return Err(CompileError::Infeasible {
                     what: format!(
                         "Hybrid with Ulysses degree {u} does not fit P = {p}, {} heads, {} kv heads: u must divide P, \

@@ -188,7 +188,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         let size = self.size();
         let prepared = if dim >= x.rank() {
             Err(ctx.invalid(format!("dim {dim} is out of range for a tensor of shape {:?}", x.dims())))
-        } else if x.dims()[dim] % size != 0 {
+        } else if !x.dims()[dim].is_multiple_of(size) {
             Err(ctx.invalid(format!(
                 "dim {dim} of shape {:?} has size {} which does not divide by the group size {size}; pad it",
                 x.dims(),

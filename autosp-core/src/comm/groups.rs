@@ -18,7 +18,7 @@ pub fn strided_groups(size: usize, u: usize) -> Result<Vec<Vec<usize>>> {
 }
 
 fn check_grid(size: usize, u: usize) -> Result<()> {
-    if u == 0 || size == 0 || size % u != 0 {
+    if u == 0 || size == 0 || !size.is_multiple_of(u) {
         return Err(CommError::Config {
             detail: format!("a grid of {size} ranks needs an inner group size u that divides it, got u = {u}"),
         });

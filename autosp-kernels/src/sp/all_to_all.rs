@@ -40,7 +40,7 @@ pub struct AllToAllPlan {
 
 /// `p` equal, disjoint, ordered ranges covering `0..len`; [`SpError::UnevenShards`] unless `p` divides `len`.
 pub fn even_ranges(what: &'static str, len: usize, p: usize) -> Result<Vec<Range<usize>>, SpError> {
-    if p == 0 || len % p != 0 {
+    if p == 0 || !len.is_multiple_of(p) {
         return Err(SpError::UnevenShards { what, len, parts: p.max(1) });
     }
     let s = len / p;

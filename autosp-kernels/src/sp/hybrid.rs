@@ -47,7 +47,7 @@ impl HybridAttention {
     /// `world`). Errors unless `u` divides P.
     pub fn new(world: &dyn ProcessGroup, u: usize, layout: RingLayout) -> autosp_core::Result<Self> {
         let p = world.size();
-        if u == 0 || p % u != 0 {
+        if u == 0 || !p.is_multiple_of(u) {
             return Err(SpError::Config {
                 what: "HybridAttention",
                 msg: format!("the Ulysses group size u = {u} must divide the {p} ranks"),

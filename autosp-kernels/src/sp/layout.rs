@@ -46,7 +46,7 @@ impl SeqLayout {
             return Err(SpError::Config { what: "SeqLayout", msg: format!("rank {rank} is not in 0..{p}") });
         }
         let m = self.multiple(p);
-        if n % m != 0 {
+        if !n.is_multiple_of(m) {
             return Err(SpError::UnevenShards { what: "SeqLayout::segments", len: n, parts: m });
         }
         Ok(match *self {
@@ -60,7 +60,7 @@ impl SeqLayout {
                 vec![rank * c..(rank + 1) * c, late * c..(late + 1) * c]
             }
             SeqLayout::HybridZigzag { u } => {
-                if u == 0 || p % u != 0 {
+                if u == 0 || !p.is_multiple_of(u) {
                     return Err(SpError::Config {
                         what: "SeqLayout::HybridZigzag",
                         msg: format!("the Ulysses group size u = {u} must divide the {p} ranks"),

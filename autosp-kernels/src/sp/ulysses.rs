@@ -57,13 +57,13 @@ impl UlyssesAttention {
     /// The query-head and kv-head ranges each of `p` ranks receives, or [`SpError::UlyssesHeads`].
     pub fn head_ranges(p: usize, heads: usize, kv_heads: usize) -> Result<HeadRanges, SpError> {
         let err = SpError::UlyssesHeads { p, heads, kv_heads };
-        if p == 0 || heads % p != 0 || kv_heads == 0 {
+        if p == 0 || !heads.is_multiple_of(p) || kv_heads == 0 {
             return Err(err);
         }
         let q = even_ranges("ulysses query heads", heads, p)?;
-        let kv = if kv_heads % p == 0 {
+        let kv = if kv_heads.is_multiple_of(p) {
             even_ranges("ulysses kv heads", kv_heads, p)?
-        } else if p % kv_heads == 0 {
+        } else if p.is_multiple_of(kv_heads) {
             (0..p).map(|j| j * kv_heads / p..j * kv_heads / p + 1).collect()
         } else {
             return Err(err);
