@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""PyTorch's CPU scaled_dot_product_attention, timed like examples/bench_attention.rs, for side-by-side runs.
+
+Optional (needs torch); never part of the tests. Prints one JSON line per N:
+  python3 scripts/pytorch_sdpa_bench.py --n 4096,8192 --heads 8 --head-dim 64 --causal
+FLOP convention (as bench_attention): forward 4*b*h*N^2*d, halved when causal; forward+backward 3.5x that.
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--n", default="4096,8192")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    for n in [int(x) for x in a.n.split(",")]:
+        shape = (a.batch, a.heads, n, a.head_dim)
+        q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+
+        def fwd():
+            with torch.no_grad():
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=a.causal)
+
+        def fwd_bwd():
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=a.causal)
+            o.backward(torch.ones_like(o))
+
+        def median(f):
+            f()
+            ts = []
+            for _ in range(a.repeats):
+                t0 = time.perf_counter()
+                f()
+                ts.append(time.perf_counter() - t0)
+            return statistics.median(ts)
+
+        flops = 4 * a.batch * a.heads * n * n * a.head_dim * (0.5 if a.causal else 1.0)
+        f, fb = median(fwd), median(fwd_bwd)
+        print(json.dumps({
+            "impl": "pytorch_sdpa", "torch": torch.__version__, "threads": a.threads, "batch": a.batch,
+            "heads": a.heads, "head_dim": a.head_dim, "n": n, "causal": a.causal,
+            "fwd_s": f, "fwd_bwd_s": fb, "fwd_gflops": flops / f / 1e9, "fwd_bwd_gflops": 3.5 * flops / fb / 1e9,
+        }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
