@@ -41,7 +41,11 @@ fn run_ok(tmp: &Path, args: &[&str]) -> String {
 /// A failing run's stderr (asserting that it failed).
 fn run_err(tmp: &Path, args: &[&str]) -> String {
     let out = run(tmp, args);
-    assert!(!out.status.success(), "llama_longctx {args:?} should have failed:\n{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        !out.status.success(),
+        "llama_longctx {args:?} should have failed:\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     String::from_utf8_lossy(&out.stderr).to_string()
 }
 
@@ -93,7 +97,10 @@ fn quick_default_run_trains_and_saves_a_loadable_checkpoint() {
     // three steps well below it (a 20% fall is asked for; measured: 5.3 -> 0.17).
     let last = l[l.len() - 3..].iter().map(|x| x.1).sum::<f64>() / 3.0;
     assert!(last < 0.8 * l[0].1, "the loss did not fall: {l:?}");
-    assert!(out.contains("passkey accuracy") && out.contains("tokens/s") && out.contains("tape peak per rank"), "{out}");
+    assert!(
+        out.contains("passkey accuracy") && out.contains("tokens/s") && out.contains("tape peak per rank"),
+        "{out}"
+    );
     let ckpt = save.join("step-12");
     assert!(out.contains(s(&ckpt)), "the report must say where the checkpoint went:\n{out}");
     let model = LlamaModel::load(s(&ckpt), DType::F32).unwrap();
@@ -113,12 +120,14 @@ fn resume_continues_bit_for_bit() {
     let (ma, mb) = (t.join("a.jsonl"), t.join("b.jsonl"));
     // 4 steps in one go (saving at step 2 on the way), then 2 steps + resume + 2 steps.
     run_ok(t, &["--quick", "--steps", "4", "--save-every", "2", "--save", s(&a), "--metrics", s(&ma)]);
-    let out = run_ok(t, &["--quick", "--steps", "4", "--resume", s(&a.join("step-2")), "--save", s(&b), "--metrics", s(&mb)]);
+    let out =
+        run_ok(t, &["--quick", "--steps", "4", "--resume", s(&a.join("step-2")), "--save", s(&b), "--metrics", s(&mb)]);
     assert!(out.contains("resumed from"), "{out}");
     let (la, lb) = (losses(&ma), losses(&mb));
     assert_eq!(la[2..], lb[..], "the resumed steps' losses must be bit-identical");
     for f in ["model.safetensors", "optimizer.safetensors"] {
-        let (x, y) = (std::fs::read(a.join("step-4").join(f)).unwrap(), std::fs::read(b.join("step-4").join(f)).unwrap());
+        let (x, y) =
+            (std::fs::read(a.join("step-4").join(f)).unwrap(), std::fs::read(b.join("step-4").join(f)).unwrap());
         assert!(x == y, "{f} after 4 steps differs from 2 steps + resume + 2 steps");
     }
 }
@@ -141,7 +150,10 @@ fn eval_tokens_and_dump_grads_agree_between_sp1_and_sp2() {
 
     let dump = |sp: &str| -> HashMap<String, Tensor> {
         let g = t.join(format!("g{sp}.safetensors"));
-        run_ok(t, &["--quick", "--steps", "1", "--sp", sp, "--dump-grads", s(&g), "--save", s(&t.join(format!("s{sp}")))]);
+        run_ok(
+            t,
+            &["--quick", "--steps", "1", "--sp", sp, "--dump-grads", s(&g), "--save", s(&t.join(format!("s{sp}")))],
+        );
         tensors(&g)
     };
     let (g1, g2) = (dump("1"), dump("2"));

@@ -182,9 +182,9 @@ pub fn parse_checkpointing(s: &str) -> Result<Checkpointing, String> {
     };
     match num.parse::<usize>() {
         Ok(n) if mult != usize::MAX && n > 0 => Ok(Checkpointing::Budget(n.saturating_mul(mult))),
-        _ => Err(format!(
-            "unknown checkpointing `{s}`: use none, full, sequence-aware, or a byte budget such as 512MiB"
-        )),
+        _ => {
+            Err(format!("unknown checkpointing `{s}`: use none, full, sequence-aware, or a byte budget such as 512MiB"))
+        }
     }
 }
 
@@ -211,4 +211,3 @@ impl DataSource {
         }
     }
 }
-

@@ -116,7 +116,8 @@ fn write_into(
         "files": files,
     });
     let path = tmp.join(STATE_FILE);
-    std::fs::write(&path, serde_json::to_string_pretty(&doc)?).with_context(|| format!("writing {}", path.display()))?;
+    std::fs::write(&path, serde_json::to_string_pretty(&doc)?)
+        .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
 
@@ -161,7 +162,9 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
             )));
         }
         if Some(hash.as_str()) != want_hash {
-            return Err(damaged(format!("{name} does not match the hash recorded when it was saved (its bytes changed)")));
+            return Err(damaged(format!(
+                "{name} does not match the hash recorded when it was saved (its bytes changed)"
+            )));
         }
     }
     Ok(TrainerState {

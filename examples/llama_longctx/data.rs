@@ -74,7 +74,7 @@ impl Passkey {
         if seq_len < 64 {
             bail!("--seq-len {seq_len} is too short for the passkey task: use at least 64");
         }
-        Ok(Self { vocab, seq_len, rng: Rng(seed ^ 0x5EED_0F_9A55_CE11) })
+        Ok(Self { vocab, seq_len, rng: Rng(seed ^ 0x005E_ED0F_9A55_CE11) })
     }
 
     /// The next sample (advances the random state).
@@ -85,7 +85,7 @@ impl Passkey {
             PasskeyVocab::Ids { vocab } => {
                 let vocab = *vocab;
                 // One fixed filler phrase, the same in every sample (as the standard test repeats one text).
-                let mut words = Rng(0xF111_E4);
+                let mut words = Rng(0x00F1_11E4);
                 let phrase: Vec<u32> = (0..24).map(|_| words.below(20..vocab) as u32).collect();
                 let digits: Vec<u32> = key.iter().map(|&d| 10 + d as u32).collect();
                 let needle: Vec<u32> = [vec![3], digits.clone(), vec![5]].concat();
@@ -95,10 +95,11 @@ impl Passkey {
             PasskeyVocab::Text(tok) => {
                 let key_text: String = key.iter().map(|d| char::from(b'0' + *d as u8)).collect();
                 let enc = |s: &str| encode(tok, s).map_err(anyhow::Error::from);
-                let start = enc("There is important information hidden inside a lot of irrelevant text. Find it and memorize it. ")?;
-                let phrase = enc(
-                    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ",
+                let start = enc(
+                    "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. ",
                 )?;
+                let phrase =
+                    enc("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")?;
                 let needle = enc(&format!("The pass key is {key_text}. Remember it. {key_text} is the pass key. "))?;
                 let question = enc("What is the pass key? The pass key is")?;
                 let answer = enc(&format!(" {key_text}"))?;
@@ -265,4 +266,3 @@ impl Stream {
         }
     }
 }
-

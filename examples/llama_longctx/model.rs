@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use autosp::models::{random_weights, resolve_model, save_model, HubOptions, LlamaModel, SaveOptions, TinySpec};
 use autosp::models::{gguf_tokenizer, load_tokenizer, Tokenizer};
+use autosp::models::{random_weights, resolve_model, save_model, HubOptions, LlamaModel, SaveOptions, TinySpec};
 use candle_core::{DType, Device};
 
 /// The autosp cache: `AUTOSP_CACHE`, else `$XDG_CACHE_HOME/autosp`, else `~/.cache/autosp`, else
@@ -33,10 +33,7 @@ pub fn tiny_spec() -> TinySpec {
 /// concurrent first runs are safe).
 pub fn tiny_model(seed: u64) -> Result<PathBuf> {
     let spec = tiny_spec();
-    let dir = cache_dir().join(format!(
-        "tiny-llama-l{}-h{}-v{}-seed{seed}",
-        spec.layers, spec.hidden, spec.vocab
-    ));
+    let dir = cache_dir().join(format!("tiny-llama-l{}-h{}-v{}-seed{seed}", spec.layers, spec.hidden, spec.vocab));
     if dir.join("config.json").is_file() {
         return Ok(dir);
     }

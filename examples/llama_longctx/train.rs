@@ -321,7 +321,8 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
                     .filter_map(|p| grads.get(p).map(|g| (p.name().to_string(), g.to_dtype(DType::F32))))
                     .map(|(n, g)| g.map(|g| (n, g)))
                     .collect::<candle_core::Result<_>>()?;
-                candle_core::safetensors::save(&named, f).with_context(|| format!("writing --dump-grads {}", f.display()))?;
+                candle_core::safetensors::save(&named, f)
+                    .with_context(|| format!("writing --dump-grads {}", f.display()))?;
                 say(&format!("gradients of step {} written to {}", step + 1, f.display()));
             }
         }
@@ -384,7 +385,11 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         println!("== llama_longctx summary ==");
         if let Some(f) = first_loss {
             println!("loss: step {} {f:.4} -> step {step} {last_loss:.4}", first_step + 1);
-            println!("throughput: {:.0} tokens/s over {} steps ({tokens} tokens in {seconds:.1} s)", tokens as f64 / seconds, step - first_step);
+            println!(
+                "throughput: {:.0} tokens/s over {} steps ({tokens} tokens in {seconds:.1} s)",
+                tokens as f64 / seconds,
+                step - first_step
+            );
         }
         let tape: Vec<String> = tape_peaks.iter().map(|b| format!("{:.1}", mib(*b))).collect();
         let proc: Vec<String> = proc_peaks.iter().map(|b| format!("{:.1}", mib(*b))).collect();
@@ -410,7 +415,10 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
                 f.2
             );
         }
-        println!("checkpoint: {} (HF layout: config.json + model.safetensors; optimizer and trainer state beside)", dir.display());
+        println!(
+            "checkpoint: {} (HF layout: config.json + model.safetensors; optimizer and trainer state beside)",
+            dir.display()
+        );
     }
     Ok(Ended::Done)
 }
