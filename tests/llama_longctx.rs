@@ -17,6 +17,19 @@ fn binary() -> PathBuf {
     let dir = exe.parent().unwrap().parent().unwrap();
     let bin = dir.join("examples").join(format!("llama_longctx{}", std::env::consts::EXE_SUFFIX));
     assert!(bin.is_file(), "{} is missing: `cargo test` builds the examples", bin.display());
+    // `cargo test --test llama_longctx` alone does not rebuild examples: refuse to test a stale binary.
+    let built = std::fs::metadata(&bin).unwrap().modified().unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples").join("llama_longctx");
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        let changed = std::fs::metadata(&p).unwrap().modified().unwrap();
+        assert!(
+            changed <= built,
+            "{} is newer than {}: run `cargo build --release --example llama_longctx` (or `cargo test -p autosp`)",
+            p.display(),
+            bin.display()
+        );
+    }
     bin
 }
 
@@ -240,4 +253,34 @@ fn bad_input_is_a_clear_error_and_writes_nothing() {
     assert!(e.contains("model.safetensors has") && e.contains("truncated"), "{e}");
     std::fs::write(&weights, &bytes).unwrap();
     assert!(snapshot(t) == before, "a failed resume must not write anything");
+}
+
+#[test]
+fn jsonl_text_is_tokenised_packed_and_the_tokenizer_saved() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    // A tiny model directory with a word-level tokenizer.json (vocabulary below the model's 128).
+    let model = t.join("model");
+    let spec = autosp_models::TinySpec::default();
+    autosp_models::write_tiny(&model, &spec, 3, DType::F32).unwrap();
+    let words = ["[UNK]", "the", "pass", "key", "is", "long", "context", "text", "."];
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        words.iter().enumerate().map(|(i, w)| (w.to_string(), serde_json::json!(i))).collect();
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    std::fs::write(model.join("tokenizer.json"), tok.to_string()).unwrap();
+    let data = t.join("docs.jsonl");
+    let line = serde_json::json!({"text": "the pass key is long context text . the text is long ."}).to_string();
+    std::fs::write(&data, format!("{line}\n\n{line}\n")).unwrap();
+    let save = t.join("run");
+    let (m, d, sv) = (s(&model), s(&data), s(&save));
+    // 2 documents of 13 words + EOS each = 28 tokens: one sequence of 16.
+    let out = run_ok(t, &["--model", m, "--data", d, "--seq-len", "16", "--steps", "2", "--save", sv]);
+    assert!(out.contains("step    2/2"), "{out}");
+    assert!(save.join("step-2").join("tokenizer.json").is_file(), "the checkpoint keeps the tokenizer");
+    let e = run_err(t, &["--model", m, "--data", d, "--seq-len", "29", "--steps", "2", "--save", s(&t.join("x"))]);
+    assert!(e.contains("longer than the 28 tokens"), "{e}");
 }

@@ -52,7 +52,7 @@ pub fn save(
     opt: &AdamW,
     params: &[Param],
     state: &TrainerState,
-    tokenizer: Option<&Path>,
+    tokenizer: Option<&str>,
 ) -> Result<PathBuf> {
     std::fs::create_dir_all(root).with_context(|| format!("creating the checkpoint directory {}", root.display()))?;
     let name = format!("step-{}", state.step);
@@ -83,7 +83,7 @@ fn write_into(
     opt: &AdamW,
     params: &[Param],
     state: &TrainerState,
-    tokenizer: Option<&Path>,
+    tokenizer: Option<&str>,
 ) -> Result<()> {
     model.save(tmp, &SaveOptions::default())?;
     let mut moments: HashMap<String, Tensor> = HashMap::new();
@@ -95,7 +95,8 @@ fn write_into(
     }
     candle_core::safetensors::save(&moments, tmp.join(OPTIMIZER_FILE))?;
     if let Some(t) = tokenizer {
-        std::fs::copy(t, tmp.join("tokenizer.json")).with_context(|| format!("copying {}", t.display()))?;
+        let path = tmp.join("tokenizer.json");
+        std::fs::write(&path, t).with_context(|| format!("writing {}", path.display()))?;
     }
     let mut files = BTreeMap::new();
     for entry in std::fs::read_dir(tmp)? {

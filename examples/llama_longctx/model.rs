@@ -48,8 +48,8 @@ pub fn tiny_model(seed: u64) -> Result<PathBuf> {
 /// The model as the ranks will train it (f32 on the CPU), and its tokenizer file when it has one.
 pub struct Loaded {
     pub model: LlamaModel,
-    /// `tokenizer.json` (copied into checkpoints), when the model has one.
-    pub tokenizer_file: Option<PathBuf>,
+    /// The text of `tokenizer.json` (written into checkpoints), when the model has a tokenizer.
+    pub tokenizer_json: Option<String>,
     /// The tokenizer itself (from tokenizer.json or the GGUF file).
     pub tokenizer: Option<Tokenizer>,
 }
@@ -58,16 +58,23 @@ pub struct Loaded {
 pub fn load(source: &str) -> Result<Loaded> {
     let model = LlamaModel::load(source, DType::F32).with_context(|| format!("loading the model `{source}`"))?;
     let path = Path::new(source);
-    let (tokenizer_file, tokenizer) =
-        if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
-            (None, gguf_tokenizer(path).ok())
-        } else {
-            let file = resolve_model(source, &HubOptions::default())?.tokenizer;
-            let tok = match &file {
-                Some(f) => Some(load_tokenizer(f)?),
-                None => None,
-            };
-            (file, tok)
-        };
-    Ok(Loaded { model, tokenizer_file, tokenizer })
+    let (tokenizer_json, tokenizer) = if path.is_file()
+        && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        match gguf_tokenizer(path) {
+            Ok(t) => {
+                (Some(t.to_string(false).map_err(|e| anyhow::anyhow!("serialising the GGUF tokenizer: {e}"))?), Some(t))
+            }
+            Err(_) => (None, None),
+        }
+    } else {
+        match resolve_model(source, &HubOptions::default())?.tokenizer {
+            Some(f) => {
+                let text = std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?;
+                (Some(text), Some(load_tokenizer(&f)?))
+            }
+            None => (None, None),
+        }
+    };
+    Ok(Loaded { model, tokenizer_json, tokenizer })
 }

@@ -33,7 +33,8 @@ pub struct Job {
     pub base: LlamaModel,
     /// Where the model came from (for the report).
     pub source: String,
-    pub tokenizer_file: Option<PathBuf>,
+    /// `tokenizer.json`'s text, written into every checkpoint.
+    pub tokenizer_json: Option<String>,
     pub stream: Stream,
     /// Held-out passkey samples for the accuracy probe (passkey data only).
     pub probes: Vec<Sample>,
@@ -142,7 +143,7 @@ impl Job {
             threads,
             base: loaded.model,
             source,
-            tokenizer_file: loaded.tokenizer_file,
+            tokenizer_json: loaded.tokenizer_json,
             stream,
             probes,
             eval_ids,
@@ -273,7 +274,7 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
             data_source: a.data.clone(),
             seed: a.seed,
         };
-        checkpoint::save(&job.save_root, c.model(), opt, &params, &state, job.tokenizer_file.as_deref())
+        checkpoint::save(&job.save_root, c.model(), opt, &params, &state, job.tokenizer_json.as_deref())
     };
 
     let mut bar = Progress::new(step, a.steps, rank0 && !a.no_progress);
