@@ -24,7 +24,7 @@ pub struct Args {
     #[arg(long, default_value_t = 4096)]
     pub seq_len: usize,
 
-    /// Sequence-parallel ranks (threads; with `--launcher mpi`, the number of MPI processes).
+    /// Sequence-parallel ranks: threads (default 2); with `--launcher mpi`, mpirun's process count (the default).
     #[arg(long)]
     pub sp: Option<usize>,
 
@@ -64,8 +64,8 @@ pub struct Args {
     #[arg(long, default_value = "passkey")]
     pub data: String,
 
-    /// Directory for checkpoints (each one in `DIR/step-N`, written atomically). Default: `runs/latest`
-    /// under the autosp cache.
+    /// Directory for checkpoints (each one in `DIR/step-N`, written atomically). Default: the directory
+    /// holding the --resume checkpoint, else `runs/latest` under the autosp cache.
     #[arg(long)]
     pub save: Option<PathBuf>,
 
