@@ -1,0 +1,213 @@
+//! The command line of `llama_longctx` (clap), and the parsing of its option values: strategy,
+//! checkpointing (policy or byte budget), data source and launcher.
+
+use std::path::PathBuf;
+
+use autosp::core::CheckpointPolicy;
+use autosp::{Checkpointing, Strategy};
+use clap::Parser;
+
+/// Long-context fine-tuning of Llama-family models with sequence parallelism.
+///
+/// With no arguments: makes (once, cached) a tiny random Llama, compiles it for 2 thread ranks with
+/// sequence-aware checkpointing and fine-tunes it on synthetic passkey retrieval.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "llama_longctx", version, about, long_about)]
+pub struct Args {
+    /// The model: a local directory (config.json + safetensors), a hub repo id `owner/name[@revision]`
+    /// (HF cache first; HF_HUB_OFFLINE=1 uses only the cache) or a `.gguf` file. Default: a tiny random
+    /// Llama made once under the autosp cache (AUTOSP_CACHE, else $XDG_CACHE_HOME/autosp, else ~/.cache/autosp).
+    #[arg(long)]
+    pub model: Option<String>,
+
+    /// Tokens per training sequence.
+    #[arg(long, default_value_t = 4096)]
+    pub seq_len: usize,
+
+    /// Sequence-parallel ranks: threads (default 2); with `--launcher mpi`, mpirun's process count (the default).
+    #[arg(long)]
+    pub sp: Option<usize>,
+
+    /// How attention is made whole across ranks: ulysses, ring, hybrid:U (Ulysses degree U), auto.
+    #[arg(long, default_value = "auto", value_parser = parse_strategy)]
+    pub strategy: Strategy,
+
+    /// Activation checkpointing: none, full, sequence-aware, or a per-rank tape budget in bytes
+    /// (suffixes K, M, G, KiB, MiB, GiB allowed).
+    #[arg(long, default_value = "sequence-aware", value_parser = parse_checkpointing)]
+    pub checkpoint: Checkpointing,
+
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 200)]
+    pub steps: usize,
+
+    /// Peak learning rate (AdamW; linear warm-up, then cosine decay to lr / 10 at the last step).
+    #[arg(long, default_value_t = 1e-2)]
+    pub lr: f64,
+
+    /// Warm-up steps.
+    #[arg(long, default_value_t = 10)]
+    pub warmup: usize,
+
+    /// Clip the gradients' global L2 norm to this (0 turns clipping off).
+    #[arg(long, default_value_t = 1.0)]
+    pub grad_clip: f64,
+
+    /// Tokens per optimizer step: a multiple of --seq-len; the gradients of batch-tokens / seq-len
+    /// micro-batches are accumulated (token-weighted mean). Default: one sequence.
+    #[arg(long)]
+    pub batch_tokens: Option<usize>,
+
+    /// Training data: `passkey` (synthetic passkey retrieval), a JSONL file with a "text" field per line or
+    /// a plain text file (tokenised with the model's tokenizer, packed to --seq-len), or `ids:FILE`
+    /// (whitespace-separated token ids, used as they are).
+    #[arg(long, default_value = "passkey")]
+    pub data: String,
+
+    /// Directory for checkpoints (each one in `DIR/step-N`, written atomically). Default: the directory
+    /// holding the --resume checkpoint, else `runs/latest` under the autosp cache.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+
+    /// Save every N steps (0: only at the end, and on Ctrl-C).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: usize,
+
+    /// Resume from a checkpoint directory (`.../step-N`): model, optimizer state, step, data position and
+    /// random state. The other options must describe the same run (same --steps for the same schedule).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+
+    /// Print the model's mean token loss on the whitespace-separated token ids in FILE as one JSON line, and exit.
+    #[arg(long)]
+    pub eval_tokens: Option<PathBuf>,
+
+    /// Write the gradients of the first step's mean token loss (before clipping), with HF parameter names,
+    /// as safetensors to FILE.
+    #[arg(long)]
+    pub dump_grads: Option<PathBuf>,
+
+    /// How ranks run: threads (one process), or mpi (one process per rank under mpirun; needs the
+    /// `mpi` feature).
+    #[arg(long, default_value = "threads", value_parser = ["threads", "mpi"])]
+    pub launcher: String,
+
+    /// Seed of the data (and of the default tiny model's weights).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// Append one JSON line per step to FILE: step, loss, lr, grad norm, tokens/s, peak bytes.
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+
+    /// Print the compiled plan (module tree, strategy, policy, predicted memory) and exit.
+    #[arg(long)]
+    pub explain: bool,
+
+    /// A quick run for tests and CI: 512 tokens, 12 steps, no accuracy probe beyond 4 samples.
+    #[arg(long)]
+    pub quick: bool,
+
+    /// No progress bar (one line per step only).
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+impl Args {
+    /// Applies `--quick` (only where the user did not set a value).
+    pub fn finish(mut self, given: &clap::ArgMatches) -> Self {
+        let default = |name: &str| given.value_source(name) != Some(clap::parser::ValueSource::CommandLine);
+        if self.quick {
+            if default("seq_len") {
+                self.seq_len = 512;
+            }
+            if default("steps") {
+                self.steps = 12;
+            }
+            if default("warmup") {
+                self.warmup = 2;
+            }
+        }
+        self
+    }
+
+    /// Micro-batches per optimizer step.
+    pub fn micro_batches(&self) -> Result<usize, String> {
+        match self.batch_tokens {
+            None => Ok(1),
+            Some(t) if t == 0 || t % self.seq_len != 0 => Err(format!(
+                "--batch-tokens {t} must be a positive multiple of --seq-len {} (each micro-batch is one sequence)",
+                self.seq_len
+            )),
+            Some(t) => Ok(t / self.seq_len),
+        }
+    }
+}
+
+/// `ulysses`, `ring`, `hybrid:U`, `auto`.
+pub fn parse_strategy(s: &str) -> Result<Strategy, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "ulysses" => Ok(Strategy::Ulysses),
+        "ring" => Ok(Strategy::Ring),
+        "auto" => Ok(Strategy::Auto),
+        other => match other.strip_prefix("hybrid:").map(str::parse::<usize>) {
+            Some(Ok(u)) if u >= 1 => Ok(Strategy::Hybrid { ulysses: u }),
+            _ => Err(format!("unknown strategy `{s}`: use ulysses, ring, hybrid:U (U = Ulysses degree) or auto")),
+        },
+    }
+}
+
+/// `none`, `full`, `sequence-aware`, or a byte budget such as `268435456`, `256MiB`, `2G`.
+pub fn parse_checkpointing(s: &str) -> Result<Checkpointing, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "none" => return Ok(Checkpointing::Policy(CheckpointPolicy::None)),
+        "full" => return Ok(Checkpointing::Policy(CheckpointPolicy::Full)),
+        "sequence-aware" | "sequence_aware" | "sac" => {
+            return Ok(Checkpointing::Policy(CheckpointPolicy::SequenceAware))
+        }
+        _ => {}
+    }
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "m" | "mb" => 1_000_000,
+        "g" | "gb" => 1_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        _ => usize::MAX,
+    };
+    match num.parse::<usize>() {
+        Ok(n) if mult != usize::MAX && n > 0 => Ok(Checkpointing::Budget(n.saturating_mul(mult))),
+        _ => {
+            Err(format!("unknown checkpointing `{s}`: use none, full, sequence-aware, or a byte budget such as 512MiB"))
+        }
+    }
+}
+
+/// Where the training data comes from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DataSource {
+    /// Synthetic passkey retrieval.
+    Passkey,
+    /// Whitespace-separated token ids.
+    Ids(PathBuf),
+    /// A JSONL file with a "text" field, or plain text (decided by the extension `.jsonl`/`.json`).
+    Text(PathBuf),
+}
+
+impl DataSource {
+    /// Parses `--data`.
+    pub fn parse(s: &str) -> Self {
+        if s == "passkey" {
+            DataSource::Passkey
+        } else if let Some(f) = s.strip_prefix("ids:") {
+            DataSource::Ids(PathBuf::from(f))
+        } else {
+            DataSource::Text(PathBuf::from(s))
+        }
+    }
+}

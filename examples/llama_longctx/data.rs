@@ -1,0 +1,268 @@
+//! Training data: the synthetic passkey-retrieval generator (a number hidden in long filler, asked for at
+//! the end), JSONL / plain-text loaders tokenised with the model's tokenizer, `ids:FILE` token-id files, and
+//! packing into sequences of `--seq-len` tokens. Every stream has a position (and the passkey stream a
+//! random state) that checkpoints save, so a resumed run sees exactly the data it would have seen.
+
+use std::ops::Range;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use autosp::models::tokenizer::encode;
+use autosp::models::Tokenizer;
+
+/// splitmix64: small, portable, and its whole state is one `u64` (saved in checkpoints).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `range` (non-empty).
+    pub fn below(&mut self, range: Range<usize>) -> usize {
+        range.start + (self.next_u64() % (range.end - range.start) as u64) as usize
+    }
+}
+
+/// One training or probe sequence: `ids` of exactly `seq_len` tokens; `answer`: the positions of the
+/// passkey's answer tokens (empty for text data).
+#[derive(Clone, Debug)]
+pub struct Sample {
+    pub ids: Vec<u32>,
+    pub answer: Range<usize>,
+}
+
+/// Passkey digits per key.
+const DIGITS: usize = 5;
+
+/// How passkey text is spelled: with fixed token ids (a tiny model without a tokenizer), or as English
+/// text through the model's tokenizer.
+#[derive(Clone)]
+pub enum PasskeyVocab {
+    /// `1` BOS, `2` EOS, `3` "the pass key is", `4` "what is", `5` ".", `10..20` the digits 0-9, `20..vocab`
+    /// filler words.
+    Ids { vocab: usize },
+    /// English text through the tokenizer (the standard passkey prompt).
+    Text(Box<Tokenizer>),
+}
+
+/// Synthetic passkey retrieval: filler (a phrase of random filler words repeated, as the standard passkey
+/// test repeats "The grass is green. The sky is blue..."), a key of five digits hidden at a random depth,
+/// more filler, and at the end the question followed by the answer. Models learn it by copying from the
+/// earlier occurrence (induction), the skill long-context retrieval needs.
+#[derive(Clone)]
+pub struct Passkey {
+    vocab: PasskeyVocab,
+    seq_len: usize,
+    pub rng: Rng,
+}
+
+impl Passkey {
+    /// A generator of `seq_len`-token samples.
+    pub fn new(vocab: PasskeyVocab, seq_len: usize, seed: u64) -> Result<Self> {
+        if let PasskeyVocab::Ids { vocab } = vocab {
+            if vocab < 40 {
+                bail!("the passkey task needs a vocabulary of at least 40 tokens; the model has {vocab}");
+            }
+        }
+        if seq_len < 64 {
+            bail!("--seq-len {seq_len} is too short for the passkey task: use at least 64");
+        }
+        Ok(Self { vocab, seq_len, rng: Rng(seed ^ 0x005E_ED0F_9A55_CE11) })
+    }
+
+    /// The next sample (advances the random state).
+    pub fn sample(&mut self) -> Result<Sample> {
+        let key: Vec<usize> = (0..DIGITS).map(|_| self.rng.below(0..10)).collect();
+        let depth = self.rng.below(10..80);
+        match &self.vocab {
+            PasskeyVocab::Ids { vocab } => {
+                let vocab = *vocab;
+                // One fixed filler phrase, the same in every sample (as the standard test repeats one text).
+                let mut words = Rng(0x00F1_11E4);
+                let phrase: Vec<u32> = (0..24).map(|_| words.below(20..vocab) as u32).collect();
+                let digits: Vec<u32> = key.iter().map(|&d| 10 + d as u32).collect();
+                let needle: Vec<u32> = [vec![3], digits.clone(), vec![5]].concat();
+                let question: Vec<u32> = vec![4, 3];
+                Ok(assemble(vec![1], &phrase, &needle, &question, &digits, &[2], self.seq_len, depth))
+            }
+            PasskeyVocab::Text(tok) => {
+                let key_text: String = key.iter().map(|d| char::from(b'0' + *d as u8)).collect();
+                let enc = |s: &str| encode(tok, s).map_err(anyhow::Error::from);
+                let start = enc(
+                    "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. ",
+                )?;
+                let phrase =
+                    enc("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")?;
+                let needle = enc(&format!("The pass key is {key_text}. Remember it. {key_text} is the pass key. "))?;
+                let question = enc("What is the pass key? The pass key is")?;
+                let answer = enc(&format!(" {key_text}"))?;
+                Ok(assemble(start, &phrase, &needle, &question, &answer, &enc(".")?, self.seq_len, depth))
+            }
+        }
+    }
+}
+
+/// `start`, filler, `needle` at `depth` percent of the filler, filler, `question`, `answer`, `end`, cut or
+/// filled to exactly `seq_len` tokens (the filler absorbs the difference).
+#[allow(clippy::too_many_arguments)]
+fn assemble(
+    start: Vec<u32>,
+    phrase: &[u32],
+    needle: &[u32],
+    question: &[u32],
+    answer: &[u32],
+    end: &[u32],
+    seq_len: usize,
+    depth: usize,
+) -> Sample {
+    let fixed = start.len() + needle.len() + question.len() + answer.len() + end.len();
+    let filler_len = seq_len.saturating_sub(fixed);
+    let filler: Vec<u32> = phrase.iter().copied().cycle().take(filler_len).collect();
+    let cut = filler_len * depth / 100;
+    let mut ids = start;
+    ids.extend_from_slice(&filler[..cut]);
+    ids.extend_from_slice(needle);
+    ids.extend_from_slice(&filler[cut..]);
+    ids.extend_from_slice(question);
+    let a = ids.len();
+    ids.extend_from_slice(answer);
+    let answer_range = a..ids.len();
+    ids.extend_from_slice(end);
+    ids.truncate(seq_len);
+    Sample { ids, answer: answer_range }
+}
+
+/// Whitespace-separated token ids from `path`, each below `vocab`.
+pub fn read_ids(path: &Path, vocab: usize) -> Result<Vec<u32>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading token ids from {}", path.display()))?;
+    let mut ids = Vec::new();
+    for (i, word) in text.split_whitespace().enumerate() {
+        let id: u32 = word.parse().map_err(|_| {
+            anyhow::anyhow!(
+                "{}: token {i} is `{word}`, not a token id: the file must hold whitespace-separated integers",
+                path.display()
+            )
+        })?;
+        if id as usize >= vocab {
+            bail!("{}: token {i} is id {id}, outside the model's vocabulary of {vocab}", path.display());
+        }
+        ids.push(id);
+    }
+    Ok(ids)
+}
+
+/// The documents of a JSONL file (a "text" string on every non-empty line) or of a plain text file (the
+/// whole file), by extension: `.jsonl` and `.json` are JSONL.
+pub fn read_documents(path: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading training data {}", path.display()))?;
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+    if ext != "jsonl" && ext != "json" {
+        return Ok(vec![text]);
+    }
+    let mut docs = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| {
+            anyhow::anyhow!(
+                "{} line {}: not JSON ({e}); a JSONL data file holds one JSON object with a \"text\" string per \
+                 line (use a .txt extension for plain text)",
+                path.display(),
+                i + 1
+            )
+        })?;
+        match v.get("text").and_then(|t| t.as_str()) {
+            Some(t) => docs.push(t.to_string()),
+            None => bail!("{} line {}: no \"text\" string field in {}", path.display(), i + 1, short(line)),
+        }
+    }
+    if docs.is_empty() {
+        bail!("{}: no documents (every line is empty)", path.display());
+    }
+    Ok(docs)
+}
+
+fn short(s: &str) -> String {
+    if s.len() > 60 {
+        format!("{}...", &s[..s.char_indices().take_while(|(i, _)| *i < 60).last().map_or(0, |(i, _)| i)])
+    } else {
+        s.to_string()
+    }
+}
+
+/// Tokenises `docs` and joins them, with `eos` after each document when the model has one.
+pub fn tokenize(tok: &Tokenizer, docs: &[String], eos: Option<u32>) -> Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    for d in docs {
+        ids.extend(encode(tok, d)?);
+        ids.extend(eos);
+    }
+    Ok(ids)
+}
+
+/// Cuts `ids` into sequences of `seq_len` tokens (the remainder is dropped); at least one must fit.
+pub fn pack(ids: &[u32], seq_len: usize, source: &str) -> Result<Vec<Vec<u32>>> {
+    if ids.len() < seq_len {
+        bail!(
+            "--seq-len {seq_len} is longer than the {} tokens available in {source}: lower --seq-len or give more data",
+            ids.len()
+        );
+    }
+    Ok(ids.chunks_exact(seq_len).map(<[u32]>::to_vec).collect())
+}
+
+/// A stream of training sequences with a saveable position.
+#[derive(Clone)]
+pub enum Stream {
+    /// Fresh passkey samples.
+    Passkey(Passkey),
+    /// Packed sequences, in order, cycling.
+    Packed { seqs: Vec<Vec<u32>>, next: usize },
+}
+
+/// Where a stream is: what checkpoints save.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Position {
+    /// Sequences drawn so far.
+    pub drawn: u64,
+    /// The passkey generator's random state (0 for packed data).
+    pub rng: u64,
+}
+
+impl Stream {
+    /// The next training sequence.
+    pub fn next(&mut self) -> Result<Sample> {
+        match self {
+            Stream::Passkey(p) => p.sample(),
+            Stream::Packed { seqs, next } => {
+                let s = &seqs[*next % seqs.len()];
+                *next += 1;
+                Ok(Sample { ids: s.clone(), answer: 0..0 })
+            }
+        }
+    }
+
+    /// Sequences drawn and random state.
+    pub fn position(&self, drawn: u64) -> Position {
+        match self {
+            Stream::Passkey(p) => Position { drawn, rng: p.rng.0 },
+            Stream::Packed { .. } => Position { drawn, rng: 0 },
+        }
+    }
+
+    /// Moves the stream to `pos` (resuming).
+    pub fn seek(&mut self, pos: Position) {
+        match self {
+            Stream::Passkey(p) => p.rng = Rng(pos.rng),
+            Stream::Packed { next, .. } => *next = pos.drawn as usize,
+        }
+    }
+}

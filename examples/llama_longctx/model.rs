@@ -1,0 +1,80 @@
+//! Which model to train and its tokenizer: `--model` (a directory, a hub id, a `.gguf` file), a checkpoint
+//! being resumed, or the default tiny random Llama, made once in the HF layout under the autosp cache.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use autosp::models::{gguf_tokenizer, load_tokenizer, Tokenizer};
+use autosp::models::{random_weights, resolve_model, save_model, HubOptions, LlamaModel, SaveOptions, TinySpec};
+use candle_core::{DType, Device};
+
+/// The autosp cache: `AUTOSP_CACHE`, else `$XDG_CACHE_HOME/autosp`, else `~/.cache/autosp`, else
+/// `target/autosp-cache`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("AUTOSP_CACHE") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("autosp");
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".cache").join("autosp"),
+        None => PathBuf::from("target").join("autosp-cache"),
+    }
+}
+
+/// The default model's shape: 2 layers, hidden 64, 4 heads (2 kv heads), vocab 128. Small enough that a
+/// few thousand tokens train in well under a second per step on two CPU cores.
+pub fn tiny_spec() -> TinySpec {
+    TinySpec { layers: 2, hidden: 64, intermediate: 128, heads: 4, kv_heads: 2, vocab: 128, ..TinySpec::default() }
+}
+
+/// The default tiny model's directory (made now if it is not in the cache yet; the write is atomic, so
+/// concurrent first runs are safe).
+pub fn tiny_model(seed: u64) -> Result<PathBuf> {
+    let spec = tiny_spec();
+    let dir = cache_dir().join(format!("tiny-llama-l{}-h{}-v{}-seed{seed}", spec.layers, spec.hidden, spec.vocab));
+    if dir.join("config.json").is_file() {
+        return Ok(dir);
+    }
+    let mut config = spec.config();
+    config.max_position_embeddings = 1 << 16;
+    let weights = random_weights(&config, seed, DType::F32, &Device::Cpu)?;
+    save_model(&dir, &config, &weights, &SaveOptions::default())
+        .with_context(|| format!("writing the tiny model into {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// The model as the ranks will train it (f32 on the CPU), and its tokenizer file when it has one.
+pub struct Loaded {
+    pub model: LlamaModel,
+    /// The text of `tokenizer.json` (written into checkpoints), when the model has a tokenizer.
+    pub tokenizer_json: Option<String>,
+    /// The tokenizer itself (from tokenizer.json or the GGUF file).
+    pub tokenizer: Option<Tokenizer>,
+}
+
+/// Loads `source` (a directory, hub id or `.gguf` file) in f32.
+pub fn load(source: &str) -> Result<Loaded> {
+    let model = LlamaModel::load(source, DType::F32).with_context(|| format!("loading the model `{source}`"))?;
+    let path = Path::new(source);
+    let (tokenizer_json, tokenizer) = if path.is_file()
+        && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        match gguf_tokenizer(path) {
+            Ok(t) => {
+                (Some(t.to_string(false).map_err(|e| anyhow::anyhow!("serialising the GGUF tokenizer: {e}"))?), Some(t))
+            }
+            Err(_) => (None, None),
+        }
+    } else {
+        match resolve_model(source, &HubOptions::default())?.tokenizer {
+            Some(f) => {
+                let text = std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?;
+                (Some(text), Some(load_tokenizer(&f)?))
+            }
+            None => (None, None),
+        }
+    };
+    Ok(Loaded { model, tokenizer_json, tokenizer })
+}

@@ -1,0 +1,425 @@
+//! The job: what every rank needs, prepared (and checked) before any rank starts, and the loop each rank
+//! runs: compile, optionally explain or evaluate and exit, probe passkey accuracy, train with gradient
+//! accumulation, clipping, AdamW and a warm-up + cosine schedule, report (rank 0 only), save checkpoints,
+//! and stop cleanly on Ctrl-C.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use autosp::core::comm::{ProcessGroup, ReduceOp};
+use autosp::core::optim::{clip_grad_norm, global_norm, AdamW, AdamWConfig, LrSchedule, Optimizer};
+use autosp::core::{Gradients, Param};
+use autosp::models::LlamaModel;
+use autosp::{compile, CompileConfig, Compiled};
+use candle_core::{DType, Device, Tensor};
+
+use crate::args::{Args, DataSource};
+use crate::checkpoint::{self, TrainerState};
+use crate::data::{self, Passkey, PasskeyVocab, Sample, Stream};
+use crate::model;
+use crate::progress::Progress;
+
+/// Everything the ranks share, read and checked before they start.
+pub struct Job {
+    pub args: Args,
+    /// Ranks.
+    pub p: usize,
+    /// Whether ranks are threads of this process (process memory is then shared).
+    pub threads: bool,
+    /// The starting weights (each rank builds its own copy).
+    pub base: LlamaModel,
+    /// Where the model came from (for the report).
+    pub source: String,
+    /// `tokenizer.json`'s text, written into every checkpoint.
+    pub tokenizer_json: Option<String>,
+    pub stream: Stream,
+    /// Held-out passkey samples for the accuracy probe (passkey data only).
+    pub probes: Vec<Sample>,
+    pub eval_ids: Option<Vec<u32>>,
+    pub resume: Option<(PathBuf, TrainerState)>,
+    pub save_root: PathBuf,
+    pub micro: usize,
+}
+
+/// How a rank's run ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ended {
+    Done,
+    Interrupted,
+}
+
+impl Job {
+    /// Reads the model, the data and the checkpoint to resume, checking them all before anything runs.
+    pub fn prepare(args: Args, p: usize, threads: bool) -> Result<Self> {
+        if p == 0 {
+            bail!("--sp must be at least 1");
+        }
+        if args.seq_len < 2 {
+            bail!("--seq-len must be at least 2");
+        }
+        let micro = args.micro_batches().map_err(anyhow::Error::msg)?;
+        let resume = match &args.resume {
+            Some(dir) => {
+                let state = checkpoint::verify(dir)?;
+                let same = [
+                    ("--seq-len", state.seq_len.to_string(), args.seq_len.to_string()),
+                    ("--batch-tokens / --seq-len", state.micro_batches.to_string(), micro.to_string()),
+                    ("--data", state.data_source.clone(), args.data.clone()),
+                    ("--seed", state.seed.to_string(), args.seed.to_string()),
+                ];
+                for (what, saved, now) in same {
+                    if saved != now {
+                        bail!(
+                            "--resume {}: the checkpoint was trained with {what} {saved}, this run has {now}; \
+                             resume with the same options",
+                            dir.display()
+                        );
+                    }
+                }
+                Some((dir.clone(), state))
+            }
+            None => None,
+        };
+        let source = match (&resume, &args.model) {
+            (Some((dir, _)), _) => dir.display().to_string(),
+            (None, Some(m)) => m.clone(),
+            (None, None) => model::tiny_model(args.seed)?.display().to_string(),
+        };
+        let loaded = model::load(&source)?;
+        let vocab = loaded.model.config.vocab_size;
+        let mut probes = Vec::new();
+        let stream = match DataSource::parse(&args.data) {
+            DataSource::Passkey => {
+                let pv = match &loaded.tokenizer {
+                    Some(t) => PasskeyVocab::Text(Box::new(t.clone())),
+                    None => PasskeyVocab::Ids { vocab },
+                };
+                let mut held_out = Passkey::new(pv.clone(), args.seq_len, args.seed.wrapping_add(0x00AB_5E11))?;
+                let n = if args.quick { 4 } else { 8 };
+                for _ in 0..n {
+                    probes.push(held_out.sample()?);
+                }
+                Stream::Passkey(Passkey::new(pv, args.seq_len, args.seed)?)
+            }
+            DataSource::Ids(f) => {
+                let ids = data::read_ids(&f, vocab)?;
+                Stream::Packed { seqs: data::pack(&ids, args.seq_len, &f.display().to_string())?, next: 0 }
+            }
+            DataSource::Text(f) => {
+                let docs = data::read_documents(&f)?;
+                let tok = loaded.tokenizer.as_ref().with_context(|| {
+                    format!(
+                        "--data {}: text needs the model's tokenizer, and `{source}` has no tokenizer.json; give \
+                         token ids with --data ids:FILE",
+                        f.display()
+                    )
+                })?;
+                let ids = data::tokenize(tok, &docs, loaded.model.config.eos_token_id)?;
+                Stream::Packed { seqs: data::pack(&ids, args.seq_len, &f.display().to_string())?, next: 0 }
+            }
+        };
+        let eval_ids = match &args.eval_tokens {
+            Some(f) => {
+                let ids = data::read_ids(f, vocab)?;
+                if ids.len() < 2 {
+                    bail!("--eval-tokens {}: needs at least 2 token ids, found {}", f.display(), ids.len());
+                }
+                Some(ids)
+            }
+            None => None,
+        };
+        let save_root = match (&args.save, &resume) {
+            (Some(d), _) => d.clone(),
+            (None, Some((dir, _))) => dir.parent().map(PathBuf::from).unwrap_or_else(|| PathBuf::from(".")),
+            (None, None) => model::cache_dir().join("runs").join("latest"),
+        };
+        let schedule = schedule(&args);
+        schedule.validate().map_err(|e| anyhow::anyhow!("--lr / --warmup / --steps: {e}"))?;
+        Ok(Job {
+            p,
+            threads,
+            base: loaded.model,
+            source,
+            tokenizer_json: loaded.tokenizer_json,
+            stream,
+            probes,
+            eval_ids,
+            resume,
+            save_root,
+            micro,
+            args,
+        })
+    }
+}
+
+/// Linear warm-up to `--lr`, then cosine decay to `--lr / 10` at the last step.
+fn schedule(a: &Args) -> LrSchedule {
+    LrSchedule::WarmupCosine { peak: a.lr, min_lr: a.lr / 10.0, warmup: a.warmup.min(a.steps), total: a.steps }
+}
+
+fn mib(b: f64) -> f64 {
+    b / (1u64 << 20) as f64
+}
+
+/// Teacher-forced passkey accuracy: for every answer token, whether the argmax of the logits at the token
+/// before it is that token (the earlier answer tokens are given, not generated). Returns (tokens right,
+/// tokens, whole keys right). Collective.
+fn passkey_accuracy(c: &Compiled<LlamaModel>, probes: &[Sample]) -> Result<(usize, usize, usize)> {
+    let (mut right, mut total, mut keys) = (0, 0, 0);
+    for s in probes {
+        let n = s.ids.len();
+        let ids = Tensor::from_vec(s.ids.clone(), (1, n), &Device::Cpu)?;
+        let logits = c.logits(&ids)?;
+        let k = s.answer.len();
+        let rows = logits.narrow(1, s.answer.start - 1, k)?.argmax(2)?.flatten_all()?.to_vec1::<u32>()?;
+        let ok = rows.iter().zip(&s.ids[s.answer.clone()]).filter(|(a, b)| a == b).count();
+        right += ok;
+        total += k;
+        keys += usize::from(ok == k);
+    }
+    Ok((right, total, keys))
+}
+
+/// Gathers `values` from every rank (f64, exact for byte counts) to every rank: `[rank][i]`.
+fn gather(pg: &Arc<dyn ProcessGroup>, values: &[f64]) -> Result<Vec<Vec<f64>>> {
+    let t = Tensor::new(values, &Device::Cpu)?;
+    let all = pg.all_gather(&t, 0)?.to_vec1::<f64>()?;
+    Ok(all.chunks(values.len()).map(<[f64]>::to_vec).collect())
+}
+
+/// One rank's whole run.
+pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
+    let a = &job.args;
+    let rank0 = pg.rank() == 0;
+    let say = |s: &str| {
+        if rank0 {
+            println!("{s}");
+        }
+    };
+    let model = LlamaModel::from_weights(&job.base.config, job.base.to_weights())?;
+    let mut cfg = CompileConfig::new(pg.clone(), a.strategy, a.checkpoint);
+    cfg.seq_len = Some(a.seq_len);
+    let mut c = compile(model, cfg)?;
+
+    if a.explain {
+        let text = c.explain(a.seq_len)?;
+        say(&text);
+        return Ok(Ended::Done);
+    }
+    if let Some(ids) = &job.eval_ids {
+        let n = ids.len();
+        let out = c.train_step(&Tensor::from_vec(ids.clone(), (1, n), &Device::Cpu)?, None)?;
+        let line = serde_json::json!({
+            "eval_loss": out.loss, "tokens": n, "targets": out.valid_tokens, "sp": job.p, "model": job.source,
+        });
+        say(&line.to_string());
+        return Ok(Ended::Done);
+    }
+
+    let d = &job.base.config;
+    let tokens_per_step = a.seq_len * job.micro;
+    say(&format!(
+        "llama_longctx: model {} ({} layers, hidden {}, {} heads / {} kv heads, vocab {})",
+        job.source, d.num_hidden_layers, d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.vocab_size
+    ));
+    say(&format!(
+        "compiled for P = {} {} ranks: {:?} ({}), checkpointing {:?}; {} tokens per sequence ({} per rank), {} \
+         sequence(s) per step, data {}",
+        job.p,
+        if job.threads { "thread" } else { "MPI" },
+        c.resolved().strategy,
+        c.resolved().reason,
+        a.checkpoint,
+        a.seq_len,
+        c.padded_len(a.seq_len) / job.p,
+        job.micro,
+        a.data
+    ));
+
+    let params: Vec<Param> = c.params();
+    let mut opt = AdamW::new(AdamWConfig::default())?;
+    let mut stream = job.stream.clone();
+    let (mut step, mut drawn) = (0usize, 0u64);
+    if let Some((dir, st)) = &job.resume {
+        checkpoint::restore_optimizer(dir, &mut opt, &params, st.optimizer_step)?;
+        stream.seek(st.data);
+        step = st.step;
+        drawn = st.data.drawn;
+        say(&format!("resumed from {} at step {step}", dir.display()));
+    }
+    let first_step = step;
+    let sched = schedule(a);
+
+    let before = if job.probes.is_empty() { None } else { Some(passkey_accuracy(&c, &job.probes)?) };
+    let mut metrics = match (&a.metrics, rank0) {
+        (Some(f), true) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(f)
+                .with_context(|| format!("opening --metrics {}", f.display()))?,
+        ),
+        _ => None,
+    };
+    let save = |c: &Compiled<LlamaModel>, opt: &AdamW, step: usize, drawn: u64, stream: &Stream| -> Result<PathBuf> {
+        let state = TrainerState {
+            step,
+            optimizer_step: opt.steps(),
+            data: stream.position(drawn),
+            seq_len: a.seq_len,
+            micro_batches: job.micro,
+            data_source: a.data.clone(),
+            seed: a.seed,
+        };
+        checkpoint::save(&job.save_root, c.model(), opt, &params, &state, job.tokenizer_json.as_deref())
+    };
+
+    let mut bar = Progress::new(step, a.steps, rank0 && !a.no_progress);
+    let (mut first_loss, mut last_loss) = (None, f64::NAN);
+    let (mut tape_peaks, mut proc_peaks) = (vec![0f64; job.p], vec![0f64; job.p]);
+    let (mut tokens, mut seconds) = (0usize, 0f64);
+    let mut interrupted = false;
+    while step < a.steps {
+        let flag = Tensor::new(&[f64::from(u8::from(crate::interrupt::requested()))], &Device::Cpu)?;
+        if pg.all_reduce(&flag, ReduceOp::Max)?.to_vec1::<f64>()?[0] > 0.0 {
+            interrupted = true;
+            break;
+        }
+        let t0 = Instant::now();
+        let mut grads = Gradients::new();
+        let (mut loss_sum, mut count, mut tape_peak) = (0f64, 0usize, 0usize);
+        for _ in 0..job.micro {
+            let s = stream.next()?;
+            drawn += 1;
+            let ids = Tensor::from_vec(s.ids, (1, a.seq_len), &Device::Cpu)?;
+            let out = c.train_step(&ids, None)?;
+            tape_peak = tape_peak.max(out.peak_bytes);
+            if job.micro == 1 {
+                grads = out.grads;
+            } else {
+                // Token-weighted mean over the micro-batches: sum count_i * grad_i, divided below.
+                let w = out.valid_tokens as f64;
+                for p in &params {
+                    if let Some(g) = out.grads.get(p) {
+                        grads.accumulate(p, &(g * w)?)?;
+                    }
+                }
+            }
+            loss_sum += out.loss * out.valid_tokens as f64;
+            count += out.valid_tokens;
+        }
+        if job.micro > 1 {
+            grads.scale(1.0 / count as f64)?;
+        }
+        let loss = loss_sum / count as f64;
+        if step == first_step && rank0 {
+            if let Some(f) = &a.dump_grads {
+                let named: std::collections::HashMap<String, Tensor> = params
+                    .iter()
+                    .filter_map(|p| grads.get(p).map(|g| (p.name().to_string(), g.to_dtype(DType::F32))))
+                    .map(|(n, g)| g.map(|g| (n, g)))
+                    .collect::<candle_core::Result<_>>()?;
+                candle_core::safetensors::save(&named, f)
+                    .with_context(|| format!("writing --dump-grads {}", f.display()))?;
+                say(&format!("gradients of step {} written to {}", step + 1, f.display()));
+            }
+        }
+        let norm = if a.grad_clip > 0.0 { clip_grad_norm(&mut grads, a.grad_clip)? } else { global_norm(&grads)? };
+        let lr = sched.lr(step);
+        opt.step(&params, &grads, lr)?;
+        step += 1;
+        let dt = t0.elapsed().as_secs_f64();
+        tokens += tokens_per_step;
+        seconds += dt;
+        let tps = tokens_per_step as f64 / dt;
+        let peaks = gather(&pg, &[tape_peak as f64, crate::ALLOC.peak_bytes() as f64])?;
+        for (r, v) in peaks.iter().enumerate() {
+            tape_peaks[r] = tape_peaks[r].max(v[0]);
+            proc_peaks[r] = proc_peaks[r].max(v[1]);
+        }
+        first_loss.get_or_insert(loss);
+        last_loss = loss;
+        if rank0 {
+            let tape: Vec<String> = peaks.iter().map(|v| format!("{:.1}", mib(v[0]))).collect();
+            bar.println(&format!(
+                "step {step:>4}/{} loss {loss:.4} lr {lr:.2e} grad-norm {norm:.3} {tps:>7.0} tok/s tape peak [{}] MiB \
+                 process peak {:.1} MiB",
+                a.steps,
+                tape.join(", "),
+                mib(proc_peaks.iter().cloned().fold(0.0, f64::max))
+            ));
+            bar.update(step, loss, tps);
+            if let Some(m) = metrics.as_mut() {
+                let line = serde_json::json!({
+                    "step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
+                    "tape_peak_bytes": peaks.iter().map(|v| v[0] as u64).collect::<Vec<_>>(),
+                    "process_peak_bytes": peaks.iter().map(|v| v[1] as u64).collect::<Vec<_>>(),
+                });
+                writeln!(m, "{line}")?;
+            }
+        }
+        if a.save_every > 0 && step % a.save_every == 0 && step < a.steps && rank0 {
+            let dir = save(&c, &opt, step, drawn, &stream)?;
+            bar.println(&format!("checkpoint: {}", dir.display()));
+        }
+    }
+    bar.finish();
+
+    if interrupted {
+        if rank0 {
+            if step > first_step {
+                let dir = save(&c, &opt, step, drawn, &stream)?;
+                println!("interrupted after step {step}: checkpoint saved to {}", dir.display());
+            } else {
+                println!("interrupted before the first step: nothing to save");
+            }
+        }
+        return Ok(Ended::Interrupted);
+    }
+
+    let after = if job.probes.is_empty() { None } else { Some(passkey_accuracy(&c, &job.probes)?) };
+    if rank0 {
+        let dir = save(&c, &opt, step, drawn, &stream)?;
+        println!("== llama_longctx summary ==");
+        if let Some(f) = first_loss {
+            println!("loss: step {} {f:.4} -> step {step} {last_loss:.4}", first_step + 1);
+            println!(
+                "throughput: {:.0} tokens/s over {} steps ({tokens} tokens in {seconds:.1} s)",
+                tokens as f64 / seconds,
+                step - first_step
+            );
+        }
+        let tape: Vec<String> = tape_peaks.iter().map(|b| format!("{:.1}", mib(*b))).collect();
+        let proc: Vec<String> = proc_peaks.iter().map(|b| format!("{:.1}", mib(*b))).collect();
+        println!("tape peak per rank: [{}] MiB", tape.join(", "));
+        if job.threads {
+            println!("process heap peak: {} MiB (one process holds all {} thread ranks)", proc[0], job.p);
+        } else {
+            println!("process heap peak per rank: [{}] MiB", proc.join(", "));
+        }
+        if let (Some(b), Some(f)) = (before, after) {
+            let pct = |x: (usize, usize, usize)| 100.0 * x.0 as f64 / x.1.max(1) as f64;
+            println!(
+                "passkey accuracy (teacher-forced: each answer token predicted with the true tokens before it) on {} \
+                 held-out samples: before {:.1}% ({}/{} tokens, {} whole keys), after {:.1}% ({}/{} tokens, {} whole keys)",
+                job.probes.len(),
+                pct(b),
+                b.0,
+                b.1,
+                b.2,
+                pct(f),
+                f.0,
+                f.1,
+                f.2
+            );
+        }
+        println!(
+            "checkpoint: {} (HF layout: config.json + model.safetensors; optimizer and trainer state beside)",
+            dir.display()
+        );
+    }
+    Ok(Ended::Done)
+}
