@@ -2,7 +2,7 @@
 //! after the forward pass and at its peak, the process heap peak (a tracking global allocator), the step
 //! time and throughput, and the plan's predictions for the same run (from two short probe steps).
 //!
-//! `cargo run --release --example bench_memory -- --preset bench --n 2048,8192 --checkpoint sequence-aware`
+//! `cargo run --release --example bench_memory -- --preset bench --n 2048,8192 --checkpoint none,sequence-aware`
 //!
 //! Ranks are threads of this process (`--launcher threads`), so the process peak covers every rank: the JSON
 //! says so in `process_peak_scope`. A step is the compiled forward + backward + gradient all-reduce and
@@ -43,9 +43,10 @@ struct Args {
     /// ulysses | ring | auto | hybrid:U (U = the Ulysses degree).
     #[arg(long, default_value = "auto")]
     strategy: String,
-    /// none | full | sequence-aware | a tape byte budget per rank (e.g. 800000000, 750M, 1.5G).
-    #[arg(long, default_value = "sequence-aware")]
-    checkpoint: String,
+    /// none | full | sequence-aware | a tape byte budget per rank (e.g. 800000000, 750M, 1.5G); a comma
+    /// list runs each in turn (in one process, back to back: compare step times within one invocation).
+    #[arg(long, value_delimiter = ',', default_value = "sequence-aware")]
+    checkpoint: Vec<String>,
     /// Measured steps per length (after one warm-up step that also allocates AdamW's moments).
     #[arg(long, default_value_t = 1)]
     steps: usize,
@@ -133,9 +134,14 @@ struct RankRun {
     json: serde_json::Value,
 }
 
-fn run_rank(args: &Args, pg: Arc<dyn autosp::core::comm::ProcessGroup>, n: usize) -> Result<RankRun> {
+fn run_rank(
+    args: &Args,
+    pg: Arc<dyn autosp::core::comm::ProcessGroup>,
+    n: usize,
+    checkpoint_arg: &str,
+) -> Result<RankRun> {
     let strategy = parse_strategy(&args.strategy)?;
-    let checkpoint = parse_checkpoint(&args.checkpoint)?;
+    let checkpoint = parse_checkpoint(checkpoint_arg)?;
     let model = load_model(args, n)?;
     let vocab = model.config.vocab_size as u32;
     let mut cfg = CompileConfig::new(pg.clone(), strategy, checkpoint);
@@ -185,7 +191,7 @@ fn run_rank(args: &Args, pg: Arc<dyn autosp::core::comm::ProcessGroup>, n: usize
         "rank": pg.rank(),
         "launcher": args.launcher,
         "strategy": format!("{:?}", c.resolved().strategy),
-        "checkpoint": args.checkpoint,
+        "checkpoint": checkpoint_arg,
         "block_policies": policies,
         "steps": args.steps,
         "loss": loss,
@@ -225,15 +231,17 @@ fn main() -> Result<()> {
         bail!("--launcher {}: only `threads` is wired into bench_memory (one process, ranks as threads)", args.launcher);
     }
     for &n in &args.n {
-        let args = &args;
-        let out = run_ranks(args.sp, Duration::from_secs(3600), move |pg| run_rank(args, pg, n));
-        let mut jsons = Vec::new();
-        for r in out {
-            jsons.push(r.map_err(|e| anyhow!("rank failed: {e}"))??.json);
-        }
-        // Rank 0's line carries the process numbers; the other ranks' tape numbers follow it.
-        for j in jsons {
-            println!("{j}");
+        for checkpoint in &args.checkpoint {
+            let args = &args;
+            let out = run_ranks(args.sp, Duration::from_secs(3600), move |pg| run_rank(args, pg, n, checkpoint));
+            let mut jsons = Vec::new();
+            for r in out {
+                jsons.push(r.map_err(|e| anyhow!("rank failed: {e}"))??.json);
+            }
+            // One line per rank; the process numbers are the same on every line (one heap).
+            for j in jsons {
+                println!("{j}");
+            }
         }
     }
     Ok(())

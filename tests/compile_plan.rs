@@ -11,12 +11,17 @@ use autosp_core::CheckpointPolicy;
 use autosp_models::{random_weights, LlamaModel, TinySpec};
 use candle_core::{DType, Device, Tensor};
 
-/// 4 layers (so a budget can mix policies), 4 heads, 2 kv heads, vocab 128, room for 2048 positions.
-fn tiny() -> LlamaModel {
-    let spec = TinySpec { layers: 4, hidden: 32, intermediate: 64, ..TinySpec::default() };
+/// `layers` layers, hidden 32, 4 heads, 2 kv heads, vocab 128, room for 2048 positions.
+fn tiny_with(layers: usize) -> LlamaModel {
+    let spec = TinySpec { layers, hidden: 32, intermediate: 64, ..TinySpec::default() };
     let mut cfg = spec.config();
     cfg.max_position_embeddings = 2048;
     LlamaModel::from_weights(&cfg, random_weights(&cfg, 11, DType::F32, &Device::Cpu).unwrap()).unwrap()
+}
+
+/// 4 layers, so that a budget can mix policies.
+fn tiny() -> LlamaModel {
+    tiny_with(4)
 }
 
 fn ids(n: usize) -> Tensor {
@@ -29,7 +34,7 @@ const POLICIES: [CheckpointPolicy; 3] = [CheckpointPolicy::None, CheckpointPolic
 /// Predicted vs measured `(after forward, peak)` tape bytes of every rank at `n` tokens.
 fn predicted_and_measured(p: usize, strategy: Strategy, policy: CheckpointPolicy, n: usize) -> Vec<[f64; 4]> {
     let out = run_ranks(p, std::time::Duration::from_secs(60), move |pg| {
-        let mut c = compile(tiny(), CompileConfig::new(pg, strategy, Checkpointing::Policy(policy)))?;
+        let mut c = compile(tiny_with(2), CompileConfig::new(pg, strategy, Checkpointing::Policy(policy)))?;
         let plan = c.plan(n)?;
         assert!(4 * plan.probes.1 <= n, "the prediction must extrapolate: probes {:?} for n = {n}", plan.probes);
         let step = c.train_step(&ids(n), None)?;

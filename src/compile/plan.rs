@@ -31,7 +31,7 @@ impl LinearFit {
 }
 
 /// Tape bytes per rank under one policy, as functions of the global sequence length.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PolicyMemory {
     /// The policy of every block (`None`: the blocks' own policies, a mix).
     pub policy: Option<CheckpointPolicy>,
@@ -39,12 +39,26 @@ pub struct PolicyMemory {
     pub probes: (usize, usize),
     /// Bytes held when the forward pass ends.
     pub after_forward: LinearFit,
-    /// Peak bytes over the step.
+    /// Peak bytes over the step, the line through the probes' peaks.
     pub peak: LinearFit,
+    /// The held bytes at every moment they rose, one line per moment (empty when the probes' traces did not
+    /// line up).
+    pub moments: Vec<LinearFit>,
+}
+
+impl PolicyMemory {
+    /// The predicted tape peak at `n` tokens: the largest moment, or the line through the probes' peaks
+    /// when the moments are unknown.
+    pub fn peak_at(&self, n: usize) -> f64 {
+        if self.moments.is_empty() {
+            return self.peak.at(n);
+        }
+        self.moments.iter().map(|m| m.at(n)).fold(f64::MIN, f64::max)
+    }
 }
 
 /// The longest probe step the plan runs (tokens): probes stay cheap next to a long target step.
-pub const PROBE_CAP: usize = 8192;
+pub const PROBE_CAP: usize = 2048;
 
 /// FLOPs of one training step on one rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -91,29 +105,34 @@ impl<M: CausalLm> Compiled<M> {
         let vocab = self.model.dims().vocab as u32;
         let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
         let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu)?;
-        match policy {
-            Some(p) => self.run_step(&ids, None, p),
-            None => self.train_step(&ids, None),
-        }
+        self.run_step(&ids, None, policy.unwrap_or(self.tape_policy()), true)
     }
 
     /// Probes two lengths `n1` and `n2 = 2 n1` and fits the tape's bytes through them. The bytes after the
-    /// forward pass are linear in n; the peak is the maximum over the step of lines in n (activations held,
-    /// gradients made so far), so it is convex and its slope grows wherever another moment of the step
-    /// takes over the peak. Probes near the target see the slope the target sees: `n2` is the largest
-    /// layout-aligned length at most `target / 4` (and at most [`PROBE_CAP`] tokens), never below twice the
-    /// shortest probe. The cost is about 3/16 of a target step for the linear work, far less for attention.
+    /// forward pass are linear in n. The peak is the maximum over the step of the held bytes, each moment's
+    /// bytes affine in n (activations held, gradients made so far), so the peak is convex in n and a line
+    /// through two probes misses every change of the moment that peaks. The probes therefore trace the held
+    /// bytes after every increase: the same program gives traces of the same length, the peak at any n is
+    /// the largest of the per-moment lines. (If the traces differ in length the secant is kept: a lower
+    /// bound.) `n2` is the largest layout-aligned length at most `target / 4` and [`PROBE_CAP`], never below
+    /// twice the shortest probe.
     fn probe_fit(&self, policy: Option<CheckpointPolicy>, target: usize) -> Result<PolicyMemory, CompileError> {
         let step = 2 * self.padded_len(1);
         let n2 = ((target / 4).min(PROBE_CAP) / step * step).max(2 * self.probe_base());
         let n1 = n2 / 2;
         let (s1, s2) = (self.probe_step(n1, policy)?, self.probe_step(n2, policy)?);
         let fit = |a: usize, b: usize| LinearFit::through(n1, a, n2, b);
+        let moments = if s1.memory_trace.len() == s2.memory_trace.len() {
+            s1.memory_trace.iter().zip(&s2.memory_trace).map(|(&a, &b)| fit(a, b)).collect()
+        } else {
+            Vec::new()
+        };
         Ok(PolicyMemory {
             policy,
             probes: (n1, n2),
             after_forward: fit(s1.after_forward.held_bytes, s2.after_forward.held_bytes),
             peak: fit(s1.peak_bytes, s2.peak_bytes),
+            moments,
         })
     }
 
@@ -156,13 +175,13 @@ impl<M: CausalLm> Compiled<M> {
         let sa = self.measure_policy(CheckpointPolicy::SequenceAware, n)?;
         let none = self.measure_policy(CheckpointPolicy::None, n)?;
         let layers = self.region_policies().len().max(1) as f64;
-        let smallest = full.peak.at(n);
+        let smallest = full.peak_at(n);
         if smallest > budget as f64 {
             return Err(CompileError::BudgetTooSmall { budget, smallest: smallest as usize, n });
         }
         // Per block, the extra bytes of a policy over Full (held from forward to backward).
         let extra = |m: &PolicyMemory| ((m.after_forward.at(n) - full.after_forward.at(n)) / layers).max(0.0);
-        let overhead = |m: &PolicyMemory| m.peak.at(n) - m.after_forward.at(n);
+        let overhead = |m: &PolicyMemory| m.peak_at(n) - m.after_forward.at(n);
         let mut policies = vec![CheckpointPolicy::Full; layers as usize];
         let predict = |ps: &[CheckpointPolicy]| {
             let held: f64 = full.after_forward.at(n)
@@ -208,7 +227,7 @@ impl<M: CausalLm> Compiled<M> {
             // Mixed policies: measure the mix as it stands (probes use the region policies).
             self.probe_fit(None, n)?
         };
-        let (held, peak, slope) = (m.after_forward.at(n), m.peak.at(n), m.after_forward.b);
+        let (held, peak, slope) = (m.after_forward.at(n), m.peak_at(n), m.after_forward.b);
         let d = self.model.dims();
         let p = self.group.size();
         let n_loc = self.padded_len(n) as f64 / p as f64;
