@@ -56,6 +56,9 @@ struct Args {
     /// Skip the plan's probe steps (no predictions in the JSON).
     #[arg(long)]
     no_plan: bool,
+    /// Print rank 0's `explain()` (the rewritten module tree and the plan) to stderr before each run.
+    #[arg(long)]
+    explain: bool,
 }
 
 fn parse_strategy(s: &str) -> Result<Strategy> {
@@ -125,6 +128,20 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// CPU seconds (user + system) this process has used, from /proc/self/stat (100 ticks a second): on a
+/// shared machine the step's CPU time moves far less with the load than its wall time.
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which is in parentheses): utime and stime are the 12th and 13th.
+    let rest = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<f64> = rest.split_whitespace().map(|x| x.parse().unwrap_or(0.0)).collect();
+    if f.len() > 12 {
+        (f[11] + f[12]) / 100.0
+    } else {
+        f64::NAN
+    }
+}
+
 fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg").map(|s| s.trim().to_string()).unwrap_or_default()
 }
@@ -147,12 +164,18 @@ fn run_rank(
     let mut cfg = CompileConfig::new(pg.clone(), strategy, checkpoint);
     cfg.seq_len = Some(n);
     let mut c = compile(model, cfg)?;
+    if args.explain {
+        let text = c.explain(n)?;
+        if pg.rank() == 0 {
+            eprintln!("{text}");
+        }
+    }
     let plan = if args.no_plan { None } else { Some(c.plan(n)?) };
     let ids: Vec<u32> = (0..n as u32).map(|i| (i.wrapping_mul(2654435761) >> 7) % vocab).collect();
     let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu)?;
     let mut opt = AdamW::new(AdamWConfig::default())?;
     let params = c.params();
-    let (mut times, mut fb_times) = (Vec::new(), Vec::new());
+    let (mut times, mut fb_times, mut cpu_times) = (Vec::new(), Vec::new(), Vec::new());
     let mut last = None;
     let mut process_peak = 0;
     let mut baseline = 0;
@@ -163,17 +186,18 @@ fn run_rank(
             ALLOC.reset_peak();
         }
         pg.barrier()?;
-        let t0 = Instant::now();
+        let (t0, c0) = (Instant::now(), cpu_seconds());
         let out = c.train_step(&ids, None)?;
         let fb = t0.elapsed().as_secs_f64();
         opt.step(&params, &out.grads, 1e-4)?;
         drop(out.grads);
-        let dt = t0.elapsed().as_secs_f64();
+        let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
         pg.barrier()?;
         if step > 0 {
             process_peak = process_peak.max(ALLOC.peak_bytes());
             times.push(dt);
             fb_times.push(fb);
+            cpu_times.push(dc);
             last = Some((out.loss, out.after_forward.held_bytes, out.peak_bytes));
         }
     }
@@ -206,6 +230,8 @@ fn run_rank(
         },
         "step_s": step_s,
         "fwd_bwd_s": median(fb_times),
+        "step_cpu_s": median(cpu_times),
+        "step_cpu_scope": "CPU seconds of the whole process during the step (all ranks' threads)",
         "tokens_per_s": n as f64 / step_s,
         "predicted_after_forward_bytes": plan.as_ref().map(|p| p.predicted_after_forward),
         "predicted_peak_bytes": plan.as_ref().map(|p| p.predicted_peak),
@@ -228,7 +254,10 @@ fn cpus() -> usize {
 fn main() -> Result<()> {
     let args = Args::parse();
     if args.launcher != "threads" {
-        bail!("--launcher {}: only `threads` is wired into bench_memory (one process, ranks as threads)", args.launcher);
+        bail!(
+            "--launcher {}: only `threads` is wired into bench_memory (one process, ranks as threads)",
+            args.launcher
+        );
     }
     for &n in &args.n {
         for checkpoint in &args.checkpoint {

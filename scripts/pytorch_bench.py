@@ -47,19 +47,20 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = (torch.arange(args.n, dtype=torch.long) * 2654435761 >> 7) % cfg.vocab_size
     ids = ids.unsqueeze(0)
-    times = []
+    times, cpu_times = [], []
     loss = None
     for step in range(args.steps + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         loss = out.loss.item()
         del out
         if step > 0:
             times.append(dt)
+            cpu_times.append(dc)
     times.sort()
     step_s = times[len(times) // 2]
     print(
@@ -71,6 +72,7 @@ def main():
                 "steps": args.steps,
                 "loss": loss,
                 "step_s": step_s,
+                "step_cpu_s": sorted(cpu_times)[len(cpu_times) // 2],
                 "tokens_per_s": args.n / step_s,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "torch": torch.__version__,

@@ -29,7 +29,8 @@ fn ids(n: usize) -> Tensor {
     Tensor::from_vec(v, (1, n), &Device::Cpu).unwrap()
 }
 
-const POLICIES: [CheckpointPolicy; 3] = [CheckpointPolicy::None, CheckpointPolicy::Full, CheckpointPolicy::SequenceAware];
+const POLICIES: [CheckpointPolicy; 3] =
+    [CheckpointPolicy::None, CheckpointPolicy::Full, CheckpointPolicy::SequenceAware];
 
 /// Predicted vs measured `(after forward, peak)` tape bytes of every rank at `n` tokens.
 fn predicted_and_measured(p: usize, strategy: Strategy, policy: CheckpointPolicy, n: usize) -> Vec<[f64; 4]> {
@@ -55,7 +56,11 @@ fn plan_predicts_measured_tape_within_ten_percent() {
         for policy in POLICIES {
             for (rank, [pa, ma, pp, mp]) in predicted_and_measured(p, strategy, policy, n).into_iter().enumerate() {
                 let what = format!("P={p} {strategy:?} {policy:?} rank {rank}");
-                eprintln!("{what}: after forward {:+.2}%, peak {:+.2}%", 100.0 * (pa / ma - 1.0), 100.0 * (pp / mp - 1.0));
+                eprintln!(
+                    "{what}: after forward {:+.2}%, peak {:+.2}%",
+                    100.0 * (pa / ma - 1.0),
+                    100.0 * (pp / mp - 1.0)
+                );
                 // The bar: the prediction within 10% of the measured tape.
                 assert!((pa / ma - 1.0).abs() <= 0.10, "{what}: after forward predicted {pa} measured {ma}");
                 assert!((pp / mp - 1.0).abs() <= 0.10, "{what}: peak predicted {pp} measured {mp}");
@@ -143,4 +148,3 @@ fn explain_names_strategy_reason_policies_tree_and_peak() {
         assert!(text.contains(want), "explain() lacks {want:?}:\n{text}");
     }
 }
-
