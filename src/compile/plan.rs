@@ -169,7 +169,8 @@ impl<M: CausalLm> Compiled<M> {
 
     /// Picks a policy per block so that the predicted tape peak at `n` tokens stays within `budget` bytes:
     /// all blocks start at `Full`; blocks are raised to `SequenceAware`, then to `None`, one at a time, while
-    /// the prediction fits. Collective (probes run steps).
+    /// the prediction fits; then the mix is probed as it stands and the last raises are undone until its own
+    /// prediction fits. Collective (probes run steps).
     pub(crate) fn plan_budget(&mut self, budget: usize, n: usize) -> Result<(), CompileError> {
         let full = self.measure_policy(CheckpointPolicy::Full, n)?;
         let sa = self.measure_policy(CheckpointPolicy::SequenceAware, n)?;
@@ -202,16 +203,31 @@ impl<M: CausalLm> Compiled<M> {
                 .fold(0.0, f64::max);
             held + over
         };
+        let mut raised = Vec::new();
         for target in [CheckpointPolicy::SequenceAware, CheckpointPolicy::None] {
             for i in 0..policies.len() {
                 let mut trial = policies.clone();
                 trial[i] = target;
                 if predict(&trial) <= budget as f64 {
                     policies = trial;
+                    raised.push(i);
                 }
             }
         }
-        self.set_region_policies(&policies.into_iter().map(Some).collect::<Vec<_>>());
+        // The sum above estimates a mix from the uniform policies; the mix's own traced probe steps are what
+        // counts: while they predict more than the budget, the last block raised goes back one level.
+        loop {
+            self.set_region_policies(&policies.iter().copied().map(Some).collect::<Vec<_>>());
+            let Some(i) = raised.last().copied() else { break };
+            if self.probe_fit(None, n)?.peak_at(n) <= budget as f64 {
+                break;
+            }
+            raised.pop();
+            policies[i] = match policies[i] {
+                CheckpointPolicy::None => CheckpointPolicy::SequenceAware,
+                _ => CheckpointPolicy::Full,
+            };
+        }
         Ok(())
     }
 
