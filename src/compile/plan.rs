@@ -11,7 +11,7 @@ use super::step::StepOutput;
 use super::strategy::comm_elems_per_layer;
 use super::{CompileError, Compiled};
 
-/// A line `a + b * n` fitted through two probes, with the probes kept to report the fit.
+/// A line `a + b * n` through two probe measurements (`n`: the global sequence length).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LinearFit {
     pub a: f64,
