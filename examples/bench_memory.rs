@@ -146,17 +146,12 @@ fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
-/// One rank's measurements at one length.
-struct RankRun {
-    json: serde_json::Value,
-}
-
 fn run_rank(
     args: &Args,
     pg: Arc<dyn autosp::core::comm::ProcessGroup>,
     n: usize,
     checkpoint_arg: &str,
-) -> Result<RankRun> {
+) -> Result<serde_json::Value> {
     let strategy = parse_strategy(&args.strategy)?;
     let checkpoint = parse_checkpoint(checkpoint_arg)?;
     let model = load_model(args, n)?;
@@ -182,9 +177,9 @@ fn run_rank(
     for step in 0..=args.steps {
         pg.barrier()?;
         if step > 0 && pg.rank() == 0 {
-            baseline = ALLOC.live_bytes();
             ALLOC.reset_peak();
         }
+        baseline = ALLOC.live_bytes();
         pg.barrier()?;
         let (t0, c0) = (Instant::now(), cpu_seconds());
         let out = c.train_step(&ids, None)?;
@@ -203,11 +198,8 @@ fn run_rank(
     }
     let (loss, after_forward, peak) = last.ok_or_else(|| anyhow!("--steps must be at least 1"))?;
     let step_s = median(times);
-    let policies: Vec<String> = match &plan {
-        Some(p) => p.policies.iter().map(|x| format!("{x:?}")).collect(),
-        None => vec![],
-    };
-    let json = json!({
+    let policies: Option<Vec<String>> = plan.as_ref().map(|p| p.policies.iter().map(|x| format!("{x:?}")).collect());
+    Ok(json!({
         "bench": "memory",
         "model": args.model.clone().unwrap_or_else(|| format!("preset:{}", args.preset)),
         "n": n,
@@ -243,8 +235,7 @@ fn run_rank(
         "comm_bytes": plan.as_ref().map(|p| p.comm_bytes),
         "cpus": cpus(),
         "loadavg": loadavg(),
-    });
-    Ok(RankRun { json })
+    }))
 }
 
 fn cpus() -> usize {
@@ -265,7 +256,7 @@ fn main() -> Result<()> {
             let out = run_ranks(args.sp, Duration::from_secs(3600), move |pg| run_rank(args, pg, n, checkpoint));
             let mut jsons = Vec::new();
             for r in out {
-                jsons.push(r.map_err(|e| anyhow!("rank failed: {e}"))??.json);
+                jsons.push(r.map_err(|e| anyhow!("rank failed: {e}"))??);
             }
             // One line per rank; the process numbers are the same on every line (one heap).
             for j in jsons {
