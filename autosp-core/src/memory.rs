@@ -51,6 +51,8 @@ pub struct MemoryStats {
 pub(crate) struct MemoryTracker {
     live: HashMap<usize, (usize, usize)>,
     stats: MemoryStats,
+    /// When tracing: the held bytes after every increase (every moment the peak can be reached).
+    trace: Option<Vec<usize>>,
 }
 
 impl MemoryTracker {
@@ -60,6 +62,9 @@ impl MemoryTracker {
             entry.0 = storage_bytes(t);
             self.stats.held_bytes += entry.0;
             self.stats.peak_bytes = self.stats.peak_bytes.max(self.stats.held_bytes);
+            if let Some(trace) = &mut self.trace {
+                trace.push(self.stats.held_bytes);
+            }
         }
         entry.1 += 1;
     }
@@ -81,5 +86,13 @@ impl MemoryTracker {
 
     pub(crate) fn reset_peak(&mut self) {
         self.stats.peak_bytes = self.stats.held_bytes;
+    }
+
+    pub(crate) fn start_trace(&mut self) {
+        self.trace = Some(Vec::new());
+    }
+
+    pub(crate) fn trace(&self) -> Vec<usize> {
+        self.trace.clone().unwrap_or_default()
     }
 }

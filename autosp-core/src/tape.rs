@@ -318,6 +318,19 @@ impl Tape {
         self.inner.borrow_mut().memory.reset_peak()
     }
 
+    /// Starts recording the held bytes after every increase (see [`memory_trace`](Self::memory_trace)).
+    pub fn trace_memory(&self) {
+        self.inner.borrow_mut().memory.start_trace()
+    }
+
+    /// The held bytes after every increase since [`trace_memory`](Self::trace_memory), in order (empty if not
+    /// tracing): every moment the peak can be reached. The same program on inputs of another length gives a
+    /// trace of the same length whose entries are each affine in that length, so a planner can predict the
+    /// peak at any length from two short steps.
+    pub fn memory_trace(&self) -> Vec<usize> {
+        self.inner.borrow().memory.trace()
+    }
+
     /// Every non-parameter tensor the tape holds now.
     pub fn held(&self) -> Vec<HeldValue> {
         let inner = self.inner.borrow();

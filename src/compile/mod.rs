@@ -18,7 +18,7 @@ use autosp_core::{Attention, CausalLm, CheckpointPolicy};
 pub use autosp_kernels::SeqLayout;
 pub use config::{Checkpointing, CompileConfig, Strategy};
 pub use error::CompileError;
-pub use plan::{Flops, LinearFit, Plan, PolicyMemory};
+pub use plan::{Flops, LinearFit, Plan, PolicyMemory, PROBE_CAP};
 pub use step::StepOutput;
 pub use strategy::Resolved;
 

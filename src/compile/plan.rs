@@ -1,5 +1,5 @@
-//! The plan: how much tape memory a step holds per rank (fitted from two short probe steps, so it is right
-//! for any model), the predicted peak at a target length, FLOPs per step (attention vs linear, with
+//! The plan: how much tape memory a step holds per rank (fitted from two probe steps, so it is right for
+//! any model), the predicted peak at a target length, FLOPs per step (attention vs linear, with
 //! recompute), communication bytes, and the budget planner that picks a policy per block.
 
 use autosp_core::module::visit_mut;
@@ -7,10 +7,11 @@ use autosp_core::{CausalLm, CheckpointPolicy};
 use candle_core::{Device, Tensor};
 
 use super::config::Strategy;
+use super::step::StepOutput;
 use super::strategy::comm_elems_per_layer;
 use super::{CompileError, Compiled};
 
-/// A line `a + b * n` fitted through two probes, with the probes kept to report the fit.
+/// A line `a + b * n` through two probe measurements (`n`: the global sequence length).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LinearFit {
     pub a: f64,
@@ -30,14 +31,34 @@ impl LinearFit {
 }
 
 /// Tape bytes per rank under one policy, as functions of the global sequence length.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PolicyMemory {
-    pub policy: CheckpointPolicy,
+    /// The policy of every block (`None`: the blocks' own policies, a mix).
+    pub policy: Option<CheckpointPolicy>,
+    /// The two probe lengths the fits go through.
+    pub probes: (usize, usize),
     /// Bytes held when the forward pass ends.
     pub after_forward: LinearFit,
-    /// Peak bytes over the step.
+    /// Peak bytes over the step, the line through the probes' peaks.
     pub peak: LinearFit,
+    /// The held bytes at every moment they rose, one line per moment (empty when the probes' traces did not
+    /// line up).
+    pub moments: Vec<LinearFit>,
 }
+
+impl PolicyMemory {
+    /// The predicted tape peak at `n` tokens: the largest moment, or the line through the probes' peaks
+    /// when the moments are unknown.
+    pub fn peak_at(&self, n: usize) -> f64 {
+        if self.moments.is_empty() {
+            return self.peak.at(n);
+        }
+        self.moments.iter().map(|m| m.at(n)).fold(f64::MIN, f64::max)
+    }
+}
+
+/// The longest probe step the plan runs (tokens): probes stay cheap next to a long target step.
+pub const PROBE_CAP: usize = 2048;
 
 /// FLOPs of one training step on one rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -64,6 +85,8 @@ pub struct Plan {
     pub predicted_after_forward: f64,
     /// Predicted tape peak per rank over the step.
     pub predicted_peak: f64,
+    /// The probe lengths the memory prediction was fitted through.
+    pub probes: (usize, usize),
     /// FLOPs per step per rank.
     pub flops: Flops,
     /// Bytes each rank sends per step (attention forward and backward, and the gradient all-reduce).
@@ -71,32 +94,56 @@ pub struct Plan {
 }
 
 impl<M: CausalLm> Compiled<M> {
-    /// Probe lengths: two short sequences that fit the layout.
-    fn probe_lengths(&self) -> (usize, usize) {
-        let n1 = self.padded_len(64.max(16 * self.group.size()));
-        (n1, 2 * n1)
+    /// The shortest probe length: a short sequence that fits the layout.
+    fn probe_base(&self) -> usize {
+        self.padded_len(64.max(16 * self.group.size()))
     }
 
-    /// Measures tape memory under `policy` (every block) at the two probe lengths: two training steps, so
-    /// every rank of the group must call this at the same time. Parameters are not changed.
-    pub fn measure_policy(&mut self, policy: CheckpointPolicy) -> Result<PolicyMemory, CompileError> {
-        let saved = self.region_policies();
-        self.set_region_policies(&vec![None; saved.len()]);
-        let (n1, n2) = self.probe_lengths();
+    /// One probe step of `n` tokens: under `policy` in every block, or (`None`) under the blocks' own
+    /// policies as they stand.
+    fn probe_step(&self, n: usize, policy: Option<CheckpointPolicy>) -> Result<StepOutput, CompileError> {
         let vocab = self.model.dims().vocab as u32;
-        let mut rows = Vec::new();
-        for n in [n1, n2] {
-            let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
-            let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu)?;
-            rows.push(self.run_step(&ids, None, policy));
-        }
-        self.set_region_policies(&saved);
-        let (s1, s2) = (rows.remove(0)?, rows.remove(0)?);
+        let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+        let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu)?;
+        self.run_step(&ids, None, policy.unwrap_or(self.tape_policy()), true)
+    }
+
+    /// Probes two lengths `n1` and `n2 = 2 n1` and fits the tape's bytes through them. The bytes after the
+    /// forward pass are linear in n. The peak is the maximum over the step of the held bytes, each moment's
+    /// bytes affine in n (activations held, gradients made so far), so the peak is convex in n and a line
+    /// through two probes misses every change of the moment that peaks. The probes therefore trace the held
+    /// bytes after every increase: the same program gives traces of the same length, the peak at any n is
+    /// the largest of the per-moment lines. (If the traces differ in length the secant is kept: a lower
+    /// bound.) `n2` is the largest layout-aligned length at most `target / 4` and [`PROBE_CAP`], never below
+    /// twice the shortest probe.
+    fn probe_fit(&self, policy: Option<CheckpointPolicy>, target: usize) -> Result<PolicyMemory, CompileError> {
+        let step = 2 * self.padded_len(1);
+        let n2 = ((target / 4).min(PROBE_CAP) / step * step).max(2 * self.probe_base());
+        let n1 = n2 / 2;
+        let (s1, s2) = (self.probe_step(n1, policy)?, self.probe_step(n2, policy)?);
+        let fit = |a: usize, b: usize| LinearFit::through(n1, a, n2, b);
+        let moments = if s1.memory_trace.len() == s2.memory_trace.len() {
+            s1.memory_trace.iter().zip(&s2.memory_trace).map(|(&a, &b)| fit(a, b)).collect()
+        } else {
+            Vec::new()
+        };
         Ok(PolicyMemory {
             policy,
-            after_forward: LinearFit::through(n1, s1.after_forward.held_bytes, n2, s2.after_forward.held_bytes),
-            peak: LinearFit::through(n1, s1.peak_bytes, n2, s2.peak_bytes),
+            probes: (n1, n2),
+            after_forward: fit(s1.after_forward.held_bytes, s2.after_forward.held_bytes),
+            peak: fit(s1.peak_bytes, s2.peak_bytes),
+            moments,
         })
+    }
+
+    /// Measures tape memory under `policy` (every block) with probe steps sized for predictions at `target`
+    /// tokens: every rank of the group must call this at the same time. Parameters are not changed.
+    pub fn measure_policy(&mut self, policy: CheckpointPolicy, target: usize) -> Result<PolicyMemory, CompileError> {
+        let saved = self.region_policies();
+        self.set_region_policies(&vec![None; saved.len()]);
+        let m = self.probe_fit(Some(policy), target);
+        self.set_region_policies(&saved);
+        m
     }
 
     /// The region policy of every block (`None`: the tape's).
@@ -122,19 +169,20 @@ impl<M: CausalLm> Compiled<M> {
 
     /// Picks a policy per block so that the predicted tape peak at `n` tokens stays within `budget` bytes:
     /// all blocks start at `Full`; blocks are raised to `SequenceAware`, then to `None`, one at a time, while
-    /// the prediction fits. Collective (probes run steps).
+    /// the prediction fits; then the mix is probed as it stands and the last raises are undone until its own
+    /// prediction fits. Collective (probes run steps).
     pub(crate) fn plan_budget(&mut self, budget: usize, n: usize) -> Result<(), CompileError> {
-        let full = self.measure_policy(CheckpointPolicy::Full)?;
-        let sa = self.measure_policy(CheckpointPolicy::SequenceAware)?;
-        let none = self.measure_policy(CheckpointPolicy::None)?;
+        let full = self.measure_policy(CheckpointPolicy::Full, n)?;
+        let sa = self.measure_policy(CheckpointPolicy::SequenceAware, n)?;
+        let none = self.measure_policy(CheckpointPolicy::None, n)?;
         let layers = self.region_policies().len().max(1) as f64;
-        let smallest = full.peak.at(n);
+        let smallest = full.peak_at(n);
         if smallest > budget as f64 {
             return Err(CompileError::BudgetTooSmall { budget, smallest: smallest as usize, n });
         }
         // Per block, the extra bytes of a policy over Full (held from forward to backward).
         let extra = |m: &PolicyMemory| ((m.after_forward.at(n) - full.after_forward.at(n)) / layers).max(0.0);
-        let overhead = |m: &PolicyMemory| m.peak.at(n) - m.after_forward.at(n);
+        let overhead = |m: &PolicyMemory| m.peak_at(n) - m.after_forward.at(n);
         let mut policies = vec![CheckpointPolicy::Full; layers as usize];
         let predict = |ps: &[CheckpointPolicy]| {
             let held: f64 = full.after_forward.at(n)
@@ -155,41 +203,47 @@ impl<M: CausalLm> Compiled<M> {
                 .fold(0.0, f64::max);
             held + over
         };
+        let mut raised = Vec::new();
         for target in [CheckpointPolicy::SequenceAware, CheckpointPolicy::None] {
             for i in 0..policies.len() {
                 let mut trial = policies.clone();
                 trial[i] = target;
                 if predict(&trial) <= budget as f64 {
                     policies = trial;
+                    raised.push(i);
                 }
             }
         }
-        self.set_region_policies(&policies.into_iter().map(Some).collect::<Vec<_>>());
+        // The sum above estimates a mix from the uniform policies; the mix's own traced probe steps are what
+        // counts: while they predict more than the budget, the last block raised goes back one level.
+        loop {
+            self.set_region_policies(&policies.iter().copied().map(Some).collect::<Vec<_>>());
+            let Some(i) = raised.last().copied() else { break };
+            if self.probe_fit(None, n)?.peak_at(n) <= budget as f64 {
+                break;
+            }
+            raised.pop();
+            policies[i] = match policies[i] {
+                CheckpointPolicy::None => CheckpointPolicy::SequenceAware,
+                _ => CheckpointPolicy::Full,
+            };
+        }
         Ok(())
     }
 
-    /// The plan at `n` tokens. Collective: it runs two short probe steps per policy in use.
+    /// The plan at `n` tokens. Collective: it runs two (or a few more) short probe steps.
     pub fn plan(&mut self, n: usize) -> Result<Plan, CompileError> {
         let region = self.region_policies();
         let policies: Vec<CheckpointPolicy> = region.iter().map(|p| p.unwrap_or(self.tape_policy())).collect();
         let mut distinct = policies.clone();
         distinct.dedup();
-        let (held, peak, slope) = if distinct.len() <= 1 {
-            let m = self.measure_policy(distinct.first().copied().unwrap_or(self.tape_policy()))?;
-            (m.after_forward.at(n), m.peak.at(n), m.after_forward.b)
+        let m = if distinct.len() <= 1 {
+            self.measure_policy(distinct.first().copied().unwrap_or(self.tape_policy()), n)?
         } else {
             // Mixed policies: measure the mix as it stands (probes use the region policies).
-            let (n1, n2) = self.probe_lengths();
-            let vocab = self.model.dims().vocab as u32;
-            let mut s = Vec::new();
-            for len in [n1, n2] {
-                let ids: Vec<u32> = (0..len as u32).map(|i| (i * 7919 + 13) % vocab).collect();
-                s.push(self.train_step(&Tensor::from_vec(ids, (1, len), &Device::Cpu)?, None)?);
-            }
-            let af = LinearFit::through(n1, s[0].after_forward.held_bytes, n2, s[1].after_forward.held_bytes);
-            let pk = LinearFit::through(n1, s[0].peak_bytes, n2, s[1].peak_bytes);
-            (af.at(n), pk.at(n), af.b)
+            self.probe_fit(None, n)?
         };
+        let (held, peak, slope) = (m.after_forward.at(n), m.peak_at(n), m.after_forward.b);
         let d = self.model.dims();
         let p = self.group.size();
         let n_loc = self.padded_len(n) as f64 / p as f64;
@@ -222,6 +276,7 @@ impl<M: CausalLm> Compiled<M> {
             bytes_per_token_per_layer: slope * p as f64 / d.layers.max(1) as f64,
             predicted_after_forward: held,
             predicted_peak: peak,
+            probes: m.probes,
             flops,
             comm_bytes: attn_comm + grad_comm,
         })
@@ -242,14 +297,19 @@ impl<M: CausalLm> Compiled<M> {
             self.layout()
         );
         out.push_str(&format!("checkpointing: {:?}\n", self.checkpoint));
+        let blocks: Vec<String> = plan.policies.iter().enumerate().map(|(i, p)| format!("{i}: {p:?}")).collect();
+        out.push_str(&format!("policy per block: {}\n", blocks.join(", ")));
         out.push_str(&autosp_core::module::describe_tree(&mut self.model));
         out.push_str(&format!(
             "at N = {}: tape {:.0} bytes per token per layer; predicted per rank: {:.3} GiB after forward, \
-             {:.3} GiB peak\n",
+             {:.3} GiB peak ({:.0} bytes; fitted through probe steps of {} and {} tokens)\n",
             n,
             plan.bytes_per_token_per_layer,
             gib(plan.predicted_after_forward),
-            gib(plan.predicted_peak)
+            gib(plan.predicted_peak),
+            plan.predicted_peak,
+            plan.probes.0,
+            plan.probes.1
         ));
         out.push_str(&format!(
             "FLOPs per step per rank: attention {:.3e}, linear {:.3e}; communication {:.3e} bytes per rank per step\n",

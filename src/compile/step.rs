@@ -23,6 +23,9 @@ pub struct StepOutput {
     pub after_forward: MemoryStats,
     /// This rank's tape peak over the step.
     pub peak_bytes: usize,
+    /// This rank's tape bytes after every increase over the step (only for the plan's probe steps; empty
+    /// otherwise).
+    pub memory_trace: Vec<usize>,
 }
 
 /// `ids: [b, n]` -> `(ids, targets)` padded to `n_pad`: `targets[t] = labels[t + 1]`, the last one and the pad
@@ -51,14 +54,17 @@ impl<M: CausalLm> Compiled<M> {
     /// (`[b, n]`, -100 ignored; default: the ids). Returns the global loss and the all-reduced gradients;
     /// apply them with any optimiser (every rank applies the same update).
     pub fn train_step(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<StepOutput, CompileError> {
-        self.run_step(ids, labels, self.tape_policy())
+        self.run_step(ids, labels, self.tape_policy(), false)
     }
 
+    /// A training step under the tape `policy` (blocks with their own policy keep it), tracing the tape's
+    /// memory when `trace`.
     pub(crate) fn run_step(
         &self,
         ids: &Tensor,
         labels: Option<&Tensor>,
         policy: CheckpointPolicy,
+        trace: bool,
     ) -> Result<StepOutput, CompileError> {
         let (_, n) = ids.dims2()?;
         if n < 2 {
@@ -79,16 +85,20 @@ impl<M: CausalLm> Compiled<M> {
         }
 
         let tape = Tape::new(policy);
+        if trace {
+            tape.trace_memory();
+        }
         let (sum, _) = self.model.loss(&tape, &ids_local, &positions, &targets_local)?;
         let term = ops::scale(&tape, &sum, 1.0 / total)?;
         let after_forward = tape.memory();
         tape.backward(&term)?;
         let peak_bytes = tape.memory().peak_bytes;
+        let memory_trace = tape.memory_trace();
 
         let loss_local = term.tensor().to_dtype(DType::F64)?.reshape(1)?;
         let loss = self.group.all_reduce(&loss_local, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
         let grads = self.reduce_grads(&tape.param_grads())?;
-        Ok(StepOutput { loss, valid_tokens: total as usize, grads, after_forward, peak_bytes })
+        Ok(StepOutput { loss, valid_tokens: total as usize, grads, after_forward, peak_bytes, memory_trace })
     }
 
     /// Sums every parameter's gradient over the group in one all-reduce per dtype (parameters in model order).

@@ -1,0 +1,268 @@
+//! Memory and step time of a compiled Llama training step: one JSON line per (N, run) with the tape's bytes
+//! after the forward pass and at its peak, the process heap peak (a tracking global allocator), the step
+//! time and throughput, and the plan's predictions for the same run (from two short probe steps).
+//!
+//! `cargo run --release --example bench_memory -- --preset bench --n 2048,8192 --checkpoint none,sequence-aware`
+//!
+//! Ranks are threads of this process (`--launcher threads`), so the process peak covers every rank: the JSON
+//! says so in `process_peak_scope`. A step is the compiled forward + backward + gradient all-reduce and
+//! one AdamW update (its moment buffers are allocated on the first step, before the measured one).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use autosp::compile::{compile, Checkpointing, CompileConfig, Strategy};
+use autosp::core::comm::run_ranks;
+use autosp::core::optim::{AdamW, AdamWConfig, Optimizer};
+use autosp::core::{CheckpointPolicy, TrackingAllocator};
+use autosp::models::{random_weights, LlamaConfig, LlamaModel, TinySpec};
+use candle_core::{DType, Device, Tensor};
+use clap::Parser;
+use serde_json::json;
+
+#[global_allocator]
+static ALLOC: TrackingAllocator = TrackingAllocator::new();
+
+#[derive(Parser, Debug)]
+#[command(about = "Tape and process memory, step time and the plan's predictions of a compiled Llama step")]
+struct Args {
+    /// A named model shape with random weights: `bench` (vocab 32000, hidden 512, intermediate 1376,
+    /// 4 layers, 8 heads, 4 kv heads, untied, rope_theta 10000, f32).
+    #[arg(long, default_value = "bench", conflicts_with = "model")]
+    preset: String,
+    /// A local directory or hub repo id of a Llama-family checkpoint (instead of the preset).
+    #[arg(long)]
+    model: Option<String>,
+    /// Global sequence lengths, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "2048")]
+    n: Vec<usize>,
+    /// Sequence-parallel degree P.
+    #[arg(long, default_value_t = 1)]
+    sp: usize,
+    /// ulysses | ring | auto | hybrid:U (U = the Ulysses degree).
+    #[arg(long, default_value = "auto")]
+    strategy: String,
+    /// none | full | sequence-aware | a tape byte budget per rank (e.g. 800000000, 750M, 1.5G); a comma
+    /// list runs each in turn (in one process, back to back: compare step times within one invocation).
+    #[arg(long, value_delimiter = ',', default_value = "sequence-aware")]
+    checkpoint: Vec<String>,
+    /// Measured steps per length (after one warm-up step that also allocates AdamW's moments).
+    #[arg(long, default_value_t = 1)]
+    steps: usize,
+    /// threads (ranks are threads of this process). MPI is not wired into this example.
+    #[arg(long, default_value = "threads")]
+    launcher: String,
+    /// Skip the plan's probe steps (no predictions in the JSON).
+    #[arg(long)]
+    no_plan: bool,
+    /// Print rank 0's `explain()` (the rewritten module tree and the plan) to stderr before each run.
+    #[arg(long)]
+    explain: bool,
+}
+
+fn parse_strategy(s: &str) -> Result<Strategy> {
+    Ok(match s {
+        "ulysses" => Strategy::Ulysses,
+        "ring" => Strategy::Ring,
+        "auto" => Strategy::Auto,
+        _ => match s.strip_prefix("hybrid:") {
+            Some(u) => Strategy::Hybrid { ulysses: u.parse().context("hybrid:U needs an integer U")? },
+            None => bail!("unknown strategy {s:?}: use ulysses, ring, auto or hybrid:U"),
+        },
+    })
+}
+
+fn parse_checkpoint(s: &str) -> Result<Checkpointing> {
+    Ok(match s {
+        "none" => Checkpointing::Policy(CheckpointPolicy::None),
+        "full" => Checkpointing::Policy(CheckpointPolicy::Full),
+        "sequence-aware" | "sa" => Checkpointing::Policy(CheckpointPolicy::SequenceAware),
+        _ => {
+            let (num, mult) = match s.chars().last() {
+                Some('K' | 'k') => (&s[..s.len() - 1], 1e3),
+                Some('M' | 'm') => (&s[..s.len() - 1], 1e6),
+                Some('G' | 'g') => (&s[..s.len() - 1], 1e9),
+                _ => (s, 1.0),
+            };
+            let v: f64 = num.parse().map_err(|_| {
+                anyhow!("--checkpoint {s:?}: use none, full, sequence-aware or a byte budget like 750M")
+            })?;
+            Checkpointing::Budget((v * mult) as usize)
+        }
+    })
+}
+
+/// The `bench` preset's config, with room for `max_n` positions.
+fn preset_config(name: &str, max_n: usize) -> Result<LlamaConfig> {
+    if name != "bench" {
+        bail!("unknown preset {name:?}: the only preset is `bench`");
+    }
+    let spec = TinySpec {
+        layers: 4,
+        hidden: 512,
+        intermediate: 1376,
+        heads: 8,
+        kv_heads: 4,
+        vocab: 32000,
+        tied: false,
+        ..TinySpec::default()
+    };
+    let mut cfg = spec.config();
+    cfg.max_position_embeddings = max_n.max(cfg.max_position_embeddings);
+    Ok(cfg)
+}
+
+fn load_model(args: &Args, max_n: usize) -> Result<LlamaModel> {
+    Ok(match &args.model {
+        Some(m) => LlamaModel::load(m, DType::F32)?,
+        None => {
+            let cfg = preset_config(&args.preset, max_n)?;
+            LlamaModel::from_weights(&cfg, random_weights(&cfg, 1234, DType::F32, &Device::Cpu)?)?
+        }
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// CPU seconds (user + system) this process has used, from /proc/self/stat (100 ticks a second): on a
+/// shared machine the step's CPU time moves far less with the load than its wall time.
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which is in parentheses): utime and stime are the 12th and 13th.
+    let rest = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<f64> = rest.split_whitespace().map(|x| x.parse().unwrap_or(0.0)).collect();
+    if f.len() > 12 {
+        (f[11] + f[12]) / 100.0
+    } else {
+        f64::NAN
+    }
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg").map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+fn run_rank(
+    args: &Args,
+    pg: Arc<dyn autosp::core::comm::ProcessGroup>,
+    n: usize,
+    checkpoint_arg: &str,
+) -> Result<serde_json::Value> {
+    let strategy = parse_strategy(&args.strategy)?;
+    let checkpoint = parse_checkpoint(checkpoint_arg)?;
+    let model = load_model(args, n)?;
+    let vocab = model.config.vocab_size as u32;
+    let mut cfg = CompileConfig::new(pg.clone(), strategy, checkpoint);
+    cfg.seq_len = Some(n);
+    let mut c = compile(model, cfg)?;
+    if args.explain {
+        let text = c.explain(n)?;
+        if pg.rank() == 0 {
+            eprintln!("{text}");
+        }
+    }
+    let plan = if args.no_plan { None } else { Some(c.plan(n)?) };
+    let ids: Vec<u32> = (0..n as u32).map(|i| (i.wrapping_mul(2654435761) >> 7) % vocab).collect();
+    let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu)?;
+    let mut opt = AdamW::new(AdamWConfig::default())?;
+    let params = c.params();
+    let (mut times, mut fb_times, mut cpu_times) = (Vec::new(), Vec::new(), Vec::new());
+    let mut last = None;
+    let mut process_peak = 0;
+    let mut baseline = 0;
+    for step in 0..=args.steps {
+        pg.barrier()?;
+        if step > 0 && pg.rank() == 0 {
+            ALLOC.reset_peak();
+        }
+        baseline = ALLOC.live_bytes();
+        pg.barrier()?;
+        let (t0, c0) = (Instant::now(), cpu_seconds());
+        let out = c.train_step(&ids, None)?;
+        let fb = t0.elapsed().as_secs_f64();
+        opt.step(&params, &out.grads, 1e-4)?;
+        drop(out.grads);
+        let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
+        pg.barrier()?;
+        if step > 0 {
+            process_peak = process_peak.max(ALLOC.peak_bytes());
+            times.push(dt);
+            fb_times.push(fb);
+            cpu_times.push(dc);
+            last = Some((out.loss, out.after_forward.held_bytes, out.peak_bytes));
+        }
+    }
+    let (loss, after_forward, peak) = last.ok_or_else(|| anyhow!("--steps must be at least 1"))?;
+    let step_s = median(times);
+    let policies: Option<Vec<String>> = plan.as_ref().map(|p| p.policies.iter().map(|x| format!("{x:?}")).collect());
+    Ok(json!({
+        "bench": "memory",
+        "model": args.model.clone().unwrap_or_else(|| format!("preset:{}", args.preset)),
+        "n": n,
+        "sp": pg.size(),
+        "rank": pg.rank(),
+        "launcher": args.launcher,
+        "strategy": format!("{:?}", c.resolved().strategy),
+        "checkpoint": checkpoint_arg,
+        "block_policies": policies,
+        "steps": args.steps,
+        "loss": loss,
+        "tape_after_forward_bytes": after_forward,
+        "tape_peak_bytes": peak,
+        "process_peak_bytes": process_peak,
+        "process_baseline_bytes": baseline,
+        "process_peak_scope": if pg.size() > 1 {
+            "the whole process, all thread ranks together (threads share one heap)"
+        } else {
+            "the whole process (one rank)"
+        },
+        "step_s": step_s,
+        "fwd_bwd_s": median(fb_times),
+        "step_cpu_s": median(cpu_times),
+        "step_cpu_scope": "CPU seconds of the whole process during the step (all ranks' threads)",
+        "tokens_per_s": n as f64 / step_s,
+        "predicted_after_forward_bytes": plan.as_ref().map(|p| p.predicted_after_forward),
+        "predicted_peak_bytes": plan.as_ref().map(|p| p.predicted_peak),
+        "predicted_peak_error": plan.as_ref().map(|p| p.predicted_peak / peak as f64 - 1.0),
+        "plan_probe_lengths": plan.as_ref().map(|p| [p.probes.0, p.probes.1]),
+        "bytes_per_token_per_layer": plan.as_ref().map(|p| p.bytes_per_token_per_layer),
+        "flops_attention": plan.as_ref().map(|p| p.flops.attention),
+        "flops_linear": plan.as_ref().map(|p| p.flops.linear),
+        "comm_bytes": plan.as_ref().map(|p| p.comm_bytes),
+        "cpus": cpus(),
+        "loadavg": loadavg(),
+    }))
+}
+
+fn cpus() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.launcher != "threads" {
+        bail!(
+            "--launcher {}: only `threads` is wired into bench_memory (one process, ranks as threads)",
+            args.launcher
+        );
+    }
+    for &n in &args.n {
+        for checkpoint in &args.checkpoint {
+            let args = &args;
+            let out = run_ranks(args.sp, Duration::from_secs(3600), move |pg| run_rank(args, pg, n, checkpoint));
+            let mut jsons = Vec::new();
+            for r in out {
+                jsons.push(r.map_err(|e| anyhow!("rank failed: {e}"))??);
+            }
+            // One line per rank; the process numbers are the same on every line (one heap).
+            for j in jsons {
+                println!("{j}");
+            }
+        }
+    }
+    Ok(())
+}
