@@ -9,6 +9,7 @@ pub mod gguf_names;
 pub mod gguf_tokenizer;
 pub mod hub;
 pub mod llama;
+pub mod rng;
 pub mod rope;
 pub mod save;
 pub mod tiny;

@@ -4,6 +4,7 @@
 
 use crate::config::{LlamaConfig, ModelType, RopeScaling};
 use crate::error::Result;
+use crate::rng::SplitMix64;
 use crate::save::{save_model, SaveOptions};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
@@ -69,21 +70,9 @@ impl TinySpec {
     }
 }
 
-/// splitmix64: a tiny, well-mixed, portable generator.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
+/// Uniform in [-1, 1) from 24 random bits.
+fn uniform_pm1(rng: &mut SplitMix64) -> f32 {
+    ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
 fn fnv1a(s: &str) -> u64 {
@@ -101,7 +90,7 @@ pub fn random_weights(
 ) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
     for (name, shape) in config.expected_tensors() {
-        let mut rng = SplitMix64(seed ^ fnv1a(&name));
+        let mut rng = SplitMix64::new(seed ^ fnv1a(&name));
         let n: usize = shape.iter().product();
         let (offset, scale) = if name.ends_with("norm.weight") {
             (1.0, 0.1)
@@ -113,7 +102,7 @@ pub fn random_weights(
             // Uniform(-a, a) has std a / sqrt(3); a = sqrt(3 / fan_in) gives unit-variance outputs.
             (0.0, (3.0 / shape[1] as f32).sqrt())
         };
-        let data: Vec<f32> = (0..n).map(|_| offset + scale * rng.uniform()).collect();
+        let data: Vec<f32> = (0..n).map(|_| offset + scale * uniform_pm1(&mut rng)).collect();
         let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu)?.to_dtype(dtype)?.to_device(device)?;
         out.insert(name, t);
     }

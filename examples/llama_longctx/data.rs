@@ -7,28 +7,9 @@ use std::ops::Range;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+use autosp::models::rng::SplitMix64 as Rng;
 use autosp::models::tokenizer::encode;
 use autosp::models::Tokenizer;
-
-/// splitmix64: small, portable, and its whole state is one `u64` (saved in checkpoints).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Rng(pub u64);
-
-impl Rng {
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `range` (non-empty).
-    pub fn below(&mut self, range: Range<usize>) -> usize {
-        range.start + (self.next_u64() % (range.end - range.start) as u64) as usize
-    }
-}
 
 /// One training or probe sequence: `ids` of exactly `seq_len` tokens; `answer`: the positions of the
 /// passkey's answer tokens (empty for text data).
@@ -74,7 +55,7 @@ impl Passkey {
         if seq_len < 64 {
             bail!("--seq-len {seq_len} is too short for the passkey task: use at least 64");
         }
-        Ok(Self { vocab, seq_len, rng: Rng(seed ^ 0x005E_ED0F_9A55_CE11) })
+        Ok(Self { vocab, seq_len, rng: Rng::new(seed ^ 0x005E_ED0F_9A55_CE11) })
     }
 
     /// The next sample (advances the random state).
@@ -85,7 +66,7 @@ impl Passkey {
             PasskeyVocab::Ids { vocab } => {
                 let vocab = *vocab;
                 // One fixed filler phrase, the same in every sample (as the standard test repeats one text).
-                let mut words = Rng(0x00F1_11E4);
+                let mut words = Rng::new(0x00F1_11E4);
                 let phrase: Vec<u32> = (0..24).map(|_| words.below(20..vocab) as u32).collect();
                 let digits: Vec<u32> = key.iter().map(|&d| 10 + d as u32).collect();
                 let needle: Vec<u32> = [vec![3], digits.clone(), vec![5]].concat();
@@ -253,7 +234,7 @@ impl Stream {
     /// Sequences drawn and random state.
     pub fn position(&self, drawn: u64) -> Position {
         match self {
-            Stream::Passkey(p) => Position { drawn, rng: p.rng.0 },
+            Stream::Passkey(p) => Position { drawn, rng: p.rng.state() },
             Stream::Packed { .. } => Position { drawn, rng: 0 },
         }
     }
@@ -261,7 +242,7 @@ impl Stream {
     /// Moves the stream to `pos` (resuming).
     pub fn seek(&mut self, pos: Position) {
         match self {
-            Stream::Passkey(p) => p.rng = Rng(pos.rng),
+            Stream::Passkey(p) => p.rng = Rng::new(pos.rng),
             Stream::Packed { next, .. } => *next = pos.drawn as usize,
         }
     }

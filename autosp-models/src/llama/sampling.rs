@@ -15,30 +15,8 @@ pub enum Sampling {
     TopP { temperature: f64, top_p: f64 },
 }
 
-/// splitmix64: a small, well-mixed, portable generator.
-#[derive(Clone, Debug)]
-pub struct SampleRng(u64);
-
-impl SampleRng {
-    /// A generator seeded with `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, 1)`.
-    pub fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
+/// The seeded generator sampling draws from.
+pub type SampleRng = crate::rng::SplitMix64;
 
 /// The index of the largest logit (the first on ties); NaN logits never win.
 pub fn argmax(logits: &[f32]) -> usize {
