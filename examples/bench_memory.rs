@@ -7,11 +7,16 @@
 //! Ranks are threads of this process (`--launcher threads`), so the process peak covers every rank: the JSON
 //! says so in `process_peak_scope`. A step is the compiled forward + backward + gradient all-reduce and
 //! one AdamW update (its moment buffers are allocated on the first step, before the measured one).
+//!
+//! `--capacity` adds, per checkpoint configuration, one JSON line (`"bench":"capacity"`) after its runs: the
+//! least-squares line of the process peak vs N through the `--n` runs, its error, the longest N predicted to
+//! fit `--budget`, and with `--confirm` one step at that N (see `autosp::capacity`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use autosp::capacity;
 use autosp::compile::{compile, Checkpointing, CompileConfig, Strategy};
 use autosp::core::comm::run_ranks;
 use autosp::core::optim::{AdamW, AdamWConfig, Optimizer};
@@ -56,6 +61,21 @@ struct Args {
     /// Skip the plan's probe steps (no predictions in the JSON).
     #[arg(long)]
     no_plan: bool,
+    /// After each checkpoint configuration's runs, fit the process peak vs N and predict the longest N that
+    /// fits `--budget` (one extra JSON line, `"bench":"capacity"`). One rank only: with thread ranks the
+    /// process peak is all ranks' together.
+    #[arg(long)]
+    capacity: bool,
+    /// The per-rank byte budget of `--capacity` (e.g. 4G, 4294967296; K/M/G are powers of ten, Gi/Mi powers
+    /// of two).
+    #[arg(long, default_value = "4Gi")]
+    budget: String,
+    /// The predicted longest N is rounded down to a multiple of this.
+    #[arg(long, default_value_t = 512)]
+    capacity_multiple: usize,
+    /// Run one step at the predicted longest N to confirm its peak fits the budget (slow: the step is long).
+    #[arg(long)]
+    confirm: bool,
     /// Print rank 0's `explain()` (the rewritten module tree and the plan) to stderr before each run.
     #[arg(long)]
     explain: bool,
@@ -78,19 +98,22 @@ fn parse_checkpoint(s: &str) -> Result<Checkpointing> {
         "none" => Checkpointing::Policy(CheckpointPolicy::None),
         "full" => Checkpointing::Policy(CheckpointPolicy::Full),
         "sequence-aware" | "sa" => Checkpointing::Policy(CheckpointPolicy::SequenceAware),
-        _ => {
-            let (num, mult) = match s.chars().last() {
-                Some('K' | 'k') => (&s[..s.len() - 1], 1e3),
-                Some('M' | 'm') => (&s[..s.len() - 1], 1e6),
-                Some('G' | 'g') => (&s[..s.len() - 1], 1e9),
-                _ => (s, 1.0),
-            };
-            let v: f64 = num.parse().map_err(|_| {
-                anyhow!("--checkpoint {s:?}: use none, full, sequence-aware or a byte budget like 750M")
-            })?;
-            Checkpointing::Budget((v * mult) as usize)
-        }
+        _ => Checkpointing::Budget(
+            parse_bytes(s)
+                .map_err(|_| anyhow!("--checkpoint {s:?}: use none, full, sequence-aware or a byte budget like 750M"))?
+                as usize,
+        ),
     })
+}
+
+/// A byte count: a number with an optional suffix K/M/G (powers of ten) or Ki/Mi/Gi (powers of two).
+fn parse_bytes(s: &str) -> Result<u64> {
+    let (num, mult) = [("Ki", 1024.0), ("Mi", 1048576.0), ("Gi", 1073741824.0), ("K", 1e3), ("M", 1e6), ("G", 1e9)]
+        .iter()
+        .find_map(|(suf, m)| s.strip_suffix(suf).or_else(|| s.strip_suffix(&suf.to_lowercase())).map(|n| (n, *m)))
+        .unwrap_or((s, 1.0));
+    let v: f64 = num.parse().map_err(|_| anyhow!("{s:?} is not a byte count: use e.g. 4294967296, 750M or 4Gi"))?;
+    Ok((v * mult) as u64)
 }
 
 /// The `bench` preset's config, with room for `max_n` positions.
@@ -242,6 +265,75 @@ fn cpus() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
+/// Runs one step configuration on every rank; one JSON line per rank.
+fn measure(args: &Args, n: usize, checkpoint: &str) -> Result<Vec<serde_json::Value>> {
+    let out = run_ranks(args.sp, Duration::from_secs(3600), move |pg| run_rank(args, pg, n, checkpoint));
+    let mut jsons = Vec::new();
+    for r in out {
+        jsons.push(r.map_err(|e| anyhow!("rank failed: {e}"))??);
+    }
+    Ok(jsons)
+}
+
+/// The process peak of a run (the largest over its rank lines).
+fn process_peak(lines: &[serde_json::Value]) -> Result<u64> {
+    lines
+        .iter()
+        .map(|j| j["process_peak_bytes"].as_u64())
+        .max()
+        .flatten()
+        .ok_or_else(|| anyhow!("a run printed no process_peak_bytes"))
+}
+
+/// The `"bench":"capacity"` line of one checkpoint configuration from its `(n, process peak)` points.
+/// `strategy`: the resolved strategy of the runs (as their memory lines print it).
+fn capacity_line(args: &Args, strategy: &str, checkpoint: &str, points: &[(usize, u64)]) -> Result<serde_json::Value> {
+    let budget = parse_bytes(&args.budget)?;
+    let (floor, growing) = capacity::split_floor(points, 1e-3);
+    if let Some(f) = floor.iter().map(|p| p.1).max().filter(|&f| f > budget) {
+        bail!("--budget {budget} bytes is below the peak floor {f} bytes measured at short lengths: raise it");
+    }
+    let fit = capacity::fit_peaks(&growing)?;
+    let predicted = capacity::longest_fitting(&fit.line, budget, args.capacity_multiple)?;
+    let confirmed = if args.confirm {
+        let lines = measure(args, predicted, checkpoint)?;
+        for j in &lines {
+            println!("{j}");
+        }
+        let peak = process_peak(&lines)?;
+        json!({"n": predicted, "process_peak_bytes": peak, "fits_budget": peak <= budget,
+               "peak_vs_fit": peak as f64 / fit.line.at(predicted) - 1.0,
+               "step_s": lines[0]["step_s"], "tokens_per_s": lines[0]["tokens_per_s"]})
+    } else {
+        serde_json::Value::Null
+    };
+    Ok(json!({
+        "bench": "capacity",
+        "model": args.model.clone().unwrap_or_else(|| format!("preset:{}", args.preset)),
+        "sp": args.sp,
+        "launcher": args.launcher,
+        "strategy": strategy,
+        "checkpoint": checkpoint,
+        "budget_bytes": budget,
+        "peak_metric": "process_peak_bytes: heap peak of the measured step (tracking allocator), one rank",
+        "points": growing.iter().map(|p| json!({"n": p.0, "process_peak_bytes": p.1})).collect::<Vec<_>>(),
+        "floor_points": floor.iter().map(|p| json!({"n": p.0, "process_peak_bytes": p.1})).collect::<Vec<_>>(),
+        "floor_note": "points within 0.1% of the smallest peak (two or more) are a flat floor, left out of the fit",
+        "fit_a_bytes": fit.line.a,
+        "fit_b_bytes_per_token": fit.line.b,
+        "fit_rmse_bytes": fit.rmse_bytes,
+        "fit_max_rel_error": fit.max_rel_error,
+        "fit_r2": fit.r2,
+        "capacity_multiple": args.capacity_multiple,
+        "predicted_max_n": predicted,
+        "predicted_peak_at_max_n": fit.line.at(predicted),
+        "confirmed": confirmed,
+        "confirmation": if args.confirm { "one step run at predicted_max_n" } else { "not confirmed (--confirm not given)" },
+        "cpus": cpus(),
+        "loadavg": loadavg(),
+    }))
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     if args.launcher != "threads" {
@@ -250,18 +342,31 @@ fn main() -> Result<()> {
             args.launcher
         );
     }
+    if args.capacity && args.sp > 1 {
+        bail!(
+            "--capacity with --sp {}: thread ranks share one heap, so no per-rank peak exists; run --sp 1 \
+             (a per-rank MPI launcher is not wired into bench_memory)",
+            args.sp
+        );
+    }
+    parse_bytes(&args.budget)?;
+    // points[i]: (n, process peak) of checkpoint configuration i, for --capacity.
+    let mut points = vec![Vec::new(); args.checkpoint.len()];
+    let mut strategy = vec![String::new(); args.checkpoint.len()];
     for &n in &args.n {
-        for checkpoint in &args.checkpoint {
-            let args = &args;
-            let out = run_ranks(args.sp, Duration::from_secs(3600), move |pg| run_rank(args, pg, n, checkpoint));
-            let mut jsons = Vec::new();
-            for r in out {
-                jsons.push(r.map_err(|e| anyhow!("rank failed: {e}"))??);
-            }
+        for (i, checkpoint) in args.checkpoint.iter().enumerate() {
+            let lines = measure(&args, n, checkpoint)?;
+            points[i].push((n, process_peak(&lines)?));
+            strategy[i] = lines[0]["strategy"].as_str().unwrap_or("?").to_string();
             // One line per rank; the process numbers are the same on every line (one heap).
-            for j in jsons {
+            for j in lines {
                 println!("{j}");
             }
+        }
+    }
+    if args.capacity {
+        for ((checkpoint, pts), strategy) in args.checkpoint.iter().zip(&points).zip(&strategy) {
+            println!("{}", capacity_line(&args, strategy, checkpoint, pts)?);
         }
     }
     Ok(())

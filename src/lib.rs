@@ -6,6 +6,7 @@ pub use autosp_core as core;
 pub use autosp_kernels as kernels;
 pub use autosp_models as models;
 
+pub mod capacity;
 pub mod compile;
 
 pub use compile::{compile, Checkpointing, CompileConfig, CompileError, Compiled, Strategy};
