@@ -111,7 +111,11 @@ fn chart(path: &Path, title: &str, y_desc: &str, series: &Series, lines: &[(Stri
             .label(name.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(1)));
     }
-    c.configure_series_labels().background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
+    c.configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
     root.present()?;
     Ok(())
 }
