@@ -6,6 +6,7 @@ use autosp_core::comm::ReduceOp;
 use autosp_core::module::all_params;
 use autosp_core::ops::{self, IGNORE_INDEX};
 use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Tape};
+use autosp_kernels::sp::layout::gather_unshard;
 use candle_core::{DType, Tensor};
 
 use super::{CompileError, Compiled};
@@ -41,12 +42,19 @@ pub fn shift_and_pad(ids: &Tensor, labels: Option<&Tensor>, n_pad: usize) -> Res
     };
     let ignore = |len: usize| Tensor::full(IGNORE_INDEX, (b, len), ids.device());
     let targets = Tensor::cat(&[labels.narrow(1, 1, n - 1)?, ignore(1 + n_pad - n)?], 1)?;
-    let ids = if n_pad > n {
-        Tensor::cat(&[ids.to_dtype(DType::U32)?, Tensor::zeros((b, n_pad - n), DType::U32, ids.device())?], 1)?
-    } else {
-        ids.to_dtype(DType::U32)?
-    };
-    Ok((ids, targets))
+    Ok((pad_ids(ids, n_pad)?, targets))
+}
+
+/// `ids: [b, n]` as u32, padded with token 0 to `[b, n_pad]` (causal attention keeps real tokens from seeing
+/// the pad, and its targets are ignored).
+fn pad_ids(ids: &Tensor, n_pad: usize) -> Result<Tensor, CompileError> {
+    let (b, n) = ids.dims2()?;
+    let ids = ids.to_dtype(DType::U32)?;
+    if n_pad == n {
+        return Ok(ids);
+    }
+    let pad = Tensor::zeros((b, n_pad - n), DType::U32, ids.device())?;
+    Ok(Tensor::cat(&[ids, pad], 1)?)
 }
 
 impl<M: CausalLm> Compiled<M> {
@@ -141,28 +149,14 @@ impl<M: CausalLm> Compiled<M> {
     /// Forward only (a long prompt's prefill split over the ranks): logits `[b, n, vocab]` for `ids: [b, n]`,
     /// gathered back into sequence order on every rank.
     pub fn logits(&self, ids: &Tensor) -> Result<Tensor, CompileError> {
-        let (b, n) = ids.dims2()?;
+        let (_, n) = ids.dims2()?;
         let n_pad = self.padded_len(n);
-        let ids = if n_pad > n {
-            Tensor::cat(&[ids.to_dtype(DType::U32)?, Tensor::zeros((b, n_pad - n), DType::U32, ids.device())?], 1)?
-        } else {
-            ids.to_dtype(DType::U32)?
-        };
+        let ids = pad_ids(ids, n_pad)?;
         let positions = self.positions(n_pad, self.group.rank())?;
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
         let tape = Tape::inference();
         let local = self.model.logits(&tape, &ids.index_select(&index, 1)?, &positions)?.into_tensor();
-        let gathered = self.group.all_gather(&local.contiguous()?, 1)?;
-        // gathered[i] holds global position order[i]; invert that permutation.
-        let mut order = Vec::with_capacity(n_pad);
-        for r in 0..self.group.size() {
-            order.extend(self.positions(n_pad, r)?);
-        }
-        let mut inverse = vec![0u32; n_pad];
-        for (i, &pos) in order.iter().enumerate() {
-            inverse[pos] = i as u32;
-        }
-        let inverse = Tensor::from_vec(inverse, n_pad, ids.device())?;
-        Ok(gathered.index_select(&inverse, 1)?.narrow(1, 0, n)?)
+        let whole = gather_unshard(self.group.as_ref(), &local.contiguous()?, 1, self.layout())?;
+        Ok(whole.narrow(1, 0, n)?)
     }
 }
