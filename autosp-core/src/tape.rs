@@ -135,6 +135,17 @@ impl Tape {
         self.inner.borrow().policy
     }
 
+    /// The policy of the checkpoint region open now (`None` outside a region or on an inference tape). Modules
+    /// read it to pick an implementation whose saved state suits the policy: a region that recomputes can use
+    /// ops that recompute internally in sequence chunks.
+    pub fn region_policy(&self) -> Option<CheckpointPolicy> {
+        let inner = self.inner.borrow();
+        if !inner.recording {
+            return None;
+        }
+        inner.open.map(|r| inner.regions[r].policy)
+    }
+
     /// A parameter as a leaf value; the same parameter always maps to the same leaf, so a parameter used
     /// twice (tied embeddings) gets the sum of both gradients.
     pub fn param(&self, p: &Param) -> Value {

@@ -1,10 +1,12 @@
 //! autosp-kernels: autosp's heavy ops, each a tape op with a hand-written backward and a plain function on
 //! candle tensors: CPU flash attention ([`flash`], on the tape as [`FlashAttention`]), fused RMSNorm / RoPE /
-//! SwiGLU ([`fused`]), the chunked linear + cross-entropy ([`chunked_loss`]), and sequence-parallel attention:
+//! SwiGLU ([`fused`]), the chunked linear + cross-entropy ([`chunked_loss`]), the chunked SwiGLU MLP
+//! ([`chunked_mlp`]), and sequence-parallel attention:
 //! Ulysses, Ring and hybrid ([`sp`]).
 
 pub mod attention_op;
 pub mod chunked_loss;
+pub mod chunked_mlp;
 pub mod error;
 pub mod flash;
 pub mod fused;
@@ -14,6 +16,7 @@ pub use attention_op::{flash_attention, FlashAttention, FlashAttentionOp};
 pub use chunked_loss::{
     chunked_cross_entropy, chunked_cross_entropy_backward, chunked_cross_entropy_forward, ChunkedCrossEntropy,
 };
+pub use chunked_mlp::{chunked_mlp, chunked_mlp_backward, chunked_mlp_forward, ChunkedSwiGluMlp};
 pub use error::{Error, Result};
 pub use flash::{flash_attention_backward, flash_attention_forward, MAX_HEAD_DIM};
 pub use sp::{HybridAttention, RingAttention, RingLayout, SeqLayout, SpError, UlyssesAttention};

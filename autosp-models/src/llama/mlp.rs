@@ -1,8 +1,12 @@
-//! [`LlamaMlp`]: the SwiGLU feed-forward block, `down(silu(gate(x)) * up(x))`.
+//! [`LlamaMlp`]: the SwiGLU feed-forward block, `down(silu(gate(x)) * up(x))`. Inside a checkpoint region
+//! that recomputes (Full, SequenceAware) it runs as one chunked op that saves only its input and recomputes
+//! the `[n, intermediate]` gate and up projections chunk by chunk in backward; elsewhere (no region, policy
+//! None, inference) as three linears and the fused SwiGLU, keeping every intermediate.
 
 use autosp_core::module::Module;
 use autosp_core::nn::Linear;
-use autosp_core::{Tape, Value};
+use autosp_core::{CheckpointPolicy, Tape, Value};
+use autosp_kernels::chunked_mlp::chunked_mlp;
 use autosp_kernels::fused::swiglu::swiglu;
 
 use super::error::ModelResult;
@@ -16,12 +20,27 @@ pub struct LlamaMlp {
     pub down_proj: Linear,
 }
 
+/// Tokens per chunk of the chunked MLP: its transient intermediates are a few `[1024, intermediate]` tensors.
+pub const MLP_CHUNK_ROWS: usize = 1024;
+
 impl LlamaMlp {
     /// `x: [b, n, hidden]` -> `[b, n, hidden]`.
     pub fn forward(&self, tape: &Tape, x: &Value) -> ModelResult<Value> {
+        if self.chunked(tape) {
+            let (g, u, d) = (&self.gate_proj.weight, &self.up_proj.weight, &self.down_proj.weight);
+            return Ok(chunked_mlp(tape, x, &tape.param(g), &tape.param(u), &tape.param(d), MLP_CHUNK_ROWS)?);
+        }
         let gate = self.gate_proj.forward(tape, x)?;
         let up = self.up_proj.forward(tape, x)?;
         Ok(self.down_proj.forward(tape, &swiglu(tape, &gate, &up)?)?)
+    }
+
+    /// Whether to run as the chunked op: inside a recomputing region, and only without biases (Llama's MLP
+    /// has none).
+    fn chunked(&self, tape: &Tape) -> bool {
+        let recomputes = matches!(tape.region_policy(), Some(p) if p != CheckpointPolicy::None);
+        let biased = [&self.gate_proj, &self.up_proj, &self.down_proj].iter().any(|l| l.bias.is_some());
+        recomputes && !biased
     }
 }
 
