@@ -98,6 +98,11 @@ impl Gradients {
         self.grads.insert(id, g);
     }
 
+    /// Takes the gradient of `p` out.
+    pub fn remove(&mut self, p: &Param) -> Option<Tensor> {
+        self.grads.remove(&p.id())
+    }
+
     /// Adds `g` to the gradient of `p` (gradient accumulation over micro-batches).
     pub fn accumulate(&mut self, p: &Param, g: &Tensor) -> Result<()> {
         let sum = match self.grads.get(&p.id()) {

@@ -5,7 +5,7 @@
 use autosp_core::comm::ReduceOp;
 use autosp_core::module::all_params;
 use autosp_core::ops::{self, IGNORE_INDEX};
-use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Tape};
+use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Param, Tape};
 use autosp_kernels::sp::layout::gather_unshard;
 use candle_core::{DType, Tensor};
 
@@ -105,38 +105,36 @@ impl<M: CausalLm> Compiled<M> {
 
         let loss_local = term.tensor().to_dtype(DType::F64)?.reshape(1)?;
         let loss = self.group.all_reduce(&loss_local, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
-        let grads = self.reduce_grads(&tape.param_grads())?;
+        let local = tape.param_grads();
+        drop(tape);
+        let grads = self.reduce_grads(local)?;
         Ok(StepOutput { loss, valid_tokens: total as usize, grads, after_forward, peak_bytes, memory_trace })
     }
 
-    /// Sums every parameter's gradient over the group in one all-reduce per dtype (parameters in model order).
-    fn reduce_grads(&self, local: &Gradients) -> Result<Gradients, CompileError> {
+    /// Sums every parameter's gradient over the group: parameters in model order, grouped by dtype into
+    /// buckets of at most [`GRAD_BUCKET_ELEMS`] elements (a larger parameter is a bucket of its own), one
+    /// all-reduce per bucket. `local` is consumed bucket by bucket, so the reduction holds about one copy of
+    /// the gradients plus one bucket's buffers, not three copies.
+    fn reduce_grads(&self, mut local: Gradients) -> Result<Gradients, CompileError> {
         let params = all_params(&self.model);
-        let mut out = Gradients::new();
         if self.group.size() == 1 {
-            for p in &params {
-                if let Some(g) = local.get(p) {
-                    out.insert(p, g.clone());
-                }
-            }
-            return Ok(out);
+            return Ok(local);
         }
-        let mut dtypes: Vec<DType> = params.iter().map(|p| p.tensor().dtype()).collect();
-        dtypes.sort_by_key(|d| d.as_str());
-        dtypes.dedup();
-        for dtype in dtypes {
-            let group: Vec<_> = params.iter().filter(|p| p.tensor().dtype() == dtype).collect();
-            let mut flat = Vec::with_capacity(group.len());
-            for p in &group {
-                let t = p.tensor();
-                flat.push(match local.get(p) {
+        let mut out = Gradients::new();
+        for bucket in grad_buckets(&params, GRAD_BUCKET_ELEMS) {
+            let mut flat = Vec::with_capacity(bucket.len());
+            for p in &bucket {
+                flat.push(match local.remove(p) {
                     Some(g) => g.flatten_all()?,
-                    None => t.zeros_like()?.flatten_all()?,
+                    None => p.tensor().zeros_like()?.flatten_all()?,
                 });
             }
-            let summed = self.group.all_reduce(&Tensor::cat(&flat, 0)?, ReduceOp::Sum)?;
+            let joined = if flat.len() == 1 { flat.remove(0) } else { Tensor::cat(&flat, 0)? };
+            drop(flat);
+            let summed = self.group.all_reduce(&joined, ReduceOp::Sum)?;
+            drop(joined);
             let mut offset = 0;
-            for p in group {
+            for p in bucket {
                 let t = p.tensor();
                 let n = t.elem_count();
                 out.insert(p, summed.narrow(0, offset, n)?.reshape(t.shape())?);
@@ -158,5 +156,61 @@ impl<M: CausalLm> Compiled<M> {
         let local = self.model.logits(&tape, &ids.index_select(&index, 1)?, &positions)?.into_tensor();
         let whole = gather_unshard(self.group.as_ref(), &local.contiguous()?, 1, self.layout())?;
         Ok(whole.narrow(1, 0, n)?)
+    }
+}
+
+/// Elements per gradient all-reduce bucket (16 MiB of f32).
+const GRAD_BUCKET_ELEMS: usize = 1 << 22;
+
+/// `params` (in model order) split into all-reduce buckets: one dtype per bucket, consecutive parameters
+/// while the bucket stays within `limit` elements. Every rank builds the same buckets from the same model, so
+/// the collectives match.
+fn grad_buckets(params: &[Param], limit: usize) -> Vec<Vec<&Param>> {
+    let mut dtypes: Vec<DType> = params.iter().map(|p| p.tensor().dtype()).collect();
+    dtypes.sort_by_key(|d| d.as_str());
+    dtypes.dedup();
+    let mut buckets = Vec::new();
+    for dtype in dtypes {
+        let mut bucket: Vec<&Param> = Vec::new();
+        let mut elems = 0;
+        for p in params.iter().filter(|p| p.tensor().dtype() == dtype) {
+            let n = p.tensor().elem_count();
+            if !bucket.is_empty() && elems + n > limit {
+                buckets.push(std::mem::take(&mut bucket));
+                elems = 0;
+            }
+            bucket.push(p);
+            elems += n;
+        }
+        if !bucket.is_empty() {
+            buckets.push(bucket);
+        }
+    }
+    buckets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn param(name: &str, n: usize, dtype: DType) -> Param {
+        Param::new(name, Tensor::zeros(n, dtype, &Device::Cpu).unwrap())
+    }
+
+    #[test]
+    fn buckets_keep_model_order_split_by_dtype_and_size() {
+        let ps = [
+            param("a", 3, DType::F32),
+            param("b", 4, DType::F32),
+            param("h", 2, DType::BF16),
+            param("c", 12, DType::F32),
+            param("d", 1, DType::F32),
+            param("e", 2, DType::F32),
+        ];
+        let names: Vec<Vec<&str>> = grad_buckets(&ps, 8).iter().map(|b| b.iter().map(|p| p.name()).collect()).collect();
+        // bf16 sorts before f32; a parameter over the limit is a bucket of its own.
+        assert_eq!(names, vec![vec!["h"], vec!["a", "b"], vec!["c"], vec!["d", "e"]]);
+        assert_eq!(grad_buckets(&ps, usize::MAX).len(), 2);
     }
 }
