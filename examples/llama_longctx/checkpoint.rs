@@ -188,7 +188,7 @@ pub fn restore_optimizer(dir: &Path, opt: &mut AdamW, params: &[Param], step: u6
         let (m, v) = (t.remove(&format!("{}.exp_avg", p.name())), t.remove(&format!("{}.exp_avg_sq", p.name())));
         match (m, v) {
             (Some(m), Some(v)) if m.dims() == p.tensor().dims() && v.dims() == p.tensor().dims() => {
-                opt.set_state(step, p, m, v)
+                opt.set_state(step, p, m, v)?
             }
             (None, None) if step == 0 => {}
             _ => bail!(

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::Tensor;
+use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Tensor};
 
 use super::Optimizer;
 use crate::ops::attention::accum_dtype;
@@ -52,15 +52,18 @@ impl AdamW {
         self.step
     }
 
-    /// The first and second moments of `p` (after at least one step with a gradient for it).
+    /// The first and second moments of `p` (after at least one step with a gradient for it). Later steps
+    /// update them in place on the CPU: copy them to keep a snapshot.
     pub fn moments(&self, p: &Param) -> Option<(&Tensor, &Tensor)> {
         self.moments.get(&p.id()).map(|(m, v)| (m, v))
     }
 
-    /// Restores a parameter's moments and the step count (resuming from a checkpoint).
-    pub fn set_state(&mut self, step: u64, p: &Param, m: Tensor, v: Tensor) {
+    /// Restores a parameter's moments and the step count (resuming from a checkpoint). The optimiser
+    /// updates its moments in place on the CPU, so it takes its own copies of `m` and `v`.
+    pub fn set_state(&mut self, step: u64, p: &Param, m: Tensor, v: Tensor) -> Result<()> {
         self.step = step;
-        self.moments.insert(p.id(), (m, v));
+        self.moments.insert(p.id(), (m.copy()?, v.copy()?));
+        Ok(())
     }
 }
 
@@ -68,8 +71,15 @@ impl Optimizer for AdamW {
     fn step(&mut self, params: &[Param], grads: &Gradients, lr: f64) -> Result<()> {
         self.step += 1;
         let c = self.cfg;
-        let bc1 = 1.0 - c.beta1.powi(self.step as i32);
-        let bc2 = 1.0 - c.beta2.powi(self.step as i32);
+        let k = Coefficients {
+            beta1: c.beta1,
+            beta2: c.beta2,
+            bc1: 1.0 - c.beta1.powi(self.step as i32),
+            bc2: 1.0 - c.beta2.powi(self.step as i32),
+            eps: c.eps,
+            lr,
+            decay: 1.0 - lr * c.weight_decay,
+        };
         for p in params {
             let Some(g) = grads.get(p) else { continue };
             let w = p.tensor();
@@ -79,14 +89,194 @@ impl Optimizer for AdamW {
                 Some(mv) => mv,
                 None => (wf.zeros_like()?, wf.zeros_like()?),
             };
-            let m = ((m * c.beta1)? + (&gf * (1.0 - c.beta1))?)?;
-            let v = ((v * c.beta2)? + (gf.sqr()? * (1.0 - c.beta2))?)?;
-            let decayed = (&wf * (1.0 - lr * c.weight_decay))?;
-            let update = ((&m / bc1)? / ((&v / bc2)?.sqrt()? + c.eps)?)?;
-            let new = (decayed - (update * lr)?)?;
+            let (new, m, v) = if w.device().is_cpu() {
+                update_in_place(&wf, &gf, m, v, &k)?
+            } else {
+                update_with_tensor_ops(&wf, &gf, m, v, &k)?
+            };
             p.set(new.to_dtype(w.dtype())?)?;
             self.moments.insert(p.id(), (m, v));
         }
         Ok(())
+    }
+}
+
+/// One step's scalars.
+#[derive(Clone, Copy, Debug)]
+struct Coefficients {
+    beta1: f64,
+    beta2: f64,
+    /// Bias corrections `1 - beta^t`.
+    bc1: f64,
+    bc2: f64,
+    eps: f64,
+    lr: f64,
+    /// `1 - lr * weight_decay`.
+    decay: f64,
+}
+
+/// The update on any device with candle ops: `(new weights, m, v)`. Allocates several weight-sized
+/// temporaries; the CPU path below allocates one.
+fn update_with_tensor_ops(
+    wf: &Tensor,
+    gf: &Tensor,
+    m: Tensor,
+    v: Tensor,
+    k: &Coefficients,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let m = ((m * k.beta1)? + (gf * (1.0 - k.beta1))?)?;
+    let v = ((v * k.beta2)? + (gf.sqr()? * (1.0 - k.beta2))?)?;
+    let update = ((&m / k.bc1)? / ((&v / k.bc2)?.sqrt()? + k.eps)?)?;
+    let new = ((wf * k.decay)? - (update * k.lr)?)?;
+    Ok((new, m, v))
+}
+
+/// The update on the CPU: the moments (owned by the optimiser) are updated in place and the new weights are
+/// written into one fresh copy, element by element in the same arithmetic as [`update_with_tensor_ops`]
+/// (bit for bit: tested).
+/// Peak extra memory: one weight-sized tensor (the update of a 16M-parameter embedding would otherwise hold
+/// about six such temporaries at once).
+fn update_in_place(
+    wf: &Tensor,
+    gf: &Tensor,
+    m: Tensor,
+    v: Tensor,
+    k: &Coefficients,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let gf = gf.contiguous()?;
+    m.inplace_op2(&gf, &Moment { beta: k.beta1, square: false })?;
+    v.inplace_op2(&gf, &Moment { beta: k.beta2, square: true })?;
+    let new = wf.copy()?;
+    new.inplace_op3(&m, &v, &Weights(*k))?;
+    Ok((new, m, v))
+}
+
+/// The element range of a contiguous layout.
+fn range(l: &Layout, what: &str) -> candle_core::Result<std::ops::Range<usize>> {
+    let (a, b) =
+        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("adamw: {what} must be contiguous")))?;
+    Ok(a..b)
+}
+
+/// The moment dtypes (f32, f64): candle's arithmetic plus a square root.
+trait MomentFloat: candle_core::WithDType {
+    fn root(self) -> Self;
+}
+
+impl MomentFloat for f32 {
+    fn root(self) -> Self {
+        self.sqrt()
+    }
+}
+
+impl MomentFloat for f64 {
+    fn root(self) -> Self {
+        self.sqrt()
+    }
+}
+
+/// `m <- beta m + (1 - beta) g` (or with `g^2` for the second moment), in place.
+struct Moment {
+    beta: f64,
+    square: bool,
+}
+
+impl Moment {
+    fn run<T: MomentFloat>(&self, m: &mut [T], g: &[T]) {
+        let (b, one_b) = (T::from_f64(self.beta), T::from_f64(1.0 - self.beta));
+        for (m, &g) in m.iter_mut().zip(g) {
+            let g = if self.square { g * g } else { g };
+            *m = *m * b + g * one_b;
+        }
+    }
+}
+
+impl InplaceOp2 for Moment {
+    fn name(&self) -> &'static str {
+        "adamw_moment"
+    }
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
+        let (r1, r2) = (range(l1, "moment")?, range(l2, "gradient")?);
+        match (s1, s2) {
+            (CpuStorage::F32(m), CpuStorage::F32(g)) => self.run(&mut m[r1], &g[r2]),
+            (CpuStorage::F64(m), CpuStorage::F64(g)) => self.run(&mut m[r1], &g[r2]),
+            _ => candle_core::bail!("adamw: moment and gradient must both be f32 or both f64"),
+        }
+        Ok(())
+    }
+}
+
+/// `w <- decay w - lr (m / bc1) / (sqrt(v / bc2) + eps)`, in place on a fresh copy of the weights.
+struct Weights(Coefficients);
+
+impl Weights {
+    fn run<T: MomentFloat>(&self, w: &mut [T], m: &[T], v: &[T]) {
+        let k = &self.0;
+        let f = T::from_f64;
+        // candle's `tensor / scalar` multiplies by the reciprocal: the same here, for the same bits.
+        let (ibc1, ibc2, eps, lr, decay) = (f(1.0 / k.bc1), f(1.0 / k.bc2), f(k.eps), f(k.lr), f(k.decay));
+        for ((w, &m), &v) in w.iter_mut().zip(m).zip(v) {
+            let update = (m * ibc1) / ((v * ibc2).root() + eps);
+            *w = *w * decay - update * lr;
+        }
+    }
+}
+
+impl InplaceOp3 for Weights {
+    fn name(&self) -> &'static str {
+        "adamw_weights"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<()> {
+        let (r1, r2, r3) = (range(l1, "weights")?, range(l2, "m")?, range(l3, "v")?);
+        match (s1, s2, s3) {
+            (CpuStorage::F32(w), CpuStorage::F32(m), CpuStorage::F32(v)) => self.run(&mut w[r1], &m[r2], &v[r3]),
+            (CpuStorage::F64(w), CpuStorage::F64(m), CpuStorage::F64(v)) => self.run(&mut w[r1], &m[r2], &v[r3]),
+            _ => candle_core::bail!("adamw: weights and moments must all be f32 or all f64"),
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gradcheck::probe;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn in_place_update_equals_the_tensor_op_update_bit_for_bit() {
+        let k = Coefficients {
+            beta1: 0.9,
+            beta2: 0.999,
+            bc1: 1.0 - 0.9f64.powi(3),
+            bc2: 1.0 - 0.999f64.powi(3),
+            eps: 1e-8,
+            lr: 1e-3,
+            decay: 1.0 - 1e-3 * 0.01,
+        };
+        for dtype in [DType::F32, DType::F64] {
+            let t = |seed| probe(&[7, 33], seed, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let (w, g, m, v) = (t(1), t(2), t(3), t(4).sqr().unwrap());
+            let a = update_with_tensor_ops(&w, &g, m.copy().unwrap(), v.copy().unwrap(), &k).unwrap();
+            let b = update_in_place(&w, &g, m.copy().unwrap(), v.copy().unwrap(), &k).unwrap();
+            for (x, y) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
+                let d = x.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+                let e = y.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+                assert_eq!(d, e, "{dtype:?}");
+            }
+            // The weights passed in are not modified (the update writes a copy).
+            assert_eq!(
+                w.to_dtype(DType::F64).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap(),
+                t(1).to_dtype(DType::F64).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
+            );
+        }
     }
 }
