@@ -15,5 +15,5 @@ pub use chunked_loss::{
     chunked_cross_entropy, chunked_cross_entropy_backward, chunked_cross_entropy_forward, ChunkedCrossEntropy,
 };
 pub use error::{Error, Result};
-pub use flash::{flash_attention_backward, flash_attention_forward, MAX_HEAD_DIM};
+pub use flash::{flash_attention_backward, flash_attention_forward, flash_attention_output, MAX_HEAD_DIM};
 pub use sp::{HybridAttention, RingAttention, RingLayout, SeqLayout, SpError, UlyssesAttention};
