@@ -7,7 +7,7 @@ use autosp_core::ops::AttentionSpec;
 use autosp_core::{Attention, NodeKind, Op, SavedTensors, Saves, Tape, Value};
 use candle_core::Tensor;
 
-use crate::flash::{flash_attention_backward, flash_attention_forward, flash_attention_output};
+use crate::flash::{device, flash_attention_backward, flash_attention_forward, flash_attention_output};
 use crate::Error;
 
 /// Flash attention as a tape op: inputs `q: [b, nq, h, d]`, `k, v: [b, nk, h_kv, d]`; outputs
@@ -97,11 +97,14 @@ impl Attention for FlashAttention {
         v: &Value,
         spec: &AttentionSpec,
     ) -> autosp_core::Result<Value> {
+        const OP: &str = "FlashAttention::forward_output";
         if q.device().is_cpu() {
             return Ok(self.forward(tape, q, k, v, spec)?.0);
         }
+        // A device this build cannot run (CUDA without feature `cuda`) is reported as such first.
+        device::backend(OP, q.tensor(), k.tensor(), v.tensor())?;
         if tape.is_recording() && [q, k, v].iter().any(|x| x.is_tracked()) {
-            return Err(Error::CudaBackward { op: "FlashAttention::forward_output" }.into());
+            return Err(Error::CudaBackward { op: OP }.into());
         }
         Ok(Value::constant(flash_attention_output(q.tensor(), k.tensor(), v.tensor(), spec)?))
     }

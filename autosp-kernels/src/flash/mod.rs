@@ -49,7 +49,7 @@ mod backward;
 mod cuda;
 #[cfg(any(feature = "cuda", test))]
 mod cuda_plan;
-mod device;
+pub(crate) mod device;
 mod forward;
 mod geometry;
 mod microkernel;
