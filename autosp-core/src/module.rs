@@ -20,6 +20,13 @@ pub trait Attention: std::fmt::Debug + Send + Sync {
 
     /// Attention over the given queries, keys and values.
     fn forward(&self, tape: &Tape, q: &Value, k: &Value, v: &Value, spec: &AttentionSpec) -> Result<(Value, Value)>;
+
+    /// The attention output alone, for callers that do not use the LSE (the model's attention layer).
+    /// The default runs [`forward`](Self::forward) and drops the LSE; an implementation that cannot produce
+    /// the LSE on some device (CUDA flash attention) overrides this.
+    fn forward_output(&self, tape: &Tape, q: &Value, k: &Value, v: &Value, spec: &AttentionSpec) -> Result<Value> {
+        Ok(self.forward(tape, q, k, v, spec)?.0)
+    }
 }
 
 /// The naive reference attention (materialises the scores): correct everywhere, fast nowhere.
@@ -68,6 +75,11 @@ impl AttentionSlot {
         spec: &AttentionSpec,
     ) -> Result<(Value, Value)> {
         self.imp.forward(tape, q, k, v, spec)
+    }
+
+    /// Runs the held attention for its output alone (see [`Attention::forward_output`]).
+    pub fn forward_output(&self, tape: &Tape, q: &Value, k: &Value, v: &Value, spec: &AttentionSpec) -> Result<Value> {
+        self.imp.forward_output(tape, q, k, v, spec)
     }
 }
 

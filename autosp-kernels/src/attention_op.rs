@@ -1,11 +1,14 @@
 //! Flash attention on the tape: the [`FlashAttentionOp`] (kind attention; saves q, k, v, o and lse; backward
 //! in the FlashAttention-2 manner) and [`FlashAttention`], the default [`Attention`] for every attention slot.
+//! On CUDA (feature `cuda`) only [`Attention::forward_output`] runs, for inference: candle-flash-attn gives
+//! neither the LSE nor a backward (see `flash/cuda.rs`).
 
 use autosp_core::ops::AttentionSpec;
 use autosp_core::{Attention, NodeKind, Op, SavedTensors, Saves, Tape, Value};
 use candle_core::Tensor;
 
-use crate::flash::{flash_attention_backward, flash_attention_forward};
+use crate::flash::{device, flash_attention_backward, flash_attention_forward, flash_attention_output};
+use crate::Error;
 
 /// Flash attention as a tape op: inputs `q: [b, nq, h, d]`, `k, v: [b, nk, h_kv, d]`; outputs
 /// `o: [b, nq, h, d]` and `lse: [b, h, nq]`.
@@ -81,5 +84,28 @@ impl Attention for FlashAttention {
         spec: &AttentionSpec,
     ) -> autosp_core::Result<(Value, Value)> {
         flash_attention(tape, q, k, v, *spec)
+    }
+
+    /// On the CPU the output of [`forward`](Attention::forward). On any other device the output of
+    /// [`flash_attention_output`] (candle-flash-attn on CUDA), for inference only: when the tape would
+    /// record a gradient through q, k or v this is [`Error::CudaBackward`] before any work is done.
+    fn forward_output(
+        &self,
+        tape: &Tape,
+        q: &Value,
+        k: &Value,
+        v: &Value,
+        spec: &AttentionSpec,
+    ) -> autosp_core::Result<Value> {
+        const OP: &str = "FlashAttention::forward_output";
+        if q.device().is_cpu() {
+            return Ok(self.forward(tape, q, k, v, spec)?.0);
+        }
+        // A device this build cannot run (CUDA without feature `cuda`) is reported as such first.
+        device::backend(OP, q.tensor(), k.tensor(), v.tensor())?;
+        if tape.is_recording() && [q, k, v].iter().any(|x| x.is_tracked()) {
+            return Err(Error::CudaBackward { op: OP }.into());
+        }
+        Ok(Value::constant(flash_attention_output(q.tensor(), k.tensor(), v.tensor(), spec)?))
     }
 }

@@ -18,5 +18,5 @@ pub use chunked_loss::{
 };
 pub use chunked_mlp::{chunked_mlp, chunked_mlp_backward, chunked_mlp_forward, ChunkedSwiGluMlp};
 pub use error::{Error, Result};
-pub use flash::{flash_attention_backward, flash_attention_forward, MAX_HEAD_DIM};
+pub use flash::{flash_attention_backward, flash_attention_forward, flash_attention_output, MAX_HEAD_DIM};
 pub use sp::{HybridAttention, RingAttention, RingLayout, SeqLayout, SpError, UlyssesAttention};

@@ -79,6 +79,9 @@ pub enum CommError {
     /// The MPI back end failed (bad message, unsupported dtype, MPI setup).
     #[error("{collective} on group `{group}` (rank {rank}): MPI: {detail}")]
     Mpi { collective: Collective, group: String, rank: usize, detail: String },
+    /// The NCCL back end failed (an NCCL or CUDA call returned an error, a bad header, a non-CUDA device).
+    #[error("{collective} on group `{group}` (rank {rank}): NCCL: {detail}")]
+    Nccl { collective: Collective, group: String, rank: usize, detail: String },
     /// A rank's function panicked (reported by the thread launcher for that rank).
     #[error("rank {rank} panicked: {message}")]
     RankPanicked { rank: usize, message: String },
@@ -135,6 +138,16 @@ impl ErrCtx<'_> {
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub fn mpi(&self, detail: impl Into<String>) -> CommError {
         CommError::Mpi {
+            collective: self.collective,
+            group: self.group.to_string(),
+            rank: self.rank,
+            detail: detail.into(),
+        }
+    }
+
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub fn nccl(&self, detail: impl Into<String>) -> CommError {
+        CommError::Nccl {
             collective: self.collective,
             group: self.group.to_string(),
             rank: self.rank,

@@ -8,11 +8,13 @@
 //! - [`ThreadGroup`] (always built): P ranks as threads of one process; start them with [`run_ranks`].
 //! - `MpiGroup` (feature `mpi`, the `mpi` crate over OpenMPI): one process per rank under `mpirun`; see
 //!   `autosp-core/examples/mpi_collectives.rs`.
-//! - NCCL is not implemented.
+//! - `NcclGroup` (feature `nccl`, NCCL through cudarc): one rank per GPU; all-to-all from grouped
+//!   `ncclSend`/`ncclRecv`; bootstrapped over another group (`NcclId::share`); see `nccl.rs` for what its
+//!   timeouts cover. Type-checked only: it has not run on a GPU.
 //!
-//! Both back ends provide a small [`Transport`] (one synchronising personalised exchange plus point-to-point
+//! Every back end provides a small [`Transport`] (one synchronising personalised exchange plus point-to-point
 //! transfers) and share [`Communicator`], which builds the collectives, checks arguments, reduces in rank
-//! order and counts. So both give the same bits: reductions run in rank order 0, 1, ..., P-1 (bf16/f16
+//! order and counts. So they all give the same bits: reductions run in rank order 0, 1, ..., P-1 (bf16/f16
 //! accumulated in f32), and every rank of `all_reduce` receives the very chunks their owners reduced.
 //!
 //! # Failures
@@ -48,8 +50,13 @@ pub mod error;
 pub mod groups;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+#[cfg(any(feature = "nccl", test))]
+mod nccl_header;
 pub mod process_group;
 mod reduce;
+pub mod schedule;
 pub mod stats;
 pub mod threads;
 pub mod transport;
@@ -60,7 +67,10 @@ pub use error::{CommError, Departure, Result};
 pub use groups::{contiguous_groups, strided_groups};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiGroup, MpiTransport};
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclGroup, NcclId, NcclTransport};
 pub use process_group::{Collective, PendingRecv, ProcessGroup, ReduceOp, DEFAULT_TIMEOUT};
+pub use schedule::{pairwise_schedule, PairStep};
 pub use stats::{tensor_bytes, CommStats};
 pub use threads::{run_ranks, ThreadGroup, ThreadTransport};
 pub use transport::Transport;

@@ -22,7 +22,7 @@ pub enum WireError {
 
 const HEADER: usize = 8;
 
-fn dtype_code(dtype: DType) -> Result<u8, WireError> {
+pub(crate) fn dtype_code(dtype: DType) -> Result<u8, WireError> {
     Ok(match dtype {
         DType::U8 => 1,
         DType::U32 => 2,
@@ -37,7 +37,7 @@ fn dtype_code(dtype: DType) -> Result<u8, WireError> {
     })
 }
 
-fn code_dtype(code: u8) -> Option<DType> {
+pub(crate) fn code_dtype(code: u8) -> Option<DType> {
     Some(match code {
         1 => DType::U8,
         2 => DType::U32,

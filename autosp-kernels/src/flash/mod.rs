@@ -39,8 +39,17 @@
 //!   convention.
 //!
 //! Measured numbers and the command that produced them: docs/BENCHMARKS.md, "Flash attention (CPU)".
+//!
+//! CUDA (feature `cuda`): [`flash_attention_output`] runs candle-flash-attn, forward only and without the LSE
+//! (`cuda.rs`); the LSE and the backward on CUDA are typed errors. Without the feature a CUDA tensor is
+//! [`Error::CudaFeature`] (`device.rs`).
 
 mod backward;
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(any(feature = "cuda", test))]
+mod cuda_plan;
+pub(crate) mod device;
 mod forward;
 mod geometry;
 mod microkernel;
@@ -51,6 +60,7 @@ use candle_core::{DType, Device, Storage, StorageRef, Tensor, WithDType};
 
 use crate::{Error, Result};
 use backward::BackwardInputs;
+use device::Backend;
 use geometry::Geometry;
 use real::Real;
 
@@ -60,14 +70,36 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// Flash attention forward. `q: [batch, q_len, heads, head_dim]`, `k, v: [batch, k_len, kv_heads, head_dim]`
 /// (one dtype: f32, f64, bf16 or f16; on the CPU). Returns `(o: [batch, q_len, heads, head_dim]` in q's
 /// dtype, `lse: [batch, heads, q_len]` in f32 (f64 for f64 inputs)`)`.
+/// CUDA tensors: [`Error::CudaLse`] (candle-flash-attn does not return the LSE; use
+/// [`flash_attention_output`]), or [`Error::CudaFeature`] in a build without feature `cuda`.
 pub fn flash_attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(Tensor, Tensor)> {
-    forward_with_fill(q, k, v, spec, false)
+    match device::backend(FWD, q, k, v)? {
+        Backend::Cpu => forward_with_fill(q, k, v, spec, false),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => Err(Error::CudaLse { op: FWD }),
+    }
+}
+
+/// Attention output only, for inference: `q: [batch, q_len, heads, head_dim]`, `k, v: [batch, k_len,
+/// kv_heads, head_dim]`; returns `o: [batch, q_len, heads, head_dim]` in q's dtype on q's device.
+/// On the CPU: [`flash_attention_forward`]'s output (any of its dtypes). On CUDA (feature `cuda`):
+/// candle-flash-attn, which takes f16/bf16, head_dim a multiple of 8 up to 512, and the causal layouts
+/// `cuda_plan.rs` lists (plain causal, KV-cache decoding, unmasked); other inputs are typed errors.
+/// Without feature `cuda`, CUDA tensors are [`Error::CudaFeature`].
+pub fn flash_attention_output(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<Tensor> {
+    match device::backend(OUT, q, k, v)? {
+        Backend::Cpu => Ok(forward_with_fill(q, k, v, spec, false)?.0),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => cuda::forward_output(OUT, q, k, v, spec),
+    }
 }
 
 /// Flash attention backward from the forward's saved `o` and `lse`. `d_o: [batch, q_len, heads, head_dim]` is
 /// the gradient of `o`; `d_lse: [batch, heads, q_len]`, when given, the gradient of `lse` (it adds
 /// `P ∘ d_lse` to dS; Ring attention's merge needs it). Returns `(dq, dk, dv)` shaped and typed like
 /// `q, k, v`; the dk/dv of a kv head sum its query-head group.
+/// CUDA tensors: [`Error::CudaBackward`] (no CUDA backward exists), or [`Error::CudaFeature`] without
+/// feature `cuda`.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward(
     q: &Tensor,
@@ -79,7 +111,11 @@ pub fn flash_attention_backward(
     d_lse: Option<&Tensor>,
     spec: &AttentionSpec,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, false)
+    match device::backend(BWD, q, k, v)? {
+        Backend::Cpu => backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, false),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => Err(Error::CudaBackward { op: BWD }),
+    }
 }
 
 /// Test hooks: the same kernels with every output and internal buffer pre-filled with NaN, so a test can
@@ -115,6 +151,7 @@ pub mod poisoned {
 }
 
 const FWD: &str = "flash_attention_forward";
+const OUT: &str = "flash_attention_output";
 const BWD: &str = "flash_attention_backward";
 
 /// Shape, head_dim, dtype and device checks shared by forward and backward.

@@ -83,7 +83,7 @@ impl LlamaAttention {
                 (k, v)
             }
         };
-        let (o, _lse) = self.attention.forward(tape, &q, &k, &v, spec)?;
+        let o = self.attention.forward_output(tape, &q, &k, &v, spec)?;
         let o = ops::reshape(tape, &o, (b, n, h * d))?;
         Ok(self.o_proj.forward(tape, &o)?)
     }

@@ -1,0 +1,660 @@
+//! NCCL back end (feature `nccl`, through cudarc): one rank per GPU, in one process (a thread per GPU) or in
+//! several (e.g. one per rank under `mpirun`). Built on [`Communicator`] like the other back ends, so the
+//! argument checks, rank-order reductions and statistics are the same code; NCCL only moves bytes.
+//!
+//! How calls map onto NCCL: every transfer is `ncclSend`/`ncclRecv` of raw bytes on the candle device's
+//! stream, in two rounds, because NCCL's receivers must know sizes in advance: first a fixed-size header per
+//! peer (`nccl_header.rs`: dtype and shape, or an empty marker), then the payloads. A personalised exchange
+//! (all-to-all, and through [`Communicator`] all-gather, reduce-scatter, all-reduce, barrier) issues each
+//! round's sends and receives to all peers, in the order of [`pairwise_schedule`], inside one
+//! `ncclGroupStart`/`ncclGroupEnd` group. Reductions are done by [`Communicator`] in rank order with candle
+//! ops (on the GPU), not by `ncclAllReduce`, so results are the bits the other back ends give. Point-to-point
+//! calls use a second communicator (an `ncclCommSplit` duplicate), so they never pair with collective rounds.
+//!
+//! # Bootstrapping
+//!
+//! NCCL needs one unique id shared by all ranks before the group exists. Create it on one rank and pass it
+//! over any group you already have with [`NcclId::share`]: the MPI back end (`MpiGroup`, one process per
+//! GPU) or the thread back end ([`run_ranks`](super::run_ranks), one process driving several GPUs, a thread
+//! per GPU). Then every rank calls [`NcclGroup::init`] with its CUDA device, its rank, the size and the id.
+//!
+//! # Timeouts: what NCCL can and cannot time out
+//!
+//! - Transfers: NCCL kernels wait on the GPU for their peers forever. Each call here records a CUDA event
+//!   after its transfers and polls it (and `ncclCommGetAsyncError`) against the group's timeout; when the
+//!   time is up it aborts the communicator (`ncclCommAbort`, which ends the waiting kernels), poisons the
+//!   group and returns [`CommError::Timeout`]. NCCL does not tell which peer is missing, so the error's
+//!   `missing` lists every peer this rank was still exchanging with (all peers, for a collective).
+//! - Not covered: `ncclCommInitRank` (in [`NcclGroup::init`]) and `ncclCommSplit` (in `split`) are
+//!   blocking NCCL calls that wait for every rank with no timeout; so can be connection set-up inside
+//!   `ncclGroupEnd` the first time two ranks talk. A rank that dies before or during these hangs the others
+//!   (NCCL's own `NCCL_*` timeouts of its network transports aside). Run the first collective soon after
+//!   `init` so that set-up problems show early.
+//! - There is no overlap: [`PendingRecv`] steps (`start_send_recv`) complete before they return, because the
+//!   transfers run on the stream candle computes on.
+//!
+//! Sending to oneself with `send` is refused (NCCL would block until a receive that cannot come); use
+//! `send_recv`. Tensors may be on any device; they travel through this rank's GPU, and what is received
+//! lands on the device the call names (`recv`: the group's GPU). Dtypes: those of the MPI wire format; at
+//! most `nccl_header::MAX_DIMS` dimensions.
+//!
+//! Unverified: written against cudarc 0.19 and candle 0.11 and type-checked only; no test here has run on a
+//! GPU (see README, "Building with CUDA").
+
+use std::ffi::c_void;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use candle_core::cuda_backend::CudaStorageSlice;
+use candle_core::{Device, Storage, Tensor};
+use cudarc::nccl::{result, sys};
+
+use super::communicator::Communicator;
+use super::error::{CommError, ErrCtx, Result};
+use super::nccl_header::{decode_header, encode_header, HEADER_WORDS};
+use super::process_group::{nanos, Collective, PendingRecv, ProcessGroup};
+use super::schedule::pairwise_schedule;
+use super::transport::Transport;
+
+/// A rank's handle on an NCCL group.
+pub type NcclGroup = Communicator<NcclTransport>;
+
+/// The unique id every rank of a new NCCL group must pass to [`NcclGroup::init`] (NCCL's `ncclUniqueId`,
+/// 128 bytes). Create it on one rank ([`NcclId::new`]) and send it to the others, e.g. with
+/// [`NcclId::share`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct NcclId([u8; 128]);
+
+impl fmt::Debug for NcclId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("NcclId(..)")
+    }
+}
+
+impl NcclId {
+    /// A fresh id (`ncclGetUniqueId`; it also starts NCCL's bootstrap listener on this host). Call on one
+    /// rank only.
+    pub fn new() -> Result<Self> {
+        let id = result::get_uniqueid().map_err(|e| config(format!("ncclGetUniqueId failed: {:?}", e.0)))?;
+        Ok(Self(id.internal.map(|c| c as u8)))
+    }
+
+    /// The id from its 128 bytes (as [`as_bytes`](Self::as_bytes) gave them on the creating rank).
+    pub fn from_bytes(bytes: [u8; 128]) -> Self {
+        Self(bytes)
+    }
+
+    /// The id's 128 bytes, to send to the other ranks.
+    pub fn as_bytes(&self) -> &[u8; 128] {
+        &self.0
+    }
+
+    /// Creates the id on rank `root` of `group` and hands it to every rank of `group` (one `all_gather` of
+    /// 128 bytes on the CPU). A collective on `group`: every rank calls it. `group` is any back end: the MPI
+    /// group for one process per GPU, a thread group for one process with a thread per GPU.
+    pub fn share(group: &dyn ProcessGroup, root: usize) -> Result<Self> {
+        let mine = if group.rank() == root { Some(Self::new()) } else { None };
+        // The root takes part even when it failed (sending zeros), so that nobody waits for it.
+        let bytes = match &mine {
+            Some(Ok(id)) => id.0,
+            _ => [0u8; 128],
+        };
+        let x = Tensor::new(&bytes[..], &Device::Cpu).map_err(|e| config(format!("building the id tensor: {e}")))?;
+        let all = group.all_gather(&x, 0)?;
+        if let Some(Err(e)) = mine {
+            return Err(e);
+        }
+        let chunk = all
+            .narrow(0, root * 128, 128)
+            .and_then(|t| t.to_vec1::<u8>())
+            .map_err(|e| config(format!("reading the id: {e}")))?;
+        if chunk.iter().all(|&b| b == 0) {
+            return Err(config(format!("rank {root} could not create the NCCL id; see its own error")));
+        }
+        let mut id = [0u8; 128];
+        id.copy_from_slice(&chunk);
+        Ok(Self(id))
+    }
+}
+
+fn config(detail: String) -> CommError {
+    CommError::Config { detail }
+}
+
+impl Communicator<NcclTransport> {
+    /// This rank's handle on a new NCCL group of `size` ranks: `rank` in `0..size`, `device` this rank's
+    /// GPU (`Device::new_cuda(i)`, one GPU per rank), `id` the same [`NcclId`] on every rank. Blocks until
+    /// every rank has called it (`ncclCommInitRank`, no timeout: see the module doc); `timeout` bounds every
+    /// later call.
+    pub fn init(device: &Device, rank: usize, size: usize, id: NcclId, timeout: Duration) -> Result<NcclGroup> {
+        let Device::Cuda(cuda) = device else {
+            return Err(config(format!("NcclGroup::init needs a CUDA device, got {:?}", device.location())));
+        };
+        if rank >= size {
+            return Err(config(format!("rank {rank} is outside a group of {size} ranks")));
+        }
+        let stream = cuda.cuda_stream();
+        stream.context().bind_to_thread().map_err(|e| config(format!("binding the CUDA context: {e:?}")))?;
+        let raw = sys::ncclUniqueId { internal: id.0.map(|b| b as ::core::ffi::c_char) };
+        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid out-pointer; the id is the 128 bytes NCCL produced on the root.
+        unsafe { result::comm_init_rank(&mut comm, size as i32, raw, rank as i32) }
+            .map_err(|e| config(format!("ncclCommInitRank (rank {rank} of {size}) failed: {:?}", e.0)))?;
+        let coll = RawComm::new(comm);
+        let p2p = coll.split(0, rank).map_err(|e| config(format!("duplicating the communicator: {e}")))?;
+        Ok(Communicator::new(NcclTransport {
+            coll,
+            p2p,
+            device: device.clone(),
+            stream,
+            lock: Mutex::new(()),
+            name: "nccl".to_string(),
+            rank,
+            members: (0..size).collect(),
+            timeout_ns: AtomicU64::new(nanos(timeout)),
+            splits: AtomicU64::new(0),
+            failure: Mutex::new(None),
+        }))
+    }
+}
+
+/// An NCCL communicator handle; aborted once (on a timeout, or when dropped).
+struct RawComm {
+    comm: sys::ncclComm_t,
+    aborted: AtomicBool,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls do not overlap; every use goes
+// through `NcclTransport`, which holds its `lock` around all NCCL calls (and `Drop` has `&mut self`).
+unsafe impl Send for RawComm {}
+// SAFETY: as above.
+unsafe impl Sync for RawComm {}
+
+impl RawComm {
+    fn new(comm: sys::ncclComm_t) -> Self {
+        Self { comm, aborted: AtomicBool::new(false) }
+    }
+
+    /// `ncclCommSplit` with this rank's `color` and `key` (a collective of the whole communicator).
+    fn split(&self, color: usize, key: usize) -> std::result::Result<RawComm, String> {
+        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `self.comm` is a live communicator; a null config means "inherit the parent's".
+        unsafe { result::comm_split(self.comm, color as i32, key as i32, &mut comm, std::ptr::null_mut()) }
+            .map_err(|e| format!("ncclCommSplit failed: {:?}", e.0))?;
+        if comm.is_null() {
+            return Err("ncclCommSplit gave this rank no communicator".to_string());
+        }
+        Ok(RawComm::new(comm))
+    }
+
+    /// The first asynchronous error NCCL recorded on this communicator, if any.
+    fn async_error(&self) -> Option<String> {
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: `self.comm` is live; `state` is a valid out-pointer.
+        let queried = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+        match (queried, state) {
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) => {
+                None
+            }
+            (sys::ncclResult_t::ncclSuccess, e) => Some(format!("{e:?}")),
+            (q, _) => Some(format!("ncclCommGetAsyncError failed: {q:?}")),
+        }
+    }
+
+    /// Ends every pending operation of the communicator; it cannot be used afterwards.
+    fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::SeqCst) {
+            // SAFETY: the communicator is live and aborted only once (the flag above).
+            let _ = unsafe { result::comm_abort(self.comm) };
+        }
+    }
+}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        // Every call waited for its transfers, so nothing is pending: abort just frees the resources, and it
+        // cannot block on a peer that is gone (ncclCommDestroy could).
+        self.abort();
+    }
+}
+
+/// One transfer of a grouped round: `bytes` at device address `ptr` to or from `peer`.
+#[derive(Clone, Copy)]
+struct Transfer {
+    peer: usize,
+    ptr: u64,
+    bytes: usize,
+}
+
+/// One rank's view of one NCCL group.
+pub struct NcclTransport {
+    /// Collective rounds.
+    coll: RawComm,
+    /// Point-to-point transfers (a duplicate of `coll`).
+    p2p: RawComm,
+    /// This rank's GPU; every transfer goes through it.
+    device: Device,
+    /// The stream candle computes on for `device`; NCCL runs on it, so it is ordered with candle's kernels.
+    stream: Arc<CudaStream>,
+    /// Serialises this rank's NCCL calls on this group.
+    lock: Mutex<()>,
+    name: String,
+    rank: usize,
+    /// Rank in the first group of each rank of this group (for names).
+    members: Vec<usize>,
+    timeout_ns: AtomicU64,
+    splits: AtomicU64,
+    /// Why the group is unusable, once it is.
+    failure: Mutex<Option<String>>,
+}
+
+impl fmt::Debug for NcclTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NcclTransport")
+            .field("group", &self.name)
+            .field("rank", &self.rank)
+            .field("world_ranks", &self.members)
+            .field("device", &self.device.location())
+            .field("timeout", &self.timeout())
+            .finish()
+    }
+}
+
+/// The device address of `t`'s first element; `t` must be contiguous and on the group's GPU.
+fn device_address(t: &Tensor, stream: &CudaStream) -> std::result::Result<u64, String> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cuda) = &*storage else {
+        return Err(format!("a tensor on {:?} reached the NCCL transfer", t.device().location()));
+    };
+    fn base<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+        // The event guard is dropped at once: all work is on `stream`, which orders it.
+        s.device_ptr(stream).0
+    }
+    let ptr = match &cuda.slice {
+        CudaStorageSlice::U8(s) => base(s, stream),
+        CudaStorageSlice::U32(s) => base(s, stream),
+        CudaStorageSlice::I16(s) => base(s, stream),
+        CudaStorageSlice::I32(s) => base(s, stream),
+        CudaStorageSlice::I64(s) => base(s, stream),
+        CudaStorageSlice::BF16(s) => base(s, stream),
+        CudaStorageSlice::F16(s) => base(s, stream),
+        CudaStorageSlice::F32(s) => base(s, stream),
+        CudaStorageSlice::F64(s) => base(s, stream),
+        CudaStorageSlice::F8E4M3(s) => base(s, stream),
+        CudaStorageSlice::F6E2M3(s)
+        | CudaStorageSlice::F6E3M2(s)
+        | CudaStorageSlice::F4(s)
+        | CudaStorageSlice::F8E8M0(s) => base(s, stream),
+    };
+    Ok(ptr + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
+}
+
+fn payload_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
+impl NcclTransport {
+    fn ctx(&self, collective: Collective) -> ErrCtx<'_> {
+        ErrCtx { collective, group: &self.name, rank: self.rank }
+    }
+
+    fn nccl_lock(&self) -> MutexGuard<'_, ()> {
+        self.lock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn check_healthy(&self, collective: Collective) -> Result<()> {
+        match &*self.failure.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(cause) => Err(self.ctx(collective).poisoned(cause.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the group unusable and ends NCCL's pending work on both communicators.
+    fn fail(&self, cause: String) {
+        *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(cause);
+        self.coll.abort();
+        self.p2p.abort();
+    }
+
+    /// An NCCL error that leaves the ranks out of step: poisons the group.
+    fn fatal(&self, collective: Collective, detail: String) -> CommError {
+        self.fail(format!("rank {} failed in {collective}: {detail}", self.rank));
+        self.ctx(collective).nccl(detail)
+    }
+
+    /// Runs `sends` and `recvs` on `comm` as one NCCL group, then waits for them against the timeout.
+    /// Call with the lock held.
+    fn grouped(&self, collective: Collective, comm: &RawComm, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {
+        self.stream.context().bind_to_thread().map_err(|e| self.ctx(collective).nccl(format!("{e:?}")))?;
+        let stream = self.stream.cu_stream() as sys::cudaStream_t;
+        let mut failed = result::group_start().err().map(|e| format!("ncclGroupStart: {:?}", e.0));
+        if failed.is_none() {
+            for t in sends.iter().filter(|t| t.bytes > 0) {
+                // SAFETY: `ptr` addresses `bytes` bytes of a live device buffer that the caller keeps until
+                // `wait_done` returned; the communicator is live (checked healthy, lock held).
+                let r = unsafe {
+                    result::send(
+                        t.ptr as *const c_void,
+                        t.bytes,
+                        sys::ncclDataType_t::ncclUint8,
+                        t.peer as i32,
+                        comm.comm,
+                        stream,
+                    )
+                };
+                if let Err(e) = r {
+                    failed.get_or_insert(format!("ncclSend to rank {}: {:?}", t.peer, e.0));
+                }
+            }
+            for t in recvs.iter().filter(|t| t.bytes > 0) {
+                // SAFETY: as above; the receive buffer is owned by the caller and written only by NCCL.
+                let r = unsafe {
+                    result::recv(
+                        t.ptr as *mut c_void,
+                        t.bytes,
+                        sys::ncclDataType_t::ncclUint8,
+                        t.peer as i32,
+                        comm.comm,
+                        stream,
+                    )
+                };
+                if let Err(e) = r {
+                    failed.get_or_insert(format!("ncclRecv from rank {}: {:?}", t.peer, e.0));
+                }
+            }
+            if let Err(e) = result::group_end() {
+                failed.get_or_insert(format!("ncclGroupEnd: {:?}", e.0));
+            }
+        }
+        if let Some(detail) = failed {
+            return Err(self.fatal(collective, detail));
+        }
+        let mut peers: Vec<usize> = sends.iter().chain(recvs).map(|t| t.peer).collect();
+        peers.sort_unstable();
+        peers.dedup();
+        self.wait_done(collective, comm, peers)
+    }
+
+    /// Waits until the work queued on the stream so far is done, at most the timeout; on timeout or an
+    /// asynchronous NCCL error aborts the communicators and poisons the group.
+    fn wait_done(&self, collective: Collective, comm: &RawComm, peers: Vec<usize>) -> Result<()> {
+        let event =
+            self.stream.record_event(None).map_err(|e| self.fatal(collective, format!("recording an event: {e:?}")))?;
+        let (timeout, start) = (self.timeout(), Instant::now());
+        let mut idle_rounds = 0u64;
+        loop {
+            match event.try_is_complete() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => return Err(self.fatal(collective, format!("querying the event: {e:?}"))),
+            }
+            if let Some(e) = comm.async_error() {
+                return Err(self.fatal(collective, format!("asynchronous error: {e}")));
+            }
+            let waited = start.elapsed();
+            if waited >= timeout {
+                self.fail(format!(
+                    "rank {} timed out in {collective} waiting for NCCL transfers with rank(s) {peers:?}",
+                    self.rank
+                ));
+                return Err(self.ctx(collective).timeout(self.members.len(), peers, waited, timeout));
+            }
+            idle_rounds += 1;
+            if idle_rounds < 64 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros((idle_rounds - 63).min(1000)));
+            }
+        }
+    }
+
+    /// `x` on the group's GPU, contiguous, with its header.
+    fn outgoing(&self, collective: Collective, x: &Tensor) -> Result<(Tensor, [u64; HEADER_WORDS])> {
+        let ctx = self.ctx(collective);
+        let header = encode_header(Some((x.dtype(), x.dims()))).map_err(|d| ctx.invalid(d))?;
+        let t = x.to_device(&self.device).and_then(|t| t.contiguous()).map_err(|e| ctx.candle(e))?;
+        Ok((t, header))
+    }
+
+    /// One header round on `comm`: sends `headers[j]` to each `to` peer, returns the header from each
+    /// `from` peer (in `from`'s order). Call with the lock held.
+    fn header_round(
+        &self,
+        collective: Collective,
+        comm: &RawComm,
+        to: &[(usize, [u64; HEADER_WORDS])],
+        from: &[usize],
+    ) -> Result<Vec<Vec<u64>>> {
+        if to.is_empty() && from.is_empty() {
+            return Ok(vec![]);
+        }
+        let err = |e: candle_core::cuda_backend::cudarc::driver::DriverError| {
+            self.fatal(collective, format!("header buffers: {e:?}"))
+        };
+        let flat: Vec<u64> = to.iter().flat_map(|(_, h)| h.iter().copied()).collect();
+        let send_buf = self.stream.clone_htod(&flat).map_err(err)?;
+        let recv_buf = self.stream.alloc_zeros::<u64>(from.len().max(1) * HEADER_WORDS).map_err(err)?;
+        let (send_ptr, recv_ptr) = (send_buf.device_ptr(&self.stream).0, recv_buf.device_ptr(&self.stream).0);
+        let hb = HEADER_WORDS * 8;
+        let sends: Vec<Transfer> = to
+            .iter()
+            .enumerate()
+            .map(|(i, (peer, _))| Transfer { peer: *peer, ptr: send_ptr + (i * hb) as u64, bytes: hb })
+            .collect();
+        let recvs: Vec<Transfer> = from
+            .iter()
+            .enumerate()
+            .map(|(i, &peer)| Transfer { peer, ptr: recv_ptr + (i * hb) as u64, bytes: hb })
+            .collect();
+        self.grouped(collective, comm, &sends, &recvs)?;
+        let got = self.stream.clone_dtoh(&recv_buf).map_err(err)?;
+        Ok(got.chunks(HEADER_WORDS).take(from.len()).map(|c| c.to_vec()).collect())
+    }
+
+    /// A zeroed tensor on the group's GPU for the payload `header` announces (`None`: an empty marker).
+    fn receive_buffer(&self, collective: Collective, from: usize, header: &[u64]) -> Result<Option<Tensor>> {
+        let decoded =
+            decode_header(header).map_err(|d| self.fatal(collective, format!("bad header from rank {from}: {d}")))?;
+        decoded
+            .map(|(dtype, dims)| Tensor::zeros(dims, dtype, &self.device).map_err(|e| self.ctx(collective).candle(e)))
+            .transpose()
+    }
+
+    /// The payload transfers of a round; each tensor stays alive in the caller until `grouped` returned.
+    fn payload_round(
+        &self,
+        collective: Collective,
+        comm: &RawComm,
+        sends: &[(usize, &Tensor)],
+        recvs: &[(usize, &Tensor)],
+    ) -> Result<()> {
+        let transfer = |&(peer, t): &(usize, &Tensor)| -> Result<Transfer> {
+            let ptr = device_address(t, &self.stream).map_err(|d| self.fatal(collective, d))?;
+            Ok(Transfer { peer, ptr, bytes: payload_bytes(t) })
+        };
+        if sends.is_empty() && recvs.is_empty() {
+            return Ok(());
+        }
+        let s: Vec<Transfer> = sends.iter().map(transfer).collect::<Result<_>>()?;
+        let r: Vec<Transfer> = recvs.iter().map(transfer).collect::<Result<_>>()?;
+        self.grouped(collective, comm, &s, &r)
+    }
+
+    /// Sends `x` to `dst` (if given) and receives from `src` (if given) on the point-to-point communicator.
+    fn p2p(
+        &self,
+        collective: Collective,
+        send: Option<(&Tensor, usize)>,
+        src: Option<usize>,
+    ) -> Result<Option<Tensor>> {
+        self.check_healthy(collective)?;
+        // A tensor that cannot travel still sends an empty marker, so the receiver fails at once.
+        let (out, own_error) = match send.map(|(x, dst)| self.outgoing(collective, x).map(|(t, h)| (dst, t, h))) {
+            Some(Err(e)) => (None, Some((e, send.map(|(_, dst)| dst)))),
+            other => (other.transpose()?, None),
+        };
+        let _nccl = self.nccl_lock();
+        let mut to: Vec<(usize, [u64; HEADER_WORDS])> = out.iter().map(|(dst, _, h)| (*dst, *h)).collect();
+        if let Some((_, Some(dst))) = &own_error {
+            to.push((*dst, encode_header(None).expect("an empty marker always encodes")));
+        }
+        let from: Vec<usize> = src.into_iter().collect();
+        let headers = self.header_round(collective, &self.p2p, &to, &from)?;
+        let incoming = match (src, headers.first()) {
+            (Some(s), Some(h)) => self.receive_buffer(collective, s, h)?,
+            _ => None,
+        };
+        let sends: Vec<(usize, &Tensor)> = out.iter().map(|(dst, t, _)| (*dst, t)).collect();
+        let recvs: Vec<(usize, &Tensor)> = match (src, &incoming) {
+            (Some(s), Some(t)) => vec![(s, t)],
+            _ => vec![],
+        };
+        self.payload_round(collective, &self.p2p, &sends, &recvs)?;
+        if let Some((e, _)) = own_error {
+            return Err(e);
+        }
+        if let (Some(s), None) = (src, &incoming) {
+            return Err(self
+                .ctx(collective)
+                .mismatch(format!("rank {s} sent an empty marker where a tensor was expected")));
+        }
+        Ok(incoming)
+    }
+}
+
+/// A ring step that already completed (the NCCL back end does not overlap; see the module doc).
+struct Ready(Tensor);
+
+impl PendingRecv for Ready {
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        Ok(self.0)
+    }
+}
+
+impl Transport for NcclTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        self.timeout_ns.store(nanos(timeout), Ordering::Relaxed)
+    }
+
+    fn exchange(
+        &self,
+        collective: Collective,
+        mut outgoing: Vec<Option<Tensor>>,
+        device: &Device,
+    ) -> Result<Vec<Option<Tensor>>> {
+        self.check_healthy(collective)?;
+        let (size, rank) = (self.members.len(), self.rank);
+        let schedule = pairwise_schedule(rank, size);
+        // Prepare every payload before the first NCCL call, so that a bad argument fails before any transfer
+        // (an empty marker goes instead, and the peers see it).
+        // A part that cannot travel becomes an empty marker, and this rank's error is returned after the round.
+        let mut payloads: Vec<Option<Tensor>> = vec![None; size];
+        let mut own_error = None;
+        let mut to = Vec::with_capacity(size);
+        for step in &schedule {
+            let j = step.send_to;
+            let mut header = encode_header(None).expect("an empty marker always encodes");
+            if let Some(x) = &outgoing[j] {
+                match self.outgoing(collective, x) {
+                    Ok((t, h)) => {
+                        payloads[j] = Some(t);
+                        header = h;
+                    }
+                    Err(e) => own_error = own_error.or(Some(e)),
+                }
+            }
+            to.push((j, header));
+        }
+        let from: Vec<usize> = schedule.iter().map(|s| s.recv_from).collect();
+        let _nccl = self.nccl_lock();
+        let headers = self.header_round(collective, &self.coll, &to, &from)?;
+        let mut received: Vec<Option<Tensor>> = vec![None; size];
+        for (&i, h) in from.iter().zip(&headers) {
+            received[i] = self.receive_buffer(collective, i, h)?;
+        }
+        let sends: Vec<(usize, &Tensor)> =
+            schedule.iter().filter_map(|s| payloads[s.send_to].as_ref().map(|t| (s.send_to, t))).collect();
+        let recvs: Vec<(usize, &Tensor)> = from.iter().filter_map(|&i| received[i].as_ref().map(|t| (i, t))).collect();
+        self.payload_round(collective, &self.coll, &sends, &recvs)?;
+        drop(payloads);
+        if let Some(e) = own_error {
+            return Err(e);
+        }
+        let mut incoming: Vec<Option<Tensor>> = Vec::with_capacity(size);
+        for (i, t) in received.into_iter().enumerate() {
+            incoming.push(match (i == rank, t) {
+                (true, _) => outgoing[rank].take(),
+                (false, Some(t)) => Some(t.to_device(device).map_err(|e| self.ctx(collective).candle(e))?),
+                (false, None) => None,
+            });
+        }
+        Ok(incoming)
+    }
+
+    fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
+        if dst == self.rank {
+            return Err(self
+                .ctx(Collective::Send)
+                .invalid("sending to oneself with `send` would block forever over NCCL; use `send_recv`"));
+        }
+        self.p2p(Collective::Send, Some((x, dst)), None).map(|_| ())
+    }
+
+    fn recv(&self, src: usize) -> Result<Tensor> {
+        self.p2p(Collective::Recv, None, Some(src))?
+            .ok_or_else(|| self.ctx(Collective::Recv).nccl("nothing received".to_string()))
+    }
+
+    fn start_send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Box<dyn PendingRecv + '_>> {
+        let t = self
+            .p2p(Collective::SendRecv, Some((x, dst)), Some(src))?
+            .ok_or_else(|| self.ctx(Collective::SendRecv).nccl("nothing received".to_string()))?;
+        Ok(Box::new(Ready(t)))
+    }
+
+    fn split(&self, groups: &[Vec<usize>], group: usize, index: usize) -> Result<Self> {
+        self.check_healthy(Collective::Split)?;
+        let n = self.splits.fetch_add(1, Ordering::Relaxed);
+        let members: Vec<usize> = groups[group].iter().map(|&r| self.members[r]).collect();
+        let (coll, p2p) = {
+            let _nccl = self.nccl_lock();
+            let bind = self.stream.context().bind_to_thread();
+            bind.map_err(|e| self.ctx(Collective::Split).nccl(format!("{e:?}")))?;
+            let coll = self.coll.split(group, index).map_err(|d| self.fatal(Collective::Split, d))?;
+            let p2p = self.p2p.split(group, index).map_err(|d| self.fatal(Collective::Split, d))?;
+            (coll, p2p)
+        };
+        Ok(NcclTransport {
+            coll,
+            p2p,
+            device: self.device.clone(),
+            stream: self.stream.clone(),
+            lock: Mutex::new(()),
+            name: format!("{}/split{n}:{:?}", self.name, members),
+            rank: index,
+            members,
+            timeout_ns: AtomicU64::new(nanos(self.timeout())),
+            splits: AtomicU64::new(0),
+            failure: Mutex::new(None),
+        })
+    }
+}
