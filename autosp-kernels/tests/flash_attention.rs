@@ -29,6 +29,7 @@ fn cases() -> Vec<Case> {
     let c = |b, nq, nk, h, hkv, d, spec| Case { b, nq, nk, h, hkv, d, spec };
     vec![
         c(1, 150, 150, 4, 4, 64, spec(true, 0, 0)),  // MHA causal, head_dim 64
+        c(2, 150, 150, 8, 4, 64, spec(true, 0, 0)),  // batch x kv heads = 8: one backward chunk per kv head
         c(2, 70, 130, 4, 2, 80, spec(false, 0, 0)),  // GQA, full, head_dim 80, q_len != k_len
         c(1, 131, 131, 4, 1, 128, spec(true, 0, 0)), // MQA causal, head_dim 128
         c(1, 100, 90, 2, 2, 64, spec(true, 40, 60)), // offsets: query rows 0..20 see no key

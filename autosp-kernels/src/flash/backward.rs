@@ -1,7 +1,7 @@
 //! Flash attention backward on host slices, FlashAttention-2 style from the saved output and LSE, and
 //! deterministic: one task per (batch, kv head, chunk of key tiles) owns the dK/dV rows of its key tiles
-//! (summing its GQA group's query heads in order) and a dQ buffer per query head of its group; a last pass
-//! sums the dQ chunks in a fixed order. No float is ever added from two threads, so the bits never depend
+//! (summing its GQA group's query heads in order) and a dQ buffer per query head of its group (chunk 0's is
+//! the dQ output itself, the others' are partials); a last pass adds the partials in a fixed order. No float is ever added from two threads, so the bits never depend
 //! on the scheduling.
 
 use rayon::prelude::*;
@@ -12,7 +12,7 @@ use super::real::Real;
 /// Tasks to aim for when batch × kv heads is small: the key tiles of a kv head are dealt round-robin to
 /// `ceil(TARGET_TASKS / (batch · kv_heads))` chunks (a function of the shapes only, never of the thread
 /// count), which also balances the causal work (early key tiles are seen by more queries).
-const TARGET_TASKS: usize = 16;
+const TARGET_TASKS: usize = 8;
 
 /// The slices the backward pass reads: `q, do, o: [b, nq, h, d]`, `k, v: [b, nk, hkv, d]`, `lse: [b, h, nq]`
 /// (natural log), `d_lse: [b, h, nq]` when the LSE has an incoming gradient.
@@ -77,14 +77,10 @@ pub(crate) fn backward<T: Real>(
         });
     }
 
-    // dK/dV go straight into the outputs. dQ too when each kv head is one task (chunks = 1); otherwise each
-    // (query head, chunk) has a partial, summed below in chunk order.
-    let mut dq_part = vec![fill; if chunks > 1 { g.b * g.h * chunks * nq * d } else { 0 }];
-    let dq_dst = if chunks > 1 {
-        DqDst { out: SharedOut(dq_part.as_mut_ptr()), direct: false }
-    } else {
-        DqDst { out: SharedOut(dq.as_mut_ptr()), direct: true }
-    };
+    // dK/dV go straight into the outputs, and so does chunk 0's dQ; each (query head, chunk >= 1) has a
+    // partial ([b, h, chunks - 1, nq, d]: O(N·d) per extra chunk), added below in chunk order.
+    let mut dq_part = vec![fill; g.b * g.h * (chunks - 1) * nq * d];
+    let dq_dst = DqDst { out: SharedOut(dq.as_mut_ptr()), part: SharedOut(dq_part.as_mut_ptr()) };
     let dk_out = SharedOut(dk.as_mut_ptr());
     let dv_out = SharedOut(dv.as_mut_ptr());
     let packs = Packed { qc: &qc, doc: &doc, lse2: &lse2, delta: &delta };
@@ -97,7 +93,7 @@ pub(crate) fn backward<T: Real>(
         return;
     }
 
-    // Fixed-order sum of the dQ chunks, times the scale.
+    // Fixed-order sum of the dQ chunks (chunk 0 already in place), times the scale.
     let scale = T::from_f64(g.scale);
     let dq_w = SharedOut(dq.as_mut_ptr());
     (0..g.b * g.h).into_par_iter().for_each(|bh| {
@@ -105,9 +101,8 @@ pub(crate) fn backward<T: Real>(
         for i in 0..nq {
             // SAFETY: task bh alone writes the rows of head hi of batch bi.
             let out = unsafe { dq_w.slice(g.q_base(bi, hi) + i * g.q_rs, d) };
-            out.copy_from_slice(&dq_part[(bh * chunks * nq + i) * d..][..d]);
             for ch in 1..chunks {
-                let part = &dq_part[((bh * chunks + ch) * nq + i) * d..][..d];
+                let part = &dq_part[((bh * (chunks - 1) + ch - 1) * nq + i) * d..][..d];
                 for (o, &p) in out.iter_mut().zip(part) {
                     *o = *o + p;
                 }
@@ -117,20 +112,20 @@ pub(crate) fn backward<T: Real>(
     });
 }
 
-/// Where a task accumulates dQ: straight into the `[b, nq, h, d]` output (`direct`, one task per kv head,
-/// scaled by the task at the end), or into the `[b, h, chunks, nq, d]` partials.
+/// Where a task accumulates dQ: chunk 0 straight into the `[b, nq, h, d]` output (scaled by the task at the
+/// end when it is the only chunk), chunks 1.. into the `[b, h, chunks - 1, nq, d]` partials.
 struct DqDst<T> {
     out: SharedOut<T>,
-    direct: bool,
+    part: SharedOut<T>,
 }
 
 impl<T> DqDst<T> {
-    /// Offset and row stride of head `bh = bi·h + hi`'s dQ rows for chunk `ch`.
-    fn rows(&self, g: &Geometry, bh: usize, ch: usize, chunks: usize) -> (usize, usize) {
-        if self.direct {
-            (g.q_base(bh / g.h, bh % g.h), g.q_rs)
+    /// The buffer, offset and row stride of head `bh = bi·h + hi`'s dQ rows for chunk `ch`.
+    fn rows(&self, g: &Geometry, bh: usize, ch: usize, chunks: usize) -> (&SharedOut<T>, usize, usize) {
+        if ch == 0 {
+            (&self.out, g.q_base(bh / g.h, bh % g.h), g.q_rs)
         } else {
-            ((bh * chunks + ch) * g.nq * g.d, g.d)
+            (&self.part, (bh * (chunks - 1) + ch - 1) * g.nq * g.d, g.d)
         }
     }
 }
@@ -169,9 +164,9 @@ unsafe fn key_chunk<T: Real>(
     let scale = T::from_f64(g.scale);
     let heads: Vec<usize> = (0..g.group).map(|gi| bi * g.h + kh * g.group + gi).collect();
     for &bh in &heads {
-        let (base, rs) = dq.rows(g, bh, ch, chunks);
+        let (buf, base, rs) = dq.rows(g, bh, ch, chunks);
         for i in 0..nq {
-            dq.out.slice(base + i * rs, d).fill(T::ZERO);
+            buf.slice(base + i * rs, d).fill(T::ZERO);
         }
     }
 
@@ -200,7 +195,7 @@ unsafe fn key_chunk<T: Real>(
             let doc = &pk.doc[bh * nq * d..][..nq * d];
             let lse2 = &pk.lse2[bh * nq..][..nq];
             let delta = &pk.delta[bh * nq..][..nq];
-            let (dq_base, dq_rs) = dq.rows(g, bh, ch, chunks);
+            let (dq_buf, dq_base, dq_rs) = dq.rows(g, bh, ch, chunks);
             for qt in first_tile..g.q_tiles() {
                 let i0 = qt * BR;
                 let rows = (nq - i0).min(BR);
@@ -225,7 +220,7 @@ unsafe fn key_chunk<T: Real>(
                     T::ds_row(&mut ds[r * BC..(r + 1) * BC], &p[r * BC..(r + 1) * BC], delta[i0 + r]);
                 }
                 // dQ += dS K (scaled at the end); dK += dSᵀ Q.
-                let dqp = dq.out.slice(dq_base + i0 * dq_rs, 0).as_mut_ptr();
+                let dqp = dq_buf.slice(dq_base + i0 * dq_rs, 0).as_mut_ptr();
                 T::gemm(true, rows, d, cols, ds.as_ptr(), BC, 1, kp, d, dqp, dq_rs);
                 T::gemm(true, cols, d, rows, ds.as_ptr(), 1, BC, qp, d, dk_acc.as_mut_ptr(), d);
             }
@@ -239,11 +234,11 @@ unsafe fn key_chunk<T: Real>(
             ov.copy_from_slice(&dv_acc[cc * d..(cc + 1) * d]);
         }
     }
-    if dq.direct {
+    if chunks == 1 {
         for &bh in &heads {
-            let (base, rs) = dq.rows(g, bh, ch, chunks);
+            let (buf, base, rs) = dq.rows(g, bh, ch, chunks);
             for i in 0..nq {
-                T::scale_row(dq.out.slice(base + i * rs, d), scale);
+                T::scale_row(buf.slice(base + i * rs, d), scale);
             }
         }
     }
