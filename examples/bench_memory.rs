@@ -4,13 +4,23 @@
 //!
 //! `cargo run --release --example bench_memory -- --preset bench --n 2048,8192 --checkpoint none,sequence-aware`
 //!
-//! Ranks are threads of this process (`--launcher threads`), so the process peak covers every rank: the JSON
-//! says so in `process_peak_scope`. A step is the compiled forward + backward + gradient all-reduce and
-//! one AdamW update (its moment buffers are allocated on the first step, before the measured one).
+//! By default ranks are threads of this process (`--launcher threads`), so the process peak covers every
+//! rank: the JSON says so in `process_peak_scope`. With `--launcher mpi` (feature `mpi`) each rank is its own
+//! process under `mpirun`, so each rank's process peak is its own: rank 0 gathers them and prints one line
+//! per run with `rank_process_peak_bytes` (each rank's) and `process_peak_bytes` (the largest of them).
+//! A step is the compiled forward + backward + gradient all-reduce and one AdamW update (its moment buffers
+//! are allocated on the first step, before the measured one).
 //!
 //! `--capacity` adds, per checkpoint configuration, one JSON line (`"bench":"capacity"`) after its runs: the
 //! least-squares line of the process peak vs N through the `--n` runs, its error, the longest N predicted to
-//! fit `--budget`, and with `--confirm` one step at that N (see `autosp::capacity`).
+//! fit `--budget`, and with `--confirm` one step at that N (see `autosp::capacity`). With thread ranks it
+//! needs `--sp 1`; under MPI it fits the largest rank's peak.
+//!
+//! ```text
+//! cargo build --release --features mpi --example bench_memory
+//! mpirun -np 2 target/release/examples/bench_memory --launcher mpi --strategy ulysses --n 10240,12288,14336 \
+//!     --checkpoint none --capacity --no-plan
+//! ```
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,7 +28,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use autosp::capacity;
 use autosp::compile::{compile, Checkpointing, CompileConfig, Strategy};
-use autosp::core::comm::run_ranks;
+use autosp::core::comm::{run_ranks, ProcessGroup};
 use autosp::core::optim::{AdamW, AdamWConfig, Optimizer};
 use autosp::core::{CheckpointPolicy, TrackingAllocator};
 use autosp::models::{random_weights, LlamaConfig, LlamaModel, TinySpec};
@@ -42,9 +52,10 @@ struct Args {
     /// Global sequence lengths, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "2048")]
     n: Vec<usize>,
-    /// Sequence-parallel degree P.
-    #[arg(long, default_value_t = 1)]
-    sp: usize,
+    /// Sequence-parallel degree P: the number of thread ranks (default 1). With `--launcher mpi`, P is
+    /// mpirun's `-np`; `--sp` is then only checked against it.
+    #[arg(long)]
+    sp: Option<usize>,
     /// ulysses | ring | auto | hybrid:U (U = the Ulysses degree).
     #[arg(long, default_value = "auto")]
     strategy: String,
@@ -55,15 +66,16 @@ struct Args {
     /// Measured steps per length (after one warm-up step that also allocates AdamW's moments).
     #[arg(long, default_value_t = 1)]
     steps: usize,
-    /// threads (ranks are threads of this process). MPI is not wired into this example.
-    #[arg(long, default_value = "threads")]
+    /// threads (ranks are threads of this process, sharing one heap) or mpi (one process per rank under
+    /// mpirun, each with its own heap and peak; needs the `mpi` feature).
+    #[arg(long, default_value = "threads", value_parser = ["threads", "mpi"])]
     launcher: String,
     /// Skip the plan's probe steps (no predictions in the JSON).
     #[arg(long)]
     no_plan: bool,
     /// After each checkpoint configuration's runs, fit the process peak vs N and predict the longest N that
-    /// fits `--budget` (one extra JSON line, `"bench":"capacity"`). One rank only: with thread ranks the
-    /// process peak is all ranks' together.
+    /// fits `--budget` (one extra JSON line, `"bench":"capacity"`). With thread ranks only at `--sp 1` (the
+    /// process peak is all ranks' together); under MPI the largest rank's own process peak is fitted.
     #[arg(long)]
     capacity: bool,
     /// The per-rank byte budget of `--capacity` (e.g. 4G, 4294967296; K/M/G are powers of ten, Gi/Mi powers
@@ -169,11 +181,29 @@ fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
+/// Resets the kernel's peak resident set size of this process (VmHWM) to its current RSS (Linux: writing
+/// 5 to /proc/self/clear_refs). False where the kernel refuses.
+fn reset_maxrss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// The kernel's peak resident set size of this process (VmHWM of /proc/self/status) in bytes, since start or
+/// the last [`reset_maxrss`]; None where /proc has no such line.
+fn maxrss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// One run on one rank: a warm-up step, then `--steps` measured steps; its JSON line. `own_heap`: this rank is
+/// its own process (MPI), so it resets and reads its own peaks; with thread ranks rank 0 does it for all.
 fn run_rank(
     args: &Args,
-    pg: Arc<dyn autosp::core::comm::ProcessGroup>,
+    pg: Arc<dyn ProcessGroup>,
     n: usize,
     checkpoint_arg: &str,
+    own_heap: bool,
 ) -> Result<serde_json::Value> {
     let strategy = parse_strategy(&args.strategy)?;
     let checkpoint = parse_checkpoint(checkpoint_arg)?;
@@ -197,10 +227,16 @@ fn run_rank(
     let mut last = None;
     let mut process_peak = 0;
     let mut baseline = 0;
+    let mut maxrss = None;
+    let mut maxrss_reset = false;
     for step in 0..=args.steps {
         pg.barrier()?;
-        if step > 0 && pg.rank() == 0 {
+        if step > 0 && (own_heap || pg.rank() == 0) {
             ALLOC.reset_peak();
+        }
+        if step > 0 {
+            // Every rank, so each knows whether it worked (thread ranks reset the same process, before the step).
+            maxrss_reset = reset_maxrss();
         }
         baseline = ALLOC.live_bytes();
         pg.barrier()?;
@@ -213,6 +249,7 @@ fn run_rank(
         pg.barrier()?;
         if step > 0 {
             process_peak = process_peak.max(ALLOC.peak_bytes());
+            maxrss = maxrss.max(maxrss_bytes());
             times.push(dt);
             fb_times.push(fb);
             cpu_times.push(dc);
@@ -238,10 +275,19 @@ fn run_rank(
         "tape_peak_bytes": peak,
         "process_peak_bytes": process_peak,
         "process_baseline_bytes": baseline,
-        "process_peak_scope": if pg.size() > 1 {
+        "process_peak_scope": if own_heap {
+            "this rank's own process (one process per rank)"
+        } else if pg.size() > 1 {
             "the whole process, all thread ranks together (threads share one heap)"
         } else {
             "the whole process (one rank)"
+        },
+        "maxrss_bytes": maxrss,
+        "maxrss_scope": if maxrss_reset {
+            "the kernel's peak RSS (VmHWM) of the process over the measured steps (reset before them); it \
+             includes memory the allocator kept from earlier runs in this process"
+        } else {
+            "the kernel's peak RSS (VmHWM) of the process since it started (the kernel refused a reset)"
         },
         "step_s": step_s,
         "fwd_bwd_s": median(fb_times),
@@ -265,14 +311,98 @@ fn cpus() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
-/// Runs one step configuration on every rank; one JSON line per rank.
-fn measure(args: &Args, n: usize, checkpoint: &str) -> Result<Vec<serde_json::Value>> {
-    let out = run_ranks(args.sp, Duration::from_secs(3600), move |pg| run_rank(args, pg, n, checkpoint));
-    let mut jsons = Vec::new();
-    for r in out {
-        jsons.push(r.map_err(|e| anyhow!("rank failed: {e}"))??);
+/// How long a collective waits for the other ranks (a long step's barrier waits for the slowest rank).
+const TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// How the ranks run.
+enum Launch {
+    /// `p` ranks as threads of this process, started anew for each run.
+    Threads { p: usize },
+    /// This process is one rank of an mpirun job; `world` holds every rank (keep it until the end of main).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    Mpi { world: Arc<dyn ProcessGroup> },
+}
+
+impl Launch {
+    /// The sequence-parallel degree P.
+    fn p(&self) -> usize {
+        match self {
+            Launch::Threads { p } => *p,
+            Launch::Mpi { world } => world.size(),
+        }
     }
-    Ok(jsons)
+
+    /// Whether this process prints the JSON lines (under MPI only rank 0 does).
+    fn prints(&self) -> bool {
+        match self {
+            Launch::Threads { .. } => true,
+            Launch::Mpi { world } => world.rank() == 0,
+        }
+    }
+}
+
+/// This process's rank of the mpirun job, checked against `--sp`.
+#[cfg(feature = "mpi")]
+fn launch_mpi(args: &Args) -> Result<Launch> {
+    let world: Arc<dyn ProcessGroup> = Arc::new(autosp::core::comm::MpiGroup::init(TIMEOUT)?);
+    if let Some(sp) = args.sp.filter(|&sp| sp != world.size()) {
+        bail!("--sp {sp} but mpirun started {} processes: with --launcher mpi, P is mpirun's -np", world.size());
+    }
+    Ok(Launch::Mpi { world })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn launch_mpi(_args: &Args) -> Result<Launch> {
+    bail!(
+        "--launcher mpi needs the MPI back end, which this binary was built without: build with \
+         `cargo build --release --features mpi --example bench_memory` and start it with \
+         `mpirun -np P target/release/examples/bench_memory --launcher mpi ...`"
+    )
+}
+
+/// Runs one step configuration on every rank. Threads: one JSON line per rank. MPI: one line (on every
+/// rank, the same numbers; rank 0 prints it): this rank's line with every rank's peaks gathered into it.
+fn measure(args: &Args, launch: &Launch, n: usize, checkpoint: &str) -> Result<Vec<serde_json::Value>> {
+    match launch {
+        Launch::Threads { p } => {
+            let out = run_ranks(*p, TIMEOUT, move |pg| run_rank(args, pg, n, checkpoint, false));
+            let mut jsons = Vec::new();
+            for r in out {
+                jsons.push(r.map_err(|e| anyhow!("rank failed: {e}"))??);
+            }
+            Ok(jsons)
+        }
+        Launch::Mpi { world } => {
+            let line = run_rank(args, world.clone(), n, checkpoint, true)?;
+            Ok(vec![gather_rank_peaks(world.as_ref(), line)?])
+        }
+    }
+}
+
+/// Rank `r`'s own numbers gathered into every rank's `line`: `rank_process_peak_bytes[r]`,
+/// `rank_process_baseline_bytes[r]`, `rank_maxrss_bytes[r]`, `rank_step_cpu_s[r]`, `rank_tape_peak_bytes[r]`;
+/// `process_peak_bytes` and `maxrss_bytes` become the largest rank's (the tape's numbers stay this rank's).
+fn gather_rank_peaks(world: &dyn ProcessGroup, mut line: serde_json::Value) -> Result<serde_json::Value> {
+    let keys = ["process_peak_bytes", "process_baseline_bytes", "maxrss_bytes", "step_cpu_s", "tape_peak_bytes"];
+    // f64 holds byte counts exactly up to 2^53 (9 PB); a missing maxrss travels as NaN.
+    let mine: Vec<f64> = keys.iter().map(|k| line[*k].as_f64().unwrap_or(f64::NAN)).collect();
+    let all = world.all_gather(&Tensor::from_vec(mine, (1, keys.len()), &Device::Cpu)?, 0)?.to_vec2::<f64>()?;
+    let column = |i: usize| all.iter().map(|r| r[i]).collect::<Vec<f64>>();
+    let bytes = |i: usize| column(i).iter().map(|&b| (b.is_finite()).then_some(b as u64)).collect::<Vec<_>>();
+    let peaks = bytes(0);
+    let maxrss = bytes(2);
+    line["rank_process_peak_bytes"] = json!(peaks);
+    line["rank_process_baseline_bytes"] = json!(bytes(1));
+    line["rank_maxrss_bytes"] = json!(maxrss);
+    line["rank_step_cpu_s"] = json!(column(3));
+    line["rank_tape_peak_bytes"] = json!(bytes(4));
+    line["process_peak_bytes"] = json!(peaks.iter().flatten().max());
+    line["maxrss_bytes"] = json!(maxrss.iter().flatten().max());
+    line["process_peak_scope"] =
+        json!("the largest rank's own process peak (one process per rank); rank_process_peak_bytes: each rank's");
+    line["step_cpu_scope"] =
+        json!("CPU seconds of this rank's process during the step; rank_step_cpu_s: each rank's process");
+    Ok(line)
 }
 
 /// The process peak of a run (the largest over its rank lines).
@@ -286,19 +416,43 @@ fn process_peak(lines: &[serde_json::Value]) -> Result<u64> {
 }
 
 /// The `"bench":"capacity"` line of one checkpoint configuration from its `(n, process peak)` points.
-/// `strategy`: the resolved strategy of the runs (as their memory lines print it).
-fn capacity_line(args: &Args, strategy: &str, checkpoint: &str, points: &[(usize, u64)]) -> Result<serde_json::Value> {
+/// `strategy`: the resolved strategy of the runs (as their memory lines print it). Under MPI every rank
+/// computes it from the same gathered peaks, and the ranks check they agree on the N to confirm.
+fn capacity_line(
+    args: &Args,
+    launch: &Launch,
+    strategy: &str,
+    checkpoint: &str,
+    points: &[(usize, u64)],
+) -> Result<serde_json::Value> {
     let budget = parse_bytes(&args.budget)?;
     let (floor, growing) = capacity::split_floor(points, 1e-3);
     if let Some(f) = floor.iter().map(|p| p.1).max().filter(|&f| f > budget) {
         bail!("--budget {budget} bytes is below the peak floor {f} bytes measured at short lengths: raise it");
     }
+    if growing.len() < 2 {
+        let ns: Vec<usize> = points.iter().map(|p| p.0).collect();
+        bail!(
+            "--capacity {checkpoint}: only {} of the lengths {ns:?} has a peak above the flat floor of {} bytes \
+             (the optimizer update's transient, not the activations): add two or more longer --n",
+            growing.len(),
+            floor.iter().map(|p| p.1).max().unwrap_or(0)
+        );
+    }
     let fit = capacity::fit_peaks(&growing)?;
     let predicted = capacity::longest_fitting(&fit.line, budget, args.capacity_multiple)?;
+    if let Launch::Mpi { world } = launch {
+        let all = world.all_gather(&Tensor::new(&[predicted as i64], &Device::Cpu)?, 0)?.to_vec1::<i64>()?;
+        if all.iter().any(|&n| n != predicted as i64) {
+            bail!("the ranks predicted different longest N from the same gathered peaks: {all:?}");
+        }
+    }
     let confirmed = if args.confirm {
-        let lines = measure(args, predicted, checkpoint)?;
-        for j in &lines {
-            println!("{j}");
+        let lines = measure(args, launch, predicted, checkpoint)?;
+        if launch.prints() {
+            for j in &lines {
+                println!("{j}");
+            }
         }
         let peak = process_peak(&lines)?;
         json!({"n": predicted, "process_peak_bytes": peak, "fits_budget": peak <= budget,
@@ -310,12 +464,16 @@ fn capacity_line(args: &Args, strategy: &str, checkpoint: &str, points: &[(usize
     Ok(json!({
         "bench": "capacity",
         "model": args.model.clone().unwrap_or_else(|| format!("preset:{}", args.preset)),
-        "sp": args.sp,
+        "sp": launch.p(),
         "launcher": args.launcher,
         "strategy": strategy,
         "checkpoint": checkpoint,
         "budget_bytes": budget,
-        "peak_metric": "process_peak_bytes: heap peak of the measured step (tracking allocator), one rank",
+        "peak_metric": match launch {
+            Launch::Threads { .. } => "process_peak_bytes: heap peak of the measured step (tracking allocator), one rank",
+            Launch::Mpi { .. } => "process_peak_bytes: heap peak of the measured step (tracking allocator) of the \
+                                   largest rank, each rank its own process",
+        },
         "points": growing.iter().map(|p| json!({"n": p.0, "process_peak_bytes": p.1})).collect::<Vec<_>>(),
         "floor_points": floor.iter().map(|p| json!({"n": p.0, "process_peak_bytes": p.1})).collect::<Vec<_>>(),
         "floor_note": "points within 0.1% of the smallest peak (two or more) are a flat floor, left out of the fit",
@@ -336,17 +494,27 @@ fn capacity_line(args: &Args, strategy: &str, checkpoint: &str, points: &[(usize
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if args.launcher != "threads" {
-        bail!(
-            "--launcher {}: only `threads` is wired into bench_memory (one process, ranks as threads)",
-            args.launcher
-        );
+    let launch = match args.launcher.as_str() {
+        "mpi" => launch_mpi(&args)?,
+        _ => Launch::Threads { p: args.sp.unwrap_or(1) },
+    };
+    let result = run(&args, &launch);
+    if let (Err(e), Launch::Mpi { world }) = (&result, &launch) {
+        // Leave without finalising MPI, so that mpirun ends the job instead of the other ranks waiting for
+        // this one in a collective until the timeout.
+        eprintln!("bench_memory: rank {}: error: {e:#}", world.rank());
+        std::process::exit(1);
     }
-    if args.capacity && args.sp > 1 {
+    result
+}
+
+/// Every configuration's runs, and with `--capacity` the fits; only the printing process prints.
+fn run(args: &Args, launch: &Launch) -> Result<()> {
+    if args.capacity && matches!(launch, Launch::Threads { p } if *p > 1) {
         bail!(
-            "--capacity with --sp {}: thread ranks share one heap, so no per-rank peak exists; run --sp 1 \
-             (a per-rank MPI launcher is not wired into bench_memory)",
-            args.sp
+            "--capacity with --sp {}: thread ranks share one heap, so no per-rank peak exists; run --sp 1, or \
+             one process per rank with --launcher mpi (feature mpi, under mpirun)",
+            launch.p()
         );
     }
     parse_bytes(&args.budget)?;
@@ -355,18 +523,23 @@ fn main() -> Result<()> {
     let mut strategy = vec![String::new(); args.checkpoint.len()];
     for &n in &args.n {
         for (i, checkpoint) in args.checkpoint.iter().enumerate() {
-            let lines = measure(&args, n, checkpoint)?;
+            let lines = measure(args, launch, n, checkpoint)?;
             points[i].push((n, process_peak(&lines)?));
             strategy[i] = lines[0]["strategy"].as_str().unwrap_or("?").to_string();
-            // One line per rank; the process numbers are the same on every line (one heap).
-            for j in lines {
-                println!("{j}");
+            // Threads: one line per rank, the process numbers the same on every line (one heap). MPI: one line.
+            if launch.prints() {
+                for j in lines {
+                    println!("{j}");
+                }
             }
         }
     }
     if args.capacity {
         for ((checkpoint, pts), strategy) in args.checkpoint.iter().zip(&points).zip(&strategy) {
-            println!("{}", capacity_line(&args, strategy, checkpoint, pts)?);
+            let line = capacity_line(args, launch, strategy, checkpoint, pts)?;
+            if launch.prints() {
+                println!("{line}");
+            }
         }
     }
     Ok(())
