@@ -94,8 +94,11 @@ fn byte_budget_mixes_policies_fits_and_keeps_gradients() {
     let (_, full_peak, _, _) = step_under(Checkpointing::Policy(CheckpointPolicy::Full), n);
     let (_, sa_peak, _, _) = step_under(Checkpointing::Policy(CheckpointPolicy::SequenceAware), n);
     assert!(full_peak < sa_peak && sa_peak < none_peak, "peaks: Full {full_peak}, SA {sa_peak}, None {none_peak}");
-    // Between Full and None, and below all-SequenceAware, so not every block can keep more than Full.
-    let budget = (full_peak + sa_peak) / 2;
+    // Between Full and all-SequenceAware (nine tenths of the way), so not every block can keep more than
+    // Full. (A block's backward replays lazily, so one SequenceAware block already costs most of the gap:
+    // its held attention outputs plus its own backward transient; the planner's estimate from the uniform
+    // policies is conservative and needs the room.)
+    let budget = full_peak + (sa_peak - full_peak) * 9 / 10;
     let (policies, peak, loss, grads) = step_under(Checkpointing::Budget(budget), n);
     eprintln!("peaks: Full {full_peak}, SA {sa_peak}, None {none_peak}; budget {budget}: {policies:?} peaks at {peak}");
     assert!(policies.contains(&CheckpointPolicy::Full), "budget {budget}: {policies:?} has no Full block");

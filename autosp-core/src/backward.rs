@@ -1,7 +1,7 @@
 //! Backward: walks the recorded nodes in reverse, calls each op's hand-written backward, accumulates
-//! gradients into leaves, and regenerates values a checkpoint policy dropped by replaying their region's
-//! nodes (only those needed) from the values that were kept. Saved tensors are released as soon as no
-//! remaining node needs them, unless the graph is retained.
+//! gradients into leaves, and regenerates values a checkpoint policy dropped by replaying, lazily per
+//! backward node, only the nodes of their region they depend on, from the values that were kept. Saved
+//! tensors are released as soon as no remaining node needs them, unless the graph is retained.
 
 use std::collections::{HashMap, HashSet};
 
@@ -136,6 +136,7 @@ impl Inner {
             gouts.push(g);
         }
         if gouts.iter().any(Option::is_some) {
+            self.regenerate_saved(n)?;
             let mut saved_in = vec![None; inputs.len()];
             for (i, &index) in inputs.iter().enumerate() {
                 if saves.input(i) {
@@ -233,6 +234,30 @@ impl Inner {
         self.values[index].tensor.is_some() || self.replayed.contains_key(&index)
     }
 
+    /// Regenerates, in one replay per region, the values node `n`'s backward reads that a policy dropped.
+    fn regenerate_saved(&mut self, n: usize) -> Result<()> {
+        let saves = self.nodes[n].op.saves();
+        let node = &self.nodes[n];
+        let ins = node.inputs.iter().enumerate().filter(|(i, _)| saves.input(*i));
+        let outs = node.outputs.iter().enumerate().filter(|(j, _)| saves.output(*j));
+        let mut missing: Vec<(usize, usize)> = Vec::new();
+        for (_, &index) in ins.chain(outs) {
+            let info = &self.values[index];
+            if let (false, true, Some(r)) = (self.available(index), info.dropped, info.region) {
+                missing.push((r, index));
+            }
+        }
+        missing.sort_unstable();
+        missing.dedup();
+        let mut regions: Vec<usize> = missing.iter().map(|&(r, _)| r).collect();
+        regions.dedup();
+        for r in regions {
+            let targets: Vec<usize> = missing.iter().filter(|&&(mr, _)| mr == r).map(|&(_, i)| i).collect();
+            self.replay(r, &targets)?;
+        }
+        Ok(())
+    }
+
     /// The tensor of value `index`, regenerating it by replay if a policy dropped it.
     fn fetch(&mut self, index: usize) -> Result<Tensor> {
         if let Some(t) = &self.values[index].tensor {
@@ -247,32 +272,24 @@ impl Inner {
                 "value #{index} is needed by backward but was neither held nor dropped by a region"
             )));
         };
-        self.replay(r)?;
+        self.replay(r, &[index])?;
         self.replayed
             .get(&index)
             .cloned()
             .ok_or_else(|| Error::Internal(format!("replaying region {r} did not regenerate value #{index}")))
     }
 
-    /// Replays the nodes of region `r` needed to regenerate its dropped values that backward still reads.
-    fn replay(&mut self, r: usize) -> Result<()> {
+    /// Replays the nodes of region `r` that `targets` (dropped values) depend on, and no others. Besides the
+    /// targets it keeps what it computed that a later backward still reads (so nothing is replayed twice in a
+    /// block's usual shape); everything else it computed goes when it returns. Regenerating lazily, per
+    /// backward node, means a block's MLP part and attention part are never regenerated at the same time.
+    fn replay(&mut self, r: usize, targets: &[usize]) -> Result<()> {
         if self.replay_region != Some(r) {
             self.clear_replayed();
             self.replay_region = Some(r);
         }
         let (start, end) = (self.regions[r].start, self.regions[r].end);
-        let mut needed = HashSet::new();
-        for n in start..end {
-            let saves = self.nodes[n].op.saves();
-            let node = &self.nodes[n];
-            let ins = node.inputs.iter().enumerate().filter(|(i, _)| saves.input(*i));
-            let outs = node.outputs.iter().enumerate().filter(|(j, _)| saves.output(*j));
-            for (_, &index) in ins.chain(outs) {
-                if self.values[index].save_count > 0 && !self.available(index) {
-                    needed.insert(index);
-                }
-            }
-        }
+        let mut needed: HashSet<usize> = targets.iter().copied().filter(|&i| !self.available(i)).collect();
         let mut run = vec![false; end - start];
         for n in (start..end).rev() {
             if self.nodes[n].outputs.iter().any(|o| needed.contains(o)) {
@@ -284,6 +301,8 @@ impl Inner {
                 }
             }
         }
+        // Values computed only as inputs of later replayed nodes; dropped when the replay ends.
+        let mut scratch: HashMap<usize, Tensor> = HashMap::new();
         for n in start..end {
             if !run[n - start] {
                 continue;
@@ -300,20 +319,33 @@ impl Inner {
             }
             let mut tensors = Vec::with_capacity(self.nodes[n].inputs.len());
             for &i in &self.nodes[n].inputs {
-                let t = self.values[i].tensor.clone().or_else(|| self.replayed.get(&i).cloned());
+                let t = self.values[i]
+                    .tensor
+                    .clone()
+                    .or_else(|| self.replayed.get(&i).cloned())
+                    .or_else(|| scratch.get(&i).cloned());
                 tensors.push(t.ok_or_else(|| {
                     Error::Internal(format!("replaying `{}` in region {r}: input #{i} is not available", op.name()))
                 })?);
             }
             let refs: Vec<&Tensor> = tensors.iter().collect();
             let outs = op.forward(&refs)?;
+            drop(tensors);
             self.replays += 1;
             for (t, &index) in outs.into_iter().zip(&self.nodes[n].outputs.clone()) {
-                if needed.contains(&index) && !self.available(index) {
-                    self.memory.track(&t);
+                if !needed.contains(&index) || self.available(index) {
+                    continue;
+                }
+                self.memory.track(&t);
+                if targets.contains(&index) || self.values[index].save_count > 0 {
                     self.replayed.insert(index, t);
+                } else {
+                    scratch.insert(index, t);
                 }
             }
+        }
+        for (_, t) in scratch {
+            self.memory.untrack(&t);
         }
         Ok(())
     }
