@@ -314,7 +314,9 @@ impl Op for RingAttentionOp {
             let ks = self.segments(t, n);
             let compute = || -> autosp_core::Result<(Option<Tensor>, Tensor)> {
                 let (kb, vb) = (block.narrow(0, 0, b)?, block.narrow(0, b, b)?);
-                let mut dq_step: Vec<Option<Tensor>> = Vec::new();
+                // This step's dQ, summed call by call as each is made (in call order, as before): never more
+                // than the sum and one padded call's dQ alive, whatever the number of calls.
+                let mut dq_sum: Option<Tensor> = None;
                 let mut dk_seg: Vec<Option<Tensor>> = vec![None; ks.len()];
                 let mut dv_seg: Vec<Option<Tensor>> = vec![None; ks.len()];
                 let mut dk_all: Option<(Tensor, Tensor)> = None;
@@ -331,7 +333,7 @@ impl Op for RingAttentionOp {
                         &c.spec,
                     )?;
                     let dq_c = dq_c.to_dtype(acc_dtype)?.pad_with_zeros(1, c.q.0, n - c.q.0 - c.q.1)?;
-                    dq_step.push(Some(dq_c));
+                    add_to(&mut dq_sum, dq_c)?;
                     let (dk_c, dv_c) = (dk_c.to_dtype(acc_dtype)?, dv_c.to_dtype(acc_dtype)?);
                     if c.k == (0, n) {
                         dk_all = Some(match dk_all.take() {
@@ -343,10 +345,6 @@ impl Op for RingAttentionOp {
                         add_to(&mut dk_seg[i], dk_c)?;
                         add_to(&mut dv_seg[i], dv_c)?;
                     }
-                }
-                let mut dq_sum = None;
-                for d in dq_step.into_iter().flatten() {
-                    add_to(&mut dq_sum, d)?;
                 }
                 // This step's dK/dV of the whole block: per-segment parts placed, plus whole-block parts.
                 let (hkv, d) = (k.dim(2)?, k.dim(3)?);
