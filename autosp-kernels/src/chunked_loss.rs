@@ -13,6 +13,7 @@ use autosp_core::ops::IGNORE_INDEX;
 use autosp_core::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
 
 use crate::fused::{compute_dtype, mismatch, tensor_from, with_contiguous, Real};
+use crate::running_sum::add_to;
 
 const OP: &str = "chunked_cross_entropy";
 
@@ -188,11 +189,7 @@ fn run<T: Real>(
                 drop(logits);
                 let dl = tensor_from(dl, (rows, vocab))?;
                 dh_chunks.push(dl.matmul(lm_head)?);
-                let part = dl.t()?.matmul(&h)?;
-                dw = Some(match dw {
-                    Some(acc) => (acc + part)?,
-                    None => part,
-                });
+                add_to(&mut dw, dl.t()?.matmul(&h)?)?;
             }
         }
         start += rows;

@@ -11,6 +11,7 @@ use candle_core::{DType, Tensor};
 use autosp_core::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
 
 use crate::fused::{compute_dtype, mismatch, swiglu_backward, swiglu_forward};
+use crate::running_sum::add_to;
 
 const OP: &str = "chunked_swiglu_mlp";
 
@@ -94,15 +95,6 @@ pub fn chunked_mlp_forward(x: &Tensor, wg: &Tensor, wu: &Tensor, wd: &Tensor, ch
     Ok(y.reshape(x.shape())?.to_dtype(x.dtype())?)
 }
 
-/// Adds `part` to a running sum (chunks in order, so the sum is deterministic).
-fn accumulate(acc: &mut Option<Tensor>, part: Tensor) -> Result<()> {
-    *acc = Some(match acc.take() {
-        Some(a) => (a + part)?,
-        None => part,
-    });
-    Ok(())
-}
-
 /// The MLP's backward without a tape: `dy: [.., d]` (the output's gradient) -> `(dx: [.., d], d_gate: [f, d],
 /// d_up: [f, d], d_down: [d, f])`, recomputing each chunk's gate and up projections.
 pub fn chunked_mlp_backward(
@@ -126,13 +118,13 @@ pub fn chunked_mlp_backward(
         let (xc, dyc) = (w.x.narrow(0, start, rows)?, dy.narrow(0, start, rows)?);
         let (g, u) = gate_up(&xc, &w)?;
         let s = swiglu_forward(&g, &u)?;
-        accumulate(&mut dwd, dyc.t()?.matmul(&s)?)?;
+        add_to(&mut dwd, dyc.t()?.matmul(&s)?)?;
         drop(s);
         let ds = dyc.matmul(&w.wd)?;
         let (dg, du) = swiglu_backward(&g, &u, &ds)?;
         drop((g, u, ds));
-        accumulate(&mut dwg, dg.t()?.matmul(&xc)?)?;
-        accumulate(&mut dwu, du.t()?.matmul(&xc)?)?;
+        add_to(&mut dwg, dg.t()?.matmul(&xc)?)?;
+        add_to(&mut dwu, du.t()?.matmul(&xc)?)?;
         dx_parts.push((dg.matmul(&w.wg)? + du.matmul(&w.wu)?)?);
         start += rows;
     }

@@ -10,6 +10,7 @@ pub mod chunked_mlp;
 pub mod error;
 pub mod flash;
 pub mod fused;
+mod running_sum;
 pub mod sp;
 
 pub use attention_op::{flash_attention, FlashAttention, FlashAttentionOp};

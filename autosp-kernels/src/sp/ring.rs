@@ -38,6 +38,7 @@ use candle_core::{DType, Tensor};
 use super::error::SpError;
 use super::merge::RunningAttention;
 use crate::flash::{flash_attention_backward, flash_attention_forward};
+use crate::running_sum::add_to;
 
 /// Which chunks of the sequence each rank of the ring holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -220,15 +221,6 @@ impl RingAttentionOp {
             Ok((out?, got?))
         })
     }
-}
-
-/// `Σ` of the given parts in order, or `None` when there are none.
-fn add_to(acc: &mut Option<Tensor>, x: Tensor) -> candle_core::Result<()> {
-    *acc = Some(match acc.take() {
-        Some(a) => (a + x)?,
-        None => x,
-    });
-    Ok(())
 }
 
 impl Op for RingAttentionOp {
