@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::ops::attention::{naive_attention, AttentionSpec};
 use candle_core::Tensor;
 
-use crate::{CheckpointPolicy, Param, Result, Tape, Value};
+use crate::{CheckpointPolicy, Op, Param, Result, Tape, Value};
 
 /// An attention implementation. `q: [b, nq, h, d]`, `k, v: [b, nk, h_kv, d]` -> `(o: [b, nq, h, d],
 /// lse: [b, h, nq])`. Sequence-parallel implementations receive the local shard and return the local shard.
@@ -27,6 +27,14 @@ pub trait Attention: std::fmt::Debug + Send + Sync {
     fn forward_output(&self, tape: &Tape, q: &Value, k: &Value, v: &Value, spec: &AttentionSpec) -> Result<Value> {
         Ok(self.forward(tape, q, k, v, spec)?.0)
     }
+
+    /// This attention as one tape op of kind attention, when it is one: inputs `q, k, v`, outputs `o, lse`,
+    /// and a backward that reads exactly those five. A wrapper that moves data around its inner attention
+    /// (Ulysses) runs it inside an op of its own, so that checkpointing keeps only the wrapper's inputs and
+    /// outputs. The default is `None`: the wrapper records its steps one by one.
+    fn as_op(&self, _spec: &AttentionSpec) -> Option<Arc<dyn Op>> {
+        None
+    }
 }
 
 /// The naive reference attention (materialises the scores): correct everywhere, fast nowhere.
@@ -40,6 +48,10 @@ impl Attention for NaiveAttention {
 
     fn forward(&self, tape: &Tape, q: &Value, k: &Value, v: &Value, spec: &AttentionSpec) -> Result<(Value, Value)> {
         naive_attention(tape, q, k, v, *spec)
+    }
+
+    fn as_op(&self, spec: &AttentionSpec) -> Option<Arc<dyn Op>> {
+        Some(Arc::new(crate::ops::attention::NaiveAttention { spec: *spec }))
     }
 }
 

@@ -61,7 +61,18 @@ pub struct SavedTensors<'a> {
     pub(crate) input_meta: Vec<(&'a Shape, DType)>,
 }
 
-impl SavedTensors<'_> {
+impl<'a> SavedTensors<'a> {
+    /// Every input and output saved, for running one op's backward from inside another op's (a wrapper such as
+    /// Ulysses that holds an inner attention op). Shapes and dtypes come from `inputs`.
+    pub fn all(op: &'static str, inputs: &'a [Tensor], outputs: &[Tensor]) -> Self {
+        Self {
+            op,
+            inputs: inputs.iter().cloned().map(Some).collect(),
+            outputs: outputs.iter().cloned().map(Some).collect(),
+            input_meta: inputs.iter().map(|t| (t.shape(), t.dtype())).collect(),
+        }
+    }
+
     /// Saved input `i`.
     pub fn input(&self, i: usize) -> Result<&Tensor> {
         self.inputs.get(i).and_then(|t| t.as_ref()).ok_or_else(|| {

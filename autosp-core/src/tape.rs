@@ -146,6 +146,12 @@ impl Tape {
         inner.open.map(|r| inner.regions[r].policy)
     }
 
+    /// Whether the checkpoint region open now recomputes (Full or SequenceAware): then a module may record
+    /// one op that keeps only its inputs and outputs and redoes its inner work in backward.
+    pub fn region_recomputes(&self) -> bool {
+        matches!(self.region_policy(), Some(p) if p != CheckpointPolicy::None)
+    }
+
     /// A parameter as a leaf value; the same parameter always maps to the same leaf, so a parameter used
     /// twice (tied embeddings) gets the sum of both gradients.
     pub fn param(&self, p: &Param) -> Value {

@@ -3,6 +3,8 @@
 //! On CUDA (feature `cuda`) only [`Attention::forward_output`] runs, for inference: candle-flash-attn gives
 //! neither the LSE nor a backward (see `flash/cuda.rs`).
 
+use std::sync::Arc;
+
 use autosp_core::ops::AttentionSpec;
 use autosp_core::{Attention, NodeKind, Op, SavedTensors, Saves, Tape, Value};
 use candle_core::Tensor;
@@ -84,6 +86,10 @@ impl Attention for FlashAttention {
         spec: &AttentionSpec,
     ) -> autosp_core::Result<(Value, Value)> {
         flash_attention(tape, q, k, v, *spec)
+    }
+
+    fn as_op(&self, spec: &AttentionSpec) -> Option<Arc<dyn Op>> {
+        Some(Arc::new(FlashAttentionOp { spec: *spec }))
     }
 
     /// On the CPU the output of [`forward`](Attention::forward). On any other device the output of

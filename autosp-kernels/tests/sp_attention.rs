@@ -49,6 +49,8 @@ struct Case {
     kv_heads: usize,
     head_dim: usize,
     causal: bool,
+    /// Run inside a SequenceAware checkpoint region: Ulysses (and hybrid's Ulysses) records one fused op.
+    fused: bool,
 }
 
 /// Deterministic values in [-1, 1) (splitmix64 of the index and seed).
@@ -81,6 +83,8 @@ struct RankOut {
     dv: Tensor,
     /// (forward, backward) stats of each group handle the strategy uses: [world] or [inner, outer].
     stats: Vec<(CommStats, CommStats)>,
+    /// Bytes the tape holds when the forward pass ends.
+    held_after_forward: usize,
 }
 
 struct Full {
@@ -134,11 +138,18 @@ fn rank_run(world: Arc<dyn ProcessGroup>, c: &Case, x: &Full) -> autosp_core::Re
         }
     };
     let (layout, r) = (layout_of(c), world.rank());
-    let sh = |t: &Tensor, dim| shard(t, dim, layout, c.p, r);
-    let tape = Tape::new(CheckpointPolicy::None);
+    // A copy: the tape counts a view's whole storage, and the held-bytes test counts the local shard.
+    let sh =
+        |t: &Tensor, dim| -> autosp_core::Result<Tensor> { Ok(shard(t, dim, layout, c.p, r)?.force_contiguous()?) };
+    let tape = Tape::new(if c.fused { CheckpointPolicy::SequenceAware } else { CheckpointPolicy::None });
     let (q, k, v) = (tape.leaf(sh(&x.q, 1)?), tape.leaf(sh(&x.k, 1)?), tape.leaf(sh(&x.v, 1)?));
     groups.iter().for_each(|g| g.reset_stats());
-    let (o, lse) = attn.forward(&tape, &q, &k, &v, &spec(c))?;
+    let (o, lse) = if c.fused {
+        tape.checkpoint("attention", |t| attn.forward(t, &q, &k, &v, &spec(c)))?
+    } else {
+        attn.forward(&tape, &q, &k, &v, &spec(c))?
+    };
+    let held_after_forward = tape.memory().held_bytes;
     let fwd: Vec<CommStats> = groups.iter().map(|g| g.stats()).collect();
     groups.iter().for_each(|g| g.reset_stats());
     let d_o = tape.constant(sh(&x.d_o, 1)?);
@@ -155,6 +166,7 @@ fn rank_run(world: Arc<dyn ProcessGroup>, c: &Case, x: &Full) -> autosp_core::Re
         dk: grad(&k)?,
         dv: grad(&v)?,
         stats: fwd.into_iter().zip(bwd).collect(),
+        held_after_forward,
     })
 }
 
@@ -173,11 +185,15 @@ fn check_stats(c: &Case, stats: &[(CommStats, CommStats)]) {
     let (b, n, h, hkv, d) = (c.batch, c.local, c.heads, c.kv_heads, c.head_dim);
     let a2a = Collective::AllToAll;
     let sr = Collective::SendRecv;
+    // Composed: 5 exchanges each way. Fused: the backward exchanges q, k, v, o, lse, dO, dLSE to the head
+    // layout and dq, dk, dv back: 10 calls, twice the forward's bytes.
     let check_ulysses = |s: &(CommStats, CommStats), p: usize| {
-        for (pass, st) in [("forward", s.0), ("backward", s.1)] {
-            assert_eq!(st.calls(a2a), 5, "{c:?}: ulysses all_to_all calls per {pass}");
-            assert_eq!(st.total_calls(), 5, "{c:?}: ulysses calls per {pass}");
-            assert_eq!(st.bytes_sent(a2a), ulysses_bytes(p, b, n, h, hkv, d), "{c:?}: ulysses bytes per {pass}");
+        let bytes = ulysses_bytes(p, b, n, h, hkv, d);
+        let bwd = if c.fused { (10, 2 * bytes) } else { (5, bytes) };
+        for (pass, st, (calls, sent)) in [("forward", s.0, (5, bytes)), ("backward", s.1, bwd)] {
+            assert_eq!(st.calls(a2a), calls, "{c:?}: ulysses all_to_all calls per {pass}");
+            assert_eq!(st.total_calls(), calls, "{c:?}: ulysses calls per {pass}");
+            assert_eq!(st.bytes_sent(a2a), sent, "{c:?}: ulysses bytes per {pass}");
         }
     };
     let check_ring = |s: &(CommStats, CommStats), p: usize, e: usize| {
@@ -263,7 +279,16 @@ fn sweep(strategy: Strategy, p: usize, batch: usize, heads: usize, kv: &[usize],
             );
             // Shards of 37 tokens (two sub-chunks of 37 for zigzag): never a multiple of the 64-row flash tile.
             let local = if zig { 74 } else { 37 };
-            run_case(Case { strategy, p, batch, local, heads, kv_heads, head_dim: 16, causal });
+            let c = Case { strategy, p, batch, local, heads, kv_heads, head_dim: 16, causal, fused: false };
+            let composed = run_case(c);
+            if matches!(strategy, Strategy::Ulysses | Strategy::Hybrid { .. }) {
+                // The fused op moves the same data and runs the same inner op: the same bits.
+                let fused = run_case(Case { fused: true, ..c });
+                for (name, (a, b)) in ["o", "lse", "dq", "dk", "dv"].iter().zip(composed.iter().zip(&fused)) {
+                    let (a, b) = (a.flatten_all().unwrap(), b.flatten_all().unwrap());
+                    assert_eq!(a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap(), "{c:?}: fused {name}");
+                }
+            }
         }
     }
 }
@@ -312,6 +337,7 @@ fn ring_contiguous_layout_is_correct_under_a_causal_mask() {
         kv_heads: 2,
         head_dim: 16,
         causal: true,
+        fused: false,
     };
     let first = run_case(c);
     // Deterministic: a second run gives the same bits.
@@ -328,6 +354,37 @@ fn ring_contiguous_layout_is_correct_under_a_causal_mask() {
 fn hybrid_2x2_matches_single_rank() {
     // u = 2 Ulysses ranks per group, r = 2 groups in the ring; kv heads 1 are replicated inside each group.
     sweep(Strategy::Hybrid { u: 2, layout: RingLayout::Zigzag }, 4, 1, 4, &[4, 2, 1], &[true, false]);
+}
+
+#[test]
+fn fused_ulysses_keeps_only_its_local_inputs_and_outputs() {
+    // Inside a SequenceAware region the tape holds the local q, k, v (leaves here) and o, lse: nothing in the
+    // head layout. The composed path (no region) also keeps the exchanged q, k, v and o, lse.
+    for (p, kv_heads) in [(2, 2), (4, 1)] {
+        let c = Case {
+            strategy: Strategy::Ulysses,
+            p,
+            batch: 1,
+            local: 37,
+            heads: 4,
+            kv_heads,
+            head_dim: 16,
+            causal: true,
+            fused: true,
+        };
+        let x = inputs(&c);
+        let held = |c: Case| -> Vec<usize> {
+            run_ranks(c.p, TIMEOUT, |world| rank_run(world, &c, &x))
+                .into_iter()
+                .map(|r| r.unwrap().unwrap().held_after_forward)
+                .collect()
+        };
+        let (n, h, d) = (c.local, c.heads, c.head_dim);
+        let local = 4 * (2 * n * h * d + 2 * n * kv_heads * d + h * n);
+        assert_eq!(held(c), vec![local; p], "{c:?}: fused Ulysses holds exactly q, k, v, o, lse");
+        let composed = held(Case { fused: false, ..c });
+        assert!(composed.iter().all(|&b| b > local + 4 * n * h * d), "{c:?}: composed holds {composed:?}");
+    }
 }
 
 fn sp_error(e: &autosp_core::Error) -> Option<&SpError> {

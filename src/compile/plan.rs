@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 
 use super::config::Strategy;
 use super::step::StepOutput;
-use super::strategy::comm_elems_per_layer;
+use super::strategy::comm_elems_per_layer_step;
 use super::{CompileError, Compiled};
 
 /// A line `a + b * n` through two probe measurements (`n`: the global sequence length).
@@ -265,7 +265,12 @@ impl<M: CausalLm> Compiled<M> {
         flops.linear += 3.0 * 2.0 * n_loc * (d.hidden * d.vocab) as f64;
         let s = self.resolved.strategy;
         let elem = 4.0;
-        let attn_comm = if p > 1 { 3.0 * comm_elems_per_layer(s, &d, n, p) * d.layers as f64 * elem } else { 0.0 };
+        let attn_comm: f64 = if p > 1 {
+            let recomputes = |pol: &CheckpointPolicy| *pol != CheckpointPolicy::None;
+            policies.iter().map(|pol| comm_elems_per_layer_step(s, &d, n, p, recomputes(pol)) * elem).sum()
+        } else {
+            0.0
+        };
         let params: f64 =
             autosp_core::module::all_params(&self.model).iter().map(|x| x.tensor().elem_count() as f64).sum();
         let grad_comm = if p > 1 { 2.0 * (p as f64 - 1.0) / p as f64 * params * elem } else { 0.0 };

@@ -25,6 +25,21 @@ pub fn ulysses_fits(heads: usize, kv: usize, p: usize) -> bool {
 
 /// Elements each rank sends per layer per forward pass, for `n` tokens in all (ALGORITHMS.md).
 pub fn comm_elems_per_layer(strategy: Strategy, d: &LmDims, n: usize, p: usize) -> f64 {
+    let (a2a, ring) = comm_parts_per_layer(strategy, d, n, p);
+    a2a + ring
+}
+
+/// Elements each rank sends per layer per training step (forward and backward). Ulysses's backward sends
+/// what its forward sent when it is recorded exchange by exchange (policy None), and twice that as one fused
+/// op that redoes its exchanges (a recomputing policy; `autosp-kernels/src/sp/ulysses_op.rs`); Ring's sends
+/// the k/v blocks again and the travelling dK/dV accumulators, about twice its forward's bytes.
+pub fn comm_elems_per_layer_step(strategy: Strategy, d: &LmDims, n: usize, p: usize, recomputes: bool) -> f64 {
+    let (a2a, ring) = comm_parts_per_layer(strategy, d, n, p);
+    a2a * if recomputes { 3.0 } else { 2.0 } + ring * 3.0
+}
+
+/// `(all-to-all, ring)` elements each rank sends per layer per forward pass.
+fn comm_parts_per_layer(strategy: Strategy, d: &LmDims, n: usize, p: usize) -> (f64, f64) {
     let (dq, dkv) = ((d.heads * d.head_dim) as f64, (d.kv_heads * d.head_dim) as f64);
     let n = n as f64;
     let pf = p as f64;
@@ -32,18 +47,18 @@ pub fn comm_elems_per_layer(strategy: Strategy, d: &LmDims, n: usize, p: usize) 
         Strategy::Ulysses => {
             // q, k, v there and o back; replicated kv heads send one head per rank.
             let kv_sent = if d.kv_heads.is_multiple_of(p) { dkv } else { pf * d.head_dim as f64 };
-            (2.0 * dq + 2.0 * kv_sent) * (n / pf) * (pf - 1.0) / pf
+            ((2.0 * dq + 2.0 * kv_sent) * (n / pf) * (pf - 1.0) / pf, 0.0)
         }
-        Strategy::Ring => 2.0 * n * dkv * (pf - 1.0) / pf,
+        Strategy::Ring => (0.0, 2.0 * n * dkv * (pf - 1.0) / pf),
         Strategy::Hybrid { ulysses: u } => {
             let r = p / u;
             let uf = u as f64;
             let kv_sent = if d.kv_heads.is_multiple_of(u) { dkv } else { uf * d.head_dim as f64 };
             let inner = (2.0 * dq + 2.0 * kv_sent) * (n / pf) * (uf - 1.0) / uf;
             let outer = 2.0 * (n / uf) * (kv_sent / uf) * (r as f64 - 1.0) / r as f64;
-            inner + outer
+            (inner, outer)
         }
-        Strategy::Auto => f64::NAN,
+        Strategy::Auto => (f64::NAN, f64::NAN),
     }
 }
 

@@ -90,33 +90,30 @@ fn join(pieces: &[Tensor], dim: usize, halves: bool, what: &'static str) -> auto
     Ok(Tensor::cat(&parts, dim)?)
 }
 
-impl AllToAllOp {
-    fn check_ranges(&self, span: usize) -> autosp_core::Result<()> {
-        let p = self.group.size();
-        if self.plan.ranges.len() != p || self.plan.ranges.iter().any(|r| r.end > span || r.is_empty()) {
-            return Err(SpError::Config {
-                what: self.what,
-                msg: format!(
-                    "all-to-all ranges {:?} must be {p} non-empty ranges within 0..{span} (dim {})",
-                    self.plan.ranges, self.plan.split_dim
-                ),
-            }
-            .into());
+fn check_ranges(plan: &AllToAllPlan, p: usize, span: usize, what: &'static str) -> autosp_core::Result<()> {
+    if plan.ranges.len() != p || plan.ranges.iter().any(|r| r.end > span || r.is_empty()) {
+        return Err(SpError::Config {
+            what,
+            msg: format!(
+                "all-to-all ranges {:?} must be {p} non-empty ranges within 0..{span} (dim {})",
+                plan.ranges, plan.split_dim
+            ),
         }
-        Ok(())
+        .into());
     }
+    Ok(())
+}
 
-    /// Whether the ranges are disjoint and cover `0..span` in rank order (then backward is a plain concat).
-    fn is_ordered_cover(&self, span: usize) -> bool {
-        let mut at = 0;
-        for r in &self.plan.ranges {
-            if r.start != at {
-                return false;
-            }
-            at = r.end;
+/// Whether the ranges are disjoint and cover `0..span` in rank order (then the inverse is a plain concat).
+fn is_ordered_cover(plan: &AllToAllPlan, span: usize) -> bool {
+    let mut at = 0;
+    for r in &plan.ranges {
+        if r.start != at {
+            return false;
         }
-        at == span
+        at = r.end;
     }
+    at == span
 }
 
 impl Op for AllToAllOp {
@@ -129,62 +126,77 @@ impl Op for AllToAllOp {
     }
 
     fn forward(&self, inputs: &[&Tensor]) -> autosp_core::Result<Vec<Tensor>> {
-        let x = inputs[0];
-        let plan = &self.plan;
-        let halves = if plan.split_halves { Some(half(self.what, x, plan.split_dim)?) } else { None };
-        self.check_ranges(halves.unwrap_or(x.dim(plan.split_dim)?))?;
-        let pieces =
-            plan.ranges.iter().map(|r| cut(x, plan.split_dim, r, halves)).collect::<candle_core::Result<Vec<_>>>()?;
-        let got = self.group.all_to_all(pieces)?;
-        for (rank, t) in got.iter().enumerate() {
-            if t.dims() != got[0].dims() {
-                return Err(SpError::UnequalPieces {
-                    what: self.what,
-                    rank,
-                    got: t.dims().to_vec(),
-                    want: got[0].dims().to_vec(),
-                }
-                .into());
-            }
-        }
-        Ok(vec![join(&got, plan.cat_dim, plan.cat_halves, self.what)?])
+        Ok(vec![exchange(&self.group, inputs[0], &self.plan, self.what)?])
     }
 
     fn backward(&self, saved: &SavedTensors<'_>, grads: &[Option<Tensor>]) -> autosp_core::Result<Vec<Option<Tensor>>> {
         let Some(dy) = &grads[0] else { return Ok(vec![None]) };
-        let (plan, p) = (&self.plan, self.group.size());
-        // Cut dy into the pieces each source rank sent, and send each back to its source.
-        let piece = dy.dim(plan.cat_dim)? / p;
-        let back: Vec<Tensor> = if plan.cat_halves {
-            let h = piece / 2;
-            (0..p)
-                .map(|i| cut(dy, plan.cat_dim, &(i * h..(i + 1) * h), Some(p * h)))
-                .collect::<candle_core::Result<_>>()?
-        } else {
-            (0..p).map(|i| dy.narrow(plan.cat_dim, i * piece, piece)).collect::<candle_core::Result<_>>()?
-        };
-        let got = self.group.all_to_all(back)?;
-        // got[j]: the gradient of the piece this rank sent to rank j; place it where that piece came from.
-        let shape: &Shape = saved.input_shape(0);
-        let len = shape.dims()[plan.split_dim];
-        let span = if plan.split_halves { len / 2 } else { len };
-        if self.is_ordered_cover(span) {
-            return Ok(vec![Some(join(&got, plan.split_dim, plan.split_halves, self.what)?)]);
-        }
-        let d = plan.split_dim;
-        let mut dx = Tensor::zeros(shape, dy.dtype(), dy.device())?;
-        for (g, r) in got.iter().zip(&plan.ranges) {
-            if plan.split_halves {
-                let k = r.len();
-                let first = g.narrow(d, 0, k)?.pad_with_zeros(d, r.start, len - r.end)?;
-                let second = g.narrow(d, k, k)?.pad_with_zeros(d, span + r.start, span - r.end)?;
-                dx = ((dx + first)? + second)?;
-            } else {
-                dx = (dx + g.pad_with_zeros(d, r.start, len - r.end)?)?;
-            }
-        }
-        Ok(vec![Some(dx)])
+        Ok(vec![Some(exchange_back(&self.group, dy, &self.plan, saved.input_shape(0), self.what)?)])
     }
+}
+
+/// The all-to-all exchange of `x` over `group` as `plan` says (the forward of [`AllToAllOp`]); `what` names it
+/// in errors.
+pub fn exchange(
+    group: &Arc<dyn ProcessGroup>,
+    x: &Tensor,
+    plan: &AllToAllPlan,
+    what: &'static str,
+) -> autosp_core::Result<Tensor> {
+    let halves = if plan.split_halves { Some(half(what, x, plan.split_dim)?) } else { None };
+    check_ranges(plan, group.size(), halves.unwrap_or(x.dim(plan.split_dim)?), what)?;
+    let pieces =
+        plan.ranges.iter().map(|r| cut(x, plan.split_dim, r, halves)).collect::<candle_core::Result<Vec<_>>>()?;
+    let got = group.all_to_all(pieces)?;
+    for (rank, t) in got.iter().enumerate() {
+        if t.dims() != got[0].dims() {
+            return Err(
+                SpError::UnequalPieces { what, rank, got: t.dims().to_vec(), want: got[0].dims().to_vec() }.into()
+            );
+        }
+    }
+    join(&got, plan.cat_dim, plan.cat_halves, what)
+}
+
+/// The inverse exchange (the backward of [`AllToAllOp`]): `dy`, shaped like [`exchange`]'s output, goes back
+/// to the ranks its pieces came from and lands where they were cut from an input of shape `input`;
+/// overlapping ranges sum in rank order.
+pub fn exchange_back(
+    group: &Arc<dyn ProcessGroup>,
+    dy: &Tensor,
+    plan: &AllToAllPlan,
+    input: &Shape,
+    what: &'static str,
+) -> autosp_core::Result<Tensor> {
+    let p = group.size();
+    // Cut dy into the pieces each source rank sent, and send each back to its source.
+    let piece = dy.dim(plan.cat_dim)? / p;
+    let back: Vec<Tensor> = if plan.cat_halves {
+        let h = piece / 2;
+        (0..p).map(|i| cut(dy, plan.cat_dim, &(i * h..(i + 1) * h), Some(p * h))).collect::<candle_core::Result<_>>()?
+    } else {
+        (0..p).map(|i| dy.narrow(plan.cat_dim, i * piece, piece)).collect::<candle_core::Result<_>>()?
+    };
+    let got = group.all_to_all(back)?;
+    // got[j]: the gradient of the piece this rank sent to rank j; place it where that piece came from.
+    let len = input.dims()[plan.split_dim];
+    let span = if plan.split_halves { len / 2 } else { len };
+    if is_ordered_cover(plan, span) {
+        return join(&got, plan.split_dim, plan.split_halves, what);
+    }
+    let d = plan.split_dim;
+    let mut dx = Tensor::zeros(input, dy.dtype(), dy.device())?;
+    for (g, r) in got.iter().zip(&plan.ranges) {
+        if plan.split_halves {
+            let k = r.len();
+            let first = g.narrow(d, 0, k)?.pad_with_zeros(d, r.start, len - r.end)?;
+            let second = g.narrow(d, k, k)?.pad_with_zeros(d, span + r.start, span - r.end)?;
+            dx = ((dx + first)? + second)?;
+        } else {
+            dx = (dx + g.pad_with_zeros(d, r.start, len - r.end)?)?;
+        }
+    }
+    Ok(dx)
 }
 
 /// Records an all-to-all of `x` over `group` on `tape` (see [`AllToAllOp`]); `what` names it in errors.

@@ -11,11 +11,13 @@ pub mod layout;
 pub mod merge;
 pub mod ring;
 pub mod ulysses;
+pub mod ulysses_op;
 
-pub use all_to_all::{all_to_all, even_ranges, AllToAllOp, AllToAllPlan};
+pub use all_to_all::{all_to_all, even_ranges, exchange, exchange_back, AllToAllOp, AllToAllPlan};
 pub use error::SpError;
 pub use hybrid::HybridAttention;
 pub use layout::{gather_unshard, shard, unshard, SeqLayout};
 pub use merge::RunningAttention;
 pub use ring::{RingAttention, RingAttentionOp, RingLayout};
-pub use ulysses::UlyssesAttention;
+pub use ulysses::{UlyssesAttention, UlyssesPlans};
+pub use ulysses_op::UlyssesAttentionOp;

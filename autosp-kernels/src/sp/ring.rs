@@ -91,6 +91,15 @@ impl Attention for RingAttention {
         let lse = out.pop().expect("two outputs");
         Ok((out.pop().expect("two outputs"), lse))
     }
+
+    fn as_op(&self, spec: &AttentionSpec) -> Option<Arc<dyn Op>> {
+        Some(Arc::new(RingAttentionOp {
+            group: self.group.clone(),
+            layout: self.layout,
+            spec: *spec,
+            overlap: self.overlap,
+        }))
+    }
 }
 
 /// The ring attention tape op: inputs `q, k, v` (local shards), outputs `o, lse` (local shards); saves all five.

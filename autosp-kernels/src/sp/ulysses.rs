@@ -12,10 +12,21 @@
 //! unchanged: after the all-to-all each rank holds the whole sequence (or, in hybrid, its group's part, which
 //! the inner Ring attention places itself).
 //!
-//! Communication per layer, rank r: 3 `all_to_all` before the attention (q, k, v) and 2 after (o, lse);
-//! backward the same 5 (each all-to-all's inverse; the lse one only when lse has a gradient). With n = N/P
+//! Two ways to record it on the tape:
+//! - Composed (no checkpoint region, or policy None): five all-to-all ops around the inner attention. The tape
+//!   keeps the exchanged q, k, v and o (collective outputs are never replayed), and backward is each
+//!   exchange's inverse.
+//! - Fused, inside a region that recomputes (Full, SequenceAware), when the inner attention is one op
+//!   ([`Attention::as_op`]: flash, Ring, naive): one [`UlyssesAttentionOp`] of kind attention that keeps only
+//!   its local inputs and outputs and redoes the q, k, v and o exchanges in its backward (`ulysses_op.rs`).
+//!   Per local token it holds what Ring holds, at the price of 5 more all-to-alls per layer backward.
+//!
+//! Communication per layer, rank r, composed: 3 `all_to_all` before the attention (q, k, v) and 2 after
+//! (o, lse); backward the same 5 (each all-to-all's inverse; the lse one only when lse has a gradient). Fused:
+//! the same 5 forward; backward 10 (q, k, v, o, lse, dO and dLSE to heads; dq, dk, dv back; 9 when lse has
+//! no gradient), twice the forward's bytes (less one lse exchange without dLSE). With n = N/P
 //! local tokens, `kvp = H_kv/P` when P divides H_kv and 1 when replicating, `s` bytes per element of q
-//! (lse is f32: 4 bytes), each rank sends, forward and again backward:
+//! (lse is f32: 4 bytes), each rank sends per forward (and per composed backward):
 //!
 //! ```text
 //! (P-1) · b · n · ( (2·H/P + 2·kvp) · d · s  +  (H/P) · 4 )
@@ -27,10 +38,11 @@ use std::sync::Arc;
 
 use autosp_core::comm::ProcessGroup;
 use autosp_core::ops::attention::AttentionSpec;
-use autosp_core::{Attention, Tape, Value};
+use autosp_core::{Attention, Op, Tape, Value};
 
 use super::all_to_all::{all_to_all, even_ranges, AllToAllPlan};
 use super::error::SpError;
+use super::ulysses_op::UlyssesAttentionOp;
 
 /// Per rank j: `(query heads, kv heads)` it receives.
 pub type HeadRanges = (Vec<Range<usize>>, Vec<Range<usize>>);
@@ -72,11 +84,62 @@ impl UlyssesAttention {
     }
 }
 
+/// The exchanges of one Ulysses call over P ranks, for the local shapes `q: [b, n, h, d]`,
+/// `k, v: [b, n, h_kv, d]` (N = n·P tokens in all).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UlyssesPlans {
+    /// Sequence to heads for q (and for o and dO): `[b, n, h, d]` -> `[b, N, h/P, d]`.
+    pub q: AllToAllPlan,
+    /// Sequence to heads for k and v: `[b, n, h_kv, d]` -> `[b, N, kvp, d]`.
+    pub kv: AllToAllPlan,
+    /// Heads to sequence for o: `[b, N, h/P, d]` -> `[b, n, h, d]`.
+    pub o: AllToAllPlan,
+    /// Heads to sequence for lse: `[b, h/P, N]` -> `[b, h, n]`.
+    pub lse: AllToAllPlan,
+    /// Sequence to heads for lse (and dLSE), the inverse of `lse`: `[b, h, n]` -> `[b, h/P, N]`.
+    pub lse_gather: AllToAllPlan,
+}
+
+impl UlyssesPlans {
+    /// The plans for `p` ranks, `heads`/`kv_heads` heads and `n` local tokens; `two_halves` for the hybrid
+    /// zigzag layout. [`SpError::UlyssesHeads`] when the heads do not split.
+    pub fn new(p: usize, heads: usize, kv_heads: usize, n: usize, two_halves: bool) -> Result<Self, SpError> {
+        let (qr, kvr) = UlyssesAttention::head_ranges(p, heads, kv_heads)?;
+        let span = if two_halves { n * p / 2 } else { n * p };
+        let seq = even_ranges("ulysses output sequence", span, p)?;
+        let gather = |split_dim, ranges: Vec<Range<usize>>, cat_dim| AllToAllPlan {
+            split_dim,
+            ranges,
+            split_halves: false,
+            cat_dim,
+            cat_halves: two_halves,
+        };
+        let scatter = |split_dim, cat_dim| AllToAllPlan {
+            split_dim,
+            ranges: seq.clone(),
+            split_halves: two_halves,
+            cat_dim,
+            cat_halves: false,
+        };
+        Ok(Self {
+            q: gather(2, qr.clone(), 1),
+            kv: gather(2, kvr, 1),
+            o: scatter(1, 2),
+            lse: scatter(2, 1),
+            lse_gather: gather(1, qr, 2),
+        })
+    }
+}
+
 impl Attention for UlyssesAttention {
     fn describe(&self) -> String {
         format!("ulysses(p={}) > {}", self.group.size(), self.inner.describe())
     }
 
+    /// Inside a checkpoint region that recomputes, and when the inner attention is one op
+    /// ([`Attention::as_op`]), one [`UlyssesAttentionOp`] (kind attention: keeps only the local q, k, v, o,
+    /// lse and redoes the exchanges in backward); otherwise five recorded all-to-alls around the inner
+    /// attention, whose outputs the tape keeps (see the module doc for the communication of each).
     fn forward(
         &self,
         tape: &Tape,
@@ -86,32 +149,27 @@ impl Attention for UlyssesAttention {
         spec: &AttentionSpec,
     ) -> autosp_core::Result<(Value, Value)> {
         let dims = spec.dims("ulysses_attention", q.tensor(), k.tensor(), v.tensor())?;
-        let p = self.group.size();
-        let (qr, kvr) = Self::head_ranges(p, dims.heads, dims.kv_heads)?;
-        let gather = |ranges: Vec<Range<usize>>| AllToAllPlan {
-            split_dim: 2,
-            ranges,
-            split_halves: false,
-            cat_dim: 1,
-            cat_halves: self.two_halves,
-        };
+        let plans = UlyssesPlans::new(self.group.size(), dims.heads, dims.kv_heads, dims.q_len, self.two_halves)?;
+        if tape.region_recomputes() {
+            if let Some(op) = self.as_op(spec) {
+                let mut out = tape.apply_arc(op, &[q, k, v])?;
+                let lse = out.pop().expect("two outputs");
+                return Ok((out.pop().expect("two outputs"), lse));
+            }
+        }
         let g = &self.group;
-        let q2 = all_to_all(tape, g, q, gather(qr), "ulysses q")?;
-        let k2 = all_to_all(tape, g, k, gather(kvr.clone()), "ulysses k")?;
-        let v2 = all_to_all(tape, g, v, gather(kvr), "ulysses v")?;
+        let q2 = all_to_all(tape, g, q, plans.q, "ulysses q")?;
+        let k2 = all_to_all(tape, g, k, plans.kv.clone(), "ulysses k")?;
+        let v2 = all_to_all(tape, g, v, plans.kv, "ulysses v")?;
         let (o2, lse2) = self.inner.forward(tape, &q2, &k2, &v2, spec)?;
-        let n_all = o2.dims()[1];
-        let span = if self.two_halves { n_all / 2 } else { n_all };
-        let seq = even_ranges("ulysses output sequence", span, p)?;
-        let scatter = |split_dim, cat_dim| AllToAllPlan {
-            split_dim,
-            ranges: seq.clone(),
-            split_halves: self.two_halves,
-            cat_dim,
-            cat_halves: false,
-        };
-        let o = all_to_all(tape, g, &o2, scatter(1, 2), "ulysses o")?;
-        let lse = all_to_all(tape, g, &lse2, scatter(2, 1), "ulysses lse")?;
+        let o = all_to_all(tape, g, &o2, plans.o, "ulysses o")?;
+        let lse = all_to_all(tape, g, &lse2, plans.lse, "ulysses lse")?;
         Ok((o, lse))
+    }
+
+    /// The whole of Ulysses as one [`UlyssesAttentionOp`], when the inner attention is one op.
+    fn as_op(&self, spec: &AttentionSpec) -> Option<Arc<dyn Op>> {
+        let inner = self.inner.as_op(spec)?;
+        Some(Arc::new(UlyssesAttentionOp { group: self.group.clone(), inner, two_halves: self.two_halves }))
     }
 }

@@ -5,7 +5,7 @@
 
 use autosp_core::module::Module;
 use autosp_core::nn::Linear;
-use autosp_core::{CheckpointPolicy, Tape, Value};
+use autosp_core::{Tape, Value};
 use autosp_kernels::chunked_mlp::chunked_mlp;
 use autosp_kernels::fused::swiglu::swiglu;
 
@@ -38,9 +38,8 @@ impl LlamaMlp {
     /// Whether to run as the chunked op: inside a recomputing region, and only without biases (Llama's MLP
     /// has none).
     fn chunked(&self, tape: &Tape) -> bool {
-        let recomputes = matches!(tape.region_policy(), Some(p) if p != CheckpointPolicy::None);
         let biased = [&self.gate_proj, &self.up_proj, &self.down_proj].iter().any(|l| l.bias.is_some());
-        recomputes && !biased
+        tape.region_recomputes() && !biased
     }
 }
 
