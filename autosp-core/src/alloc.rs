@@ -1,8 +1,31 @@
 //! [`TrackingAllocator`]: a global allocator that binaries install to report the process's live and peak
-//! heap bytes (`#[global_allocator] static ALLOC: TrackingAllocator = TrackingAllocator::new();`).
+//! heap bytes (`#[global_allocator] static ALLOC: TrackingAllocator = TrackingAllocator::new();`), and
+//! which tape op was running when the peak was reached ([`TrackingAllocator::peak_phase`]: the tape marks
+//! each op it runs forward, replays or differentiates with [`phase`]).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// The phase running now and the one that was running at the last new peak: indices into `PHASES` + 1
+/// (0: none marked).
+static PHASE: AtomicUsize = AtomicUsize::new(0);
+static PEAK_PHASE: AtomicUsize = AtomicUsize::new(0);
+static PHASES: Mutex<Vec<(&'static str, &'static str)>> = Mutex::new(Vec::new());
+
+/// Marks what the process is doing now: `pass` (`forward`, `replay`, `backward`) of the op named `op`, for
+/// [`TrackingAllocator::peak_phase`]. Process-wide: with several threads marking, the last mark wins.
+pub fn phase(pass: &'static str, op: &'static str) {
+    let mut names = PHASES.lock().unwrap_or_else(|e| e.into_inner());
+    let i = match names.iter().position(|&n| n == (pass, op)) {
+        Some(i) => i,
+        None => {
+            names.push((pass, op));
+            names.len() - 1
+        }
+    };
+    PHASE.store(i + 1, Ordering::Relaxed);
+}
 
 /// The system allocator, counting live bytes and their peak.
 #[derive(Debug)]
@@ -30,11 +53,21 @@ impl TrackingAllocator {
     /// Starts a new peak measurement from the current live bytes.
     pub fn reset_peak(&self) {
         self.peak.store(self.live_bytes(), Ordering::Relaxed);
+        PEAK_PHASE.store(PHASE.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
+    /// The [`phase`] marked last before the peak was reached, as `"pass op"` (`None`: nothing marked yet).
+    pub fn peak_phase(&self) -> Option<String> {
+        let i = PEAK_PHASE.load(Ordering::Relaxed);
+        let names = PHASES.lock().unwrap_or_else(|e| e.into_inner());
+        i.checked_sub(1).and_then(|i| names.get(i)).map(|(pass, op)| format!("{pass} {op}"))
     }
 
     fn added(&self, n: usize) {
         let now = self.live.fetch_add(n, Ordering::Relaxed) + n;
-        self.peak.fetch_max(now, Ordering::Relaxed);
+        if self.peak.fetch_max(now, Ordering::Relaxed) < now {
+            PEAK_PHASE.store(PHASE.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
     }
 }
 

@@ -149,6 +149,7 @@ impl Inner {
                     saved_out[j] = Some(self.fetch(index)?);
                 }
             }
+            crate::alloc::phase("backward", op.name());
             let gins = {
                 let saved = SavedTensors {
                     op: op.name(),
@@ -318,6 +319,7 @@ impl Inner {
                 })?);
             }
             let refs: Vec<&Tensor> = tensors.iter().collect();
+            crate::alloc::phase("replay", op.name());
             let outs = op.forward(&refs)?;
             drop(tensors);
             self.replays += 1;

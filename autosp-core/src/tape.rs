@@ -206,6 +206,7 @@ impl Tape {
             }
         }
         let tensors: Vec<&Tensor> = inputs.iter().map(|v| &v.tensor).collect();
+        crate::alloc::phase("forward", op.name());
         let outputs = op.forward(&tensors)?;
         let mut inner = self.inner.borrow_mut();
         let tracked =

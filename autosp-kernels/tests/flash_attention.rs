@@ -183,9 +183,11 @@ fn two_runs_give_identical_bits() {
         [o, lse, dq, dk, dv].map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
     };
     let first = run();
-    // Again on the default pool, and on pools of 1 and 3 threads (other schedules, other task placement).
+    // Again on the default pool, and on pools of 1, 3 and 8 threads: other schedules, other task placement,
+    // and other backward waves (the 4 key chunks per kv head run 1, 2 or 4 at a time), so other dQ partial
+    // slots; the sums must still run in chunk order.
     let pool = |n| rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
-    let runs = [run(), pool(1).install(run), pool(3).install(run)];
+    let runs = [run(), pool(1).install(run), pool(3).install(run), pool(8).install(run)];
     for again in &runs {
         for (a, b) in first.iter().zip(again) {
             assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));

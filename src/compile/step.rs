@@ -107,6 +107,7 @@ impl<M: CausalLm> Compiled<M> {
         let loss = self.group.all_reduce(&loss_local, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
         let local = tape.param_grads();
         drop(tape);
+        autosp_core::alloc::phase("step", "gradient all-reduce");
         let grads = self.reduce_grads(local)?;
         Ok(StepOutput { loss, valid_tokens: total as usize, grads, after_forward, peak_bytes, memory_trace })
     }

@@ -5,7 +5,7 @@
 //! `present = 0` (an 8-byte message) carries no tensor. Supported dtypes: u8, u32, i16, i32, i64, bf16,
 //! f16, f32, f64.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 
 /// Why bytes could not be turned into a tensor or back.
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +67,31 @@ pub fn encode(t: Option<&Tensor>) -> Result<Vec<u8>, WireError> {
     for &d in t.dims() {
         out.extend_from_slice(&(d as u64).to_le_bytes());
     }
+    // A contiguous CPU tensor is read straight from its storage: no intermediate copy of the elements.
+    let t = t.contiguous()?;
+    if let (Storage::Cpu(cpu), Some((start, end))) = (&*t.storage_and_layout().0, t.layout().contiguous_offsets()) {
+        macro_rules! put {
+            ($v:expr) => {
+                for x in &$v[start..end] {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            };
+        }
+        match cpu {
+            CpuStorage::U8(v) => out.extend_from_slice(&v[start..end]),
+            CpuStorage::U32(v) => put!(v),
+            CpuStorage::I16(v) => put!(v),
+            CpuStorage::I32(v) => put!(v),
+            CpuStorage::I64(v) => put!(v),
+            CpuStorage::BF16(v) => put!(v),
+            CpuStorage::F16(v) => put!(v),
+            CpuStorage::F32(v) => put!(v),
+            CpuStorage::F64(v) => put!(v),
+            _ => return Err(WireError::UnsupportedDtype(t.dtype())),
+        }
+        return Ok(out);
+    }
+    // Other devices: through a host vector.
     let flat = t.flatten_all()?;
     macro_rules! push {
         ($ty:ty) => {
@@ -150,6 +175,12 @@ mod tests {
         assert_eq!(back.to_vec2::<f32>()?, t.to_vec2::<f32>()?);
         let s = Tensor::new(7.5f64, &Device::Cpu)?;
         assert_eq!(round_trip(&s).to_scalar::<f64>()?, 7.5);
+        // A contiguous view that starts inside its storage: only the view's elements travel, in order.
+        let rows = Tensor::arange(0f32, 12., &Device::Cpu)?.reshape((3, 4))?.narrow(0, 1, 2)?;
+        let bytes = encode(Some(&rows)).unwrap();
+        let want: Vec<u8> = (4..12).flat_map(|v| (v as f32).to_le_bytes()).collect();
+        assert_eq!(&bytes[bytes.len() - want.len()..], &want[..]);
+        assert_eq!(round_trip(&rows).to_vec2::<f32>()?, rows.to_vec2::<f32>()?);
         let e = Tensor::zeros((0, 5), DType::F32, &Device::Cpu)?;
         assert_eq!(round_trip(&e).dims(), &[0, 5]);
         assert!(decode(&encode(None).unwrap(), &Device::Cpu).unwrap().is_none());

@@ -1,8 +1,10 @@
 //! Flash attention backward on host slices, FlashAttention-2 style from the saved output and LSE, and
 //! deterministic: one task per (batch, kv head, chunk of key tiles) owns the dK/dV rows of its key tiles
 //! (summing its GQA group's query heads in order) and a dQ buffer per query head of its group (chunk 0's is
-//! the dQ output itself, the others' are partials); a last pass adds the partials in a fixed order. No float is ever added from two threads, so the bits never depend
-//! on the scheduling.
+//! the dQ output itself, the others' are partials). The chunks run in waves sized to the thread count, and
+//! after each wave its partials are added to dQ in chunk order, so the partials take a wave's worth of dQs,
+//! not one per chunk. No float is ever added from two threads and every sum runs in chunk order, so the bits
+//! depend neither on the scheduling nor on the thread count.
 
 use rayon::prelude::*;
 
@@ -77,55 +79,69 @@ pub(crate) fn backward<T: Real>(
         });
     }
 
-    // dK/dV go straight into the outputs, and so does chunk 0's dQ; each (query head, chunk >= 1) has a
-    // partial ([b, h, chunks - 1, nq, d]: O(N·d) per extra chunk), added below in chunk order.
-    let mut dq_part = vec![fill; g.b * g.h * (chunks - 1) * nq * d];
-    let dq_dst = DqDst { out: SharedOut(dq.as_mut_ptr()), part: SharedOut(dq_part.as_mut_ptr()) };
+    // dK/dV go straight into the outputs, and so does chunk 0's dQ. The chunks run in waves of `wave`
+    // consecutive chunks (enough tasks per wave to keep every thread busy); a wave's chunks >= 1 write dQ
+    // partials (`[b, h, wave, nq, d]`: O(N·d) per slot), which are added to dQ in chunk order before the
+    // next wave reuses the slots. The sum order per element is c0 + c1 + c2 + … whatever the wave size, so
+    // the bits do not depend on the thread count; the partials' memory is `wave` dQs, not `chunks - 1`.
+    let wave = rayon::current_num_threads().div_ceil((g.b * g.hkv).max(1)).clamp(1, chunks);
+    let slots = if chunks == 1 { 0 } else { wave };
+    let mut dq_part = vec![fill; g.b * g.h * slots * nq * d];
+    let dq_dst = DqDst { out: SharedOut(dq.as_mut_ptr()), part: SharedOut(dq_part.as_mut_ptr()), slots };
     let dk_out = SharedOut(dk.as_mut_ptr());
     let dv_out = SharedOut(dv.as_mut_ptr());
     let packs = Packed { qc: &qc, doc: &doc, lse2: &lse2, delta: &delta };
-    (0..g.b * g.hkv * chunks).into_par_iter().for_each(|idx| {
-        // SAFETY: task (bi, kh, ch) alone writes the dQ rows (or partials of chunk ch) of the query heads of
-        // kv head kh of batch bi, and the rows of the key tiles t ≡ ch (mod chunks) of that kv head in dk, dv.
-        unsafe { key_chunk(g, x, &packs, idx, chunks, &dq_dst, &dk_out, &dv_out) };
-    });
-    if chunks == 1 {
-        return;
-    }
-
-    // Fixed-order sum of the dQ chunks (chunk 0 already in place), times the scale.
-    let scale = T::from_f64(g.scale);
     let dq_w = SharedOut(dq.as_mut_ptr());
-    (0..g.b * g.h).into_par_iter().for_each(|bh| {
-        let (bi, hi) = (bh / g.h, bh % g.h);
-        for i in 0..nq {
-            // SAFETY: task bh alone writes the rows of head hi of batch bi.
-            let out = unsafe { dq_w.slice(g.q_base(bi, hi) + i * g.q_rs, d) };
-            for ch in 1..chunks {
-                let part = &dq_part[((bh * (chunks - 1) + ch - 1) * nq + i) * d..][..d];
-                for (o, &p) in out.iter_mut().zip(part) {
-                    *o = *o + p;
+    for first in (0..chunks).step_by(wave) {
+        let in_wave = wave.min(chunks - first);
+        (0..g.b * g.hkv * in_wave).into_par_iter().for_each(|i| {
+            let (bkh, ch) = (i / in_wave, first + i % in_wave);
+            // SAFETY: task (bi, kh, ch) alone writes the dQ rows (or the partial slot of chunk ch) of the
+            // query heads of kv head kh of batch bi, and the rows of the key tiles t ≡ ch (mod chunks) of that
+            // kv head in dk, dv; the waves run one after the other.
+            unsafe { key_chunk(g, x, &packs, bkh * chunks + ch, chunks, &dq_dst, &dk_out, &dv_out) };
+        });
+        if chunks == 1 {
+            return;
+        }
+        // Add this wave's partials (chunk 0 is already in place) in chunk order; scale after the last wave.
+        let last = first + in_wave == chunks;
+        let scale = T::from_f64(g.scale);
+        (0..g.b * g.h).into_par_iter().for_each(|bh| {
+            let (bi, hi) = (bh / g.h, bh % g.h);
+            for i in 0..nq {
+                // SAFETY: task bh alone writes the rows of head hi of batch bi.
+                let out = unsafe { dq_w.slice(g.q_base(bi, hi) + i * g.q_rs, d) };
+                for ch in first.max(1)..first + in_wave {
+                    let part = &dq_part[((bh * slots + ch % slots) * nq + i) * d..][..d];
+                    for (o, &p) in out.iter_mut().zip(part) {
+                        *o = *o + p;
+                    }
+                }
+                if last {
+                    T::scale_row(out, scale);
                 }
             }
-            T::scale_row(out, scale);
-        }
-    });
+        });
+    }
 }
 
 /// Where a task accumulates dQ: chunk 0 straight into the `[b, nq, h, d]` output (scaled by the task at the
-/// end when it is the only chunk), chunks 1.. into the `[b, h, chunks - 1, nq, d]` partials.
+/// end when it is the only chunk), chunk `ch >= 1` into slot `ch % slots` of the `[b, h, slots, nq, d]`
+/// partials.
 struct DqDst<T> {
     out: SharedOut<T>,
     part: SharedOut<T>,
+    slots: usize,
 }
 
 impl<T> DqDst<T> {
     /// The buffer, offset and row stride of head `bh = bi·h + hi`'s dQ rows for chunk `ch`.
-    fn rows(&self, g: &Geometry, bh: usize, ch: usize, chunks: usize) -> (&SharedOut<T>, usize, usize) {
+    fn rows(&self, g: &Geometry, bh: usize, ch: usize) -> (&SharedOut<T>, usize, usize) {
         if ch == 0 {
             (&self.out, g.q_base(bh / g.h, bh % g.h), g.q_rs)
         } else {
-            (&self.part, (bh * (chunks - 1) + ch - 1) * g.nq * g.d, g.d)
+            (&self.part, (bh * self.slots + ch % self.slots) * g.nq * g.d, g.d)
         }
     }
 }
@@ -164,7 +180,7 @@ unsafe fn key_chunk<T: Real>(
     let scale = T::from_f64(g.scale);
     let heads: Vec<usize> = (0..g.group).map(|gi| bi * g.h + kh * g.group + gi).collect();
     for &bh in &heads {
-        let (buf, base, rs) = dq.rows(g, bh, ch, chunks);
+        let (buf, base, rs) = dq.rows(g, bh, ch);
         for i in 0..nq {
             buf.slice(base + i * rs, d).fill(T::ZERO);
         }
@@ -195,7 +211,7 @@ unsafe fn key_chunk<T: Real>(
             let doc = &pk.doc[bh * nq * d..][..nq * d];
             let lse2 = &pk.lse2[bh * nq..][..nq];
             let delta = &pk.delta[bh * nq..][..nq];
-            let (dq_buf, dq_base, dq_rs) = dq.rows(g, bh, ch, chunks);
+            let (dq_buf, dq_base, dq_rs) = dq.rows(g, bh, ch);
             for qt in first_tile..g.q_tiles() {
                 let i0 = qt * BR;
                 let rows = (nq - i0).min(BR);
@@ -236,7 +252,7 @@ unsafe fn key_chunk<T: Real>(
     }
     if chunks == 1 {
         for &bh in &heads {
-            let (buf, base, rs) = dq.rows(g, bh, ch, chunks);
+            let (buf, base, rs) = dq.rows(g, bh, ch);
             for i in 0..nq {
                 T::scale_row(buf.slice(base + i * rs, d), scale);
             }

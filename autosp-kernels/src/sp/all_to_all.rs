@@ -47,6 +47,25 @@ pub fn even_ranges(what: &'static str, len: usize, p: usize) -> Result<Vec<Range
     Ok((0..p).map(|j| j * s..(j + 1) * s).collect())
 }
 
+/// The first half of [`exchange_back`]: `dy` cut into the pieces each source rank sent and sent back; entry j
+/// is the gradient of the piece this rank sent to rank j (cut by `plan.ranges[j]`, from each half when
+/// `plan.split_halves`).
+pub fn return_pieces(
+    group: &Arc<dyn ProcessGroup>,
+    dy: &Tensor,
+    plan: &AllToAllPlan,
+) -> autosp_core::Result<Vec<Tensor>> {
+    let p = group.size();
+    let piece = dy.dim(plan.cat_dim)? / p;
+    let back: Vec<Tensor> = if plan.cat_halves {
+        let h = piece / 2;
+        (0..p).map(|i| cut(dy, plan.cat_dim, &(i * h..(i + 1) * h), Some(p * h))).collect::<candle_core::Result<_>>()?
+    } else {
+        (0..p).map(|i| dy.narrow(plan.cat_dim, i * piece, piece)).collect::<candle_core::Result<_>>()?
+    };
+    Ok(group.all_to_all(back)?)
+}
+
 /// The all-to-all tape op: input `x`, output the gathered tensor (see the module doc for shapes).
 #[derive(Debug)]
 pub struct AllToAllOp {
@@ -168,16 +187,7 @@ pub fn exchange_back(
     input: &Shape,
     what: &'static str,
 ) -> autosp_core::Result<Tensor> {
-    let p = group.size();
-    // Cut dy into the pieces each source rank sent, and send each back to its source.
-    let piece = dy.dim(plan.cat_dim)? / p;
-    let back: Vec<Tensor> = if plan.cat_halves {
-        let h = piece / 2;
-        (0..p).map(|i| cut(dy, plan.cat_dim, &(i * h..(i + 1) * h), Some(p * h))).collect::<candle_core::Result<_>>()?
-    } else {
-        (0..p).map(|i| dy.narrow(plan.cat_dim, i * piece, piece)).collect::<candle_core::Result<_>>()?
-    };
-    let got = group.all_to_all(back)?;
+    let got = return_pieces(group, dy, plan)?;
     // got[j]: the gradient of the piece this rank sent to rank j; place it where that piece came from.
     let len = input.dims()[plan.split_dim];
     let span = if plan.split_halves { len / 2 } else { len };

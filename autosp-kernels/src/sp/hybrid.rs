@@ -61,6 +61,7 @@ impl HybridAttention {
             group: inner_group.clone(),
             inner: Arc::new(ring),
             two_halves: layout == RingLayout::Zigzag,
+            chunk_heads: false,
         };
         Ok(Self { ulysses, inner_group, outer_group, layout })
     }

@@ -19,5 +19,5 @@ pub use hybrid::HybridAttention;
 pub use layout::{gather_unshard, shard, unshard, SeqLayout};
 pub use merge::RunningAttention;
 pub use ring::{RingAttention, RingAttentionOp, RingLayout};
-pub use ulysses::{UlyssesAttention, UlyssesPlans};
+pub use ulysses::{HeadChunks, UlyssesAttention, UlyssesPlans};
 pub use ulysses_op::UlyssesAttentionOp;

@@ -19,12 +19,13 @@
 //! - Fused, inside a region that recomputes (Full, SequenceAware), when the inner attention is one op
 //!   ([`Attention::as_op`]: flash, Ring, naive): one [`UlyssesAttentionOp`] of kind attention that keeps only
 //!   its local inputs and outputs and redoes the q, k, v and o exchanges in its backward (`ulysses_op.rs`).
-//!   Per local token it holds what Ring holds, at the price of 5 more all-to-alls per layer backward.
+//!   Per local token it holds what Ring holds, at the price of 5 more all-to-alls per layer backward, and it
+//!   differentiates one chunk of heads at a time (see that file).
 //!
 //! Communication per layer, rank r, composed: 3 `all_to_all` before the attention (q, k, v) and 2 after
 //! (o, lse); backward the same 5 (each all-to-all's inverse; the lse one only when lse has a gradient). Fused:
-//! the same 5 forward; backward 10 (q, k, v, o, lse, dO and dLSE to heads; dq, dk, dv back; 9 when lse has
-//! no gradient), twice the forward's bytes (less one lse exchange without dLSE). With n = N/P
+//! the same 5 forward; backward q, k, v, o, lse, dO and dLSE to heads and dq, dk, dv back, per head chunk
+//! (`ulysses_op.rs` gives the call count), twice the forward's bytes (less one lse exchange without dLSE). With n = N/P
 //! local tokens, `kvp = H_kv/P` when P divides H_kv and 1 when replicating, `s` bytes per element of q
 //! (lse is f32: 4 bytes), each rank sends per forward (and per composed backward):
 //!
@@ -58,12 +59,16 @@ pub struct UlyssesAttention {
     /// Gather and scatter the sequence as two halves (the hybrid zigzag layout: each rank's tokens are two
     /// sub-chunks, and the group's gathered sequence is `[all first halves ; all second halves]`).
     pub two_halves: bool,
+    /// Run the fused backward in head chunks ([`UlyssesPlans::head_chunks`]; default true), so that only one
+    /// chunk's head-layout tensors are alive at a time. Hybrid turns it off: its inner Ring would pass the
+    /// shared k/v blocks around once per chunk.
+    pub chunk_heads: bool,
 }
 
 impl UlyssesAttention {
     /// Ulysses over `group` with `inner` attention on the gathered sequence (contiguous layout).
     pub fn new(group: Arc<dyn ProcessGroup>, inner: Arc<dyn Attention>) -> Self {
-        Self { group, inner, two_halves: false }
+        Self { group, inner, two_halves: false, chunk_heads: true }
     }
 
     /// The query-head and kv-head ranges each of `p` ranks receives, or [`SpError::UlyssesHeads`].
@@ -131,6 +136,60 @@ impl UlyssesPlans {
     }
 }
 
+/// How the fused backward splits each rank's heads ([`UlyssesPlans::head_chunks`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadChunks {
+    /// Chunks of every rank's query heads, exchanged and differentiated one after the other.
+    pub chunks: usize,
+    /// Each chunk takes its own kv heads (a whole GQA group each); otherwise every chunk shares the rank's
+    /// kv heads, which are exchanged once and whose gradients sum over the chunks in chunk order.
+    pub split_kv: bool,
+}
+
+impl HeadChunks {
+    /// No chunking: all of a rank's heads at once.
+    pub const WHOLE: HeadChunks = HeadChunks { chunks: 1, split_kv: false };
+}
+
+impl UlyssesPlans {
+    /// The head chunks of the fused backward: one kv head (with its query heads) per chunk when the kv heads
+    /// split evenly over the ranks and a rank has several; one query head per chunk when a rank has one kv
+    /// head; otherwise one chunk. The backward's head-layout tensors are then a chunk's, not the rank's.
+    pub fn head_chunks(&self) -> HeadChunks {
+        let (hq, kvp) = (self.q.ranges[0].len(), self.kv.ranges[0].len());
+        let kv_split_evenly = self.kv.ranges.windows(2).all(|w| w[0].end == w[1].start);
+        if kvp > 1 && kv_split_evenly {
+            HeadChunks { chunks: kvp, split_kv: true }
+        } else if kvp == 1 {
+            HeadChunks { chunks: hq, split_kv: false }
+        } else {
+            HeadChunks::WHOLE
+        }
+    }
+
+    /// The plans restricted to chunk `c` of `how.chunks` of every rank's heads (the q, lse and, with
+    /// `how.split_kv`, kv ranges; the output plans are unchanged).
+    pub fn chunk(&self, c: usize, how: HeadChunks) -> UlyssesPlans {
+        let sub = |ranges: &[Range<usize>]| -> Vec<Range<usize>> {
+            ranges
+                .iter()
+                .map(|r| {
+                    let w = r.len() / how.chunks;
+                    r.start + c * w..r.start + (c + 1) * w
+                })
+                .collect()
+        };
+        let with = |plan: &AllToAllPlan, ranges| AllToAllPlan { ranges, ..plan.clone() };
+        UlyssesPlans {
+            q: with(&self.q, sub(&self.q.ranges)),
+            kv: if how.split_kv { with(&self.kv, sub(&self.kv.ranges)) } else { self.kv.clone() },
+            o: self.o.clone(),
+            lse: self.lse.clone(),
+            lse_gather: with(&self.lse_gather, sub(&self.lse_gather.ranges)),
+        }
+    }
+}
+
 impl Attention for UlyssesAttention {
     fn describe(&self) -> String {
         format!("ulysses(p={}) > {}", self.group.size(), self.inner.describe())
@@ -170,6 +229,33 @@ impl Attention for UlyssesAttention {
     /// The whole of Ulysses as one [`UlyssesAttentionOp`], when the inner attention is one op.
     fn as_op(&self, spec: &AttentionSpec) -> Option<Arc<dyn Op>> {
         let inner = self.inner.as_op(spec)?;
-        Some(Arc::new(UlyssesAttentionOp { group: self.group.clone(), inner, two_halves: self.two_halves }))
+        Some(Arc::new(UlyssesAttentionOp {
+            group: self.group.clone(),
+            inner,
+            two_halves: self.two_halves,
+            chunk_heads: self.chunk_heads,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_chunks_take_a_kv_group_or_a_query_head() {
+        let how = |p, h, kv| UlyssesPlans::new(p, h, kv, 4, false).unwrap().head_chunks();
+        // 4 query heads and 2 kv heads per rank: a kv head and its 2 query heads per chunk.
+        assert_eq!(how(2, 8, 4), HeadChunks { chunks: 2, split_kv: true });
+        // One kv head per rank (split or replicated): one query head per chunk, the kv head shared.
+        assert_eq!(how(4, 8, 4), HeadChunks { chunks: 2, split_kv: false });
+        assert_eq!(how(4, 8, 2), HeadChunks { chunks: 2, split_kv: false });
+        assert_eq!(how(8, 8, 4), HeadChunks { chunks: 1, split_kv: false });
+        // Chunk 1 of 2 at P = 2, 8 heads, 4 kv heads: query heads 2..4 and 6..8, kv heads 1 and 3.
+        let plans = UlyssesPlans::new(2, 8, 4, 4, false).unwrap();
+        let c = plans.chunk(1, how(2, 8, 4));
+        assert_eq!(c.q.ranges, vec![2..4, 6..8]);
+        assert_eq!(c.kv.ranges, vec![1..2, 3..4]);
+        assert_eq!(c.lse_gather.ranges, vec![2..4, 6..8]);
     }
 }
