@@ -125,11 +125,17 @@ impl Op for UlyssesAttentionOp {
             let (dq2, dk2, dv2) = (take(0)?, take(1)?, take(2)?);
             drop(heads);
             autosp_core::alloc::phase("backward", "ulysses_attention: exchanges back");
-            dq_parts.push(return_pieces(g, &dq2, &pc.q)?);
-            drop(dq2);
+            // This rank's own piece comes back as a view of the chunk's gradient: copy it, so the chunk's
+            // head-layout gradient is freed now and not held until the end.
+            let back = |d2: Tensor, plan| -> autosp_core::Result<Vec<Tensor>> {
+                let mut pieces = return_pieces(g, &d2, plan)?;
+                pieces[g.rank()] = pieces[g.rank()].force_contiguous()?;
+                Ok(pieces)
+            };
+            dq_parts.push(back(dq2, &pc.q)?);
             if how.split_kv {
-                dk_parts.push(return_pieces(g, &dk2, &pc.kv)?);
-                dv_parts.push(return_pieces(g, &dv2, &pc.kv)?);
+                dk_parts.push(back(dk2, &pc.kv)?);
+                dv_parts.push(back(dv2, &pc.kv)?);
             } else {
                 add_to(&mut dk_sum, dk2)?;
                 add_to(&mut dv_sum, dv2)?;
