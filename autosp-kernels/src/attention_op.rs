@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use autosp_core::ops::attention::apply_attention;
 use autosp_core::ops::AttentionSpec;
 use autosp_core::{Attention, NodeKind, Op, SavedTensors, Saves, Tape, Value};
 use candle_core::Tensor;
@@ -63,9 +64,7 @@ pub fn flash_attention(
     v: &Value,
     spec: AttentionSpec,
 ) -> autosp_core::Result<(Value, Value)> {
-    let mut out = tape.apply(FlashAttentionOp { spec }, &[q, k, v])?;
-    let lse = out.pop().expect("two outputs");
-    Ok((out.pop().expect("two outputs"), lse))
+    apply_attention(tape, Arc::new(FlashAttentionOp { spec }), q, k, v)
 }
 
 /// The CPU flash kernel as an [`Attention`] implementation: the default of every attention slot.

@@ -260,7 +260,19 @@ impl Op for NaiveAttention {
 /// Naive attention on the tape: `q: [b, nq, h, d]`, `k, v: [b, nk, h_kv, d]` -> `(o: [b, nq, h, d],
 /// lse: [b, h, nq])`.
 pub fn naive_attention(tape: &Tape, q: &Value, k: &Value, v: &Value, spec: AttentionSpec) -> Result<(Value, Value)> {
-    let mut out = tape.apply(NaiveAttention { spec }, &[q, k, v])?;
+    apply_attention(tape, std::sync::Arc::new(NaiveAttention { spec }), q, k, v)
+}
+
+/// Records an attention op (inputs `q, k, v`; outputs `o, lse`, as every attention kernel's) on `tape` and
+/// returns `(o, lse)`.
+pub fn apply_attention(
+    tape: &Tape,
+    op: std::sync::Arc<dyn Op>,
+    q: &Value,
+    k: &Value,
+    v: &Value,
+) -> Result<(Value, Value)> {
+    let mut out = tape.apply_arc(op, &[q, k, v])?;
     let lse = out.pop().expect("two outputs");
     Ok((out.pop().expect("two outputs"), lse))
 }

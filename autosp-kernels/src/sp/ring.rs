@@ -31,7 +31,7 @@
 use std::sync::Arc;
 
 use autosp_core::comm::ProcessGroup;
-use autosp_core::ops::attention::AttentionSpec;
+use autosp_core::ops::attention::{apply_attention, AttentionSpec};
 use autosp_core::{Attention, NodeKind, Op, SavedTensors, Saves, Tape, Value};
 use candle_core::{DType, Tensor};
 
@@ -63,6 +63,11 @@ pub struct RingAttention {
 }
 
 impl RingAttention {
+    /// The tape op for one call with `spec`.
+    fn op(&self, spec: &AttentionSpec) -> Arc<dyn Op> {
+        Arc::new(RingAttentionOp { group: self.group.clone(), layout: self.layout, spec: *spec, overlap: self.overlap })
+    }
+
     /// Ring attention over `group` in `layout`, with communication overlapped.
     pub fn new(group: Arc<dyn ProcessGroup>, layout: RingLayout) -> Self {
         Self { group, layout, overlap: true }
@@ -86,19 +91,11 @@ impl Attention for RingAttention {
         v: &Value,
         spec: &AttentionSpec,
     ) -> autosp_core::Result<(Value, Value)> {
-        let op = RingAttentionOp { group: self.group.clone(), layout: self.layout, spec: *spec, overlap: self.overlap };
-        let mut out = tape.apply(op, &[q, k, v])?;
-        let lse = out.pop().expect("two outputs");
-        Ok((out.pop().expect("two outputs"), lse))
+        apply_attention(tape, self.op(spec), q, k, v)
     }
 
     fn as_op(&self, spec: &AttentionSpec) -> Option<Arc<dyn Op>> {
-        Some(Arc::new(RingAttentionOp {
-            group: self.group.clone(),
-            layout: self.layout,
-            spec: *spec,
-            overlap: self.overlap,
-        }))
+        Some(self.op(spec))
     }
 }
 

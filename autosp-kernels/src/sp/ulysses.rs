@@ -38,7 +38,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use autosp_core::comm::ProcessGroup;
-use autosp_core::ops::attention::AttentionSpec;
+use autosp_core::ops::attention::{apply_attention, AttentionSpec};
 use autosp_core::{Attention, Op, Tape, Value};
 
 use super::all_to_all::{all_to_all, even_ranges, AllToAllPlan};
@@ -207,15 +207,13 @@ impl Attention for UlyssesAttention {
         v: &Value,
         spec: &AttentionSpec,
     ) -> autosp_core::Result<(Value, Value)> {
-        let dims = spec.dims("ulysses_attention", q.tensor(), k.tensor(), v.tensor())?;
-        let plans = UlyssesPlans::new(self.group.size(), dims.heads, dims.kv_heads, dims.q_len, self.two_halves)?;
         if tape.region_recomputes() {
             if let Some(op) = self.as_op(spec) {
-                let mut out = tape.apply_arc(op, &[q, k, v])?;
-                let lse = out.pop().expect("two outputs");
-                return Ok((out.pop().expect("two outputs"), lse));
+                return apply_attention(tape, op, q, k, v);
             }
         }
+        let dims = spec.dims("ulysses_attention", q.tensor(), k.tensor(), v.tensor())?;
+        let plans = UlyssesPlans::new(self.group.size(), dims.heads, dims.kv_heads, dims.q_len, self.two_halves)?;
         let g = &self.group;
         let q2 = all_to_all(tape, g, q, plans.q, "ulysses q")?;
         let k2 = all_to_all(tape, g, k, plans.kv.clone(), "ulysses k")?;
