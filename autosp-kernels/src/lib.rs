@@ -7,6 +7,7 @@
 pub mod attention_op;
 pub mod chunked_loss;
 pub mod chunked_mlp;
+pub mod dispatch;
 pub mod error;
 pub mod flash;
 pub mod fused;
@@ -18,6 +19,7 @@ pub use chunked_loss::{
     chunked_cross_entropy, chunked_cross_entropy_backward, chunked_cross_entropy_forward, ChunkedCrossEntropy,
 };
 pub use chunked_mlp::{chunked_mlp, chunked_mlp_backward, chunked_mlp_forward, ChunkedSwiGluMlp};
+pub use dispatch::{kernels, set_kernels, Kernels};
 pub use error::{Error, Result};
 pub use flash::{flash_attention_backward, flash_attention_forward, flash_attention_output, MAX_HEAD_DIM};
 pub use sp::{HybridAttention, RingAttention, RingLayout, SeqLayout, SpError, UlyssesAttention};

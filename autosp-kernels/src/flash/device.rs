@@ -11,7 +11,7 @@ pub(crate) enum Backend {
     /// The CPU flash kernel of this module.
     Cpu,
     /// candle-flash-attn (forward only, no LSE).
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "flash-attn")]
     Cuda,
 }
 
@@ -19,9 +19,9 @@ pub(crate) enum Backend {
 pub(crate) fn backend_at(op: &'static str, name: &'static str, location: DeviceLocation) -> Result<Backend> {
     match location {
         DeviceLocation::Cpu => Ok(Backend::Cpu),
-        #[cfg(feature = "cuda")]
+        #[cfg(feature = "flash-attn")]
         DeviceLocation::Cuda { .. } => Ok(Backend::Cuda),
-        #[cfg(not(feature = "cuda"))]
+        #[cfg(not(feature = "flash-attn"))]
         DeviceLocation::Cuda { .. } => Err(Error::CudaFeature { op, name, device: format!("{location:?}") }),
         DeviceLocation::Metal { .. } => Err(Error::NotCpu { op, name, device: format!("{location:?}") }),
     }
@@ -55,7 +55,7 @@ mod tests {
     }
 
     /// A CUDA location needs no GPU to construct: the routing decision is checked in both builds.
-    #[cfg(not(feature = "cuda"))]
+    #[cfg(not(feature = "flash-attn"))]
     #[test]
     fn cuda_without_the_feature_says_to_build_with_it() {
         let e = backend_at("flash_attention_forward", "q", DeviceLocation::Cuda { gpu_id: 1 }).unwrap_err();
@@ -64,7 +64,7 @@ mod tests {
         assert!(msg.contains("--features cuda") && msg.contains("gpu_id: 1"), "{msg}");
     }
 
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "flash-attn")]
     #[test]
     fn cuda_with_the_feature_goes_to_candle_flash_attn() {
         assert_eq!(backend_at("t", "q", DeviceLocation::Cuda { gpu_id: 0 }).unwrap(), Backend::Cuda);

@@ -45,9 +45,9 @@
 //! [`Error::CudaFeature`] (`device.rs`).
 
 mod backward;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "flash-attn")]
 mod cuda;
-#[cfg(any(feature = "cuda", test))]
+#[cfg(any(feature = "flash-attn", test))]
 mod cuda_plan;
 pub(crate) mod device;
 mod forward;
@@ -75,7 +75,7 @@ pub const MAX_HEAD_DIM: usize = 256;
 pub fn flash_attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(Tensor, Tensor)> {
     match device::backend(FWD, q, k, v)? {
         Backend::Cpu => forward_with_fill(q, k, v, spec, false),
-        #[cfg(feature = "cuda")]
+        #[cfg(feature = "flash-attn")]
         Backend::Cuda => Err(Error::CudaLse { op: FWD }),
     }
 }
@@ -89,7 +89,7 @@ pub fn flash_attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &Attent
 pub fn flash_attention_output(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<Tensor> {
     match device::backend(OUT, q, k, v)? {
         Backend::Cpu => Ok(forward_with_fill(q, k, v, spec, false)?.0),
-        #[cfg(feature = "cuda")]
+        #[cfg(feature = "flash-attn")]
         Backend::Cuda => cuda::forward_output(OUT, q, k, v, spec),
     }
 }
@@ -113,7 +113,7 @@ pub fn flash_attention_backward(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     match device::backend(BWD, q, k, v)? {
         Backend::Cpu => backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, false),
-        #[cfg(feature = "cuda")]
+        #[cfg(feature = "flash-attn")]
         Backend::Cuda => Err(Error::CudaBackward { op: BWD }),
     }
 }
