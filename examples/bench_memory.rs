@@ -96,6 +96,23 @@ struct Args {
     /// Print rank 0's `explain()` (the rewritten module tree and the plan) to stderr before each run.
     #[arg(long)]
     explain: bool,
+    /// cpu | cuda | cuda:N | metal (default: the first CUDA device when built with `cuda` and one exists, else
+    /// the CPU). Thread ranks share it; under MPI plain `cuda` gives rank r its node-local GPU.
+    #[arg(long)]
+    device: Option<autosp::DeviceSpec>,
+    /// The compute dtype: bf16 | f16 | f32 (default: f32 on the CPU, bf16 on a GPU).
+    #[arg(long, value_parser = autosp::precision::parse_dtype)]
+    dtype: Option<DType>,
+}
+
+impl Args {
+    fn device_spec(&self) -> autosp::DeviceSpec {
+        self.device.unwrap_or_else(autosp::DeviceSpec::default_for_build)
+    }
+
+    fn dtype(&self) -> DType {
+        self.dtype.unwrap_or_else(|| autosp::precision::default_dtype(&self.device_spec()))
+    }
 }
 
 fn parse_strategy(s: &str) -> Result<Strategy> {
@@ -153,12 +170,13 @@ fn preset_config(name: &str, max_n: usize) -> Result<LlamaConfig> {
     Ok(cfg)
 }
 
-fn load_model(args: &Args, max_n: usize) -> Result<LlamaModel> {
+fn load_model(args: &Args, max_n: usize, device: &Device) -> Result<LlamaModel> {
+    let dtype = args.dtype();
     Ok(match &args.model {
-        Some(m) => LlamaModel::load(m, DType::F32)?,
+        Some(m) => LlamaModel::load_on(m, dtype, device)?,
         None => {
             let cfg = preset_config(&args.preset, max_n)?;
-            LlamaModel::from_weights(&cfg, random_weights(&cfg, 1234, DType::F32, &Device::Cpu)?)?
+            LlamaModel::from_weights(&cfg, random_weights(&cfg, 1234, dtype, device)?)?
         }
     })
 }
@@ -212,10 +230,13 @@ fn run_rank(
 ) -> Result<serde_json::Value> {
     let strategy = parse_strategy(&args.strategy)?;
     let checkpoint = parse_checkpoint(checkpoint_arg)?;
-    let model = load_model(args, n)?;
+    let local = own_heap.then(|| (autosp::device::local_rank(pg.rank()), pg.size()));
+    let device = args.device_spec().open(local)?;
+    let model = load_model(args, n, &device)?;
     let vocab = model.config.vocab_size as u32;
     let mut cfg = CompileConfig::new(pg.clone(), strategy, checkpoint);
     cfg.seq_len = Some(n);
+    cfg.dtype = args.dtype();
     let mut c = compile(model, cfg)?;
     if args.explain {
         let text = c.explain(n)?;
@@ -287,6 +308,8 @@ fn run_rank(
         "sp": pg.size(),
         "rank": pg.rank(),
         "launcher": args.launcher,
+        "device": format!("{:?}", device.location()),
+        "dtype": args.dtype().as_str(),
         "strategy": format!("{:?}", c.resolved().strategy),
         "checkpoint": checkpoint_arg,
         "block_policies": policies,

@@ -8,5 +8,8 @@ pub use autosp_models as models;
 
 pub mod capacity;
 pub mod compile;
+pub mod device;
+pub mod precision;
 
+pub use device::{DeviceError, DeviceSpec};
 pub use compile::{compile, Checkpointing, CompileConfig, CompileError, Compiled, Strategy};

@@ -7,7 +7,7 @@
 //! generic path on the CPU too, so the CPU test suite runs it; `auto`, or unset, picks by device). The API
 //! wins over the environment; the environment is read once, at the first call.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 use candle_core::Tensor;
 
@@ -40,6 +40,7 @@ const AUTO: u8 = 1;
 const GENERIC: u8 = 2;
 
 static CHOICE: AtomicU8 = AtomicU8::new(UNSET);
+static GENERIC_CALLS: AtomicU64 = AtomicU64::new(0);
 
 fn encode(k: Kernels) -> u8 {
     match k {
@@ -79,8 +80,19 @@ pub fn kernels_from_env() -> Result<Kernels, String> {
 }
 
 /// Whether a call on `t` runs the fast CPU kernel: `t` is on the CPU and the generic path is not forced.
+/// Every `false` counts one call of a generic kernel ([`generic_calls`]).
 pub fn use_fast_cpu(t: &Tensor) -> bool {
-    t.device().is_cpu() && kernels() == Kernels::Auto
+    let fast = t.device().is_cpu() && kernels() == Kernels::Auto;
+    if !fast {
+        GENERIC_CALLS.fetch_add(1, Ordering::Relaxed);
+    }
+    fast
+}
+
+/// How many kernel calls the generic path has served in this process (tests check that forcing it took
+/// effect; a run can report it).
+pub fn generic_calls() -> u64 {
+    GENERIC_CALLS.load(Ordering::Relaxed)
 }
 
 #[cfg(test)]

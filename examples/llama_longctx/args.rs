@@ -111,6 +111,12 @@ pub struct Args {
     /// No progress bar (one line per step only).
     #[arg(long)]
     pub no_progress: bool,
+
+    /// The device: `cpu`, `cuda`, `cuda:N` or `metal` (default: the first CUDA device when this binary has
+    /// CUDA (`--features cuda`) and one exists, else the CPU). Thread ranks share the device; under MPI, plain
+    /// `cuda` gives each rank `cuda:(local rank mod device count)`.
+    #[arg(long)]
+    pub device: Option<autosp::DeviceSpec>,
 }
 
 impl Args {
@@ -129,6 +135,11 @@ impl Args {
             }
         }
         self
+    }
+
+    /// The device asked for, or the build's default.
+    pub fn device_spec(&self) -> autosp::DeviceSpec {
+        self.device.unwrap_or_else(autosp::DeviceSpec::default_for_build)
     }
 
     /// Micro-batches per optimizer step.

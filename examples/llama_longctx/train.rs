@@ -60,6 +60,11 @@ impl Job {
         if args.seq_len < 2 {
             bail!("--seq-len must be at least 2");
         }
+        // A typo in AUTOSP_KERNELS or a device this build cannot open fails here, before any rank starts.
+        autosp::kernels::dispatch::kernels_from_env().map_err(anyhow::Error::msg)?;
+        if threads {
+            args.device_spec().open(None)?;
+        }
         let micro = args.micro_batches().map_err(anyhow::Error::msg)?;
         let resume = match &args.resume {
             Some(dir) => {
@@ -199,7 +204,11 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
             println!("{s}");
         }
     };
-    let model = LlamaModel::from_weights(&job.base.config, job.base.to_weights())?;
+    // Thread ranks share one device; one process per rank takes its node-local rank's GPU.
+    let local = (!job.threads).then(|| (autosp::device::local_rank(pg.rank()), pg.size()));
+    let device = a.device_spec().open(local)?;
+    let weights = job.base.to_weights().into_iter().map(|(k, t)| Ok((k, t.to_device(&device)?))).collect::<Result<_>>()?;
+    let model = LlamaModel::from_weights(&job.base.config, weights)?;
     let mut cfg = CompileConfig::new(pg.clone(), a.strategy, a.checkpoint);
     cfg.seq_len = Some(a.seq_len);
     let mut c = compile(model, cfg)?;
@@ -222,8 +231,14 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
     let d = &job.base.config;
     let tokens_per_step = a.seq_len * job.micro;
     say(&format!(
-        "llama_longctx: model {} ({} layers, hidden {}, {} heads / {} kv heads, vocab {})",
-        job.source, d.num_hidden_layers, d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.vocab_size
+        "llama_longctx: model {} ({} layers, hidden {}, {} heads / {} kv heads, vocab {}) on {:?}",
+        job.source,
+        d.num_hidden_layers,
+        d.hidden_size,
+        d.num_attention_heads,
+        d.num_key_value_heads,
+        d.vocab_size,
+        device.location()
     ));
     say(&format!(
         "compiled for P = {} {} ranks: {:?} ({}), checkpointing {:?}; {} tokens per sequence ({} per rank), {} \

@@ -75,6 +75,11 @@ impl<M: CausalLm> Compiled<M> {
         }
     }
 
+    /// The device the model's parameters live on (where every step runs; inputs are moved there).
+    pub fn device(&self) -> candle_core::Device {
+        self.params().first().map_or(candle_core::Device::Cpu, |p| p.tensor().device().clone())
+    }
+
     /// Gives back the model.
     pub fn into_inner(self) -> M {
         self.model
@@ -112,6 +117,19 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
             bad.tensor().dtype(),
             config.dtype
         )));
+    }
+    let params = autosp_core::module::all_params(&model);
+    if let Some(first) = params.first() {
+        let want = first.tensor().device().location();
+        if let Some(bad) = params.iter().find(|x| x.tensor().device().location() != want) {
+            return Err(CompileError::Input(format!(
+                "parameter `{}` is on {:?} but `{}` is on {want:?}: put the whole model on one device \
+                 (LlamaModel::load_on(path, dtype, &device))",
+                bad.name(),
+                bad.tensor().device().location(),
+                first.name()
+            )));
+        }
     }
     let resolved = strategy::resolve(config.strategy, &model.dims(), p, true)?;
     let attention = build_attention(&resolved, &config.group)?;

@@ -79,7 +79,9 @@ impl<M: CausalLm> Compiled<M> {
             return Err(CompileError::Input(format!("a training sequence needs at least 2 tokens, got {n}")));
         }
         let n_pad = self.padded_len(n);
-        let (ids, targets) = shift_and_pad(ids, labels, n_pad)?;
+        let device = self.device();
+        let (ids, labels) = (ids.to_device(&device)?, labels.map(|l| l.to_device(&device)).transpose()?);
+        let (ids, targets) = shift_and_pad(&ids, labels.as_ref(), n_pad)?;
         let positions = self.positions(n_pad, self.group.rank())?;
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
         let ids_local = ids.index_select(&index, 1)?;
@@ -150,7 +152,7 @@ impl<M: CausalLm> Compiled<M> {
     pub fn logits(&self, ids: &Tensor) -> Result<Tensor, CompileError> {
         let (_, n) = ids.dims2()?;
         let n_pad = self.padded_len(n);
-        let ids = pad_ids(ids, n_pad)?;
+        let ids = pad_ids(&ids.to_device(&self.device())?, n_pad)?;
         let positions = self.positions(n_pad, self.group.rank())?;
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
         let tape = Tape::inference();

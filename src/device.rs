@@ -1,0 +1,162 @@
+//! Which device a run trains on: `--device cpu|cuda|cuda:N|metal|metal:N` parsed into a candle [`Device`], the
+//! default (the first CUDA device when this build has CUDA and one exists, else the CPU), and the device of
+//! one rank of an MPI job (`cuda:(local rank mod device count)`). Thread ranks of one process share the
+//! device they are given.
+
+use candle_core::Device;
+
+/// A device the user asked for, before it is opened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The CPU.
+    Cpu,
+    /// A CUDA device: `Some(i)` is `cuda:i`; `None` (plain `cuda`) lets the launcher pick (device 0 for thread
+    /// ranks, the local rank's device under MPI).
+    Cuda(Option<usize>),
+    /// A Metal device (`metal` is `metal:0`).
+    Metal(usize),
+}
+
+/// A device that cannot be parsed or opened.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// Not one of the accepted spellings.
+    #[error("--device {0:?} is not a device: use cpu, cuda, cuda:N (N = 0, 1, ...), metal or metal:N")]
+    Parse(String),
+    /// The device exists in name only for this build or machine.
+    #[error("--device {spec}: {why}")]
+    Open {
+        /// What was asked for, as the user spelled it.
+        spec: String,
+        /// candle's reason, with what to do.
+        why: String,
+    },
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = DeviceError;
+
+    fn from_str(s: &str) -> Result<Self, DeviceError> {
+        let t = s.trim().to_ascii_lowercase();
+        let ordinal = |rest: &str| rest.parse::<usize>().map_err(|_| DeviceError::Parse(s.to_string()));
+        match t.as_str() {
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" | "gpu" => Ok(DeviceSpec::Cuda(None)),
+            "metal" | "mps" => Ok(DeviceSpec::Metal(0)),
+            _ => match t.split_once(':') {
+                Some(("cuda", n)) => Ok(DeviceSpec::Cuda(Some(ordinal(n)?))),
+                Some(("metal", n)) => Ok(DeviceSpec::Metal(ordinal(n)?)),
+                _ => Err(DeviceError::Parse(s.to_string())),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceSpec::Cpu => write!(f, "cpu"),
+            DeviceSpec::Cuda(None) => write!(f, "cuda"),
+            DeviceSpec::Cuda(Some(i)) => write!(f, "cuda:{i}"),
+            DeviceSpec::Metal(i) => write!(f, "metal:{i}"),
+        }
+    }
+}
+
+impl DeviceSpec {
+    /// The default: `cuda` when this build has candle's CUDA backend (feature `cuda`) and a CUDA device
+    /// opens, else the CPU.
+    pub fn default_for_build() -> Self {
+        if candle_core::utils::cuda_is_available() && Device::new_cuda(0).is_ok() {
+            DeviceSpec::Cuda(None)
+        } else {
+            DeviceSpec::Cpu
+        }
+    }
+
+    /// Whether this is a CUDA device.
+    pub fn is_cuda(&self) -> bool {
+        matches!(self, DeviceSpec::Cuda(_))
+    }
+
+    /// Opens the device for one rank. `local` is `(local rank, ranks on this node)` for one process per rank
+    /// (MPI): plain `cuda` then takes `cuda:(local rank mod device count)`. Thread ranks pass `None` and
+    /// share one device.
+    pub fn open(&self, local: Option<(usize, usize)>) -> Result<Device, DeviceError> {
+        let open_err = |why: String| DeviceError::Open { spec: self.to_string(), why };
+        match *self {
+            DeviceSpec::Cpu => Ok(Device::Cpu),
+            DeviceSpec::Cuda(ordinal) => {
+                if !candle_core::utils::cuda_is_available() {
+                    return Err(open_err(
+                        "this binary was built without CUDA: rebuild with `--features cuda` (nvcc and the CUDA \
+                         libraries must be installed; see README \"Building with CUDA\")"
+                            .into(),
+                    ));
+                }
+                let i = match (ordinal, local) {
+                    (Some(i), _) => i,
+                    (None, Some((local_rank, _))) => local_rank % cuda_device_count().max(1),
+                    (None, None) => 0,
+                };
+                Device::new_cuda(i).map_err(|e| open_err(format!("opening cuda:{i}: {e}")))
+            }
+            DeviceSpec::Metal(i) => {
+                if !candle_core::utils::metal_is_available() {
+                    return Err(open_err(
+                        "this binary was built without Metal: candle's `metal` feature is needed".into(),
+                    ));
+                }
+                Device::new_metal(i).map_err(|e| open_err(format!("opening metal:{i}: {e}")))
+            }
+        }
+    }
+}
+
+/// The number of CUDA devices this process sees (0 without CUDA).
+pub fn cuda_device_count() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        if let Ok(n) = candle_core::cuda_backend::cudarc::driver::CudaContext::device_count() {
+            return n.max(0) as usize;
+        }
+    }
+    0
+}
+
+/// The local rank of this process among the ranks of its node under mpirun (OpenMPI's
+/// `OMPI_COMM_WORLD_LOCAL_RANK`, MPICH's `MPI_LOCALRANKID`, Slurm's `SLURM_LOCALID`), else `global_rank`.
+pub fn local_rank(global_rank: usize) -> usize {
+    ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
+        .unwrap_or(global_rank)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_spelling_and_names_a_bad_one() {
+        assert_eq!("cpu".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cpu);
+        assert_eq!("CUDA".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(None));
+        assert_eq!("cuda:3".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(Some(3)));
+        assert_eq!("metal".parse::<DeviceSpec>().unwrap(), DeviceSpec::Metal(0));
+        assert_eq!("cuda:3".parse::<DeviceSpec>().unwrap().to_string(), "cuda:3");
+        for bad in ["gpu:x", "cuda:", "tpu", "cuda:-1"] {
+            let e = bad.parse::<DeviceSpec>().unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains("cuda:N"), "{e}");
+        }
+    }
+
+    #[test]
+    fn cpu_opens_and_cuda_without_the_feature_says_how_to_build() {
+        assert!(DeviceSpec::Cpu.open(None).unwrap().is_cpu());
+        if !candle_core::utils::cuda_is_available() {
+            let e = DeviceSpec::Cuda(Some(1)).open(Some((1, 2))).unwrap_err().to_string();
+            assert!(e.contains("--features cuda") && e.contains("cuda:1"), "{e}");
+            assert_eq!(DeviceSpec::default_for_build(), DeviceSpec::Cpu);
+        }
+    }
+}
