@@ -227,12 +227,11 @@ fn run_rank(
     n: usize,
     checkpoint_arg: &str,
     own_heap: bool,
+    device: &Device,
 ) -> Result<serde_json::Value> {
     let strategy = parse_strategy(&args.strategy)?;
     let checkpoint = parse_checkpoint(checkpoint_arg)?;
-    let local = own_heap.then(|| (autosp::device::local_rank(pg.rank()), pg.size()));
-    let device = args.device_spec().open(local)?;
-    let model = load_model(args, n, &device)?;
+    let model = load_model(args, n, device)?;
     let vocab = model.config.vocab_size as u32;
     let mut cfg = CompileConfig::new(pg.clone(), strategy, checkpoint);
     cfg.seq_len = Some(n);
@@ -411,7 +410,10 @@ fn launch_mpi(_args: &Args) -> Result<Launch> {
 fn measure(args: &Args, launch: &Launch, n: usize, checkpoint: &str) -> Result<Vec<serde_json::Value>> {
     match launch {
         Launch::Threads { p } => {
-            let out = run_ranks(*p, TIMEOUT, move |pg| run_rank(args, pg, n, checkpoint, false));
+            // Thread ranks share one device handle.
+            let device = args.device_spec().open(None)?;
+            let device = &device;
+            let out = run_ranks(*p, TIMEOUT, move |pg| run_rank(args, pg, n, checkpoint, false, device));
             let mut jsons = Vec::new();
             for r in out {
                 jsons.push(r.map_err(|e| anyhow!("rank failed: {e}"))??);
@@ -419,7 +421,8 @@ fn measure(args: &Args, launch: &Launch, n: usize, checkpoint: &str) -> Result<V
             Ok(jsons)
         }
         Launch::Mpi { world } => {
-            let line = run_rank(args, world.clone(), n, checkpoint, true)?;
+            let device = args.device_spec().open(Some((autosp::device::local_rank(world.rank()), world.size())))?;
+            let line = run_rank(args, world.clone(), n, checkpoint, true, &device)?;
             Ok(vec![gather_rank_peaks(world.as_ref(), line)?])
         }
     }

@@ -1,10 +1,82 @@
-#!/bin/bash
-# The GPU checks of the `cuda` and `nccl` features, as one script for a machine with a CUDA GPU (compute
-# capability >= 8.0, CUDA >= 12, NCCL) and GitHub access (candle-flash-attn clones CUTLASS at build time).
-# Builds both features, then runs the CUDA attention test (candle-flash-attn's output against the CPU
-# kernel; LSE and gradients on CUDA are typed errors). The NCCL back end needs two GPUs for a real test;
-# with one GPU it is only built here.
+#!/usr/bin/env bash
+# The one prepared device script: everything autosp checks on a CUDA GPU, in one run that fits in 8 minutes
+# on a 16-core, 1-GPU machine with no network (README "Building with CUDA" says what it needs installed).
+#
+#   1. builds with `--features cuda` (candle's CUDA backend + the device-generic kernels), and with
+#      `flash-attn` on top when CUTLASS is already on disk (candle-flash-attn's build clones it otherwise);
+#   2. runs the CUDA tests (`autosp-kernels/tests/cuda_attention.rs`: the generic attention and ops on CUDA
+#      against the CPU kernels, forward and backward, f32 and bf16; candle-flash-attn's forward when built);
+#   3. runs `llama_longctx --quick` on CUDA at P = 1 and 2 (thread ranks sharing the GPU) in f32 and bf16 and
+#      compares every step's loss with the CPU run (f32: 1e-4 relative; bf16: 2e-2);
+#   4. prints `bench_attention` on CUDA (generic attention vs candle-flash-attn forward, bf16, N = 16384,
+#      head_dim 64 and 128) and llama_longctx tokens/s at 8K tokens.
+#
+# Results go to $OUT (default target/gpu_check): the logs, metrics and JSON lines.
+# Crates: with no network, run `cargo vendor vendor/` on a machine with one first and bring `vendor/` along;
+# the script then builds offline from it.
 set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-target/gpu_check}"
+mkdir -p "$OUT"
+log() { echo "gpu_check: $*" | tee -a "$OUT/summary.txt"; }
+
+command -v nvidia-smi >/dev/null || { echo "gpu_check: nvidia-smi not found: this needs an NVIDIA GPU and its driver" >&2; exit 2; }
+command -v nvcc >/dev/null || export PATH="${CUDA_ROOT:-${CUDA_PATH:-/usr/local/cuda}}/bin:$PATH"
+command -v nvcc >/dev/null || { echo "gpu_check: nvcc not found: install the CUDA toolkit (>= 12) or set CUDA_ROOT" >&2; exit 2; }
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)}"
-cargo build --release --features cuda,nccl
-cargo test --release --features cuda -p autosp-kernels --test cuda_attention -- --nocapture
+log "GPU: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1), compute cap $CUDA_COMPUTE_CAP, nvcc $(nvcc --version | tail -1)"
+
+cargo_flags=(--release)
+if [ -d vendor ]; then
+  cargo_flags+=(--offline --config "source.crates-io.replace-with='vendored'" --config "source.vendored.directory='vendor'")
+fi
+features=cuda
+if [ -d "${CUDAFORGE_HOME:-$HOME/.cudaforge}" ]; then
+  features=cuda,flash-attn
+else
+  log "no CUTLASS under \${CUDAFORGE_HOME:-~/.cudaforge}: building without flash-attn (candle-flash-attn's build would clone it)"
+fi
+export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-$(nproc)}"
+
+t0=$SECONDS
+cargo build "${cargo_flags[@]}" --features "$features" --example llama_longctx --example bench_attention 2>&1 | tail -3
+log "build (--features $features): $((SECONDS - t0)) s"
+
+t0=$SECONDS
+cargo test "${cargo_flags[@]}" --features "$features" -p autosp-kernels --test cuda_attention -- --nocapture \
+  2>&1 | tee "$OUT/cuda_tests.log" | tail -15
+log "CUDA tests: $((SECONDS - t0)) s"
+
+bin=target/release/examples
+export AUTOSP_CACHE="$OUT/cache" HF_HUB_OFFLINE=1
+compare() { # compare METRICS_A METRICS_B TOLERANCE WHAT
+  python3 - "$1" "$2" "$3" "$4" <<'PY'
+import json, sys
+a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
+b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
+tol, what = float(sys.argv[3]), sys.argv[4]
+worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+ok = len(a) == len(b) and worst <= tol
+print(f"gpu_check: {what}: {len(a)} steps, worst relative loss difference {worst:.2e} (tolerance {tol:g}): {'ok' if ok else 'FAILED'}")
+sys.exit(0 if ok else 1)
+PY
+}
+status=0
+for p in 1 2; do
+  "$bin/llama_longctx" --quick --no-progress --sp "$p" --device cpu --dtype f32 --save "$OUT/cpu$p" \
+    --metrics "$OUT/cpu_p$p.jsonl" > "$OUT/cpu_p$p.log"
+  for dtype in f32 bf16; do
+    "$bin/llama_longctx" --quick --no-progress --sp "$p" --device cuda --dtype "$dtype" --save "$OUT/cuda$p$dtype" \
+      --metrics "$OUT/cuda_p${p}_$dtype.jsonl" > "$OUT/cuda_p${p}_$dtype.log"
+    tol=1e-4; [ "$dtype" = bf16 ] && tol=2e-2
+    compare "$OUT/cuda_p${p}_$dtype.jsonl" "$OUT/cpu_p$p.jsonl" "$tol" "llama_longctx --quick P=$p cuda $dtype vs cpu f32" \
+      | tee -a "$OUT/summary.txt" || status=1
+  done
+done
+
+"$bin/bench_attention" --device cuda --kernel generic,flash-attn --dtype bf16 --n 16384 --head-dim 64,128 \
+  | tee "$OUT/bench_attention_cuda.jsonl" || status=1
+"$bin/llama_longctx" --no-progress --device cuda --seq-len 8192 --steps 6 --warmup 1 --save "$OUT/tput" \
+  --metrics "$OUT/tput_8k.jsonl" | grep -E "throughput|tape peak|loss:" | tee -a "$OUT/summary.txt" || status=1
+log "done, status $status"
+exit $status

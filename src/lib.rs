@@ -11,5 +11,5 @@ pub mod compile;
 pub mod device;
 pub mod precision;
 
-pub use device::{DeviceError, DeviceSpec};
 pub use compile::{compile, Checkpointing, CompileConfig, CompileError, Compiled, Strategy};
+pub use device::{DeviceError, DeviceSpec};

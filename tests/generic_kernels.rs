@@ -29,12 +29,8 @@ fn tiny() -> LlamaModel {
 #[test]
 fn compiled_model_on_generic_kernels_equals_the_cpu_kernels() {
     let n = 50;
-    let cases = [
-        (1, Strategy::Ulysses),
-        (2, Strategy::Ulysses),
-        (2, Strategy::Ring),
-        (4, Strategy::Hybrid { ulysses: 2 }),
-    ];
+    let cases =
+        [(1, Strategy::Ulysses), (2, Strategy::Ulysses), (2, Strategy::Ring), (4, Strategy::Hybrid { ulysses: 2 })];
     for policy in [CheckpointPolicy::SequenceAware, CheckpointPolicy::None] {
         for (p, s) in cases {
             set_kernels(Kernels::Auto);

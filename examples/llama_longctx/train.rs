@@ -42,6 +42,8 @@ pub struct Job {
     pub resume: Option<(PathBuf, TrainerState)>,
     pub save_root: PathBuf,
     pub micro: usize,
+    /// The device of thread ranks (`None` with one process per rank: each opens its own).
+    pub device: Option<Device>,
 }
 
 /// How a rank's run ended.
@@ -62,9 +64,9 @@ impl Job {
         }
         // A typo in AUTOSP_KERNELS or a device this build cannot open fails here, before any rank starts.
         autosp::kernels::dispatch::kernels_from_env().map_err(anyhow::Error::msg)?;
-        if threads {
-            args.device_spec().open(None)?;
-        }
+        // Thread ranks share one device handle (tensors pass between them as they are); one process per rank
+        // opens its own in `run_rank`.
+        let device = if threads { Some(args.device_spec().open(None)?) } else { None };
         let micro = args.micro_batches().map_err(anyhow::Error::msg)?;
         let resume = match &args.resume {
             Some(dir) => {
@@ -155,6 +157,7 @@ impl Job {
             resume,
             save_root,
             micro,
+            device,
             args,
         })
     }
@@ -205,9 +208,12 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         }
     };
     // Thread ranks share one device; one process per rank takes its node-local rank's GPU.
-    let local = (!job.threads).then(|| (autosp::device::local_rank(pg.rank()), pg.size()));
-    let device = a.device_spec().open(local)?;
-    let weights = job.base.to_weights().into_iter().map(|(k, t)| Ok((k, t.to_device(&device)?))).collect::<Result<_>>()?;
+    let device = match &job.device {
+        Some(d) => d.clone(),
+        None => a.device_spec().open(Some((autosp::device::local_rank(pg.rank()), pg.size())))?,
+    };
+    let weights =
+        job.base.to_weights().into_iter().map(|(k, t)| Ok((k, t.to_device(&device)?))).collect::<Result<_>>()?;
     let model = LlamaModel::from_weights(&job.base.config, weights)?;
     let mut cfg = CompileConfig::new(pg.clone(), a.strategy, a.checkpoint);
     cfg.seq_len = Some(a.seq_len);
