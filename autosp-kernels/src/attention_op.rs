@@ -1,7 +1,8 @@
 //! Flash attention on the tape: the [`FlashAttentionOp`] (kind attention; saves q, k, v, o and lse; backward
 //! in the FlashAttention-2 manner) and [`FlashAttention`], the default [`Attention`] for every attention slot.
-//! On CUDA (feature `cuda`) only [`Attention::forward_output`] runs, for inference: candle-flash-attn gives
-//! neither the LSE nor a backward (see `flash/cuda.rs`).
+//! Both run on any device through the dispatch of [`crate::flash`] (the fast CPU kernel on the CPU, the
+//! device-generic kernel elsewhere); [`Attention::forward_output`] on inputs that take no gradient runs
+//! [`flash_attention_output`], which uses candle-flash-attn on CUDA where it can (feature `flash-attn`).
 
 use std::sync::Arc;
 
@@ -10,8 +11,7 @@ use autosp_core::ops::AttentionSpec;
 use autosp_core::{Attention, NodeKind, Op, SavedTensors, Saves, Tape, Value};
 use candle_core::Tensor;
 
-use crate::flash::{device, flash_attention_backward, flash_attention_forward, flash_attention_output};
-use crate::Error;
+use crate::flash::{flash_attention_backward, flash_attention_forward, flash_attention_output};
 
 /// Flash attention as a tape op: inputs `q: [b, nq, h, d]`, `k, v: [b, nk, h_kv, d]`; outputs
 /// `o: [b, nq, h, d]` and `lse: [b, h, nq]`.
@@ -67,7 +67,8 @@ pub fn flash_attention(
     apply_attention(tape, Arc::new(FlashAttentionOp { spec }), q, k, v)
 }
 
-/// The CPU flash kernel as an [`Attention`] implementation: the default of every attention slot.
+/// Flash attention (the fast CPU kernel, or the device-generic one off the CPU) as an [`Attention`]
+/// implementation: the default of every attention slot.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct FlashAttention;
 
@@ -91,9 +92,9 @@ impl Attention for FlashAttention {
         Some(Arc::new(FlashAttentionOp { spec: *spec }))
     }
 
-    /// On the CPU the output of [`forward`](Attention::forward). On any other device the output of
-    /// [`flash_attention_output`] (candle-flash-attn on CUDA), for inference only: when the tape would
-    /// record a gradient through q, k or v this is [`Error::CudaBackward`] before any work is done.
+    /// The output of [`forward`](Attention::forward), recorded on the tape, when the tape records a gradient
+    /// through q, k or v (training, any device). Otherwise (inference) the untracked output of
+    /// [`flash_attention_output`]: the same kernels, and candle-flash-attn for CUDA inputs it takes.
     fn forward_output(
         &self,
         tape: &Tape,
@@ -102,15 +103,10 @@ impl Attention for FlashAttention {
         v: &Value,
         spec: &AttentionSpec,
     ) -> autosp_core::Result<Value> {
-        const OP: &str = "FlashAttention::forward_output";
-        if q.device().is_cpu() {
+        if tape.is_recording() && [q, k, v].iter().any(|x| x.is_tracked()) {
             return Ok(self.forward(tape, q, k, v, spec)?.0);
         }
-        // A device this build cannot run (CUDA without feature `cuda`) is reported as such first.
-        device::backend(OP, q.tensor(), k.tensor(), v.tensor())?;
-        if tape.is_recording() && [q, k, v].iter().any(|x| x.is_tracked()) {
-            return Err(Error::CudaBackward { op: OP }.into());
-        }
+        autosp_core::alloc::phase("forward", "flash_attention");
         Ok(Value::constant(flash_attention_output(q.tensor(), k.tensor(), v.tensor(), spec)?))
     }
 }

@@ -18,8 +18,9 @@ pub enum Error {
 
     /// The head dimension is outside what the kernel supports.
     #[error(
-        "{op}: head_dim {head_dim} (q has shape {q_shape:?}) is outside 1..={max}; the CPU flash kernel \
-         supports head dimensions up to {max}: split larger heads or use the naive attention"
+        "{op}: head_dim {head_dim} (q has shape {q_shape:?}) is outside 1..={max}, the head dimensions this kernel \
+         takes; split larger heads, or call `flash_attention_forward`/`_backward`, which route head dimensions \
+         the CPU kernel does not take to the device-generic kernel"
     )]
     HeadDim { op: &'static str, head_dim: usize, max: usize, q_shape: Vec<usize> },
 
@@ -31,54 +32,13 @@ pub enum Error {
     #[error("{op}: dtype {dtype:?} is not supported; use f32, f64, bf16 or f16")]
     UnsupportedDType { op: &'static str, dtype: DType },
 
-    /// A tensor that is not on the CPU.
-    #[error("{op}: {name} is on {device}; the CPU flash kernel needs CPU tensors (move them with `to_device`)")]
+    /// A tensor handed straight to the fast CPU kernel (the `flash::poisoned` test hooks) is not on the CPU.
+    /// The public functions never raise it: they send such tensors to the device-generic kernel.
+    #[error(
+        "{op}: {name} is on {device}; the CPU flash kernel needs CPU tensors: call `flash_attention_forward` / \
+         `flash_attention_backward`, which run the device-generic kernel on other devices"
+    )]
     NotCpu { op: &'static str, name: &'static str, device: String },
-
-    /// A CUDA tensor reached a kernel of a build without the `cuda` feature.
-    #[error(
-        "{op}: {name} is on {device} but autosp was built without CUDA support; rebuild with `--features cuda` \
-         (needs CUDA >= 12 and a GPU of compute capability >= 8.0) or move the tensors to the CPU"
-    )]
-    CudaFeature { op: &'static str, name: &'static str, device: String },
-
-    /// A gradient was asked of attention on CUDA: candle-flash-attn has no backward.
-    #[error(
-        "{op}: the CUDA backward is not implemented (candle-flash-attn has forward only); train on the CPU, or \
-         run CUDA inference on `Tape::inference()` with inputs that take no gradient"
-    )]
-    CudaBackward { op: &'static str },
-
-    /// The log-sum-exp was asked of attention on CUDA: candle-flash-attn does not return it.
-    #[error(
-        "{op}: candle-flash-attn does not return the log-sum-exp, so attention on CUDA gives the output only; \
-         call `flash_attention_output` (or `Attention::forward_output`) for inference, or run on the CPU \
-         where the LSE is needed (Ring attention, training)"
-    )]
-    CudaLse { op: &'static str },
-
-    /// A dtype candle-flash-attn does not compute in.
-    #[error(
-        "{op}: candle-flash-attn computes in f16 or bf16 only, but q has dtype {dtype:?}; convert q, k, v with \
-         `to_dtype(DType::BF16)` (or F16) first, or use the CPU kernel"
-    )]
-    CudaDType { op: &'static str, dtype: DType },
-
-    /// A head dimension candle-flash-attn does not take.
-    #[error(
-        "{op}: candle-flash-attn needs head_dim a multiple of 8 and at most {max}, but q has shape {q_shape:?} \
-         (head_dim {head_dim}); pad the head dimension or use the CPU kernel"
-    )]
-    CudaHeadDim { op: &'static str, head_dim: usize, max: usize, q_shape: Vec<usize> },
-
-    /// A causal mask that candle-flash-attn's bottom-right aligned window cannot express.
-    #[error(
-        "{op}: causal attention with q_offset {q_offset}, k_offset {k_offset}, q_len {q_len}, k_len {k_len} \
-         cannot be expressed by candle-flash-attn, whose causal window lets query i see keys \
-         j <= i + (k_len - q_len) + w for a w in 0..=k_len; here w = {w}; use the CPU kernel for this shard \
-         layout"
-    )]
-    CudaMask { op: &'static str, q_offset: usize, k_offset: usize, q_len: usize, k_len: usize, w: i128 },
 
     /// Two tensors that must be on one device are not.
     #[error("{op}: {name} is on {got} but q is on {want}; put q, k and v on one device")]

@@ -11,6 +11,7 @@ pub mod dispatch;
 pub mod error;
 pub mod flash;
 pub mod fused;
+pub mod generic;
 mod running_sum;
 pub mod sp;
 

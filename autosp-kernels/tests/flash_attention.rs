@@ -235,11 +235,19 @@ fn bad_inputs_are_typed_errors() {
     assert!(matches!(&e, Error::Core(c) if matches!(**c, autosp_core::Error::InvalidArgument { .. })), "{e}");
     assert!(msg(&e).contains("[8, 4, 16]"), "{e}");
 
-    // head_dim over the limit.
-    let big = t(&[1, 2, 1, 320]);
-    let e = flash_attention_forward(&big, &big, &big, &s).unwrap_err();
+    // head_dim over the CPU kernel's limit: the kernel itself refuses it; the public function sends it to the
+    // device-generic kernel, which takes any head_dim (checked against the naive attention, 1e-5 of 1).
+    let big = random(&[1, 5, 2, 320], 77, DType::F32);
+    let e = poisoned::flash_attention_forward(&big, &big, &big, &s).unwrap_err();
     assert!(matches!(e, Error::HeadDim { head_dim: 320, max: 256, .. }), "{e}");
-    assert!(msg(&e).contains("[1, 2, 1, 320]"), "{e}");
+    assert!(msg(&e).contains("[1, 5, 2, 320]"), "{e}");
+    let c = Case { b: 1, nq: 5, nk: 5, h: 2, hkv: 2, d: 320, spec: s };
+    let (o, lse) = flash_attention_forward(&big, &big, &big, &s).unwrap();
+    let (o_ref, lse_ref) = naive_attention_forward(&big, &big, &big, &s).unwrap();
+    assert_close("o, head_dim 320", &c, &o, &o_ref, 1e-5);
+    assert_close("lse, head_dim 320", &c, &lse, &lse_ref, 1e-5);
+    let e = flash_attention_forward(&t(&[1, 2, 1, 0]), &t(&[1, 2, 1, 0]), &t(&[1, 2, 1, 0]), &s).unwrap_err();
+    assert!(matches!(e, Error::HeadDim { head_dim: 0, .. }), "{e}");
 
     // Mixed dtypes.
     let q = t(&[1, 8, 4, 16]);

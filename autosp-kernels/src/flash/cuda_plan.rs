@@ -7,12 +7,11 @@
 //! binds). Our spec lets query `i` see key `j` iff `k_offset + j <= q_offset + i`. So the two agree iff
 //! `w = (q_offset - k_offset) - (k_len - q_len)` lies in `0..=k_len` (candle turns a larger window into "no
 //! limit"), or every row sees every key, which the unmasked kernel gives. Other layouts (e.g. a query shard
-//! that starts before its keys end, as Ring attention's shards do) are a typed error.
+//! that starts before its keys end, as Ring attention's shards do), other dtypes (f32, f64) and other head
+//! dimensions have no plan: the dispatch (`device.rs`) runs the device-generic kernel for them.
 
 use autosp_core::ops::AttentionSpec;
 use candle_core::DType;
-
-use crate::{Error, Result};
 
 /// The largest head dimension candle-flash-attn 0.11 compiles kernels for.
 pub const CUDA_MAX_HEAD_DIM: usize = 512;
@@ -40,37 +39,33 @@ impl FlashAttnMask {
     }
 }
 
-/// The candle-flash-attn mask equal to `spec`'s for `q_len` query rows and `k_len` key rows, or
-/// [`Error::CudaMask`] when it has none.
-pub(crate) fn flash_attn_mask(
-    op: &'static str,
-    spec: &AttentionSpec,
-    q_len: usize,
-    k_len: usize,
-) -> Result<FlashAttnMask> {
+/// How candle-flash-attn computes one call, when it can: the mask for `spec`, given that it takes `dtype` and
+/// q's shape `q_shape: [batch, q_len, heads, head_dim]` against `k_len` keys. `None`: the dtype, head
+/// dimension or mask is one it does not take.
+pub(crate) fn plan(spec: &AttentionSpec, dtype: DType, q_shape: &[usize], k_len: usize) -> Option<FlashAttnMask> {
+    if !takes_inputs(dtype, q_shape) {
+        return None;
+    }
+    flash_attn_mask(spec, q_shape.get(1).copied().unwrap_or(0), k_len)
+}
+
+/// The candle-flash-attn mask equal to `spec`'s for `q_len` query rows and `k_len` key rows, or `None` when
+/// it has none.
+pub(crate) fn flash_attn_mask(spec: &AttentionSpec, q_len: usize, k_len: usize) -> Option<FlashAttnMask> {
     let shift = spec.q_offset as i128 - spec.k_offset as i128;
     // Row 0 seeing the last key means every row sees every key.
     if !spec.causal || k_len == 0 || shift >= k_len as i128 - 1 {
-        return Ok(FlashAttnMask::Full);
+        return Some(FlashAttnMask::Full);
     }
     let w = shift - (k_len as i128 - q_len as i128);
-    if (0..=k_len as i128).contains(&w) {
-        return Ok(FlashAttnMask::Window { right: w as usize });
-    }
-    Err(Error::CudaMask { op, q_offset: spec.q_offset, k_offset: spec.k_offset, q_len, k_len, w })
+    (0..=k_len as i128).contains(&w).then_some(FlashAttnMask::Window { right: w as usize })
 }
 
-/// Checks that candle-flash-attn takes this dtype (f16, bf16) and head dimension (a multiple of 8, at most
-/// [`CUDA_MAX_HEAD_DIM`]); `q_shape` is q's shape `[batch, q_len, heads, head_dim]`, for the error.
-pub(crate) fn check_cuda_inputs(op: &'static str, dtype: DType, q_shape: &[usize]) -> Result<()> {
-    if !matches!(dtype, DType::F16 | DType::BF16) {
-        return Err(Error::CudaDType { op, dtype });
-    }
+/// Whether candle-flash-attn takes this dtype (f16, bf16) and head dimension (a multiple of 8, at most
+/// [`CUDA_MAX_HEAD_DIM`]); `q_shape` is q's shape `[batch, q_len, heads, head_dim]`.
+pub(crate) fn takes_inputs(dtype: DType, q_shape: &[usize]) -> bool {
     let head_dim = q_shape.last().copied().unwrap_or(0);
-    if head_dim == 0 || head_dim % 8 != 0 || head_dim > CUDA_MAX_HEAD_DIM {
-        return Err(Error::CudaHeadDim { op, head_dim, max: CUDA_MAX_HEAD_DIM, q_shape: q_shape.to_vec() });
-    }
-    Ok(())
+    matches!(dtype, DType::F16 | DType::BF16) && head_dim != 0 && head_dim % 8 == 0 && head_dim <= CUDA_MAX_HEAD_DIM
 }
 
 #[cfg(test)]
@@ -95,19 +90,18 @@ mod tests {
                             let agrees = |m: FlashAttnMask| {
                                 (0..q_len).all(|i| (0..k_len).all(|j| m.visible(i, j, q_len, k_len) == s.visible(i, j)))
                             };
-                            match flash_attn_mask("test", &s, q_len, k_len) {
-                                Ok(m) => {
+                            match flash_attn_mask(&s, q_len, k_len) {
+                                Some(m) => {
                                     assert!(agrees(m), "{s:?} q_len {q_len} k_len {k_len}: {m:?} disagrees");
                                     translated += 1;
                                 }
-                                Err(Error::CudaMask { .. }) => {
+                                None => {
                                     let any = std::iter::once(FlashAttnMask::Full)
                                         .chain((0..=k_len).map(|right| FlashAttnMask::Window { right }))
                                         .any(agrees);
                                     assert!(!any, "{s:?} q_len {q_len} k_len {k_len}: refused an expressible mask");
                                     refused += 1;
                                 }
-                                Err(e) => panic!("unexpected error {e}"),
                             }
                         }
                     }
@@ -121,21 +115,24 @@ mod tests {
     #[test]
     fn plain_causal_and_kv_cache_decoding_are_the_causal_kernel() {
         // Self-attention of a block at any position, and 3 new tokens after 10 cached ones.
-        assert_eq!(flash_attn_mask("t", &spec(true, 5, 5), 4, 4).unwrap(), FlashAttnMask::Window { right: 0 });
-        assert_eq!(flash_attn_mask("t", &spec(true, 10, 0), 3, 13).unwrap(), FlashAttnMask::Window { right: 0 });
-        assert_eq!(flash_attn_mask("t", &spec(false, 0, 7), 3, 13).unwrap(), FlashAttnMask::Full);
+        assert_eq!(flash_attn_mask(&spec(true, 5, 5), 4, 4), Some(FlashAttnMask::Window { right: 0 }));
+        assert_eq!(flash_attn_mask(&spec(true, 10, 0), 3, 13), Some(FlashAttnMask::Window { right: 0 }));
+        assert_eq!(flash_attn_mask(&spec(false, 0, 7), 3, 13), Some(FlashAttnMask::Full));
     }
 
+    /// Only f16/bf16 with a head_dim that is a multiple of 8 up to 512 and an expressible mask get a plan; the
+    /// rest (f32, head_dim 12, a Ring shard's mask) go to the generic kernel.
     #[test]
-    fn dtype_and_head_dim_limits_are_typed_errors() {
-        assert!(check_cuda_inputs("t", DType::BF16, &[1, 4, 2, 64]).is_ok());
-        assert!(check_cuda_inputs("t", DType::F16, &[1, 4, 2, 512]).is_ok());
-        let e = check_cuda_inputs("t", DType::F32, &[1, 4, 2, 64]).unwrap_err();
-        assert!(matches!(e, Error::CudaDType { dtype: DType::F32, .. }), "{e}");
+    fn plans_only_what_candle_flash_attn_takes() {
+        let causal = AttentionSpec::causal();
+        assert_eq!(plan(&causal, DType::BF16, &[1, 4, 2, 64], 4), Some(FlashAttnMask::Window { right: 0 }));
+        assert_eq!(plan(&causal, DType::F16, &[1, 4, 2, 512], 4), Some(FlashAttnMask::Window { right: 0 }));
+        assert_eq!(plan(&causal, DType::F32, &[1, 4, 2, 64], 4), None);
+        assert_eq!(plan(&causal, DType::F64, &[1, 4, 2, 64], 4), None);
         for d in [0, 12, 520] {
-            let e = check_cuda_inputs("t", DType::BF16, &[1, 4, 2, d]).unwrap_err();
-            assert!(matches!(e, Error::CudaHeadDim { head_dim, .. } if head_dim == d), "{e}");
-            assert!(e.to_string().contains(&format!("{:?}", [1, 4, 2, d])), "{e}");
+            assert_eq!(plan(&causal, DType::BF16, &[1, 4, 2, d], 4), None, "head_dim {d}");
         }
+        // A later query shard that starts before its keys end (Ring's zigzag): no window expresses it.
+        assert_eq!(plan(&spec(true, 2, 0), DType::BF16, &[1, 4, 2, 64], 8), None);
     }
 }

@@ -40,9 +40,12 @@
 //!
 //! Measured numbers and the command that produced them: docs/BENCHMARKS.md, "Flash attention (CPU)".
 //!
-//! CUDA (feature `cuda`): [`flash_attention_output`] runs candle-flash-attn, forward only and without the LSE
-//! (`cuda.rs`); the LSE and the backward on CUDA are typed errors. Without the feature a CUDA tensor is
-//! [`Error::CudaFeature`] (`device.rs`).
+//! Other devices: the public functions here are the one place that picks the kernel (`device.rs`): this
+//! fast CPU kernel for CPU tensors, the device-generic kernel of [`crate::generic::attention`] (candle tensor
+//! ops: CUDA, Metal, or the CPU when `AUTOSP_KERNELS=generic` forces it, or for a head_dim above
+//! [`MAX_HEAD_DIM`]) everywhere else, with the same contract, LSE and backward included. With feature
+//! `flash-attn`, [`flash_attention_output`] on CUDA runs candle-flash-attn when it takes the inputs
+//! (`cuda.rs`, `cuda_plan.rs`).
 
 mod backward;
 #[cfg(feature = "flash-attn")]
@@ -58,6 +61,7 @@ mod real;
 use autosp_core::ops::attention::{AttentionDims, AttentionSpec};
 use candle_core::{DType, Device, Storage, StorageRef, Tensor, WithDType};
 
+use crate::generic::attention as generic;
 use crate::{Error, Result};
 use backward::BackwardInputs;
 use device::Backend;
@@ -68,38 +72,38 @@ use real::Real;
 pub const MAX_HEAD_DIM: usize = 256;
 
 /// Flash attention forward. `q: [batch, q_len, heads, head_dim]`, `k, v: [batch, k_len, kv_heads, head_dim]`
-/// (one dtype: f32, f64, bf16 or f16; on the CPU). Returns `(o: [batch, q_len, heads, head_dim]` in q's
-/// dtype, `lse: [batch, heads, q_len]` in f32 (f64 for f64 inputs)`)`.
-/// CUDA tensors: [`Error::CudaLse`] (candle-flash-attn does not return the LSE; use
-/// [`flash_attention_output`]), or [`Error::CudaFeature`] in a build without feature `cuda`.
+/// (one dtype: f32, f64, bf16 or f16; one device). Returns `(o: [batch, q_len, heads, head_dim]` in q's dtype,
+/// `lse: [batch, heads, q_len]` in f32 (f64 for f64 inputs)`)`, on q's device. CPU tensors run the fast CPU
+/// kernel, other devices (or a forced generic path) [`generic::attention_forward`].
 pub fn flash_attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(Tensor, Tensor)> {
     match device::backend(FWD, q, k, v)? {
-        Backend::Cpu => forward_with_fill(q, k, v, spec, false),
-        #[cfg(feature = "flash-attn")]
-        Backend::Cuda => Err(Error::CudaLse { op: FWD }),
+        Backend::FastCpu => forward_with_fill(q, k, v, spec, false),
+        _ => generic::attention_forward(q, k, v, spec),
     }
 }
 
 /// Attention output only, for inference: `q: [batch, q_len, heads, head_dim]`, `k, v: [batch, k_len,
-/// kv_heads, head_dim]`; returns `o: [batch, q_len, heads, head_dim]` in q's dtype on q's device.
-/// On the CPU: [`flash_attention_forward`]'s output (any of its dtypes). On CUDA (feature `cuda`):
-/// candle-flash-attn, which takes f16/bf16, head_dim a multiple of 8 up to 512, and the causal layouts
-/// `cuda_plan.rs` lists (plain causal, KV-cache decoding, unmasked); other inputs are typed errors.
-/// Without feature `cuda`, CUDA tensors are [`Error::CudaFeature`].
+/// kv_heads, head_dim]`; returns `o: [batch, q_len, heads, head_dim]` in q's dtype on q's device: the output
+/// of [`flash_attention_forward`]. With feature `flash-attn`, CUDA inputs that candle-flash-attn takes (f16/bf16,
+/// head_dim a multiple of 8 up to 512, the masks `cuda_plan.rs` lists: plain causal, KV-cache decoding,
+/// unmasked) run it; other CUDA inputs run the generic kernel.
 pub fn flash_attention_output(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<Tensor> {
-    match device::backend(OUT, q, k, v)? {
-        Backend::Cpu => Ok(forward_with_fill(q, k, v, spec, false)?.0),
+    match device::output_backend(OUT, q, k, v, spec)? {
+        Backend::FastCpu => Ok(forward_with_fill(q, k, v, spec, false)?.0),
+        Backend::Generic => Ok(generic::attention_forward(q, k, v, spec)?.0),
         #[cfg(feature = "flash-attn")]
-        Backend::Cuda => cuda::forward_output(OUT, q, k, v, spec),
+        Backend::FlashAttn(mask) => {
+            check(OUT, q, k, v, spec, cuda_plan::CUDA_MAX_HEAD_DIM)?;
+            cuda::forward_output(q, k, v, spec, mask)
+        }
     }
 }
 
 /// Flash attention backward from the forward's saved `o` and `lse`. `d_o: [batch, q_len, heads, head_dim]` is
 /// the gradient of `o`; `d_lse: [batch, heads, q_len]`, when given, the gradient of `lse` (it adds
 /// `P ∘ d_lse` to dS; Ring attention's merge needs it). Returns `(dq, dk, dv)` shaped and typed like
-/// `q, k, v`; the dk/dv of a kv head sum its query-head group.
-/// CUDA tensors: [`Error::CudaBackward`] (no CUDA backward exists), or [`Error::CudaFeature`] without
-/// feature `cuda`.
+/// `q, k, v`; the dk/dv of a kv head sum its query-head group. CPU tensors run the fast CPU kernel, other
+/// devices (or a forced generic path) [`generic::attention_backward`].
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward(
     q: &Tensor,
@@ -112,9 +116,8 @@ pub fn flash_attention_backward(
     spec: &AttentionSpec,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     match device::backend(BWD, q, k, v)? {
-        Backend::Cpu => backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, false),
-        #[cfg(feature = "flash-attn")]
-        Backend::Cuda => Err(Error::CudaBackward { op: BWD }),
+        Backend::FastCpu => backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, false),
+        _ => generic::attention_backward(q, k, v, o, lse, d_o, d_lse, spec),
     }
 }
 
@@ -154,22 +157,53 @@ const FWD: &str = "flash_attention_forward";
 const OUT: &str = "flash_attention_output";
 const BWD: &str = "flash_attention_backward";
 
-/// Shape, head_dim, dtype and device checks shared by forward and backward.
-fn check(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<AttentionDims> {
+/// Shape, head_dim (`1..=max_head_dim`), dtype and device checks of `q, k, v`, shared by every kernel.
+pub(crate) fn check(
+    op: &'static str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttentionSpec,
+    max_head_dim: usize,
+) -> Result<AttentionDims> {
     let dims = spec.dims(op, q, k, v)?;
-    if dims.head_dim == 0 || dims.head_dim > MAX_HEAD_DIM {
-        return Err(Error::HeadDim { op, head_dim: dims.head_dim, max: MAX_HEAD_DIM, q_shape: q.dims().to_vec() });
+    if dims.head_dim == 0 || dims.head_dim > max_head_dim {
+        return Err(Error::HeadDim { op, head_dim: dims.head_dim, max: max_head_dim, q_shape: q.dims().to_vec() });
     }
-    for (name, t) in [("q", q), ("k", k), ("v", v)] {
-        same_dtype_cpu(op, name, t, q.dtype())?;
+    for (name, t) in [("k", k), ("v", v)] {
+        same_dtype(op, name, t, q.dtype())?;
     }
+    device::same_device(op, q, k, v)?;
+    compute_dtype(op, q.dtype())?;
     Ok(dims)
 }
 
-fn same_dtype_cpu(op: &'static str, name: &'static str, t: &Tensor, want: DType) -> Result<()> {
-    if !t.device().is_cpu() {
-        return Err(Error::NotCpu { op, name, device: format!("{:?}", t.device().location()) });
+/// The backward's checks of `o, d_o` (q's shape, dtype and device) and `lse, d_lse` (`[batch, heads, q_len]`,
+/// f32 or f64 whatever q's dtype, q's device), shared by every kernel.
+pub(crate) fn check_backward(
+    q: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    d_lse: Option<&Tensor>,
+    dims: &AttentionDims,
+) -> Result<()> {
+    for (name, t) in [("o", o), ("d_o", d_o)] {
+        check_shape(BWD, name, t, q.dims(), q)?;
+        same_dtype(BWD, name, t, q.dtype())?;
+        device::check_device(BWD, name, t, q)?;
     }
+    for (name, t) in [("lse", Some(lse)), ("d_lse", d_lse)] {
+        if let Some(t) = t {
+            check_shape(BWD, name, t, &[dims.batch, dims.heads, dims.q_len], q)?;
+            device::check_device(BWD, name, t, q)?;
+            compute_dtype(BWD, t.dtype())?;
+        }
+    }
+    Ok(())
+}
+
+fn same_dtype(op: &'static str, name: &'static str, t: &Tensor, want: DType) -> Result<()> {
     if t.dtype() != want {
         return Err(Error::DTypeMismatch { op, name, got: t.dtype(), want });
     }
@@ -184,7 +218,7 @@ fn check_shape(op: &'static str, name: &'static str, t: &Tensor, want: &[usize],
 }
 
 /// The compute dtype (f64 or f32) of an input dtype, or an error for a dtype the kernel does not take.
-fn compute_dtype(op: &'static str, dtype: DType) -> Result<DType> {
+pub(crate) fn compute_dtype(op: &'static str, dtype: DType) -> Result<DType> {
     match dtype {
         DType::F64 => Ok(DType::F64),
         DType::F32 | DType::BF16 | DType::F16 => Ok(DType::F32),
@@ -229,7 +263,7 @@ fn forward_with_fill(
     spec: &AttentionSpec,
     poison: bool,
 ) -> Result<(Tensor, Tensor)> {
-    let dims = check(FWD, q, k, v, spec)?;
+    let dims = check(FWD, q, k, v, spec, MAX_HEAD_DIM)?;
     let g = Geometry::new(&dims, spec);
     let cd = compute_dtype(FWD, q.dtype())?;
     let (q2, k2, v2) = (prepared(q, cd)?, prepared(k, cd)?, prepared(v, cd)?);
@@ -266,24 +300,11 @@ fn backward_with_fill(
     spec: &AttentionSpec,
     poison: bool,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let dims = check(BWD, q, k, v, spec)?;
+    let dims = check(BWD, q, k, v, spec, MAX_HEAD_DIM)?;
+    check_backward(q, o, lse, d_o, d_lse, &dims)?;
     let g = Geometry::new(&dims, spec);
-    check_shape(BWD, "o", o, q.dims(), q)?;
-    check_shape(BWD, "d_o", d_o, q.dims(), q)?;
-    check_shape(BWD, "lse", lse, &[g.b, g.h, g.nq], q)?;
-    same_dtype_cpu(BWD, "o", o, q.dtype())?;
-    same_dtype_cpu(BWD, "d_o", d_o, q.dtype())?;
     let cd = compute_dtype(BWD, q.dtype())?;
     // lse and d_lse may come in f32 or f64 whatever q's dtype: they are converted to the compute dtype.
-    for (name, t) in [("lse", Some(lse)), ("d_lse", d_lse)] {
-        if let Some(t) = t {
-            check_shape(BWD, name, t, &[g.b, g.h, g.nq], q)?;
-            if !t.device().is_cpu() {
-                return Err(Error::NotCpu { op: BWD, name, device: format!("{:?}", t.device().location()) });
-            }
-            compute_dtype(BWD, t.dtype())?;
-        }
-    }
     let p = |t: &Tensor| prepared(t, cd);
     let (q2, k2, v2, o2, lse2, do2) = (p(q)?, p(k)?, p(v)?, p(o)?, p(lse)?, p(d_o)?);
     let dl2 = d_lse.map(p).transpose()?;

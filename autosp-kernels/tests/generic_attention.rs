@@ -1,0 +1,258 @@
+//! The device-generic attention (`autosp_kernels::generic::attention`, candle tensor ops only) against the
+//! fast CPU flash kernel on the CPU: forward o and lse, backward dq/dk/dv with and without d_lse, in f32, f64
+//! and bf16; causal and not, MHA/GQA/MQA, q_len != k_len, the position offsets Ring's shards use, rows that
+//! see no key. The generic functions are called directly with small blocks (several tiles, diagonal tiles,
+//! skipped tiles, a query block that sees no key) and once with the default block; the CPU side is
+//! `flash_attention_forward/backward` under the default dispatch (this binary never forces the kernels).
+//!
+//! "max relative error" is `max_i |x_i - y_i| / max_i |y_i|` (scale-relative), over the finite entries of y;
+//! an lse entry of -inf must be -inf in both. Tolerances: f32 1e-5 (both accumulate in f32 over at most a
+//! few hundred keys, in different orders and with exp vs exp2, so they differ by a few f32 ulps of the
+//! largest element); f64 1e-10 (the same in f64, far above its rounding); bf16 2^-7 (both compute in f32
+//! from the same bf16 inputs and round the results to bf16, whose ulp is 2^-8 of the element: rounding can
+//! differ by one ulp, and dq/dk/dv are sums over tiles rounded once).
+
+use autosp_core::ops::attention::AttentionSpec;
+use autosp_kernels::generic::attention::{
+    attention_backward, attention_backward_with_block, attention_forward, attention_forward_with_block,
+};
+use autosp_kernels::{flash_attention_backward, flash_attention_forward, Error};
+use candle_core::{DType, Device, Tensor};
+
+/// One attention shape and mask.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    b: usize,
+    nq: usize,
+    nk: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    spec: AttentionSpec,
+}
+
+fn spec(causal: bool, q_offset: usize, k_offset: usize) -> AttentionSpec {
+    AttentionSpec { causal, scale: None, q_offset, k_offset }
+}
+
+/// Tile size for the small shapes: 16 rows × 16 keys, so 70 rows are 5 blocks (the last partial).
+const BLOCK: usize = 16;
+
+/// The shapes every numerical check runs.
+fn cases() -> Vec<Case> {
+    let c = |b, nq, nk, h, hkv, d, spec| Case { b, nq, nk, h, hkv, d, spec };
+    vec![
+        c(1, 70, 70, 2, 2, 16, spec(true, 0, 0)), // MHA causal: diagonal, partial and skipped tiles
+        c(2, 50, 37, 4, 2, 24, spec(false, 0, 0)), // GQA 4/2, full, q_len != k_len, batch 2
+        c(1, 48, 48, 4, 1, 16, spec(true, 0, 0)), // MQA causal
+        c(1, 40, 30, 4, 2, 16, spec(true, 9, 25)), // rows 0..16 see no key: the whole first query block
+        c(1, 50, 50, 2, 1, 8, spec(true, 0, 20)), // keys start mid-queries: a diagonal off the tile grid
+        c(1, 32, 64, 2, 2, 16, spec(true, 96, 32)), // Ring: a later query chunk against earlier keys (no mask)
+        c(1, 32, 32, 2, 2, 16, spec(true, 32, 32)), // Ring: a chunk against itself at its true positions
+        c(1, 20, 45, 2, 1, 16, spec(true, 25, 0)), // KV-cache decoding: queries after a prefix
+        c(1, 33, 33, 2, 2, 16, AttentionSpec { scale: Some(0.3), ..spec(true, 0, 0) }), // own scale
+    ]
+}
+
+/// Uniform numbers in [-2, 2) from a seeded splitmix64: every check gets its own fresh inputs.
+fn random(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    let n: usize = shape.iter().product();
+    let data: Vec<f64> = (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            (z >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
+        })
+        .collect();
+    Tensor::from_vec(data, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+}
+
+struct Inputs {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    d_o: Tensor,
+    d_lse: Tensor,
+}
+
+fn inputs(c: &Case, seed: u64, dtype: DType) -> Inputs {
+    Inputs {
+        q: random(&[c.b, c.nq, c.h, c.d], seed, dtype),
+        k: random(&[c.b, c.nk, c.hkv, c.d], seed + 1, dtype),
+        v: random(&[c.b, c.nk, c.hkv, c.d], seed + 2, dtype),
+        d_o: random(&[c.b, c.nq, c.h, c.d], seed + 3, dtype),
+        d_lse: random(&[c.b, c.h, c.nq], seed + 4, if dtype == DType::F64 { DType::F64 } else { DType::F32 }),
+    }
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// Asserts `got` matches `want` (same shape and dtype) within `tol` max relative error; -inf entries of
+/// `want` must be -inf in `got`; every entry of `got` must be a number.
+fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    let (g, w) = (values(got), values(want));
+    let scale = w.iter().filter(|x| x.is_finite()).fold(0f64, |m, x| m.max(x.abs()));
+    let mut err = 0f64;
+    for (i, (&a, &b)) in g.iter().zip(&w).enumerate() {
+        assert!(!a.is_nan(), "{what}: NaN at {i}");
+        if b == f64::NEG_INFINITY {
+            assert_eq!(a, f64::NEG_INFINITY, "{what}: entry {i} must be -inf");
+        } else {
+            err = err.max((a - b).abs());
+        }
+    }
+    let rel = if scale > 0.0 { err / scale } else { err };
+    assert!(rel <= tol, "{what}: max relative error {rel:e} > {tol:e} (max |want| {scale:e})");
+}
+
+/// Generic (with `block`, or the default when None) vs the CPU kernel on one case: forward, backward with and
+/// without d_lse.
+fn check_case(c: &Case, seed: u64, dtype: DType, tol: f64, block: Option<usize>) {
+    let x = inputs(c, seed, dtype);
+    let what = |name: &str| format!("{name} {dtype:?} block {block:?} {c:?}");
+    let (o_cpu, lse_cpu) = flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
+    let (o, lse) = match block {
+        Some(bl) => attention_forward_with_block(&x.q, &x.k, &x.v, &c.spec, bl),
+        None => attention_forward(&x.q, &x.k, &x.v, &c.spec),
+    }
+    .unwrap();
+    assert_close(&what("o"), &o, &o_cpu, tol);
+    assert_close(&what("lse"), &lse, &lse_cpu, tol);
+    for d_lse in [None, Some(&x.d_lse)] {
+        let want = flash_attention_backward(&x.q, &x.k, &x.v, &o_cpu, &lse_cpu, &x.d_o, d_lse, &c.spec).unwrap();
+        // Both backwards read the CPU kernel's o and lse, so the comparison is of the backward alone.
+        let got = match block {
+            Some(bl) => attention_backward_with_block(&x.q, &x.k, &x.v, &o_cpu, &lse_cpu, &x.d_o, d_lse, &c.spec, bl),
+            None => attention_backward(&x.q, &x.k, &x.v, &o_cpu, &lse_cpu, &x.d_o, d_lse, &c.spec),
+        }
+        .unwrap();
+        let tag = if d_lse.is_some() { " with d_lse" } else { "" };
+        assert_close(&what(&format!("dq{tag}")), &got.0, &want.0, tol);
+        assert_close(&what(&format!("dk{tag}")), &got.1, &want.1, tol);
+        assert_close(&what(&format!("dv{tag}")), &got.2, &want.2, tol);
+    }
+}
+
+#[test]
+fn f32_matches_the_cpu_kernel() {
+    for (i, c) in cases().iter().enumerate() {
+        check_case(c, 100 * i as u64, DType::F32, 1e-5, Some(BLOCK));
+    }
+}
+
+#[test]
+fn f64_matches_the_cpu_kernel() {
+    for (i, c) in cases().iter().enumerate() {
+        check_case(c, 100 * i as u64 + 7, DType::F64, 1e-10, Some(BLOCK));
+    }
+}
+
+/// Other block sizes: 7 (blocks that cut every GQA group and diagonal off the grid), 1 (one row per tile),
+/// and the default (one tile for these shapes).
+#[test]
+fn any_block_size_gives_the_same_result() {
+    let cs = cases();
+    for c in [cs[0], cs[1], cs[3], cs[4]] {
+        for block in [Some(7), Some(1), None] {
+            check_case(&c, 31, DType::F32, 1e-5, block);
+        }
+    }
+}
+
+#[test]
+fn bf16_matches_the_cpu_kernel() {
+    let cs = cases();
+    for (i, c) in [cs[0], cs[1], cs[3]].iter().enumerate() {
+        let x = inputs(c, 500 + i as u64, DType::BF16);
+        let (o, lse) = attention_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
+        assert_eq!((o.dtype(), lse.dtype()), (DType::BF16, DType::F32));
+        check_case(c, 500 + i as u64, DType::BF16, 1.0 / 128.0, Some(BLOCK));
+    }
+}
+
+/// Rows that see no key: lse = -inf, o = 0, and every gradient finite (0 for those rows' dq).
+#[test]
+fn rows_that_see_no_key_give_minus_inf_zero_and_finite_gradients() {
+    // Query positions 9..49 against key positions 25..55: query rows 0..16 see nothing.
+    let c = cases()[3];
+    let blind_rows = c.spec.k_offset - c.spec.q_offset;
+    let x = inputs(&c, 900, DType::F32);
+    let (o, lse) = attention_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
+    let (lse_v, o_v) = (values(&lse), values(&o));
+    for bh in 0..c.b * c.h {
+        for i in 0..c.nq {
+            let blind = c.spec.q_offset + i < c.spec.k_offset;
+            let l = lse_v[bh * c.nq + i];
+            assert_eq!(l == f64::NEG_INFINITY, blind, "head {bh} row {i}: lse {l}");
+        }
+    }
+    let row = c.h * c.d;
+    for bi in 0..c.b {
+        for i in 0..blind_rows {
+            let at = (bi * c.nq + i) * row;
+            assert!(o_v[at..at + row].iter().all(|&x| x == 0.0), "row {i} of o must be 0");
+        }
+    }
+    let (dq, dk, dv) =
+        attention_backward_with_block(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &c.spec, BLOCK).unwrap();
+    for (name, t) in [("dk", &dk), ("dv", &dv)] {
+        assert!(values(t).iter().all(|x| x.is_finite()), "{name} has a non-finite entry");
+    }
+    let dq_v = values(&dq);
+    assert!(dq_v.iter().all(|x| x.is_finite()), "dq has a non-finite entry");
+    for bi in 0..c.b {
+        for i in 0..blind_rows {
+            let at = (bi * c.nq + i) * row;
+            assert!(dq_v[at..at + row].iter().all(|&x| x == 0.0), "row {i} of dq must be 0");
+        }
+    }
+    // And when no query sees any key at all: every lse -inf, o and every gradient 0.
+    let blind = AttentionSpec { causal: true, scale: None, q_offset: 0, k_offset: 100 };
+    let (o, lse) = attention_forward_with_block(&x.q, &x.k, &x.v, &blind, BLOCK).unwrap();
+    assert!(values(&lse).iter().all(|&l| l == f64::NEG_INFINITY));
+    assert!(values(&o).iter().all(|&v| v == 0.0));
+    let grads = attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &blind).unwrap();
+    for t in [&grads.0, &grads.1, &grads.2] {
+        assert!(values(t).iter().all(|&v| v == 0.0));
+    }
+}
+
+/// Strided inputs (a `[b, heads, n, d]` tensor transposed to the layout) give the bits of contiguous ones.
+#[test]
+fn strided_inputs_give_the_same_result() {
+    let c = cases()[1];
+    let x = inputs(&c, 77, DType::F32);
+    let strided = |t: &Tensor| t.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
+    let (qs, ks, vs, dos) = (strided(&x.q), strided(&x.k), strided(&x.v), strided(&x.d_o));
+    assert!(!qs.is_contiguous());
+    let (o1, l1) = attention_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
+    let (o2, l2) = attention_forward_with_block(&qs, &ks, &vs, &c.spec, BLOCK).unwrap();
+    assert_eq!((values(&o1), values(&l1)), (values(&o2), values(&l2)));
+    let g1 = attention_backward_with_block(&x.q, &x.k, &x.v, &o1, &l1, &x.d_o, None, &c.spec, BLOCK).unwrap();
+    let g2 = attention_backward_with_block(&qs, &ks, &vs, &strided(&o1), &l1, &dos, None, &c.spec, BLOCK).unwrap();
+    for (a, b) in [(&g1.0, &g2.0), (&g1.1, &g2.1), (&g1.2, &g2.2)] {
+        assert_eq!(values(a), values(b));
+    }
+}
+
+/// Misuse is the same typed error as the CPU kernel's.
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let c = cases()[0];
+    let x = inputs(&c, 1, DType::F32);
+    let k64 = x.k.to_dtype(DType::F64).unwrap();
+    let e = attention_forward(&x.q, &k64, &x.v, &c.spec).unwrap_err();
+    assert!(matches!(e, Error::DTypeMismatch { name: "k", .. }), "{e}");
+    let (o, lse) = attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
+    let short = lse.narrow(2, 0, 3).unwrap();
+    let e = attention_backward(&x.q, &x.k, &x.v, &o, &short, &x.d_o, None, &c.spec).unwrap_err();
+    assert!(matches!(e, Error::Shape { name: "lse", .. }), "{e}");
+}
