@@ -1,10 +1,11 @@
 //! The command line of `llama_longctx` (clap), and the parsing of its option values: strategy,
-//! checkpointing (policy or byte budget), data source and launcher.
+//! checkpointing (policy or byte budget), compute dtype, data source and launcher.
 
 use std::path::PathBuf;
 
 use autosp::core::CheckpointPolicy;
 use autosp::{Checkpointing, Strategy};
+use candle_core::{DType, Device};
 use clap::Parser;
 
 /// Long-context fine-tuning of Llama-family models with sequence parallelism.
@@ -36,6 +37,12 @@ pub struct Args {
     /// (suffixes K, M, G, KiB, MiB, GiB allowed).
     #[arg(long, default_value = "sequence-aware", value_parser = parse_checkpointing)]
     pub checkpoint: Checkpointing,
+
+    /// Compute dtype: bf16, f16 or f32 (default: f32 on the CPU, bf16 on CUDA). Under bf16/f16 the
+    /// optimizer keeps f32 master weights and moments; the LSE, the loss and the gradient all-reduce stay
+    /// f32; checkpoints are saved in the model's own dtype (config.json's torch_dtype).
+    #[arg(long, value_parser = parse_dtype)]
+    pub dtype: Option<DType>,
 
     /// Optimizer steps.
     #[arg(long, default_value_t = 200)]
@@ -131,6 +138,11 @@ impl Args {
         self
     }
 
+    /// The compute dtype on `device`: `--dtype`, else [`default_dtype`].
+    pub fn dtype_on(&self, device: &Device) -> DType {
+        self.dtype.unwrap_or_else(|| default_dtype(device))
+    }
+
     /// Micro-batches per optimizer step.
     pub fn micro_batches(&self) -> Result<usize, String> {
         match self.batch_tokens {
@@ -154,6 +166,26 @@ pub fn parse_strategy(s: &str) -> Result<Strategy, String> {
             Some(Ok(u)) if u >= 1 => Ok(Strategy::Hybrid { ulysses: u }),
             _ => Err(format!("unknown strategy `{s}`: use ulysses, ring, hybrid:U (U = Ulysses degree) or auto")),
         },
+    }
+}
+
+/// The default compute dtype on `device`: bf16 on CUDA (tensor cores, half the memory), f32 elsewhere (the
+/// CPU kernels compute in f32 whatever the storage, so bf16 only saves memory there).
+pub fn default_dtype(device: &Device) -> DType {
+    if device.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    }
+}
+
+/// `bf16`, `f16` or `f32` (also `bfloat16`, `float16`, `float32`, as config.json spells them).
+pub fn parse_dtype(s: &str) -> Result<DType, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "f16" | "fp16" | "float16" | "half" => Ok(DType::F16),
+        "f32" | "fp32" | "float32" | "float" => Ok(DType::F32),
+        _ => Err(format!("unknown dtype `{s}`: use bf16, f16 or f32")),
     }
 }
 

@@ -37,10 +37,16 @@ pub struct AdamW {
     masters: HashMap<ParamId, Tensor>,
 }
 
+/// The dtype of the master weights and moments of a parameter of `dtype`: f32 for bf16, f16 and f32, f64
+/// for f64.
+pub fn master_dtype(dtype: DType) -> DType {
+    accum_dtype(dtype)
+}
+
 /// Whether a parameter of `dtype` gets an f32 master copy (bf16 and f16 do; f32 and f64 are their own
 /// master).
 pub fn needs_master(dtype: DType) -> bool {
-    accum_dtype(dtype) != dtype
+    master_dtype(dtype) != dtype
 }
 
 impl AdamW {
