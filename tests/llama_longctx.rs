@@ -146,6 +146,83 @@ fn resume_continues_bit_for_bit() {
 }
 
 #[test]
+fn bf16_resume_is_bit_exact_and_saves_the_f32_model_from_its_masters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let (a, b) = (t.join("a"), t.join("b"));
+    let (ma, mb) = (t.join("a.jsonl"), t.join("b.jsonl"));
+    let quick = ["--quick", "--dtype", "bf16", "--steps", "4"];
+    run_ok(t, &[&quick[..], &["--save-every", "2", "--save", s(&a), "--metrics", s(&ma)]].concat());
+    let out =
+        run_ok(t, &[&quick[..], &["--resume", s(&a.join("step-2")), "--save", s(&b), "--metrics", s(&mb)]].concat());
+    assert!(out.contains("resumed from"), "{out}");
+    let (la, lb) = (losses(&ma), losses(&mb));
+    assert_eq!(la[2..], lb[..], "the resumed bf16 steps' losses must be bit-identical");
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        let (x, y) =
+            (std::fs::read(a.join("step-4").join(f)).unwrap(), std::fs::read(b.join("step-4").join(f)).unwrap());
+        assert!(x == y, "{f} after 4 bf16 steps differs from 2 steps + resume + 2 steps");
+    }
+    // The tiny model is an f32 checkpoint: it is saved in f32, from the f32 master weights (which the
+    // optimizer file also holds), not from their bf16 rounding.
+    let ckpt = a.join("step-4");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["torch_dtype"], "float32");
+    let (model, opt) = (tensors(&ckpt.join("model.safetensors")), tensors(&ckpt.join("optimizer.safetensors")));
+    let mut finer = 0;
+    for (name, w) in &model {
+        assert_eq!(w.dtype(), DType::F32, "{name}");
+        let master = &opt[&format!("{name}.master")];
+        let d = (w - master).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(d, 0.0, "{name}: the saved weights must be the master weights");
+        let rounded = w.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+        let r = (w - rounded).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        finer += usize::from(r > 0.0);
+    }
+    assert_eq!(finer, model.len(), "every saved tensor should hold bits bf16 cannot");
+    LlamaModel::load(s(&ckpt), DType::BF16).unwrap();
+    // Resuming a bf16 run in another dtype is refused (it would not continue the same run).
+    let e = run_err(t, &["--quick", "--steps", "6", "--resume", s(&ckpt), "--save", s(&t.join("c"))]);
+    assert!(e.contains("--dtype bf16") && e.contains("f32"), "{e}");
+}
+
+#[test]
+fn a_bf16_checkpoint_is_saved_in_bf16_and_f32_training_of_it_resumes_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let model = t.join("model");
+    autosp_models::write_tiny(&model, &autosp_models::TinySpec::default(), 5, DType::BF16).unwrap();
+    let (a, b) = (t.join("a"), t.join("b"));
+    let (ma, mb) = (t.join("a.jsonl"), t.join("b.jsonl"));
+    let run = ["--model", s(&model), "--dtype", "f32", "--seq-len", "128", "--steps", "4", "--warmup", "1"];
+    run_ok(t, &[&run[..], &["--save-every", "2", "--save", s(&a), "--metrics", s(&ma)]].concat());
+    let ckpt = a.join("step-2");
+    run_ok(t, &[&run[..], &["--resume", s(&ckpt), "--save", s(&b), "--metrics", s(&mb)]].concat());
+    let (la, lb) = (losses(&ma), losses(&mb));
+    assert_eq!(la[2..], lb[..], "resuming f32 training of a bf16 checkpoint must be bit-exact");
+    // The model file keeps the checkpoint's own dtype (bf16, loadable by transformers as it was); the f32
+    // weights the run trains travel in the optimizer file.
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["torch_dtype"], "bfloat16");
+    let (w, opt) = (tensors(&ckpt.join("model.safetensors")), tensors(&ckpt.join("optimizer.safetensors")));
+    for (name, x) in &w {
+        assert_eq!(x.dtype(), DType::BF16, "{name}");
+        let master = &opt[&format!("{name}.master")];
+        assert_eq!(master.dtype(), DType::F32, "{name}");
+        let rounded = master.to_dtype(DType::BF16).unwrap();
+        let d = (x.to_dtype(DType::F32).unwrap() - rounded.to_dtype(DType::F32).unwrap()).unwrap();
+        assert_eq!(d.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap(), 0.0, "{name}");
+    }
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        let (x, y) =
+            (std::fs::read(a.join("step-4").join(f)).unwrap(), std::fs::read(b.join("step-4").join(f)).unwrap());
+        assert!(x == y, "{f} after 4 steps differs from 2 steps + resume + 2 steps");
+    }
+}
+
+#[test]
 fn eval_tokens_and_dump_grads_agree_between_sp1_and_sp2() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
@@ -229,6 +306,8 @@ fn bad_input_is_a_clear_error_and_writes_nothing() {
 
     let e = run_err(t, &["--strategy", "diagonal"]);
     assert!(e.contains("unknown strategy"), "{e}");
+    let e = run_err(t, &["--dtype", "int8"]);
+    assert!(e.contains("unknown dtype") && e.contains("bf16"), "{e}");
     assert!(!save.exists(), "a failed start must not create the save directory");
 
     if !cfg!(feature = "mpi") {

@@ -1,10 +1,11 @@
 //! The command line of `llama_longctx` (clap), and the parsing of its option values: strategy,
-//! checkpointing (policy or byte budget), data source and launcher.
+//! checkpointing (policy or byte budget), compute dtype, data source and launcher.
 
 use std::path::PathBuf;
 
 use autosp::core::CheckpointPolicy;
 use autosp::{Checkpointing, Strategy};
+use candle_core::DType;
 use clap::Parser;
 
 /// Long-context fine-tuning of Llama-family models with sequence parallelism.
@@ -36,6 +37,12 @@ pub struct Args {
     /// (suffixes K, M, G, KiB, MiB, GiB allowed).
     #[arg(long, default_value = "sequence-aware", value_parser = parse_checkpointing)]
     pub checkpoint: Checkpointing,
+
+    /// Compute dtype: bf16, f16 or f32 (default: f32 on the CPU, bf16 on CUDA). Under bf16/f16 the
+    /// optimizer keeps f32 master weights and moments; the LSE, the loss and the gradient all-reduce stay
+    /// f32; checkpoints are saved in the model's own dtype (config.json's torch_dtype).
+    #[arg(long, value_parser = autosp::precision::parse_dtype)]
+    pub dtype: Option<DType>,
 
     /// Optimizer steps.
     #[arg(long, default_value_t = 200)]
@@ -140,6 +147,11 @@ impl Args {
     /// The device asked for, or the build's default.
     pub fn device_spec(&self) -> autosp::DeviceSpec {
         self.device.unwrap_or_else(autosp::DeviceSpec::default_for_build)
+    }
+
+    /// The compute dtype: `--dtype`, else the device's default (f32 on the CPU, bf16 on a GPU).
+    pub fn compute_dtype(&self) -> DType {
+        self.dtype.unwrap_or_else(|| autosp::precision::default_dtype(&self.device_spec()))
     }
 
     /// Micro-batches per optimizer step.

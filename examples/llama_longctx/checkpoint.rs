@@ -1,8 +1,11 @@
 //! Training checkpoints: `DIR/step-N/` holds the model in the HF layout (config.json + model.safetensors,
-//! loadable by transformers and `LlamaModel::load`), the tokenizer when the model has one,
-//! `optimizer.safetensors` (AdamW's moments, `<param>.exp_avg` / `<param>.exp_avg_sq`) and
-//! `trainer_state.json` (step, optimizer step, data position, random state, the run's shape, and the size
-//! and FNV-1a hash of every other file). A checkpoint is written into a hidden sibling directory and renamed
+//! loadable by transformers and `LlamaModel::load`) in the model's own dtype (config.json's `torch_dtype`;
+//! written from the f32 master weights when training in bf16/f16, so an f32 model trained in bf16 is saved
+//! exactly), the tokenizer when the model has one, `optimizer.safetensors` (AdamW's moments,
+//! `<param>.exp_avg` / `<param>.exp_avg_sq`, and `<param>.master`: the f32 master weights of bf16/f16
+//! parameters, or the weights of any parameter the model file's dtype cannot hold exactly) and
+//! `trainer_state.json` (step, optimizer step, data position, random state, the run's shape and dtype, and
+//! the size and FNV-1a hash of every other file). A checkpoint is written into a hidden sibling directory and renamed
 //! into place only when complete, so an interrupted save never damages the last good checkpoint; loading
 //! checks every file against the recorded size and hash and names the damage.
 
@@ -10,10 +13,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
-use autosp::core::optim::AdamW;
+use autosp::core::optim::{needs_master, AdamW};
 use autosp::core::Param;
-use autosp::models::{LlamaModel, SaveOptions};
-use candle_core::{Device, Tensor};
+use autosp::models::{save_model, LlamaModel, SaveOptions};
+use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
 use crate::data::Position;
@@ -31,11 +34,13 @@ pub struct TrainerState {
     pub optimizer_step: u64,
     /// Where the data stream is.
     pub data: Position,
-    /// The run's shape, which a resumed run must match: seq_len, micro-batches, data source, seed.
+    /// The run's shape, which a resumed run must match: seq_len, micro-batches, data source, seed (and dtype).
     pub seq_len: usize,
     pub micro_batches: usize,
     pub data_source: String,
     pub seed: u64,
+    /// The compute dtype (`--dtype`); checkpoints written before it was recorded were f32.
+    pub dtype: DType,
 }
 
 /// FNV-1a (64-bit) of a file's bytes and its length.
@@ -85,14 +90,23 @@ fn write_into(
     state: &TrainerState,
     tokenizer: Option<&str>,
 ) -> Result<()> {
-    model.save(tmp, &SaveOptions::default())?;
+    // The model's own dtype on disk, from the masters where the optimizer has them.
+    let disk = model.config.torch_dtype.unwrap_or(DType::F32);
+    let mut weights = HashMap::new();
     let mut moments: HashMap<String, Tensor> = HashMap::new();
     for p in params {
+        let w = p.tensor();
+        let master = opt.master(p).cloned().or_else(|| (w.dtype() != disk).then(|| w.clone()));
+        weights.insert(p.name().to_string(), master.clone().unwrap_or(w));
+        if let Some(master) = master {
+            moments.insert(format!("{}.master", p.name()), master);
+        }
         if let Some((m, v)) = opt.moments(p) {
             moments.insert(format!("{}.exp_avg", p.name()), m.clone());
             moments.insert(format!("{}.exp_avg_sq", p.name()), v.clone());
         }
     }
+    save_model(tmp, &model.config, &weights, &SaveOptions { dtype: Some(disk), ..SaveOptions::default() })?;
     candle_core::safetensors::save(&moments, tmp.join(OPTIMIZER_FILE))?;
     if let Some(t) = tokenizer {
         let path = tmp.join("tokenizer.json");
@@ -114,6 +128,7 @@ fn write_into(
         "micro_batches": state.micro_batches,
         "data_source": state.data_source,
         "seed": state.seed.to_string(),
+        "dtype": state.dtype.as_str(),
         "files": files,
     });
     let path = tmp.join(STATE_FILE);
@@ -176,10 +191,19 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
         micro_batches: num("micro_batches")? as usize,
         data_source: field("data_source")?.as_str().unwrap_or_default().to_string(),
         seed: num("seed")?,
+        dtype: match doc.get("dtype") {
+            None => DType::F32,
+            Some(v) => v
+                .as_str()
+                .and_then(|d| autosp::precision::parse_dtype(d).ok())
+                .ok_or_else(|| damaged(format!("{STATE_FILE}: `dtype` is not bf16, f16 or f32")))?,
+        },
     })
 }
 
-/// Restores AdamW's moments of `params` (by HF name) and its step count from `dir/optimizer.safetensors`.
+/// Restores AdamW's moments of `params` (by HF name), its step count and the master weights from
+/// `dir/optimizer.safetensors`: a bf16/f16 parameter's f32 master goes back into AdamW (and, rounded, into
+/// the parameter); an f32 parameter saved in a narrower model file gets its exact weights back.
 pub fn restore_optimizer(dir: &Path, opt: &mut AdamW, params: &[Param], step: u64) -> Result<()> {
     let path = dir.join(OPTIMIZER_FILE);
     let mut t = candle_core::safetensors::load(&path, &Device::Cpu)
@@ -198,6 +222,24 @@ pub fn restore_optimizer(dir: &Path, opt: &mut AdamW, params: &[Param], step: u6
                 p.name(),
                 p.tensor().dims()
             ),
+        }
+        if let Some(master) = t.remove(&format!("{}.master", p.name())) {
+            let w = p.tensor();
+            if master.dims() != w.dims() {
+                bail!(
+                    "checkpoint {}: {OPTIMIZER_FILE} holds master weights of `{}` with shape {:?}, but the parameter \
+                     has {:?}; it belongs to another model",
+                    dir.display(),
+                    p.name(),
+                    master.dims(),
+                    w.dims()
+                );
+            }
+            if needs_master(w.dtype()) {
+                opt.set_master(p, &master)?;
+            } else {
+                p.set(master.to_dtype(w.dtype())?)?;
+            }
         }
     }
     Ok(())

@@ -45,7 +45,7 @@ pub fn tiny_model(seed: u64) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// The model as the ranks will train it (f32 on the CPU), and its tokenizer file when it has one.
+/// The model as loaded (see [`load`] for its dtype), and its tokenizer file when it has one.
 pub struct Loaded {
     pub model: LlamaModel,
     /// The text of `tokenizer.json` (written into checkpoints), when the model has a tokenizer.
@@ -54,9 +54,11 @@ pub struct Loaded {
     pub tokenizer: Option<Tokenizer>,
 }
 
-/// Loads `source` (a directory, hub id or `.gguf` file) in f32.
-pub fn load(source: &str) -> Result<Loaded> {
-    let model = LlamaModel::load(source, DType::F32).with_context(|| format!("loading the model `{source}`"))?;
+/// Loads `source` (a directory, hub id or `.gguf` file) in `dtype`. The job loads in the optimizer's master
+/// dtype (f32), so that bf16/f16 training starts its f32 master weights from the checkpoint's own values;
+/// the ranks convert to the compute dtype.
+pub fn load(source: &str, dtype: DType) -> Result<Loaded> {
+    let model = LlamaModel::load(source, dtype).with_context(|| format!("loading the model `{source}`"))?;
     let path = Path::new(source);
     let (tokenizer_json, tokenizer) = if path.is_file()
         && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))

@@ -10,7 +10,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use autosp::core::comm::{ProcessGroup, ReduceOp};
-use autosp::core::optim::{clip_grad_norm, global_norm, AdamW, AdamWConfig, LrSchedule, Optimizer};
+use autosp::core::optim::{
+    clip_grad_norm, global_norm, master_dtype, needs_master, AdamW, AdamWConfig, LrSchedule, Optimizer,
+};
 use autosp::core::{Gradients, Param};
 use autosp::models::LlamaModel;
 use autosp::{compile, CompileConfig, Compiled};
@@ -29,7 +31,10 @@ pub struct Job {
     pub p: usize,
     /// Whether ranks are threads of this process (process memory is then shared).
     pub threads: bool,
-    /// The starting weights (each rank builds its own copy).
+    /// The compute dtype (`--dtype`, or the device's default).
+    pub dtype: DType,
+    /// The starting weights in the master dtype (f32; each rank builds its own copy in `dtype`, and under
+    /// bf16/f16 starts its optimizer's master weights from them).
     pub base: LlamaModel,
     /// Where the model came from (for the report).
     pub source: String,
@@ -68,6 +73,7 @@ impl Job {
         // opens its own in `run_rank`.
         let device = if threads { Some(args.device_spec().open(None)?) } else { None };
         let micro = args.micro_batches().map_err(anyhow::Error::msg)?;
+        let dtype = args.compute_dtype();
         let resume = match &args.resume {
             Some(dir) => {
                 let state = checkpoint::verify(dir)?;
@@ -76,6 +82,7 @@ impl Job {
                     ("--batch-tokens / --seq-len", state.micro_batches.to_string(), micro.to_string()),
                     ("--data", state.data_source.clone(), args.data.clone()),
                     ("--seed", state.seed.to_string(), args.seed.to_string()),
+                    ("--dtype", state.dtype.as_str().to_string(), dtype.as_str().to_string()),
                 ];
                 for (what, saved, now) in same {
                     if saved != now {
@@ -95,7 +102,7 @@ impl Job {
             (None, Some(m)) => m.clone(),
             (None, None) => model::tiny_model(args.seed)?.display().to_string(),
         };
-        let loaded = model::load(&source)?;
+        let loaded = model::load(&source, master_dtype(dtype))?;
         let vocab = loaded.model.config.vocab_size;
         let mut probes = Vec::new();
         let stream = match DataSource::parse(&args.data) {
@@ -148,6 +155,7 @@ impl Job {
         Ok(Job {
             p,
             threads,
+            dtype,
             base: loaded.model,
             source,
             tokenizer_json: loaded.tokenizer_json,
@@ -212,10 +220,19 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         Some(d) => d.clone(),
         None => a.device_spec().open(Some((autosp::device::local_rank(pg.rank()), pg.size())))?,
     };
-    let weights =
-        job.base.to_weights().into_iter().map(|(k, t)| Ok((k, t.to_device(&device)?))).collect::<Result<_>>()?;
+    // The loaded weights (master dtype, f32) on the device; the model computes in their `dtype` rounding.
+    let base = job
+        .base
+        .to_weights()
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.to_device(&device)?)))
+        .collect::<Result<std::collections::HashMap<String, Tensor>>>()?;
+    let weights = base
+        .iter()
+        .map(|(k, t)| Ok((k.clone(), t.to_dtype(job.dtype)?)))
+        .collect::<Result<std::collections::HashMap<String, Tensor>>>()?;
     let model = LlamaModel::from_weights(&job.base.config, weights)?;
-    let mut cfg = CompileConfig::new(pg.clone(), a.strategy, a.checkpoint);
+    let mut cfg = CompileConfig::new(pg.clone(), a.strategy, a.checkpoint).with_dtype(job.dtype);
     cfg.seq_len = Some(a.seq_len);
     let mut c = compile(model, cfg)?;
 
@@ -247,13 +264,15 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         device.location()
     ));
     say(&format!(
-        "compiled for P = {} {} ranks: {:?} ({}), checkpointing {:?}; {} tokens per sequence ({} per rank), {} \
-         sequence(s) per step, data {}",
+        "compiled for P = {} {} ranks: {:?} ({}), checkpointing {:?}, compute dtype {}{}; {} tokens per sequence \
+         ({} per rank), {} sequence(s) per step, data {}",
         job.p,
         if job.threads { "thread" } else { "MPI" },
         c.resolved().strategy,
         c.resolved().reason,
         a.checkpoint,
+        job.dtype.as_str(),
+        if needs_master(job.dtype) { " (f32 master weights, moments, loss and gradient all-reduce)" } else { "" },
         a.seq_len,
         c.padded_len(a.seq_len) / job.p,
         job.micro,
@@ -262,6 +281,14 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
 
     let params: Vec<Param> = c.params();
     let mut opt = AdamW::new(AdamWConfig::default())?;
+    if needs_master(job.dtype) {
+        // The masters start from the loaded weights (f32), not from their bf16/f16 rounding.
+        for p in &params {
+            let w = base.get(p.name()).with_context(|| format!("the loaded model has no `{}`", p.name()))?;
+            opt.set_master(p, w)?;
+        }
+    }
+    drop(base);
     let mut stream = job.stream.clone();
     let (mut step, mut drawn) = (0usize, 0u64);
     if let Some((dir, st)) = &job.resume {
@@ -294,6 +321,7 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
             micro_batches: job.micro,
             data_source: a.data.clone(),
             seed: a.seed,
+            dtype: job.dtype,
         };
         checkpoint::save(&job.save_root, c.model(), opt, &params, &state, job.tokenizer_json.as_deref())
     };

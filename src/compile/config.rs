@@ -42,7 +42,11 @@ pub struct CompileConfig {
     pub strategy: Strategy,
     /// The checkpointing.
     pub checkpoint: Checkpointing,
-    /// The dtype of the model's parameters and activations (f32 by default; compile checks the parameters).
+    /// The compute dtype: the dtype of the model's parameters and of the activations the step computes in
+    /// (f32 by default; bf16 or f16 for mixed precision, f64 for checks). Compile checks that every parameter
+    /// has it (load the model in it: `LlamaModel::load(path, dtype)`). Whatever it is, softmax statistics,
+    /// the LSE, the loss and token counts stay f32 (f64 under f64), gradients are all-reduced and handed to
+    /// the optimiser in f32, and the optimiser keeps f32 master weights and moments (`AdamW::master`).
     pub dtype: DType,
     /// The sequence length a byte budget must fit (needed for `Checkpointing::Budget`).
     pub seq_len: Option<usize>,
@@ -52,5 +56,11 @@ impl CompileConfig {
     /// Ulysses/Ring/Hybrid/Auto with a policy, f32.
     pub fn new(group: Arc<dyn ProcessGroup>, strategy: Strategy, checkpoint: Checkpointing) -> Self {
         Self { group, strategy, checkpoint, dtype: DType::F32, seq_len: None }
+    }
+
+    /// The same configuration computing in `dtype` (f32, bf16, f16 or f64; see [`CompileConfig::dtype`]).
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
     }
 }

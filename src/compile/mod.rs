@@ -14,6 +14,7 @@ use std::sync::Arc;
 use autosp_core::comm::ProcessGroup;
 use autosp_core::module::visit_mut;
 use autosp_core::{Attention, CausalLm, CheckpointPolicy};
+use candle_core::DType;
 
 pub use autosp_kernels::SeqLayout;
 pub use config::{Checkpointing, CompileConfig, Strategy};
@@ -28,6 +29,8 @@ pub struct Compiled<M> {
     group: Arc<dyn ProcessGroup>,
     resolved: Resolved,
     checkpoint: Checkpointing,
+    /// The compute dtype (the parameters' dtype).
+    dtype: DType,
 }
 
 impl<M: CausalLm> Compiled<M> {
@@ -39,6 +42,11 @@ impl<M: CausalLm> Compiled<M> {
     /// The strategy chosen, its layout and why.
     pub fn resolved(&self) -> &Resolved {
         &self.resolved
+    }
+
+    /// The compute dtype: the parameters' and activations' dtype (see [`CompileConfig::dtype`]).
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// The sequence layout over the ranks.
@@ -108,6 +116,12 @@ fn build_attention(resolved: &Resolved, group: &Arc<dyn ProcessGroup>) -> Result
 /// budget below the smallest plan) fail here, before any step runs, saying what would work.
 pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compiled<M>, CompileError> {
     let p = config.group.size();
+    if !matches!(config.dtype, DType::F32 | DType::BF16 | DType::F16 | DType::F64) {
+        return Err(CompileError::Input(format!(
+            "compile dtype {:?} is not a float training dtype: use f32, bf16, f16 (or f64 for checks)",
+            config.dtype
+        )));
+    }
     if let Some(bad) = autosp_core::module::all_params(&model).into_iter().find(|x| x.tensor().dtype() != config.dtype)
     {
         return Err(CompileError::Input(format!(
@@ -151,7 +165,8 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
                 .into(),
         ));
     }
-    let mut compiled = Compiled { model, group: config.group, resolved, checkpoint: config.checkpoint };
+    let mut compiled =
+        Compiled { model, group: config.group, resolved, checkpoint: config.checkpoint, dtype: config.dtype };
     if let Checkpointing::Budget(bytes) = config.checkpoint {
         let n = config.seq_len.ok_or_else(|| {
             CompileError::Input(

@@ -7,8 +7,9 @@ use autosp_core::{CausalLm, CheckpointPolicy};
 use candle_core::{Device, Tensor};
 
 use super::config::Strategy;
+use super::step::reduce_dtype;
 use super::step::StepOutput;
-use super::strategy::comm_elems_per_layer_step;
+use super::strategy::comm_bytes_per_layer_step;
 use super::{CompileError, Compiled};
 
 /// A line `a + b * n` through two probe measurements (`n`: the global sequence length).
@@ -89,7 +90,8 @@ pub struct Plan {
     pub probes: (usize, usize),
     /// FLOPs per step per rank.
     pub flops: Flops,
-    /// Bytes each rank sends per step (attention forward and backward, and the gradient all-reduce).
+    /// Bytes each rank sends per step (attention forward and backward in the compute dtype, and the
+    /// gradient all-reduce in f32), each element counted at its real size.
     pub comm_bytes: f64,
 }
 
@@ -264,16 +266,23 @@ impl<M: CausalLm> Compiled<M> {
         }
         flops.linear += 3.0 * 2.0 * n_loc * (d.hidden * d.vocab) as f64;
         let s = self.resolved.strategy;
-        let elem = 4.0;
+        // Activations travel in the compute dtype, Ring's dK/dV accumulators and the gradients in f32.
+        let elem = self.dtype.size_in_bytes();
+        let acc_elem = reduce_dtype(self.dtype).size_in_bytes();
         let attn_comm: f64 = if p > 1 {
             let recomputes = |pol: &CheckpointPolicy| *pol != CheckpointPolicy::None;
-            policies.iter().map(|pol| comm_elems_per_layer_step(s, &d, n, p, recomputes(pol)) * elem).sum()
+            policies.iter().map(|pol| comm_bytes_per_layer_step(s, &d, n, p, recomputes(pol), elem, acc_elem)).sum()
         } else {
             0.0
         };
-        let params: f64 =
-            autosp_core::module::all_params(&self.model).iter().map(|x| x.tensor().elem_count() as f64).sum();
-        let grad_comm = if p > 1 { 2.0 * (p as f64 - 1.0) / p as f64 * params * elem } else { 0.0 };
+        let grad_bytes: f64 = autosp_core::module::all_params(&self.model)
+            .iter()
+            .map(|x| {
+                let t = x.tensor();
+                (t.elem_count() * reduce_dtype(t.dtype()).size_in_bytes()) as f64
+            })
+            .sum();
+        let grad_comm = if p > 1 { 2.0 * (p as f64 - 1.0) / p as f64 * grad_bytes } else { 0.0 };
         Ok(Plan {
             n,
             p,
@@ -302,6 +311,11 @@ impl<M: CausalLm> Compiled<M> {
             self.layout()
         );
         out.push_str(&format!("checkpointing: {:?}\n", self.checkpoint));
+        out.push_str(&format!(
+            "compute dtype: {}; LSE, loss, gradient all-reduce, master weights and optimizer moments: {}\n",
+            self.dtype.as_str(),
+            reduce_dtype(self.dtype).as_str()
+        ));
         let blocks: Vec<String> = plan.policies.iter().enumerate().map(|(i, p)| format!("{i}: {p:?}")).collect();
         out.push_str(&format!("policy per block: {}\n", blocks.join(", ")));
         out.push_str(&autosp_core::module::describe_tree(&mut self.model));

@@ -18,7 +18,10 @@ pub struct StepOutput {
     pub loss: f64,
     /// Valid (not ignored) target tokens over all ranks.
     pub valid_tokens: usize,
-    /// Parameter gradients, summed over the group: every rank holds the same.
+    /// Parameter gradients, summed over the group: every rank holds the same. They are f32 for f32, bf16
+    /// and f16 parameters (f64 for f64 ones): a mixed-precision step computes them in bf16/f16, converts
+    /// them to f32 before the all-reduce, and hands them on in f32 (also at P = 1), so the sum over ranks,
+    /// clipping and the optimiser never round to bf16.
     pub grads: Gradients,
     /// This rank's tape bytes when the forward pass ended.
     pub after_forward: MemoryStats,
@@ -114,22 +117,32 @@ impl<M: CausalLm> Compiled<M> {
         Ok(StepOutput { loss, valid_tokens: total as usize, grads, after_forward, peak_bytes, memory_trace })
     }
 
-    /// Sums every parameter's gradient over the group: parameters in model order, grouped by dtype into
+    /// Sums every parameter's gradient over the group in its reduction dtype ([`reduce_dtype`]: f32 for
+    /// bf16/f16/f32 parameters, f64 for f64): parameters in model order, grouped by reduction dtype into
     /// buckets of at most [`GRAD_BUCKET_ELEMS`] elements (a larger parameter is a bucket of its own), one
-    /// all-reduce per bucket. `local` is consumed bucket by bucket, so the reduction holds about one copy of
-    /// the gradients plus one bucket's buffers, not three copies.
+    /// all-reduce per bucket. `local` is consumed bucket by bucket (each gradient converted to f32 as its
+    /// bucket is built), so the reduction holds about one copy of the gradients plus one bucket's buffers,
+    /// not three copies. At P = 1 the gradients are only converted.
     fn reduce_grads(&self, mut local: Gradients) -> Result<Gradients, CompileError> {
         let params = all_params(&self.model);
         if self.group.size() == 1 {
-            return Ok(local);
+            let mut out = Gradients::new();
+            for p in &params {
+                if let Some(g) = local.remove(p) {
+                    out.insert(p, g.to_dtype(reduce_dtype(g.dtype()))?);
+                }
+            }
+            return Ok(out);
         }
         let mut out = Gradients::new();
         for bucket in grad_buckets(&params, GRAD_BUCKET_ELEMS) {
             let mut flat = Vec::with_capacity(bucket.len());
             for p in &bucket {
+                let t = p.tensor();
+                let dtype = reduce_dtype(t.dtype());
                 flat.push(match local.remove(p) {
-                    Some(g) => g.flatten_all()?,
-                    None => p.tensor().zeros_like()?.flatten_all()?,
+                    Some(g) => g.to_dtype(dtype)?.flatten_all()?,
+                    None => Tensor::zeros(t.elem_count(), dtype, t.device())?,
                 });
             }
             let joined = if flat.len() == 1 { flat.remove(0) } else { Tensor::cat(&flat, 0)? };
@@ -165,18 +178,25 @@ impl<M: CausalLm> Compiled<M> {
 /// Elements per gradient all-reduce bucket (16 MiB of f32).
 const GRAD_BUCKET_ELEMS: usize = 1 << 22;
 
-/// `params` (in model order) split into all-reduce buckets: one dtype per bucket, consecutive parameters
-/// while the bucket stays within `limit` elements. Every rank builds the same buckets from the same model, so
-/// the collectives match.
+/// The dtype a gradient of a `param` dtype is all-reduced and handed to the optimiser in: f32 for bf16,
+/// f16 and f32 parameters, f64 for f64 ones (the optimiser's master/moment dtype).
+pub fn reduce_dtype(param: DType) -> DType {
+    autosp_core::ops::attention::accum_dtype(param)
+}
+
+/// `params` (in model order) split into all-reduce buckets: one reduction dtype per bucket, consecutive
+/// parameters while the bucket stays within `limit` elements. Every rank builds the same buckets from the
+/// same model, so the collectives match.
 fn grad_buckets(params: &[Param], limit: usize) -> Vec<Vec<&Param>> {
-    let mut dtypes: Vec<DType> = params.iter().map(|p| p.tensor().dtype()).collect();
+    let dtype_of = |p: &Param| reduce_dtype(p.tensor().dtype());
+    let mut dtypes: Vec<DType> = params.iter().map(dtype_of).collect();
     dtypes.sort_by_key(|d| d.as_str());
     dtypes.dedup();
     let mut buckets = Vec::new();
     for dtype in dtypes {
         let mut bucket: Vec<&Param> = Vec::new();
         let mut elems = 0;
-        for p in params.iter().filter(|p| p.tensor().dtype() == dtype) {
+        for p in params.iter().filter(|p| dtype_of(p) == dtype) {
             let n = p.tensor().elem_count();
             if !bucket.is_empty() && elems + n > limit {
                 buckets.push(std::mem::take(&mut bucket));
@@ -202,18 +222,23 @@ mod tests {
     }
 
     #[test]
-    fn buckets_keep_model_order_split_by_dtype_and_size() {
+    fn buckets_keep_model_order_split_by_reduction_dtype_and_size() {
         let ps = [
             param("a", 3, DType::F32),
             param("b", 4, DType::F32),
-            param("h", 2, DType::BF16),
+            param("x", 2, DType::F64),
             param("c", 12, DType::F32),
             param("d", 1, DType::F32),
             param("e", 2, DType::F32),
         ];
         let names: Vec<Vec<&str>> = grad_buckets(&ps, 8).iter().map(|b| b.iter().map(|p| p.name()).collect()).collect();
-        // bf16 sorts before f32; a parameter over the limit is a bucket of its own.
-        assert_eq!(names, vec![vec!["h"], vec!["a", "b"], vec!["c"], vec!["d", "e"]]);
+        // f32 sorts before f64; a parameter over the limit is a bucket of its own.
+        assert_eq!(names, vec![vec!["a", "b"], vec!["c"], vec!["d", "e"], vec!["x"]]);
         assert_eq!(grad_buckets(&ps, usize::MAX).len(), 2);
+        // bf16 and f16 gradients are reduced in f32: they share the f32 buckets.
+        let mixed = [param("a", 3, DType::BF16), param("b", 4, DType::F32), param("h", 1, DType::F16)];
+        let names: Vec<Vec<&str>> =
+            grad_buckets(&mixed, 8).iter().map(|b| b.iter().map(|p| p.name()).collect()).collect();
+        assert_eq!(names, vec![vec!["a", "b", "h"]]);
     }
 }

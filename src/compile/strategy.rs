@@ -29,13 +29,23 @@ pub fn comm_elems_per_layer(strategy: Strategy, d: &LmDims, n: usize, p: usize) 
     a2a + ring
 }
 
-/// Elements each rank sends per layer per training step (forward and backward). Ulysses's backward sends
-/// what its forward sent when it is recorded exchange by exchange (policy None), and twice that as one fused
-/// op that redoes its exchanges (a recomputing policy; `autosp-kernels/src/sp/ulysses_op.rs`); Ring's sends
-/// the k/v blocks again and the travelling dK/dV accumulators, about twice its forward's bytes.
-pub fn comm_elems_per_layer_step(strategy: Strategy, d: &LmDims, n: usize, p: usize, recomputes: bool) -> f64 {
+/// Bytes each rank sends per layer per training step (forward and backward), with `elem` bytes per
+/// activation element (the compute dtype's: q/k/v/o and their gradients travel in it) and `acc_elem` bytes
+/// per element of Ring's travelling dK/dV accumulators (f32 for f32/bf16/f16, f64 for f64). Ulysses's
+/// backward sends what its forward sent when it is recorded exchange by exchange (policy None), and twice
+/// that as one fused op that redoes its exchanges (a recomputing policy; `autosp-kernels/src/sp/ulysses_op.rs`);
+/// Ring's backward sends the k/v blocks again and the dK/dV accumulators (as many elements as the blocks).
+pub fn comm_bytes_per_layer_step(
+    strategy: Strategy,
+    d: &LmDims,
+    n: usize,
+    p: usize,
+    recomputes: bool,
+    elem: usize,
+    acc_elem: usize,
+) -> f64 {
     let (a2a, ring) = comm_parts_per_layer(strategy, d, n, p);
-    a2a * if recomputes { 3.0 } else { 2.0 } + ring * 3.0
+    a2a * if recomputes { 3.0 } else { 2.0 } * elem as f64 + ring * (2 * elem + acc_elem) as f64
 }
 
 /// `(all-to-all, ring)` elements each rank sends per layer per forward pass.

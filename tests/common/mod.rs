@@ -9,7 +9,7 @@ use autosp_core::module::all_params;
 use autosp_core::ops;
 use autosp_core::optim::{AdamW, AdamWConfig, Optimizer};
 use autosp_core::{CausalLm, CheckpointPolicy, Tape};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 /// Ids `[1, n]` and labels `[1, n]` with ignored labels spread unevenly (a block at the start, a few
 /// scattered), so shards hold different numbers of valid targets.
@@ -24,7 +24,7 @@ pub fn batch(n: usize, vocab: usize) -> (Tensor, Tensor) {
 pub type Outcome = (f64, Vec<Vec<f32>>, Vec<Vec<f32>>);
 
 fn flat(t: &Tensor) -> Vec<f32> {
-    t.flatten_all().unwrap().to_dtype(candle_core::DType::F32).unwrap().to_vec1::<f32>().unwrap()
+    t.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()
 }
 
 /// The uncompiled model trained one step on one rank.
@@ -43,7 +43,7 @@ pub fn reference<M: CausalLm>(model: M, n: usize) -> Outcome {
     let params = all_params(&model);
     let g: Vec<Vec<f32>> = params.iter().map(|p| flat(grads.get(p).unwrap())).collect();
     AdamW::new(AdamWConfig::default()).unwrap().step(&params, &grads, 1e-2).unwrap();
-    let l = loss.tensor().to_dtype(candle_core::DType::F64).unwrap().to_scalar::<f64>().unwrap();
+    let l = loss.tensor().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
     (l, g, params.iter().map(|p| flat(&p.tensor())).collect())
 }
 
@@ -53,9 +53,25 @@ where
     M: CausalLm + 'static,
     F: Fn() -> M + Send + Sync + 'static,
 {
+    compiled_in(make, p, n, strategy, policy, DType::F32)
+}
+
+/// [`compiled`] with the compute dtype `dtype` (the model `make` builds must be in it).
+pub fn compiled_in<M, F>(
+    make: F,
+    p: usize,
+    n: usize,
+    strategy: Strategy,
+    policy: CheckpointPolicy,
+    dtype: DType,
+) -> Outcome
+where
+    M: CausalLm + 'static,
+    F: Fn() -> M + Send + Sync + 'static,
+{
     let make = std::sync::Arc::new(make);
     let out = run_ranks(p, std::time::Duration::from_secs(60), move |pg| {
-        let cfg = CompileConfig::new(pg, strategy, Checkpointing::Policy(policy));
+        let cfg = CompileConfig::new(pg, strategy, Checkpointing::Policy(policy)).with_dtype(dtype);
         let c = compile(make(), cfg).map_err(|e| e.to_string())?;
         let (ids, labels) = batch(n, c.model().dims().vocab);
         let step = c.train_step(&ids, Some(&labels)).map_err(|e| e.to_string())?;
@@ -73,7 +89,8 @@ where
     first
 }
 
-fn rel(a: &[f32], b: &[f32]) -> f64 {
+/// Max relative error: `max_i |a_i - b_i| / max_i |b_i|`.
+pub fn rel(a: &[f32], b: &[f32]) -> f64 {
     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12) as f64;
     a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max) / scale
 }

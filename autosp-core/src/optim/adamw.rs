@@ -1,9 +1,12 @@
 //! AdamW: Adam with decoupled weight decay and bias correction (PyTorch's `torch.optim.AdamW`). Moments
-//! are kept in f32 (f64 for f64 parameters) whatever the parameter dtype.
+//! are kept in f32 (f64 for f64 parameters) whatever the parameter dtype. Mixed precision: a bf16/f16
+//! parameter also gets an f32 master copy of its weights in the optimiser state; every step updates the
+//! master in f32 and writes the master rounded to the parameter's dtype into the [`Param`], so the small
+//! updates that bf16 would round away accumulate in the master. f32/f64 parameters have no copy.
 
 use std::collections::HashMap;
 
-use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Tensor};
+use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Tensor};
 
 use super::Optimizer;
 use crate::ops::attention::accum_dtype;
@@ -24,12 +27,26 @@ impl Default for AdamWConfig {
     }
 }
 
-/// AdamW state: step count and the two moments of every parameter.
+/// AdamW state: step count, the two moments of every parameter, and the f32 master weights of every
+/// bf16/f16 parameter.
 #[derive(Debug)]
 pub struct AdamW {
     cfg: AdamWConfig,
     step: u64,
     moments: HashMap<ParamId, (Tensor, Tensor)>,
+    masters: HashMap<ParamId, Tensor>,
+}
+
+/// The dtype of the master weights and moments of a parameter of `dtype`: f32 for bf16, f16 and f32, f64
+/// for f64.
+pub fn master_dtype(dtype: DType) -> DType {
+    accum_dtype(dtype)
+}
+
+/// Whether a parameter of `dtype` gets an f32 master copy (bf16 and f16 do; f32 and f64 are their own
+/// master).
+pub fn needs_master(dtype: DType) -> bool {
+    master_dtype(dtype) != dtype
 }
 
 impl AdamW {
@@ -44,7 +61,7 @@ impl AdamW {
                 msg: format!("AdamW needs 0 <= beta1, beta2 < 1, eps > 0 and weight_decay >= 0, got {cfg:?}"),
             });
         }
-        Ok(Self { cfg, step: 0, moments: HashMap::new() })
+        Ok(Self { cfg, step: 0, moments: HashMap::new(), masters: HashMap::new() })
     }
 
     /// Steps taken so far.
@@ -65,6 +82,45 @@ impl AdamW {
         self.moments.insert(p.id(), (m.copy()?, v.copy()?));
         Ok(())
     }
+
+    /// The f32 master weights of a bf16/f16 parameter `p` (same shape as `p`), once the optimiser has one:
+    /// after its first step with a gradient for `p`, or after [`set_master`](Self::set_master). `None` for
+    /// f32/f64 parameters (the parameter is its own master). Later steps update it in place on the CPU:
+    /// copy it to keep a snapshot.
+    pub fn master(&self, p: &Param) -> Option<&Tensor> {
+        self.masters.get(&p.id())
+    }
+
+    /// Sets the f32 master weights of the bf16/f16 parameter `p` (resuming from a checkpoint, or starting
+    /// from weights more precise than the parameter, such as an f32 checkpoint trained in bf16) and writes
+    /// `master` rounded to the parameter's dtype into `p`, so the two agree. Takes its own copy. Fails for
+    /// f32/f64 parameters (they have no master: restore the parameter itself) and on a shape mismatch.
+    pub fn set_master(&mut self, p: &Param, master: &Tensor) -> Result<()> {
+        let w = p.tensor();
+        if !needs_master(w.dtype()) {
+            return Err(Error::Optimizer {
+                msg: format!(
+                    "parameter `{}` is {:?} and has no master copy: set the parameter's own weights instead",
+                    p.name(),
+                    w.dtype()
+                ),
+            });
+        }
+        if master.dims() != w.dims() {
+            return Err(Error::Optimizer {
+                msg: format!(
+                    "the master weights of `{}` have shape {:?} but the parameter has {:?}: they belong to another model",
+                    p.name(),
+                    master.dims(),
+                    w.dims()
+                ),
+            });
+        }
+        let master = master.to_dtype(accum_dtype(w.dtype()))?.to_device(w.device())?.copy()?;
+        p.set(master.to_dtype(w.dtype())?)?;
+        self.masters.insert(p.id(), master);
+        Ok(())
+    }
 }
 
 impl Optimizer for AdamW {
@@ -83,18 +139,45 @@ impl Optimizer for AdamW {
         for p in params {
             let Some(g) = grads.get(p) else { continue };
             let w = p.tensor();
+            if g.dims() != w.dims() {
+                return Err(Error::Optimizer {
+                    msg: format!(
+                        "the gradient of `{}` has shape {:?} but the parameter has {:?}",
+                        p.name(),
+                        g.dims(),
+                        w.dims()
+                    ),
+                });
+            }
             let acc = accum_dtype(w.dtype());
-            let (wf, gf) = (w.to_dtype(acc)?, g.to_dtype(acc)?);
+            let gf = g.to_dtype(acc)?;
             let (m, v) = match self.moments.remove(&p.id()) {
                 Some(mv) => mv,
-                None => (wf.zeros_like()?, wf.zeros_like()?),
+                None => (gf.zeros_like()?, gf.zeros_like()?),
             };
-            let (new, m, v) = if w.device().is_cpu() {
-                update_in_place(&wf, &gf, m, v, &k)?
+            let (m, v) = if needs_master(w.dtype()) {
+                // Mixed precision: the update runs on the f32 master; the parameter gets it rounded.
+                let master = match self.masters.remove(&p.id()) {
+                    Some(master) => master,
+                    None => w.to_dtype(acc)?,
+                };
+                let (master, m, v) = if w.device().is_cpu() {
+                    update_master_in_place(master, &gf, m, v, &k)?
+                } else {
+                    update_with_tensor_ops(&master, &gf, m, v, &k)?
+                };
+                p.set(master.to_dtype(w.dtype())?)?;
+                self.masters.insert(p.id(), master);
+                (m, v)
             } else {
-                update_with_tensor_ops(&wf, &gf, m, v, &k)?
+                let (new, m, v) = if w.device().is_cpu() {
+                    update_in_place(&w, &gf, m, v, &k)?
+                } else {
+                    update_with_tensor_ops(&w, &gf, m, v, &k)?
+                };
+                p.set(new)?;
+                (m, v)
             };
-            p.set(new.to_dtype(w.dtype())?)?;
             self.moments.insert(p.id(), (m, v));
         }
         Ok(())
@@ -149,6 +232,21 @@ fn update_in_place(
     let new = wf.copy()?;
     new.inplace_op3(&m, &v, &Weights(*k))?;
     Ok((new, m, v))
+}
+
+/// [`update_in_place`] on the optimiser's own f32 master copy: the master itself is updated, no copy.
+fn update_master_in_place(
+    master: Tensor,
+    gf: &Tensor,
+    m: Tensor,
+    v: Tensor,
+    k: &Coefficients,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let gf = gf.contiguous()?;
+    m.inplace_op2(&gf, &Moment { beta: k.beta1, square: false })?;
+    v.inplace_op2(&gf, &Moment { beta: k.beta2, square: true })?;
+    master.inplace_op3(&m, &v, &Weights(*k))?;
+    Ok((master, m, v))
 }
 
 /// The element range of a contiguous layout.
@@ -278,5 +376,87 @@ mod tests {
                 t(1).to_dtype(DType::F64).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
             );
         }
+    }
+
+    /// A deterministic f32 probe tensor.
+    fn p32(shape: &[usize], seed: u64) -> Tensor {
+        probe(shape, seed, &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap()
+    }
+
+    fn f64s(t: &Tensor) -> Vec<f64> {
+        t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
+    }
+
+    #[test]
+    fn master_in_place_update_equals_the_tensor_op_update_bit_for_bit() {
+        let k = Coefficients { beta1: 0.9, beta2: 0.999, bc1: 0.1, bc2: 0.001, eps: 1e-8, lr: 1e-3, decay: 1.0 - 1e-5 };
+        let t = |seed| p32(&[5, 19], seed);
+        let (w, g, m, v) = (t(1), t(2), t(3), t(4).sqr().unwrap());
+        let a = update_with_tensor_ops(&w, &g, m.copy().unwrap(), v.copy().unwrap(), &k).unwrap();
+        let b = update_master_in_place(w.copy().unwrap(), &g, m.copy().unwrap(), v.copy().unwrap(), &k).unwrap();
+        for (x, y) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
+            assert_eq!(f64s(x), f64s(y));
+        }
+    }
+
+    /// A bf16 parameter trained with AdamW keeps an f32 master (f32 moments too); the parameter is always
+    /// the master rounded to bf16; updates far below bf16's resolution accumulate in the master. An f32
+    /// parameter has no master and trains exactly as before.
+    #[test]
+    fn half_parameters_get_an_f32_master_and_f32_parameters_do_not() {
+        for half in [DType::BF16, DType::F16] {
+            let w0 = p32(&[4, 6], 11);
+            let p = Param::new("w", w0.to_dtype(half).unwrap());
+            // The same start in f32: the master must take exactly its steps.
+            let start = w0.to_dtype(half).unwrap().to_dtype(DType::F32).unwrap();
+            let q = Param::new("q", start.clone());
+            // lr 1e-5: each step moves a weight by about 1e-5, far below bf16's spacing near 1 (2^-7).
+            let mut opt = AdamW::new(AdamWConfig { weight_decay: 0.0, ..AdamWConfig::default() }).unwrap();
+            let mut opt_f32 = AdamW::new(AdamWConfig { weight_decay: 0.0, ..AdamWConfig::default() }).unwrap();
+            let g = p32(&[4, 6], 12);
+            for _ in 0..50 {
+                let mut grads = Gradients::new();
+                // Gradients in the parameter's dtype are accepted as well as f32 ones.
+                grads.insert(&p, g.to_dtype(half).unwrap());
+                opt.step(std::slice::from_ref(&p), &grads, 1e-5).unwrap();
+                let mut grads = Gradients::new();
+                grads.insert(&q, g.to_dtype(half).unwrap().to_dtype(DType::F32).unwrap());
+                opt_f32.step(std::slice::from_ref(&q), &grads, 1e-5).unwrap();
+            }
+            let master = opt.master(&p).expect("a bf16/f16 parameter has a master copy");
+            assert_eq!(master.dtype(), DType::F32);
+            let (m, v) = opt.moments(&p).unwrap();
+            assert_eq!((m.dtype(), v.dtype()), (DType::F32, DType::F32));
+            assert_eq!(p.tensor().dtype(), half);
+            assert_eq!(f64s(&p.tensor()), f64s(&master.to_dtype(half).unwrap()));
+            // The master took exactly the f32 parameter's steps, and they moved it although each step is far
+            // below the parameter dtype's resolution.
+            assert_eq!(f64s(master), f64s(&q.tensor()));
+            let moved = f64s(&(master - &start).unwrap());
+            assert!(moved.iter().all(|d| d.abs() > 1e-4), "the test needs visible movement: {moved:?}");
+            assert!(opt_f32.master(&q).is_none(), "f32 parameters are their own master");
+        }
+    }
+
+    #[test]
+    fn set_master_restores_and_rounds_the_parameter() {
+        let w = p32(&[3, 5], 21);
+        let p = Param::new("w", w.to_dtype(DType::BF16).unwrap());
+        let mut opt = AdamW::new(AdamWConfig::default()).unwrap();
+        let exact = (&w * 1.001).unwrap();
+        opt.set_master(&p, &exact).unwrap();
+        assert_eq!(f64s(opt.master(&p).unwrap()), f64s(&exact));
+        assert_eq!(f64s(&p.tensor()), f64s(&exact.to_dtype(DType::BF16).unwrap()));
+        // A step continues from the restored master, not from the rounded parameter.
+        let mut grads = Gradients::new();
+        grads.insert(&p, Tensor::zeros((3, 5), DType::F32, &Device::Cpu).unwrap());
+        opt.step(std::slice::from_ref(&p), &grads, 0.5).unwrap();
+        let want = f64s(&(&exact * (1.0 - 0.5 * 0.01)).unwrap());
+        assert_eq!(f64s(opt.master(&p).unwrap()), want);
+        let f = Param::new("f", w.clone());
+        let e = opt.set_master(&f, &w).unwrap_err().to_string();
+        assert!(e.contains("no master copy"), "{e}");
+        let e = opt.set_master(&p, &w.narrow(0, 0, 2).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("another model"), "{e}");
     }
 }
