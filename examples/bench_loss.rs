@@ -9,7 +9,7 @@ use std::time::Instant;
 use autosp::core::gradcheck::probe;
 use autosp::core::{ops, CheckpointPolicy, Param, Tape, TrackingAllocator};
 use autosp::kernels::chunked_cross_entropy;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use clap::Parser;
 
 #[global_allocator]
@@ -33,11 +33,15 @@ struct Args {
     /// Skip the unchunked baseline (it holds n * vocab * 4 bytes of logits).
     #[arg(long)]
     no_baseline: bool,
+    /// cpu | cuda | cuda:N | metal (default: the first CUDA device when built with `cuda` and one exists,
+    /// else the CPU).
+    #[arg(long)]
+    device: Option<autosp::DeviceSpec>,
 }
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
-    let dev = Device::Cpu;
+    let dev = a.device.unwrap_or_else(autosp::DeviceSpec::default_for_build).open(None)?;
     let hidden = probe(&[a.n, a.hidden], 1, &dev)?.to_dtype(DType::F32)?;
     let w = Param::new("lm_head", (probe(&[a.vocab, a.hidden], 2, &dev)? * 0.05)?.to_dtype(DType::F32)?);
     let tg: Vec<i64> = (0..a.n).map(|i| if i % 97 == 0 { -100 } else { ((i * 7919) % a.vocab) as i64 }).collect();

@@ -16,7 +16,7 @@ use autosp::core::ops::{self, attention::AttentionSpec};
 use autosp::core::{Attention, CheckpointPolicy, Tape};
 use autosp::kernels::sp::{shard, SeqLayout};
 use autosp::kernels::{FlashAttention, HybridAttention, RingAttention, RingLayout, UlyssesAttention};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -41,6 +41,10 @@ struct Args {
     /// Timed repetitions (the median is reported) after one warm-up.
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// cpu | cuda | cuda:N | metal (default: the first CUDA device when built with `cuda` and one exists,
+    /// else the CPU).
+    #[arg(long)]
+    device: Option<autosp::DeviceSpec>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -75,7 +79,7 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
-    let dev = Device::Cpu;
+    let dev = a.device.unwrap_or_else(autosp::DeviceSpec::default_for_build).open(None)?;
     let full = Inputs {
         q: Tensor::randn(0f32, 1., (a.batch, a.n, a.heads, a.head_dim), &dev)?,
         k: Tensor::randn(0f32, 1., (a.batch, a.n, a.kv_heads, a.head_dim), &dev)?,
