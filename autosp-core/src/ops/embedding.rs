@@ -1,7 +1,9 @@
-//! Embedding lookup: rows of a table by token id; backward scatter-adds into the table's gradient.
+//! Embedding lookup: rows of a table by token id; backward scatter-adds into the table's gradient (in f32 for
+//! bf16/f16 tables, so a token seen many times does not lose its later contributions to bf16 rounding).
 
 use candle_core::Tensor;
 
+use super::attention::accum_dtype;
 use crate::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
 
 /// `table[ids]`: `ids: [..]` (u32 or i64), `table: [vocab, hidden]` -> `[.., hidden]`.
@@ -38,8 +40,10 @@ impl Op for Embedding {
         let ids = s.input(0)?.flatten_all()?;
         let table = s.input_shape(1);
         let hidden = table.dims()[1];
-        let g2 = g.reshape((ids.elem_count(), hidden))?.contiguous()?;
-        let dt = Tensor::zeros(table, g.dtype(), g.device())?.index_add(&ids, &g2, 0)?;
+        // Sums over repeated ids in the accumulation dtype, rounded once to the gradient's dtype at the end.
+        let acc = accum_dtype(g.dtype());
+        let g2 = g.reshape((ids.elem_count(), hidden))?.to_dtype(acc)?.contiguous()?;
+        let dt = Tensor::zeros(table, acc, g.device())?.index_add(&ids, &g2, 0)?.to_dtype(g.dtype())?;
         Ok(vec![None, Some(dt)])
     }
 }
@@ -47,4 +51,27 @@ impl Op for Embedding {
 /// Rows of `table: [vocab, hidden]` for `ids: [..]` -> `[.., hidden]`.
 pub fn embedding(tape: &Tape, ids: &Value, table: &Value) -> Result<Value> {
     Ok(tape.apply(Embedding, &[ids, table])?.remove(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CheckpointPolicy;
+    use candle_core::{DType, Device};
+
+    /// 300 lookups of one token with gradient 1 each: the table's gradient row is 300 (exact in bf16), where
+    /// a bf16 running sum would stop at 256 (256 + 1 rounds back to 256).
+    #[test]
+    fn repeated_ids_sum_in_f32_for_bf16_tables() {
+        let tape = Tape::new(CheckpointPolicy::None);
+        let table = tape.leaf(Tensor::zeros((4, 2), DType::BF16, &Device::Cpu).unwrap());
+        let ids = tape.constant(Tensor::from_vec(vec![3u32; 300], 300, &Device::Cpu).unwrap());
+        let y = embedding(&tape, &ids, &table).unwrap();
+        let loss = crate::ops::sum_all(&tape, &y).unwrap();
+        tape.backward(&loss).unwrap();
+        let g = tape.grad(&table).unwrap().unwrap();
+        assert_eq!(g.dtype(), DType::BF16);
+        let rows = g.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(rows, vec![vec![0.0, 0.0], vec![0.0, 0.0], vec![0.0, 0.0], vec![300.0, 300.0]]);
+    }
 }
