@@ -29,7 +29,7 @@ impl Sgd {
 
 impl Optimizer for Sgd {
     fn step(&mut self, params: &[Param], grads: &Gradients, lr: f64) -> Result<()> {
-        for p in params {
+        for p in super::distinct(params) {
             let Some(g) = grads.get(p) else { continue };
             let w = p.tensor();
             let mut d = g.to_dtype(w.dtype())?;
