@@ -1,7 +1,9 @@
 //! A small transformer defined here, not in autosp-models, built from autosp modules: compiled for P ranks
 //! with each strategy and policy it trains exactly like the uncompiled model on one rank, with no change to
 //! its code. Tolerances (f32): Ulysses moves data without arithmetic, so only the attention's summation order
-//! differs (1e-5 relative to the largest gradient); Ring merges partial softmaxes (1e-5 * P).
+//! differs (1e-5 relative to the largest gradient); Ring merges partial softmaxes (1e-5 * P). A model whose
+//! head is tied to its embedding (one `Param` in two modules) trains the same way at P = 2 as on one rank,
+//! and one optimiser step moves the tied weight once.
 
 use std::sync::Arc;
 
@@ -10,9 +12,10 @@ mod common;
 use autosp::compile::{compile, Checkpointing, CompileConfig, CompileError, Strategy};
 use autosp_core::comm::run_ranks;
 use autosp_core::gradcheck::probe;
-use autosp_core::module::Module;
+use autosp_core::module::{all_params, Module};
 use autosp_core::nn::{Embedding, Linear, RmsNorm};
 use autosp_core::ops::{self, AttentionSpec};
+use autosp_core::optim::{Optimizer, Sgd};
 use autosp_core::{AttentionSlot, CausalLm, CheckpointPolicy, LmDims, Param, RegionSlot, Result, Tape, Value};
 use candle_core::{DType, Device, Tensor};
 
@@ -93,6 +96,13 @@ impl Tiny {
             head: Linear { weight: param("head", &[VOCAB, HIDDEN], 3, 0.3), bias: None },
             kv_heads,
         }
+    }
+
+    /// The same model with the output head tied to the embedding: one [`Param`] in two modules.
+    fn tied(kv_heads: usize) -> Self {
+        let mut m = Self::new(kv_heads);
+        m.head.weight = m.embed.table.clone();
+        m
     }
 
     fn hidden(&self, t: &Tape, ids: &Tensor, positions: &[usize]) -> Result<Value> {
@@ -216,4 +226,42 @@ fn impossible_requests_fail_before_any_step() {
     });
     let msg = out.into_iter().next().unwrap().unwrap().expect("an f32 model compiled as bf16 must be refused");
     assert!(msg.contains("F32") && msg.contains("BF16"), "{msg}");
+}
+
+#[test]
+fn tied_weights_train_the_same_at_p2_as_on_one_rank() {
+    // The tied parameter is listed once: Tiny has 1 + 2 * 3 + 1 + 1 parameters, the tied one 1 fewer.
+    assert_eq!(all_params(&Tiny::tied(2)).len(), all_params(&Tiny::new(2)).len() - 1);
+    let n = 45;
+    let want = common::reference(Tiny::tied(2), n);
+    for s in common::strategies(2) {
+        let got = common::compiled(|| Tiny::tied(2), 2, n, s, CheckpointPolicy::None);
+        common::assert_close(&format!("tied P=2 {s:?}"), &got, &want, common::tolerance(s, 2));
+    }
+
+    // One SGD step (no momentum, no decay) moves the tied weight by exactly -lr * its summed gradient, once.
+    let lr = 0.5;
+    let out = run_ranks(2, std::time::Duration::from_secs(60), move |pg| {
+        let cfg = CompileConfig::new(pg, Strategy::Ring, Checkpointing::Policy(CheckpointPolicy::None));
+        let c = compile(Tiny::tied(2), cfg).map_err(|e| e.to_string())?;
+        let (ids, labels) = common::batch(n, VOCAB);
+        let step = c.train_step(&ids, Some(&labels)).map_err(|e| e.to_string())?;
+        let tied = c.model().embed.table.clone();
+        let before = tied.tensor();
+        Sgd::new(0.0, 0.0).unwrap().step(&c.params(), &step.grads, lr).unwrap();
+        let want = (&before - (step.grads.get(&tied).unwrap() * lr).unwrap()).unwrap();
+        let d = (tied.tensor() - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let g = step.grads.get(&tied).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        Ok::<(f32, f32), String>((d, g))
+    });
+    for r in out {
+        let (d, g) = r.expect("rank failed").expect("step failed");
+        assert!(g > 0.0, "the tied weight must get a gradient");
+        // Exact arithmetic up to f32 rounding of one subtraction: far below one extra step (lr * g).
+        assert!(
+            d <= 1e-6,
+            "the tied weight moved by other than one step: off by {d} (one step moves up to {})",
+            lr * g as f64
+        );
+    }
 }

@@ -363,3 +363,118 @@ fn jsonl_text_is_tokenised_packed_and_the_tokenizer_saved() {
     let e = run_err(t, &["--model", m, "--data", d, "--seq-len", "29", "--steps", "2", "--save", s(&t.join("x"))]);
     assert!(e.contains("longer than the 28 tokens"), "{e}");
 }
+
+/// The `--metrics` lines of skipped steps.
+fn skipped_steps(metrics: &Path) -> Vec<u64> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v.get("skipped").map(|_| v["step"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn a_nonfinite_loss_stops_without_saving_or_is_skipped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    // lr 1e30 with no warm-up: AdamW's first step moves every weight by about 1e30, so the next step's loss
+    // overflows f32 (NaN or infinite).
+    let bad = ["--quick", "--steps", "4", "--warmup", "0", "--lr", "1e30", "--save-every", "1"];
+    let save = t.join("stop");
+    let out = run(t, &[&bad[..], &["--save", s(&save)]].concat());
+    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "a non-finite loss must fail the run:\n{so}");
+    let k: usize = se
+        .split("is not finite at step ")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|d| d.parse().ok())
+        .unwrap_or_else(|| panic!("no `... is not finite at step K` in:\n{se}"));
+    assert!(k >= 2, "the untrained model's first loss is finite: {se}");
+    let kept = save.join(format!("step-{}", k - 1));
+    assert!(
+        se.contains(&format!("the last checkpoint, {}, is kept", kept.display())),
+        "the error names the checkpoint kept:\n{se}"
+    );
+    LlamaModel::load(s(&kept), DType::F32).unwrap();
+    let dirs: Vec<String> =
+        std::fs::read_dir(&save).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect();
+    assert!(
+        dirs.iter().all(|d| d.starts_with("step-") && d[5..].parse::<usize>().unwrap() < k),
+        "nothing of step {k} or later (and nothing hidden) may be saved: {dirs:?}"
+    );
+
+    // --skip-nonfinite: the same run finishes, says which steps it skipped, and never applies them: the final
+    // weights are the last finite step's.
+    let (save, metrics) = (t.join("skip"), t.join("skip.jsonl"));
+    let so = run_ok(t, &[&bad[..], &["--skip-nonfinite", "--save", s(&save), "--metrics", s(&metrics)]].concat());
+    assert!(so.contains(&format!("step    {k}/4: skipped, ")) && so.contains("(--skip-nonfinite)"), "{so}");
+    assert_eq!(skipped_steps(&metrics), (k as u64..=4).collect::<Vec<_>>(), "{so}");
+    let weights = |step: usize| std::fs::read(save.join(format!("step-{step}")).join("model.safetensors")).unwrap();
+    assert!(weights(4) == weights(k - 1), "skipped steps must not change the weights");
+}
+
+#[test]
+fn a_passkey_seq_len_below_the_fixed_text_is_refused_naming_the_smallest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    // A tiny model with a character-level tokenizer: the passkey prompt's fixed text is ~240 tokens, more
+    // than the 64-token floor, so the tokenizer decides the smallest length.
+    let model = t.join("model");
+    autosp_models::write_tiny(&model, &autosp_models::TinySpec::default(), 3, DType::F32).unwrap();
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("[UNK]".into(), serde_json::json!(0));
+    for (i, c) in (32u8..127).enumerate() {
+        vocab.insert((c as char).to_string(), serde_json::json!(i + 1));
+    }
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": false},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    std::fs::write(model.join("tokenizer.json"), tok.to_string()).unwrap();
+    let m = s(&model);
+    let smallest = |e: &str| -> usize {
+        let tail = e.split("the smallest --seq-len that works is ").nth(1).unwrap_or_else(|| panic!("{e}"));
+        tail.split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+    };
+    let e = run_err(t, &["--model", m, "--seq-len", "100", "--steps", "1", "--save", s(&t.join("a"))]);
+    let n = smallest(&e);
+    assert!(n > 100 && e.contains("--seq-len 100 is too short"), "{e}");
+    let e = run_err(t, &["--model", m, "--seq-len", &(n - 1).to_string(), "--steps", "1", "--save", s(&t.join("b"))]);
+    assert_eq!(smallest(&e), n, "{e}");
+    assert!(!t.join("a").exists() && !t.join("b").exists(), "a refused start writes nothing");
+    // At exactly that length the answer fits whole and a step runs.
+    let so = run_ok(t, &["--model", m, "--seq-len", &n.to_string(), "--steps", "1", "--save", s(&t.join("c"))]);
+    assert!(so.contains("step    1/1") && so.contains("passkey accuracy"), "{so}");
+}
+
+#[test]
+fn resume_with_another_schedule_is_refused_unless_allowed_and_stale_saves_are_cleaned() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let a = t.join("a");
+    // A hidden partial checkpoint left by a run that died (its process id no longer runs).
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let stale = a.join(format!(".step-1.partial-{dead}"));
+    std::fs::create_dir_all(&stale).unwrap();
+    std::fs::write(stale.join("model.safetensors"), b"half written").unwrap();
+    run_ok(t, &["--quick", "--steps", "2", "--save", s(&a)]);
+    assert!(!stale.exists(), "the next save removes a dead run's partial checkpoint");
+    let ckpt = a.join("step-2");
+
+    let before = snapshot(t);
+    let e = run_err(t, &["--quick", "--steps", "4", "--lr", "0.001", "--resume", s(&ckpt)]);
+    assert!(e.contains("--steps 2 -> 4") && e.contains("--lr 0.01 -> 0.001") && e.contains("--allow-changes"), "{e}");
+    assert!(snapshot(t) == before, "a refused resume writes nothing");
+
+    let so = run_ok(t, &["--quick", "--steps", "4", "--lr", "0.001", "--resume", s(&ckpt), "--allow-changes"]);
+    assert!(so.contains("resumed with changes (--allow-changes): --steps 2 -> 4, --lr 0.01 -> 0.001"), "{so}");
+    assert!(so.contains("step    4/4"), "{so}");
+}

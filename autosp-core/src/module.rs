@@ -191,13 +191,22 @@ pub trait Module: Send + Sync {
     }
 }
 
-/// Every parameter of `m` and its descendants, depth first, in child order.
+/// Every distinct parameter of `m` and its descendants, depth first, in child order. A parameter shared by
+/// several modules (tied weights: one [`Param`] cloned into two places) is listed once, where it is first
+/// met, so that gradient reductions and optimisers see it once.
 pub fn all_params(m: &dyn Module) -> Vec<Param> {
-    let mut out = m.own_params();
-    for (_, c) in m.children() {
-        out.extend(all_params(c));
-    }
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    collect_params(m, &mut seen, &mut out);
     out
+}
+
+/// Appends the parameters of `m` and its descendants not yet in `seen` (by [`Param::id`]) to `out`.
+fn collect_params(m: &dyn Module, seen: &mut std::collections::HashSet<crate::ParamId>, out: &mut Vec<Param>) {
+    out.extend(m.own_params().into_iter().filter(|p| seen.insert(p.id())));
+    for (_, c) in m.children() {
+        collect_params(c, seen, out);
+    }
 }
 
 /// Calls `f(path, module)` on `m` and every descendant, depth first; paths join child names with `.`.

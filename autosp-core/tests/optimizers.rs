@@ -101,3 +101,24 @@ fn warmup_cosine_schedule_by_hand() {
     assert_eq!(LrSchedule::Constant(0.5).lr(7), 0.5);
     assert!(LrSchedule::WarmupCosine { peak: 1e-4, min_lr: 1e-3, warmup: 1, total: 2 }.validate().is_err());
 }
+
+/// A parameter listed twice (tied weights) is updated once per step, by SGD and by AdamW.
+#[test]
+fn a_parameter_listed_twice_is_stepped_once() {
+    let p = Param::new("w", t(&[1.0, -2.0]));
+    let mut grads = Gradients::new();
+    grads.insert(&p, t(&[0.5, 0.25]));
+    let twice = [p.clone(), p.clone()];
+    Sgd::new(0.0, 0.0).unwrap().step(&twice, &grads, 0.1).unwrap();
+    assert_eq!(vals(&p), [1.0 - 0.05, -2.0 - 0.025]);
+
+    let q = Param::new("w", t(&[1.0, -2.0]));
+    let r = Param::new("w", t(&[1.0, -2.0]));
+    let mut grads = Gradients::new();
+    grads.insert(&q, t(&[0.5, 0.25]));
+    grads.insert(&r, t(&[0.5, 0.25]));
+    let cfg = AdamWConfig::default();
+    AdamW::new(cfg).unwrap().step(&[q.clone(), q.clone()], &grads, 0.1).unwrap();
+    AdamW::new(cfg).unwrap().step(std::slice::from_ref(&r), &grads, 0.1).unwrap();
+    assert_eq!(vals(&q), vals(&r), "listing a parameter twice must not step it twice");
+}

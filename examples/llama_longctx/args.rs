@@ -81,9 +81,23 @@ pub struct Args {
     pub save_every: usize,
 
     /// Resume from a checkpoint directory (`.../step-N`): model, optimizer state, step, data position and
-    /// random state. The other options must describe the same run (same --steps for the same schedule).
+    /// random state. The other options must describe the same run: a different --batch-tokens, --data or
+    /// --seed is refused; a different --steps, --lr, --warmup or --seq-len needs --allow-changes.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+
+    /// With --resume: go on when --steps, --lr, --warmup or --seq-len differ from the checkpoint's run,
+    /// printing each change (the schedule, or the data's shape, then differ from an uninterrupted run).
+    /// Without it such a resume is refused, naming what differs.
+    #[arg(long)]
+    pub allow_changes: bool,
+
+    /// Skip an optimizer step whose loss or gradient norm is not finite (NaN or infinite): no update, a line
+    /// saying so, training goes on. Without it training stops at such a step with `loss is not finite at
+    /// step K` (or `gradient norm ...`), saves nothing (the last checkpoint stays the newest) and exits
+    /// non-zero.
+    #[arg(long)]
+    pub skip_nonfinite: bool,
 
     /// Print the model's mean token loss on the whitespace-separated token ids in FILE as one JSON line, and exit.
     #[arg(long)]

@@ -22,6 +22,9 @@ pub struct Sample {
 /// Passkey digits per key.
 const DIGITS: usize = 5;
 
+/// The shortest passkey sequence (besides what the fixed text needs).
+const MIN_PASSKEY_LEN: usize = 64;
+
 /// How passkey text is spelled: with fixed token ids (a tiny model without a tokenizer), or as English
 /// text through the model's tokenizer.
 #[derive(Clone)]
@@ -45,23 +48,37 @@ pub struct Passkey {
 }
 
 impl Passkey {
-    /// A generator of `seq_len`-token samples.
+    /// A generator of `seq_len`-token samples. Refuses a `seq_len` shorter than the fixed text of a sample
+    /// (instructions, key, question, answer) as the tokenizer spells it, naming the smallest that works.
     pub fn new(vocab: PasskeyVocab, seq_len: usize, seed: u64) -> Result<Self> {
         if let PasskeyVocab::Ids { vocab } = vocab {
             if vocab < 40 {
                 bail!("the passkey task needs a vocabulary of at least 40 tokens; the model has {vocab}");
             }
         }
-        if seq_len < 64 {
-            bail!("--seq-len {seq_len} is too short for the passkey task: use at least 64");
+        let g = Self { vocab, seq_len, rng: Rng::new(seed ^ 0x005E_ED0F_9A55_CE11) };
+        // Keys of one repeated digit stand for all keys (a tokenizer that merges digits could still spell
+        // some key longer: `assemble` refuses that sample rather than cut it).
+        let mut fixed = 0;
+        for d in 0..10 {
+            fixed = fixed.max(g.parts(&[d; DIGITS])?.fixed_len());
         }
-        Ok(Self { vocab, seq_len, rng: Rng::new(seed ^ 0x005E_ED0F_9A55_CE11) })
+        let smallest = fixed.max(MIN_PASSKEY_LEN);
+        if seq_len < smallest {
+            bail!("{}", too_short(seq_len, fixed, smallest));
+        }
+        Ok(g)
     }
 
     /// The next sample (advances the random state).
     pub fn sample(&mut self) -> Result<Sample> {
         let key: Vec<usize> = (0..DIGITS).map(|_| self.rng.below(0..10)).collect();
         let depth = self.rng.below(10..80);
+        assemble(self.parts(&key)?, self.seq_len, depth)
+    }
+
+    /// The pieces of the sample hiding `key` (digits 0-9).
+    fn parts(&self, key: &[usize]) -> Result<Parts> {
         match &self.vocab {
             PasskeyVocab::Ids { vocab } => {
                 let vocab = *vocab;
@@ -71,53 +88,76 @@ impl Passkey {
                 let digits: Vec<u32> = key.iter().map(|&d| 10 + d as u32).collect();
                 let needle: Vec<u32> = [vec![3], digits.clone(), vec![5]].concat();
                 let question: Vec<u32> = vec![4, 3];
-                Ok(assemble(vec![1], &phrase, &needle, &question, &digits, &[2], self.seq_len, depth))
+                Ok(Parts { start: vec![1], phrase, needle, question, answer: digits, end: vec![2] })
             }
             PasskeyVocab::Text(tok) => {
                 let key_text: String = key.iter().map(|d| char::from(b'0' + *d as u8)).collect();
                 let enc = |s: &str| encode(tok, s).map_err(anyhow::Error::from);
-                let start = enc(
-                    "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. ",
-                )?;
-                let phrase =
-                    enc("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")?;
-                let needle = enc(&format!("The pass key is {key_text}. Remember it. {key_text} is the pass key. "))?;
-                let question = enc("What is the pass key? The pass key is")?;
-                let answer = enc(&format!(" {key_text}"))?;
-                Ok(assemble(start, &phrase, &needle, &question, &answer, &enc(".")?, self.seq_len, depth))
+                Ok(Parts {
+                    start: enc("There is important information hidden inside a lot of irrelevant text. Find it and \
+                         memorize it. ")?,
+                    phrase: enc(
+                        "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ",
+                    )?,
+                    needle: enc(&format!("The pass key is {key_text}. Remember it. {key_text} is the pass key. "))?,
+                    question: enc("What is the pass key? The pass key is")?,
+                    answer: enc(&format!(" {key_text}"))?,
+                    end: enc(".")?,
+                })
             }
         }
     }
 }
 
-/// `start`, filler, `needle` at `depth` percent of the filler, filler, `question`, `answer`, `end`, cut or
-/// filled to exactly `seq_len` tokens (the filler absorbs the difference).
-#[allow(clippy::too_many_arguments)]
-fn assemble(
+/// The error for a `--seq-len` below what the passkey sample needs.
+fn too_short(seq_len: usize, fixed: usize, smallest: usize) -> String {
+    format!(
+        "--seq-len {seq_len} is too short for the passkey task: a sample's fixed text (instructions, key, question \
+         and answer) takes {fixed} tokens with this model's tokenizer, and a sample is at least {MIN_PASSKEY_LEN} \
+         tokens; the smallest --seq-len that works is {smallest}"
+    )
+}
+
+/// A passkey sample's token pieces: `start`, the filler `phrase` (repeated), the `needle` holding the key,
+/// the `question`, the `answer` and the `end`.
+struct Parts {
     start: Vec<u32>,
-    phrase: &[u32],
-    needle: &[u32],
-    question: &[u32],
-    answer: &[u32],
-    end: &[u32],
-    seq_len: usize,
-    depth: usize,
-) -> Sample {
-    let fixed = start.len() + needle.len() + question.len() + answer.len() + end.len();
-    let filler_len = seq_len.saturating_sub(fixed);
-    let filler: Vec<u32> = phrase.iter().copied().cycle().take(filler_len).collect();
+    phrase: Vec<u32>,
+    needle: Vec<u32>,
+    question: Vec<u32>,
+    answer: Vec<u32>,
+    end: Vec<u32>,
+}
+
+impl Parts {
+    /// Tokens of everything but the filler.
+    fn fixed_len(&self) -> usize {
+        self.start.len() + self.needle.len() + self.question.len() + self.answer.len() + self.end.len()
+    }
+}
+
+/// `start`, filler, `needle` at `depth` percent of the filler, filler, `question`, `answer`, `end`, filled to
+/// exactly `seq_len` tokens (the filler absorbs the difference). Refuses (never cuts) when the fixed pieces
+/// alone are longer than `seq_len`.
+fn assemble(p: Parts, seq_len: usize, depth: usize) -> Result<Sample> {
+    let fixed = p.fixed_len();
+    if fixed > seq_len {
+        bail!("{}", too_short(seq_len, fixed, fixed.max(MIN_PASSKEY_LEN)));
+    }
+    let filler_len = seq_len - fixed;
+    let filler: Vec<u32> = p.phrase.iter().copied().cycle().take(filler_len).collect();
     let cut = filler_len * depth / 100;
-    let mut ids = start;
+    let mut ids = p.start;
     ids.extend_from_slice(&filler[..cut]);
-    ids.extend_from_slice(needle);
+    ids.extend_from_slice(&p.needle);
     ids.extend_from_slice(&filler[cut..]);
-    ids.extend_from_slice(question);
+    ids.extend_from_slice(&p.question);
     let a = ids.len();
-    ids.extend_from_slice(answer);
+    ids.extend_from_slice(&p.answer);
     let answer_range = a..ids.len();
-    ids.extend_from_slice(end);
-    ids.truncate(seq_len);
-    Sample { ids, answer: answer_range }
+    ids.extend_from_slice(&p.end);
+    debug_assert_eq!(ids.len(), seq_len);
+    Ok(Sample { ids, answer: answer_range })
 }
 
 /// Whitespace-separated token ids from `path`, each below `vocab`.

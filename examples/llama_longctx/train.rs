@@ -45,6 +45,8 @@ pub struct Job {
     pub probes: Vec<Sample>,
     pub eval_ids: Option<Vec<u32>>,
     pub resume: Option<(PathBuf, TrainerState)>,
+    /// What a resumed run changes (`--steps 4 -> 8`), accepted with --allow-changes; printed by rank 0.
+    pub resume_changes: Vec<String>,
     pub save_root: PathBuf,
     pub micro: usize,
     /// The device of thread ranks (`None` with one process per rank: each opens its own).
@@ -74,11 +76,32 @@ impl Job {
         let device = if threads { Some(args.device_spec().open(None)?) } else { None };
         let micro = args.micro_batches().map_err(anyhow::Error::msg)?;
         let dtype = args.compute_dtype();
+        let mut resume_changes = Vec::new();
         let resume = match &args.resume {
             Some(dir) => {
                 let state = checkpoint::verify(dir)?;
+                // The schedule and the sequence length may change with --allow-changes (older checkpoints did
+                // not record the schedule: nothing to compare).
+                let may_change = [
+                    ("--seq-len", Some(state.seq_len.to_string()), args.seq_len.to_string()),
+                    ("--steps", state.steps.map(|x| x.to_string()), args.steps.to_string()),
+                    ("--lr", state.lr.map(|x| x.to_string()), args.lr.to_string()),
+                    ("--warmup", state.warmup.map(|x| x.to_string()), args.warmup.to_string()),
+                ];
+                for (what, saved, now) in may_change {
+                    if let Some(saved) = saved.filter(|s| *s != now) {
+                        resume_changes.push(format!("{what} {saved} -> {now}"));
+                    }
+                }
+                if !resume_changes.is_empty() && !args.allow_changes {
+                    bail!(
+                        "--resume {}: this run changes {} from the checkpoint's run; resume with the checkpoint's \
+                         values, or pass --allow-changes to go on with the new ones",
+                        dir.display(),
+                        resume_changes.join(", ")
+                    );
+                }
                 let same = [
-                    ("--seq-len", state.seq_len.to_string(), args.seq_len.to_string()),
                     ("--batch-tokens / --seq-len", state.micro_batches.to_string(), micro.to_string()),
                     ("--data", state.data_source.clone(), args.data.clone()),
                     ("--seed", state.seed.to_string(), args.seed.to_string()),
@@ -163,6 +186,7 @@ impl Job {
             probes,
             eval_ids,
             resume,
+            resume_changes,
             save_root,
             micro,
             device,
@@ -297,6 +321,9 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         step = st.step;
         drawn = st.data.drawn;
         say(&format!("resumed from {} at step {step}", dir.display()));
+        if !job.resume_changes.is_empty() {
+            say(&format!("resumed with changes (--allow-changes): {}", job.resume_changes.join(", ")));
+        }
     }
     let first_step = step;
     let sched = schedule(a);
@@ -322,6 +349,9 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
             data_source: a.data.clone(),
             seed: a.seed,
             dtype: job.dtype,
+            steps: Some(a.steps),
+            lr: Some(a.lr),
+            warmup: Some(a.warmup),
         };
         checkpoint::save(&job.save_root, c.model(), opt, &params, &state, job.tokenizer_json.as_deref())
     };
@@ -331,6 +361,9 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
     let (mut tape_peaks, mut proc_peaks) = (vec![0f64; job.p], vec![0f64; job.p]);
     let (mut tokens, mut seconds) = (0usize, 0f64);
     let mut interrupted = false;
+    // The newest complete checkpoint of this run (or the one it resumed from), named when training stops.
+    let mut last_saved = job.resume.as_ref().map(|(d, _)| d.clone());
+    let mut skipped = 0usize;
     while step < a.steps {
         let flag = Tensor::new(&[f64::from(u8::from(crate::interrupt::requested()))], &Device::Cpu)?;
         if pg.all_reduce(&flag, ReduceOp::Max)?.to_vec1::<f64>()?[0] > 0.0 {
@@ -376,7 +409,39 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
                 say(&format!("gradients of step {} written to {}", step + 1, f.display()));
             }
         }
-        let norm = if a.grad_clip > 0.0 { clip_grad_norm(&mut grads, a.grad_clip)? } else { global_norm(&grads)? };
+        // Loss and gradients are the same on every rank (all-reduced), so every rank decides alike.
+        let norm = global_norm(&grads)?;
+        let nonfinite = if !loss.is_finite() {
+            Some(format!("loss is not finite at step {} ({loss})", step + 1))
+        } else if !norm.is_finite() {
+            Some(format!("gradient norm is not finite at step {} ({norm})", step + 1))
+        } else {
+            None
+        };
+        if let Some(what) = nonfinite {
+            if !a.skip_nonfinite {
+                let kept = match &last_saved {
+                    Some(d) => format!("the last checkpoint, {}, is kept", d.display()),
+                    None => "no checkpoint of this run was saved".to_string(),
+                };
+                bail!(
+                    "{what}: training stopped and this state was not saved ({kept}); lower --lr or --grad-clip, \
+                     check the data, or pass --skip-nonfinite to skip such steps"
+                );
+            }
+            step += 1;
+            skipped += 1;
+            if rank0 {
+                bar.println(&format!("step {step:>4}/{}: skipped, {what}: no update (--skip-nonfinite)", a.steps));
+                if let Some(m) = metrics.as_mut() {
+                    writeln!(m, "{}", serde_json::json!({ "step": step, "skipped": what }))?;
+                }
+            }
+            continue;
+        }
+        if a.grad_clip > 0.0 {
+            clip_grad_norm(&mut grads, a.grad_clip)?;
+        }
         let lr = sched.lr(step);
         opt.step(&params, &grads, lr)?;
         step += 1;
@@ -410,9 +475,12 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
                 writeln!(m, "{line}")?;
             }
         }
-        if a.save_every > 0 && step % a.save_every == 0 && step < a.steps && rank0 {
-            let dir = save(&c, &opt, step, drawn, &stream)?;
-            bar.println(&format!("checkpoint: {}", dir.display()));
+        if a.save_every > 0 && step % a.save_every == 0 && step < a.steps {
+            if rank0 {
+                let dir = save(&c, &opt, step, drawn, &stream)?;
+                bar.println(&format!("checkpoint: {}", dir.display()));
+            }
+            last_saved = Some(checkpoint::step_dir(&job.save_root, step));
         }
     }
     bar.finish();
@@ -433,6 +501,9 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
     if rank0 {
         let dir = save(&c, &opt, step, drawn, &stream)?;
         println!("== llama_longctx summary ==");
+        if skipped > 0 {
+            println!("skipped {skipped} step(s) with a non-finite loss or gradient norm (--skip-nonfinite)");
+        }
         if let Some(f) = first_loss {
             println!("loss: step {} {f:.4} -> step {step} {last_loss:.4}", first_step + 1);
             println!(

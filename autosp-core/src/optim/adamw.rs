@@ -136,7 +136,7 @@ impl Optimizer for AdamW {
             lr,
             decay: 1.0 - lr * c.weight_decay,
         };
-        for p in params {
+        for p in super::distinct(params) {
             let Some(g) = grads.get(p) else { continue };
             let w = p.tensor();
             if g.dims() != w.dims() {

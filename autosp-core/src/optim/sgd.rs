@@ -39,7 +39,7 @@ impl Sgd {
 
 impl Optimizer for Sgd {
     fn step(&mut self, params: &[Param], grads: &Gradients, lr: f64) -> Result<()> {
-        for p in params {
+        for p in super::distinct(params) {
             let Some(g) = grads.get(p) else { continue };
             let w = p.tensor();
             let half = needs_master(w.dtype());

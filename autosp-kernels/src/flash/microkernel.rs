@@ -54,9 +54,23 @@ pub(crate) unsafe fn gemm_portable<T>(
     }
 }
 
-/// Whether the AVX-512 kernels can run on this CPU (checked once).
+/// Set by [`force_portable`]: the portable kernels run even where AVX-512 is available.
+static PORTABLE_ONLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes every later flash call in this process use the portable kernels (`true`) or pick AVX-512 when the
+/// CPU has it again (`false`). Process-wide: for tests that compare the two paths, in a test binary of
+/// their own.
+pub(crate) fn force_portable(on: bool) {
+    PORTABLE_ONLY.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the AVX-512 kernels can run on this CPU (checked once) and are not switched off by
+/// [`force_portable`].
 #[inline]
 pub(crate) fn has_avx512() -> bool {
+    if PORTABLE_ONLY.load(std::sync::atomic::Ordering::Relaxed) {
+        return false;
+    }
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
@@ -201,7 +215,8 @@ pub(crate) mod avx512 {
         }
     }
 
-    /// `2^x` for 16 lanes: x clamped below at -200, split into an integer n and a fraction f in
+    /// `2^x` for 16 lanes: x clamped below at -200 (NaN stays NaN: the clamp passes a NaN lane through, so a
+    /// NaN score gives a NaN weight, as the portable `exp2` does), split into an integer n and a fraction f in
     /// [-0.5, 0.5], `2^f` from a degree-6 polynomial (least-squares fit of the relative error on Chebyshev
     /// nodes: max relative error 1.9e-9 before f32 rounding, so about 1 ulp in f32), scaled by `2^n` with
     /// `vscalefps` (which underflows to exactly 0 below 2^-149, so -inf gives 0). No upper clamp: the
@@ -210,7 +225,8 @@ pub(crate) mod avx512 {
     pub(crate) unsafe fn exp2_ps(x: __m512) -> __m512 {
         const C: [f32; 7] =
             [1.533_757_7e-4, 1.339_986e-3, 9.618_519e-3, 5.550_329e-2, 2.402_264_7e-1, 6.931_472e-1, 1.0];
-        let x = _mm512_max_ps(x, _mm512_set1_ps(-200.0));
+        // `vmaxps` returns its second operand when either is NaN: the clamp goes first so NaN comes through.
+        let x = _mm512_max_ps(_mm512_set1_ps(-200.0), x);
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
         let f = _mm512_sub_ps(x, n);
         let mut p = _mm512_set1_ps(C[0]);
@@ -269,15 +285,21 @@ pub(crate) mod avx512 {
         }
     }
 
-    /// The maximum of `x` (length a multiple of 16).
+    /// The maximum of `x` (length a multiple of 16); NaN when any element is NaN.
     ///
     /// # Safety
     /// The CPU must support avx512f; `x.len() % 16 == 0`.
     #[target_feature(enable = "avx512f")]
     pub(crate) unsafe fn max_row(x: &[f32]) -> f32 {
         let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut nan: __mmask16 = 0;
         for ch in x.chunks_exact(16) {
-            m = _mm512_max_ps(m, _mm512_loadu_ps(ch.as_ptr()));
+            let v = _mm512_loadu_ps(ch.as_ptr());
+            nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            m = _mm512_max_ps(m, v);
+        }
+        if nan != 0 {
+            return f32::NAN;
         }
         _mm512_reduce_max_ps(m)
     }
@@ -322,7 +344,8 @@ mod tests {
         }
     }
 
-    /// The vectorised exp2 is within 2e-7 relative of f64's, and exactly 0 for -inf and very negative input.
+    /// The vectorised exp2 is within 2e-7 relative of f64's, exactly 0 for -inf and very negative input, and
+    /// NaN for NaN.
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn avx512_exp2_is_accurate() {
@@ -330,7 +353,7 @@ mod tests {
             return;
         }
         let mut xs: Vec<f32> = (0..4096).map(|i| -100.0 + i as f32 * 0.0271).collect();
-        xs.extend([f32::NEG_INFINITY, -1e30, -300.0, 0.0, -0.5, 0.5]);
+        xs.extend([f32::NEG_INFINITY, -1e30, -300.0, 0.0, -0.5, 0.5, f32::NAN]);
         while !xs.len().is_multiple_of(16) {
             xs.push(0.25);
         }
@@ -338,7 +361,9 @@ mod tests {
         unsafe { avx512::exp2_row(&mut ys, 1.0, 0.0) };
         for (&x, &y) in xs.iter().zip(&ys) {
             let want = (x as f64).exp2();
-            if x < -150.0 {
+            if x.is_nan() {
+                assert!(y.is_nan(), "2^NaN must be NaN, got {y}");
+            } else if x < -150.0 {
                 assert_eq!(y, 0.0, "2^{x}");
             } else if want > 1e-37 {
                 assert!(((y as f64) - want).abs() <= 2e-7 * want, "2^{x}: {y} vs {want}");

@@ -33,6 +33,8 @@
 //!   Every head_dim that is a multiple of 16 (64 and 128 in particular) runs in whole vectors; others use
 //!   masked tail vectors. The exponential is a vectorised `exp2` (degree-6 polynomial + `vscalefps`, about
 //!   1 ulp).
+//! - NaN propagates: a NaN in a query (key) row makes that row (every row that sees that key) NaN in `o` and
+//!   `lse`, on the AVX-512 and the portable kernels alike (`tests/flash_nan.rs`).
 //! - Speed (2-core Zen 5, batch 1, 8 heads, head_dim 64, causal, f32, both cores free): forward+backward
 //!   0.71 s at N = 8192 (PyTorch SDPA, the reference: 0.88 s) and 0.21 s at N = 4096 (0.24 s);
 //!   forward 0.21 s (0.25 s) and 0.063 s (0.069 s). 150 – 180 GFLOP per CPU-second with the FLOP
@@ -151,6 +153,14 @@ pub mod poisoned {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, true)
     }
+}
+
+/// Test hook: `true` makes every later flash call in this process run the portable kernels even on a CPU
+/// with AVX-512 (`false` restores the choice by CPU), so a test can compare the two paths. Process-wide:
+/// use it only in a test binary whose other tests do not mind. Not part of the stable API.
+#[doc(hidden)]
+pub fn force_portable_kernels(on: bool) {
+    microkernel::force_portable(on);
 }
 
 const FWD: &str = "flash_attention_forward";

@@ -23,6 +23,7 @@ pub(crate) trait Real:
     fn from_f64(x: f64) -> Self;
     fn exp2(self) -> Self;
     fn log2(self) -> Self;
+    fn is_nan(self) -> bool;
 
     /// `C[m × n] = A[m × k] · B[k × n]`, or `C += A · B` when `accumulate`; see [`microkernel`] for the
     /// strides.
@@ -54,9 +55,9 @@ pub(crate) trait Real:
         s
     }
 
-    /// The maximum of `x` (-inf when all are -inf). `x.len()` is a multiple of 16.
+    /// The maximum of `x` (-inf when all are -inf, NaN when any is NaN). `x.len()` is a multiple of 16.
     fn max_row(x: &[Self]) -> Self {
-        x.iter().fold(Self::NEG_INF, |m, &v| if v > m { v } else { m })
+        x.iter().fold(Self::NEG_INF, |m, &v| if v > m || v.is_nan() { v } else { m })
     }
 
     /// In place `ds = p ∘ (ds - delta)`; equal lengths, a multiple of 16.
@@ -86,6 +87,9 @@ impl Real for f64 {
     fn log2(self) -> Self {
         f64::log2(self)
     }
+    fn is_nan(self) -> bool {
+        f64::is_nan(self)
+    }
     unsafe fn gemm(
         accumulate: bool,
         m: usize,
@@ -114,6 +118,9 @@ impl Real for f32 {
     }
     fn log2(self) -> Self {
         f32::log2(self)
+    }
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
     }
     unsafe fn gemm(
         accumulate: bool,
@@ -155,7 +162,8 @@ impl Real for f32 {
             // SAFETY: the features were detected and the length checked.
             return unsafe { microkernel::avx512::max_row(x) };
         }
-        x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+        // Not `f32::max`, which drops NaN: a NaN score must reach the softmax.
+        x.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m || v.is_nan() { v } else { m })
     }
 
     fn ds_row(ds: &mut [Self], p: &[Self], delta: Self) {
