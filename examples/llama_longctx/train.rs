@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use autosp::core::comm::{ProcessGroup, ReduceOp};
 use autosp::core::optim::{
-    clip_grad_norm, global_norm, master_dtype, needs_master, AdamW, AdamWConfig, LrSchedule, Optimizer,
+    clip_to_norm, global_norm, master_dtype, needs_master, AdamW, AdamWConfig, LrSchedule, Optimizer,
 };
 use autosp::core::{Gradients, Param};
 use autosp::models::LlamaModel;
@@ -440,7 +440,7 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
             continue;
         }
         if a.grad_clip > 0.0 {
-            clip_grad_norm(&mut grads, a.grad_clip)?;
+            clip_to_norm(&mut grads, norm, a.grad_clip)?;
         }
         let lr = sched.lr(step);
         opt.step(&params, &grads, lr)?;

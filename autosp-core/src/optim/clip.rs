@@ -16,10 +16,17 @@ pub fn global_norm(grads: &Gradients) -> Result<f64> {
 /// Scales all gradients by `max_norm / (norm + 1e-6)` when their global norm exceeds `max_norm`. Returns the
 /// norm before clipping.
 pub fn clip_grad_norm(grads: &mut Gradients, max_norm: f64) -> Result<f64> {
+    let norm = global_norm(grads)?;
+    clip_to_norm(grads, norm, max_norm)?;
+    Ok(norm)
+}
+
+/// [`clip_grad_norm`] for a caller that already has the global norm (`norm`, from [`global_norm`]): scales
+/// all gradients by `max_norm / (norm + 1e-6)` when `norm` exceeds `max_norm`, without computing it again.
+pub fn clip_to_norm(grads: &mut Gradients, norm: f64, max_norm: f64) -> Result<()> {
     if max_norm.is_nan() || max_norm <= 0.0 {
         return Err(Error::Optimizer { msg: format!("max_norm must be > 0, got {max_norm}") });
     }
-    let norm = global_norm(grads)?;
     if !norm.is_finite() {
         return Err(Error::Optimizer {
             msg: format!("the gradient norm is {norm}: the loss diverged or an input was not finite; lower the lr"),
@@ -29,5 +36,5 @@ pub fn clip_grad_norm(grads: &mut Gradients, max_norm: f64) -> Result<f64> {
     if coef < 1.0 {
         grads.scale(coef)?;
     }
-    Ok(norm)
+    Ok(())
 }
