@@ -3,7 +3,8 @@
 //! recomputes each chunk's logits, turns them into `softmax - onehot` in place, and accumulates `d_hidden`
 //! (chunk by chunk) and `d_lm_head` (a running sum, chunks in order: deterministic). Returns the sum of token
 //! losses and the valid-token count, as [`autosp_core::ops::cross_entropy`] does, for the global reduction
-//! of sequence parallelism.
+//! of sequence parallelism, the loss in f32 (f64 for f64). This is the CPU kernel (it reads the targets and the
+//! logits on the host); elsewhere the public functions run [`crate::generic::cross_entropy`].
 
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
