@@ -4,6 +4,11 @@
 //! RMSNorm backward with the reciprocal RMS recomputed vs passed in.
 //!
 //! `cargo run --release --example bench_fused -- --rows 8192 --dim 1376 --head-dim 64 --repeats 7`
+//!
+//! `--kernel generic` instead times each device-generic op (`autosp::kernels::generic`, candle tensor ops) against
+//! the fast CPU kernel it mirrors, as plain functions without a tape, on the CPU: RMSNorm, RoPE, SwiGLU, the
+//! chunked linear + cross-entropy and the Ring LSE merge; one JSON line per op with both medians and the ratio
+//! `generic / cpu` (forward, and backward where there is one).
 
 use std::time::Instant;
 
@@ -29,6 +34,22 @@ struct Args {
     /// Timed repeats after one warm-up; the median is printed.
     #[arg(long, default_value_t = 7)]
     repeats: usize,
+    /// `fused`: the fused ops vs their unfused compositions on the tape; `generic`: the device-generic ops vs
+    /// the fast CPU kernels.
+    #[arg(long, default_value = "fused")]
+    kernel: String,
+    /// Rows of the chunked loss (`--kernel generic`).
+    #[arg(long, default_value_t = 1024)]
+    loss_rows: usize,
+    /// Hidden size of the chunked loss (`--kernel generic`).
+    #[arg(long, default_value_t = 256)]
+    loss_dim: usize,
+    /// Vocabulary of the chunked loss (`--kernel generic`).
+    #[arg(long, default_value_t = 4096)]
+    vocab: usize,
+    /// Rows per chunk of the chunked loss (`--kernel generic`).
+    #[arg(long, default_value_t = 256)]
+    loss_chunk: usize,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -86,8 +107,107 @@ fn report(op: &str, shape: &[usize], bytes_fwd: usize, bytes_bwd: usize, fused: 
     println!("{line}");
 }
 
+/// One JSON line: the generic op vs the CPU kernel, `(forward s, backward s)` each (backward `None` if none).
+fn report_generic(op: &str, shape: &[usize], cpu: (f64, Option<f64>), generic: (f64, Option<f64>)) {
+    let ratio = |g: Option<f64>, c: Option<f64>| g.zip(c).map(|(g, c)| g / c);
+    let line = serde_json::json!({
+        "bench": "generic", "op": op, "shape": shape,
+        "cpu_fwd_s": cpu.0, "generic_fwd_s": generic.0, "generic_over_cpu_fwd": generic.0 / cpu.0,
+        "cpu_bwd_s": cpu.1, "generic_bwd_s": generic.1, "generic_over_cpu_bwd": ratio(generic.1, cpu.1),
+    });
+    println!("{line}");
+}
+
+/// `--kernel generic`: each device-generic op against the fast CPU kernel, plain functions, f32.
+fn bench_generic(a: &Args) -> anyhow::Result<()> {
+    use autosp::kernels::generic;
+    if autosp::kernels::kernels() != autosp::kernels::Kernels::Auto {
+        anyhow::bail!("--kernel generic compares with the fast CPU kernels: unset AUTOSP_KERNELS");
+    }
+    let dev = Device::Cpu;
+    let (m, d, r) = (a.rows, a.dim, a.repeats);
+    let f32s = |shape: &[usize], seed: u64| -> Result<Tensor> { Ok(probe(shape, seed, &dev)?.to_dtype(DType::F32)?) };
+    let both = |fwd: f64, bwd: f64| (fwd, Some(bwd));
+    const EPS: f64 = 1e-5;
+
+    let (x, w, g) = (f32s(&[m, d], 1)?, (f32s(&[d], 2)? + 1.0)?, f32s(&[m, d], 3)?);
+    let cpu = both(
+        time(r, || fused::rms_norm_forward(&x, &w, EPS).map(|_| ()))?,
+        time(r, || fused::rms_norm_backward(&x, &w, &g, EPS, None).map(|_| ()))?,
+    );
+    let gen = both(
+        time(r, || generic::rms_norm::rms_norm_forward(&x, &w, EPS).map(|_| ()))?,
+        time(r, || generic::rms_norm::rms_norm_backward(&x, &w, &g, EPS, None).map(|_| ()))?,
+    );
+    report_generic("rms_norm", &[m, d], cpu, gen);
+
+    let (gate, up) = ((f32s(&[m, d], 4)? * 3.0)?, f32s(&[m, d], 5)?);
+    let cpu = both(
+        time(r, || fused::swiglu_forward(&gate, &up).map(|_| ()))?,
+        time(r, || fused::swiglu_backward(&gate, &up, &g).map(|_| ()))?,
+    );
+    let gen = both(
+        time(r, || generic::swiglu::swiglu_forward(&gate, &up).map(|_| ()))?,
+        time(r, || generic::swiglu::swiglu_backward(&gate, &up, &g).map(|_| ()))?,
+    );
+    report_generic("swiglu", &[m, d], cpu, gen);
+
+    let (h, hd) = (d / a.head_dim, a.head_dim);
+    let xr = f32s(&[1, m, h, hd], 6)?;
+    let pos: Vec<usize> = (0..m).collect();
+    let (cos, sin) = ops::rope_tables(&pos, &default_inv_freq(hd, 10000.0), DType::F32, &dev)?;
+    let cpu = both(
+        time(r, || fused::rope_forward(&xr, &cos, &sin).map(|_| ()))?,
+        time(r, || fused::rope_backward(&xr, &cos, &sin).map(|_| ()))?,
+    );
+    let gen = both(
+        time(r, || generic::rope::rope_forward(&xr, &cos, &sin).map(|_| ()))?,
+        time(r, || generic::rope::rope_backward(&xr, &cos, &sin).map(|_| ()))?,
+    );
+    report_generic("rope", &[1, m, h, hd], cpu, gen);
+
+    // The chunked loss: every 10th target ignored.
+    let (lm, ld, vocab, chunk) = (a.loss_rows, a.loss_dim, a.vocab, a.loss_chunk);
+    let hidden = f32s(&[lm, ld], 7)?;
+    let head = f32s(&[vocab, ld], 8)?;
+    let ids: Vec<i64> = (0..lm).map(|i| if i % 10 == 3 { -100 } else { ((i * 7919) % vocab) as i64 }).collect();
+    let tg = Tensor::new(ids, &dev)?;
+    let ce = autosp::kernels::chunked_loss::chunked_cross_entropy_forward;
+    let ce_b = autosp::kernels::chunked_loss::chunked_cross_entropy_backward;
+    let cpu = both(
+        time(r, || ce(&hidden, &head, &tg, chunk).map(|_| ()))?,
+        time(r, || ce_b(&hidden, &head, &tg, chunk, 1.0).map(|_| ()))?,
+    );
+    let gen = both(
+        time(r, || generic::cross_entropy::chunked_cross_entropy_forward(&hidden, &head, &tg, chunk).map(|_| ()))?,
+        time(r, || {
+            generic::cross_entropy::chunked_cross_entropy_backward(&hidden, &head, &tg, chunk, 1.0).map(|_| ())
+        })?,
+    );
+    report_generic("chunked_cross_entropy", &[lm, ld, vocab, chunk], cpu, gen);
+
+    // The Ring LSE merge of two partial results o: [1, rows, heads, head_dim], lse: [1, heads, rows].
+    let (oa, ob) = (f32s(&[1, m, h, hd], 9)?, f32s(&[1, m, h, hd], 10)?);
+    let (la, lb) = ((f32s(&[1, h, m], 11)? * 3.0)?, (f32s(&[1, h, m], 12)? * 3.0)?);
+    let merge_cpu = || -> Result<()> {
+        let mut run = autosp::kernels::sp::merge::RunningAttention::new(&oa, &la)?;
+        run.merge(&ob, &lb)?;
+        Ok(())
+    };
+    // (The running state's construction is a no-op here: o and lse are f32 already.)
+    let cpu = (time(r, merge_cpu)?, None);
+    let gen = (time(r, || Ok(generic::merge::merge_attention(&oa, &la, &ob, &lb).map(|_| ())?))?, None);
+    report_generic("ring_lse_merge", &[1, m, h, hd], cpu, gen);
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
+    match a.kernel.as_str() {
+        "fused" => {}
+        "generic" => return bench_generic(&a),
+        other => anyhow::bail!("--kernel {other:?}: use `fused` or `generic`"),
+    }
     let dev = Device::Cpu;
     let (m, d, r) = (a.rows, a.dim, a.repeats);
     let f32s = |shape: &[usize], seed: u64| -> Result<Tensor> { Ok(probe(shape, seed, &dev)?.to_dtype(DType::F32)?) };

@@ -3,7 +3,8 @@
 //! recomputes each chunk's logits, turns them into `softmax - onehot` in place, and accumulates `d_hidden`
 //! (chunk by chunk) and `d_lm_head` (a running sum, chunks in order: deterministic). Returns the sum of token
 //! losses and the valid-token count, as [`autosp_core::ops::cross_entropy`] does, for the global reduction
-//! of sequence parallelism.
+//! of sequence parallelism, the loss in f32 (f64 for f64). This is the CPU kernel (it reads the targets and the
+//! logits on the host); elsewhere the public functions run [`crate::generic::cross_entropy`].
 
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
@@ -12,13 +13,17 @@ use autosp_core::ops::cross_entropy::count_valid;
 use autosp_core::ops::IGNORE_INDEX;
 use autosp_core::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
 
+use crate::dispatch::use_fast_cpu;
 use crate::fused::{compute_dtype, mismatch, tensor_from, with_contiguous, Real};
+use crate::generic;
+use crate::generic::cross_entropy::check_targets;
 use crate::running_sum::add_to;
 
-const OP: &str = "chunked_cross_entropy";
+pub(crate) const OP: &str = "chunked_cross_entropy";
 
 /// The chunked loss tape op: inputs `hidden: [m, d]`, `lm_head: [vocab, d]`, `targets: [m]` (i64 or u32,
-/// negative = ignored, as [`IGNORE_INDEX`]); output the summed loss `[]`. Kind [`NodeKind::Loss`].
+/// negative = ignored, as [`IGNORE_INDEX`]); output the summed loss `[]` in f32 (f64 for f64 inputs). Kind
+/// [`NodeKind::Loss`].
 #[derive(Debug)]
 pub struct ChunkedCrossEntropy {
     /// Rows of `hidden` per chunk: the transient logits are `[chunk_rows, vocab]`.
@@ -26,7 +31,12 @@ pub struct ChunkedCrossEntropy {
 }
 
 /// `(m, d, vocab)` after checking shapes and the chunk size.
-fn check(hidden: &Tensor, lm_head: &Tensor, targets: &Tensor, chunk_rows: usize) -> Result<(usize, usize, usize)> {
+pub(crate) fn check(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &Tensor,
+    chunk_rows: usize,
+) -> Result<(usize, usize, usize)> {
     if chunk_rows == 0 {
         return Err(Error::InvalidArgument { op: OP, msg: "chunk_rows must be at least 1 (try 1024)".into() });
     }
@@ -208,7 +218,7 @@ fn run<T: Real>(
     Ok((total, grads))
 }
 
-fn dispatch(
+fn run_cpu(
     hidden: &Tensor,
     lm_head: &Tensor,
     targets: &Tensor,
@@ -232,21 +242,26 @@ fn dispatch(
 }
 
 /// The chunked loss without a tape: `hidden: [m, d]`, `lm_head: [vocab, d]`, `targets: [m]` (negative =
-/// ignored) -> `(sum of token losses: [] in hidden's dtype, valid-token count)`. Transient memory is one
-/// `[chunk_rows, vocab]` logits block.
+/// ignored) -> `(sum of token losses: []` in f32, f64 for f64 inputs (a bf16/f16 hidden still gives an f32
+/// loss)`, valid-token count)`. Transient memory is one `[chunk_rows, vocab]` logits block.
 pub fn chunked_cross_entropy_forward(
     hidden: &Tensor,
     lm_head: &Tensor,
     targets: &Tensor,
     chunk_rows: usize,
 ) -> Result<(Tensor, usize)> {
-    let (loss, _) = dispatch(hidden, lm_head, targets, chunk_rows, None)?;
-    let loss = Tensor::new(loss, hidden.device())?.to_dtype(hidden.dtype())?;
+    if !use_fast_cpu(hidden) {
+        return generic::cross_entropy::chunked_cross_entropy_forward(hidden, lm_head, targets, chunk_rows);
+    }
+    let (loss, _) = run_cpu(hidden, lm_head, targets, chunk_rows, None)?;
+    // The loss stays in the compute dtype (f32, f64 for f64): never rounded to a bf16/f16 hidden dtype.
+    let loss = Tensor::new(loss, hidden.device())?.to_dtype(compute_dtype(OP, hidden.dtype())?)?;
     Ok((loss, count_valid(targets)?))
 }
 
 /// The chunked loss's backward without a tape: the gradients of `grad * sum of token losses` with respect to
-/// `hidden: [m, d]` and `lm_head: [vocab, d]`, as `(d_hidden: [m, d], d_lm_head: [vocab, d])`.
+/// `hidden: [m, d]` and `lm_head: [vocab, d]`, as `(d_hidden: [m, d], d_lm_head: [vocab, d])` in the dtypes of
+/// hidden and lm_head.
 pub fn chunked_cross_entropy_backward(
     hidden: &Tensor,
     lm_head: &Tensor,
@@ -254,7 +269,10 @@ pub fn chunked_cross_entropy_backward(
     chunk_rows: usize,
     grad: f64,
 ) -> Result<(Tensor, Tensor)> {
-    let (_, grads) = dispatch(hidden, lm_head, targets, chunk_rows, Some(grad))?;
+    if !use_fast_cpu(hidden) {
+        return generic::cross_entropy::chunked_cross_entropy_backward(hidden, lm_head, targets, chunk_rows, grad);
+    }
+    let (_, grads) = run_cpu(hidden, lm_head, targets, chunk_rows, Some(grad))?;
     grads.ok_or_else(|| Error::Internal(format!("{OP}: backward produced no gradients")))
 }
 
@@ -280,8 +298,8 @@ impl Op for ChunkedCrossEntropy {
 }
 
 /// Linear + cross-entropy in row chunks on the tape: `hidden: [m, d]`, `lm_head: [vocab, d]`, `targets: [m]`
-/// (i64 or u32; [`IGNORE_INDEX`] skipped). Returns `(sum of token losses: [], valid count)`, equal to
-/// `cross_entropy(linear(hidden, lm_head))` of autosp-core, while no `[m, vocab]` tensor is ever made: the
+/// (i64 or u32; [`IGNORE_INDEX`] skipped). Returns `(sum of token losses: []` in f32 (f64 for f64)`, valid
+/// count)`, equal to `cross_entropy(linear(hidden, lm_head))` of autosp-core, while no `[m, vocab]` tensor is ever made: the
 /// tape holds only the inputs.
 pub fn chunked_cross_entropy(
     tape: &Tape,
@@ -291,7 +309,7 @@ pub fn chunked_cross_entropy(
     chunk_rows: usize,
 ) -> Result<(Value, usize)> {
     let (_, _, vocab) = check(hidden.tensor(), lm_head.tensor(), targets.tensor(), chunk_rows)?;
-    target_ids(targets.tensor(), vocab)?;
+    check_targets(targets.tensor(), vocab)?;
     let count = count_valid(targets.tensor())?;
     Ok((tape.apply(ChunkedCrossEntropy { chunk_rows }, &[hidden, lm_head, targets])?.remove(0), count))
 }

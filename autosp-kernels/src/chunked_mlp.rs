@@ -4,7 +4,8 @@
 //! chunk in order (deterministic). This is recompute of cheap linear work at the granularity of a sequence
 //! chunk: inside a checkpoint region that recomputes anyway (Full, SequenceAware) the `[n, f]` gate, up and
 //! SwiGLU tensors (three times the hidden size per token for Llama) never exist for the whole sequence, in
-//! the replay or in the gradients.
+//! the replay or in the gradients. It is device-generic as it is (matmuls, plus SwiGLU through its own
+//! dispatch); nothing is read on the host.
 
 use candle_core::{DType, Tensor};
 

@@ -2,7 +2,8 @@
 //! candle tensors: CPU flash attention ([`flash`], on the tape as [`FlashAttention`]), fused RMSNorm / RoPE /
 //! SwiGLU ([`fused`]), the chunked linear + cross-entropy ([`chunked_loss`]), the chunked SwiGLU MLP
 //! ([`chunked_mlp`]), and sequence-parallel attention:
-//! Ulysses, Ring and hybrid ([`sp`]).
+//! Ulysses, Ring and hybrid ([`sp`]). Each op's public function runs its fast CPU kernel on CPU tensors and
+//! its device-generic twin ([`generic`], candle tensor ops only) elsewhere, as [`dispatch`] chooses.
 
 pub mod attention_op;
 pub mod chunked_loss;

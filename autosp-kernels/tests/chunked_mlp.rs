@@ -173,3 +173,28 @@ fn bad_input_is_a_typed_error_naming_the_shapes() {
     let x64 = x.to_dtype(DType::F64).unwrap();
     assert!(matches!(chunked_mlp_forward(&x64, &wg, &wu, &wd, 2), Err(Error::InvalidArgument { .. })));
 }
+
+#[test]
+fn bf16_and_f16_inputs_compute_in_f32_and_round_once() {
+    // Narrow floats are widened to f32 once and every result rounded once: bit for bit the f32 run on the
+    // widened inputs, rounded.
+    let (d, f) = (8, 12);
+    for dtype in [DType::BF16, DType::F16] {
+        let (x, dy) = (rand(&[2, 5, d], 21, dtype), rand(&[2, 5, d], 22, dtype));
+        let w = weights(d, f, 23, dtype);
+        let wide = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let same = |what: &str, got: &Tensor, want32: &Tensor| {
+            assert_eq!(got.dtype(), dtype, "{what}");
+            let eq = got.eq(&want32.to_dtype(dtype).unwrap()).unwrap().to_dtype(DType::U32).unwrap();
+            assert_eq!(eq.sum_all().unwrap().to_scalar::<u32>().unwrap() as usize, got.elem_count(), "{what}");
+        };
+        let y = chunked_mlp_forward(&x, &w[0], &w[1], &w[2], 3).unwrap();
+        same("y", &y, &chunked_mlp_forward(&wide(&x), &wide(&w[0]), &wide(&w[1]), &wide(&w[2]), 3).unwrap());
+        let got = chunked_mlp_backward(&x, &w[0], &w[1], &w[2], &dy, 3).unwrap();
+        let want = chunked_mlp_backward(&wide(&x), &wide(&w[0]), &wide(&w[1]), &wide(&w[2]), &wide(&dy), 3).unwrap();
+        same("dx", &got.0, &want.0);
+        same("d_gate", &got.1, &want.1);
+        same("d_up", &got.2, &want.2);
+        same("d_down", &got.3, &want.3);
+    }
+}

@@ -216,6 +216,47 @@ fn bf16_inputs_compute_in_f32() {
     assert!(rel_diff(&s, &fused::swiglu_forward(&x, &x).unwrap()) < 2f64.powi(-6));
 }
 
+#[test]
+fn bf16_and_f16_inputs_compute_in_f32_and_round_once() {
+    // The contract for narrow floats: widen the inputs to f32 once, compute in f32, round each result once.
+    // So every output and gradient is exactly (bit for bit) the f32 kernel's on the widened inputs, rounded.
+    let (cos32, sin32) = tables(5, 8, 3, DType::F32);
+    for dtype in [DType::BF16, DType::F16] {
+        let narrow = |shape: &[usize], seed| rand(shape, seed, dtype);
+        let wide = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let same = |what: &str, got: &Tensor, want32: &Tensor| {
+            assert_eq!(got.dtype(), dtype, "{what}");
+            let want = want32.to_dtype(dtype).unwrap();
+            let eq = got.eq(&want).unwrap().to_dtype(DType::U32).unwrap().sum_all().unwrap();
+            assert_eq!(eq.to_scalar::<u32>().unwrap() as usize, got.elem_count(), "{what} ({dtype:?})");
+        };
+        let (x, w, g) = (narrow(&[6, 24], 31), narrow(&[24], 32), narrow(&[6, 24], 33));
+        same(
+            "rms_norm",
+            &fused::rms_norm_forward(&x, &w, EPS).unwrap(),
+            &fused::rms_norm_forward(&wide(&x), &wide(&w), EPS).unwrap(),
+        );
+        let (dx, dw) = fused::rms_norm_backward(&x, &w, &g, EPS, None).unwrap();
+        let (dx32, dw32) = fused::rms_norm_backward(&wide(&x), &wide(&w), &wide(&g), EPS, None).unwrap();
+        same("rms_norm dx", &dx, &dx32);
+        same("rms_norm dw", &dw, &dw32);
+        let (a, u) = (narrow(&[6, 24], 34).affine(4.0, 0.0).unwrap(), narrow(&[6, 24], 35));
+        same("swiglu", &fused::swiglu_forward(&a, &u).unwrap(), &fused::swiglu_forward(&wide(&a), &wide(&u)).unwrap());
+        let (da, du) = fused::swiglu_backward(&a, &u, &g).unwrap();
+        let (da32, du32) = fused::swiglu_backward(&wide(&a), &wide(&u), &wide(&g)).unwrap();
+        same("swiglu d_gate", &da, &da32);
+        same("swiglu d_up", &du, &du32);
+        let (q, cos, sin) = (narrow(&[2, 5, 3, 8], 36), cos32.to_dtype(dtype).unwrap(), sin32.to_dtype(dtype).unwrap());
+        let (cw, sw) = (wide(&cos), wide(&sin));
+        same("rope", &fused::rope_forward(&q, &cos, &sin).unwrap(), &fused::rope_forward(&wide(&q), &cw, &sw).unwrap());
+        same(
+            "rope backward",
+            &fused::rope_backward(&q, &cos, &sin).unwrap(),
+            &fused::rope_backward(&wide(&q), &cw, &sw).unwrap(),
+        );
+    }
+}
+
 fn shape_error<T: std::fmt::Debug>(r: Result<T>) -> String {
     match r {
         Err(e @ Error::ShapeMismatch(_)) => e.to_string(),

@@ -1,7 +1,8 @@
 //! Fused pointwise and normalisation ops (RMSNorm, RoPE, SwiGLU): each reads its inputs once and writes its
 //! output once, straight on candle's CPU slices, rows split across threads with rayon. Each is a tape op with
 //! a hand-written backward and a plain function on tensors for inference. f32 and f64 compute natively; bf16
-//! and f16 are converted to f32, computed, and converted back.
+//! and f16 are converted to f32, computed, and converted back. On any other device (or with the generic kernels
+//! forced, [`crate::dispatch`]) each public function runs its device-generic twin in [`crate::generic`].
 
 pub mod rms_norm;
 pub mod rope;

@@ -9,9 +9,12 @@ use rayon::prelude::*;
 
 use autosp_core::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
 
+use crate::dispatch::use_fast_cpu;
+use crate::generic;
+
 use super::{compute_dtype, dot, mismatch, rows_per_task, tensor_from, with_contiguous, Real};
 
-const OP: &str = "fused_rms_norm";
+pub(crate) const OP: &str = "fused_rms_norm";
 
 /// The fused RMSNorm tape op: inputs `x: [.., d]` and `w: [d]`, output `[.., d]`. Kind [`NodeKind::Norm`].
 #[derive(Debug)]
@@ -20,7 +23,8 @@ pub struct FusedRmsNorm {
     pub eps: f64,
 }
 
-fn check(x: &Tensor, w: &Tensor, eps: f64) -> Result<usize> {
+/// `d` after checking `x: [.., d]`, `w: [d]` and `eps`.
+pub(crate) fn check(x: &Tensor, w: &Tensor, eps: f64) -> Result<usize> {
     if !(eps >= 0.0 && eps.is_finite()) {
         return Err(Error::InvalidArgument { op: OP, msg: format!("eps must be finite and >= 0, got {eps}") });
     }
@@ -37,6 +41,28 @@ fn check(x: &Tensor, w: &Tensor, eps: f64) -> Result<usize> {
             w.dims(),
             format!("the weight must be [{d}], the last dim of x"),
         ));
+    }
+    Ok(d)
+}
+
+/// `d` after checking the backward's inputs: [`check`], `g` of x's shape, `recip` of x's shape without the
+/// last dim.
+pub(crate) fn check_backward(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64, recip: Option<&Tensor>) -> Result<usize> {
+    let d = check(x, w, eps)?;
+    if g.dims() != x.dims() {
+        return Err(mismatch(OP, "grad", g.dims(), "x", x.dims(), "the output gradient must have x's shape".into()));
+    }
+    if let Some(r) = recip {
+        if r.dims() != &x.dims()[..x.rank() - 1] {
+            return Err(mismatch(
+                OP,
+                "recip",
+                r.dims(),
+                "x",
+                x.dims(),
+                "recip must be x's shape without the last dim".into(),
+            ));
+        }
     }
     Ok(d)
 }
@@ -143,6 +169,9 @@ fn backward_typed<T: Real>(
 
 /// RMSNorm without a tape: `x: [.., d]`, `w: [d]` -> `[.., d]` in x's dtype (bf16/f16 computed in f32).
 pub fn rms_norm_forward(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    if !use_fast_cpu(x) {
+        return generic::rms_norm::rms_norm_forward(x, w, eps);
+    }
     let d = check(x, w, eps)?;
     if x.elem_count() == 0 {
         return Ok(x.zeros_like()?);
@@ -159,6 +188,9 @@ pub fn rms_norm_forward(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 /// The reciprocal RMS of each row, `1 / sqrt(mean(x^2) + eps)`: `x: [.., d]` -> `[..]` in the compute dtype
 /// (f64 for f64, else f32). Pass it to [`rms_norm_backward`] to skip recomputing it.
 pub fn rms_norm_recip(x: &Tensor, eps: f64) -> Result<Tensor> {
+    if !use_fast_cpu(x) {
+        return generic::rms_norm::rms_norm_recip(x, eps);
+    }
     if x.rank() == 0 || x.dim(D::Minus1)? == 0 {
         return Err(Error::InvalidArgument {
             op: OP,
@@ -183,22 +215,10 @@ pub fn rms_norm_backward(
     eps: f64,
     recip: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor)> {
-    let d = check(x, w, eps)?;
-    if g.dims() != x.dims() {
-        return Err(mismatch(OP, "grad", g.dims(), "x", x.dims(), "the output gradient must have x's shape".into()));
+    if !use_fast_cpu(x) {
+        return generic::rms_norm::rms_norm_backward(x, w, g, eps, recip);
     }
-    if let Some(r) = recip {
-        if r.dims() != &x.dims()[..x.rank() - 1] {
-            return Err(mismatch(
-                OP,
-                "recip",
-                r.dims(),
-                "x",
-                x.dims(),
-                "recip must be x's shape without the last dim".into(),
-            ));
-        }
-    }
+    let d = check_backward(x, w, g, eps, recip)?;
     if x.elem_count() == 0 {
         return Ok((x.zeros_like()?, w.zeros_like()?));
     }

@@ -7,9 +7,12 @@ use rayon::prelude::*;
 
 use autosp_core::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
 
+use crate::dispatch::use_fast_cpu;
+use crate::generic;
+
 use super::{compute_dtype, mismatch, tensor_from, with_contiguous, with_cpu_slice, Real};
 
-const OP: &str = "fused_rope";
+pub(crate) const OP: &str = "fused_rope";
 
 /// The fused RoPE tape op: inputs `x: [b, n, h, d]` (any strides), `cos, sin: [n, d/2]` or `[b, n, d/2]`;
 /// output `[b, n, h, d]`. Kind [`NodeKind::Elementwise`].
@@ -17,7 +20,7 @@ const OP: &str = "fused_rope";
 pub struct FusedRope;
 
 /// `(b, n, h, d, table batch)` after checking the shapes.
-fn check(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(usize, usize, usize, usize, usize)> {
+pub(crate) fn check(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(usize, usize, usize, usize, usize)> {
     let &[b, n, h, d] = x.dims() else {
         return Err(mismatch(
             OP,
@@ -129,11 +132,17 @@ fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, inverse: bool) -> Result<Tenso
 /// RoPE without a tape: `x: [b, n, h, d]` (any strides; a view is read in place), `cos, sin: [n, d/2]` or
 /// `[b, n, d/2]` (from [`autosp_core::ops::rope_tables`]) -> contiguous `[b, n, h, d]` in x's dtype.
 pub fn rope_forward(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if !use_fast_cpu(x) {
+        return generic::rope::rope_forward(x, cos, sin);
+    }
     rotate(x, cos, sin, false)
 }
 
 /// RoPE's backward without a tape: the gradient `g: [b, n, h, d]` of the output rotated back, `[b, n, h, d]`.
 pub fn rope_backward(g: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if !use_fast_cpu(g) {
+        return generic::rope::rope_backward(g, cos, sin);
+    }
     rotate(g, cos, sin, true)
 }
 

@@ -6,9 +6,12 @@ use rayon::prelude::*;
 
 use autosp_core::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
 
+use crate::dispatch::use_fast_cpu;
+use crate::generic;
+
 use super::{compute_dtype, mismatch, tensor_from, with_contiguous, Real};
 
-const OP: &str = "fused_swiglu";
+pub(crate) const OP: &str = "fused_swiglu";
 
 /// Elements per rayon task.
 const TASK: usize = 16384;
@@ -17,7 +20,8 @@ const TASK: usize = 16384;
 #[derive(Debug)]
 pub struct FusedSwiGlu;
 
-fn check(gate: &Tensor, up: &Tensor) -> Result<()> {
+/// Checks that `gate` and `up` have one shape.
+pub(crate) fn check(gate: &Tensor, up: &Tensor) -> Result<()> {
     if gate.dims() != up.dims() {
         return Err(mismatch(
             OP,
@@ -26,6 +30,22 @@ fn check(gate: &Tensor, up: &Tensor) -> Result<()> {
             "up",
             up.dims(),
             "gate and up must have one shape [.., f]".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the backward's inputs: [`check`], and `g` of gate's shape.
+pub(crate) fn check_backward(gate: &Tensor, up: &Tensor, g: &Tensor) -> Result<()> {
+    check(gate, up)?;
+    if g.dims() != gate.dims() {
+        return Err(mismatch(
+            OP,
+            "grad",
+            g.dims(),
+            "gate",
+            gate.dims(),
+            "the output gradient must have gate's shape".into(),
         ));
     }
     Ok(())
@@ -81,6 +101,9 @@ fn backward_typed<T: Real>(a: &Tensor, u: &Tensor, g: &Tensor) -> Result<(Tensor
 
 /// SwiGLU without a tape: `gate, up: [.., f]` -> `silu(gate) * up`, `[.., f]` in gate's dtype.
 pub fn swiglu_forward(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if !use_fast_cpu(gate) {
+        return generic::swiglu::swiglu_forward(gate, up);
+    }
     check(gate, up)?;
     let cd = compute_dtype(OP, gate.dtype())?;
     let (a, u) = (gate.to_dtype(cd)?, up.to_dtype(cd)?);
@@ -94,17 +117,10 @@ pub fn swiglu_forward(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 
 /// SwiGLU's backward without a tape: `gate, up, g: [.., f]` (g the output's gradient) -> `(d_gate, d_up)`.
 pub fn swiglu_backward(gate: &Tensor, up: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
-    check(gate, up)?;
-    if g.dims() != gate.dims() {
-        return Err(mismatch(
-            OP,
-            "grad",
-            g.dims(),
-            "gate",
-            gate.dims(),
-            "the output gradient must have gate's shape".into(),
-        ));
+    if !use_fast_cpu(gate) {
+        return generic::swiglu::swiglu_backward(gate, up, g);
     }
+    check_backward(gate, up, g)?;
     let cd = compute_dtype(OP, gate.dtype())?;
     let (a, u, gc) = (gate.to_dtype(cd)?, up.to_dtype(cd)?, g.to_dtype(cd)?);
     let (da, du) = match cd {

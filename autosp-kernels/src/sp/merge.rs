@@ -9,6 +9,9 @@
 
 use candle_core::{DType, Tensor, WithDType};
 
+use crate::dispatch::use_fast_cpu;
+use crate::generic;
+
 /// The accumulation types: f32 and f64.
 trait Acc: WithDType + Copy + PartialOrd {
     const NEG_INF: Self;
@@ -47,10 +50,15 @@ impl RunningAttention {
         Ok(Self { dims: o.dims4()?, o: o.to_dtype(acc)?, lse: lse.clone(), out_dtype: o.dtype() })
     }
 
-    /// Merges another partial result for the same rows (over other keys) into this one.
+    /// Merges another partial result for the same rows (over other keys) into this one: `o: [b, n, h, d]`,
+    /// `lse: [b, h, n]`.
     pub fn merge(&mut self, o: &Tensor, lse: &Tensor) -> candle_core::Result<()> {
         let acc = self.lse.dtype();
         let (o, lse) = (o.to_dtype(acc)?, lse.to_dtype(acc)?);
+        if !use_fast_cpu(&self.o) {
+            (self.o, self.lse) = generic::merge::merge_attention(&self.o, &self.lse, &o, &lse)?;
+            return Ok(());
+        }
         match acc {
             DType::F64 => self.merge_typed::<f64>(&o, &lse),
             _ => self.merge_typed::<f32>(&o, &lse),

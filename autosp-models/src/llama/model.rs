@@ -258,7 +258,8 @@ impl LlamaModel {
 
     /// The summed cross-entropy of the next-token predictions and the number of valid targets:
     /// `ids: [b, n]` u32, `positions: [n]`, `targets: [b * n]` i64 (already shifted; `-100` ignored) ->
-    /// `(sum of token losses: [], valid count)`. Divide by the (globally reduced) count for the mean.
+    /// `(sum of token losses: []` in f32, f64 for an f64 model`, valid count)`. Divide by the (globally reduced)
+    /// count for the mean.
     pub fn loss(
         &self,
         tape: &Tape,
