@@ -57,13 +57,14 @@ mod nccl_header;
 pub mod process_group;
 mod reduce;
 pub mod schedule;
+pub mod stamp;
 pub mod stats;
 pub mod threads;
 pub mod transport;
 pub mod wire;
 
 pub use communicator::Communicator;
-pub use error::{CommError, Departure, Result};
+pub use error::{CommError, Departure, PeerCall, Result};
 pub use groups::{contiguous_groups, strided_groups};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiGroup, MpiTransport};
@@ -71,6 +72,7 @@ pub use mpi::{MpiGroup, MpiTransport};
 pub use nccl::{NcclGroup, NcclId, NcclTransport};
 pub use process_group::{Collective, PendingRecv, ProcessGroup, ReduceOp, DEFAULT_TIMEOUT};
 pub use schedule::{pairwise_schedule, PairStep};
+pub use stamp::Stamp;
 pub use stats::{tensor_bytes, CommStats};
-pub use threads::{run_ranks, ThreadGroup, ThreadTransport};
+pub use threads::{run_ranks, run_ranks_fallible, ThreadGroup, ThreadTransport};
 pub use transport::Transport;
