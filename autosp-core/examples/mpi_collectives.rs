@@ -7,7 +7,9 @@
 //! With `--fail-rank R` it checks instead that a failing rank stops the job: after one all_reduce, rank R
 //! fails (calls `abort` with its error, as `llama_longctx` does) and exits with status 3; every other rank,
 //! waiting in the next all_reduce with a 30 s timeout, must get `PeerFailed` naming R and its message within
-//! 5 s, print `stopped after` and exit with status 3 too (status 2 if it got anything else).
+//! 5 s, print `stopped after` and exit with status 3 too (status 2 if it got anything else). With
+//! `--busy-ms M` as well, the other ranks compute (sleep) M ms before that all_reduce: past the failing rank's
+//! 5 s grace they have not taken its notice, so it ends the whole job with `MPI_Abort` (the fallback).
 //!
 //! ```text
 //! cargo build --release -p autosp-core --features mpi --example mpi_collectives
@@ -46,7 +48,8 @@ fn main() -> ExitCode {
             eprintln!("mpi_collectives: --fail-rank needs a rank below {size}");
             return ExitCode::from(2);
         };
-        return fail_rank(&world, failing);
+        let busy = args.iter().position(|a| a == "--busy-ms").and_then(|i| args.get(i + 1)?.parse::<u64>().ok());
+        return fail_rank(&world, failing, Duration::from_millis(busy.unwrap_or(0)));
     }
     match check_all(&world) {
         Ok(checks) => {
@@ -63,8 +66,9 @@ fn main() -> ExitCode {
     }
 }
 
-/// `--fail-rank`: rank `failing` fails after one all_reduce; the others must get `PeerFailed` within 5 s.
-fn fail_rank(world: &Arc<dyn ProcessGroup>, failing: usize) -> ExitCode {
+/// `--fail-rank`: rank `failing` fails after one all_reduce; the others, after `busy` of work, must get
+/// `PeerFailed` within 5 s.
+fn fail_rank(world: &Arc<dyn ProcessGroup>, failing: usize, busy: Duration) -> ExitCode {
     let rank = world.rank();
     let x = Tensor::ones(16, DType::F32, &Device::Cpu).expect("a CPU tensor");
     if let Err(e) = world.all_reduce(&x, ReduceOp::Sum) {
@@ -77,6 +81,7 @@ fn fail_rank(world: &Arc<dyn ProcessGroup>, failing: usize) -> ExitCode {
         world.abort(&message);
         return ExitCode::from(3);
     }
+    std::thread::sleep(busy);
     let start = Instant::now();
     let res = world.all_reduce(&x, ReduceOp::Sum);
     let took = start.elapsed();

@@ -257,7 +257,8 @@ impl<M: CausalLm> Compiled<M> {
         let tape = Tape::inference();
         let local = self.model.logits(&tape, &ids.index_select(&index, 1)?, positions)?.into_tensor();
         // The requested rows each rank holds, in request order; rank r's come r-th in the gather.
-        let held = |r: usize| rows.iter().filter(move |&&t| home[t].0 == r).map(|&t| home[t].1 as u32);
+        let home = &home;
+        let held = |r: usize| rows.iter().filter(move |&&t| home[t].0 == r).map(move |&t| home[t].1 as u32);
         let mine: Vec<u32> = held(rank).collect();
         let picked = local.index_select(&Tensor::from_vec(mine.clone(), mine.len(), local.device())?, 1)?;
         let gathered = self.group.all_gather(&picked.contiguous()?, 1)?;
