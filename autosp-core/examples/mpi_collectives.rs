@@ -188,7 +188,7 @@ fn check_all(world: &Arc<dyn ProcessGroup>) -> Result<usize> {
     // all_to_all: rank i sends rank j a [i + 1, j + 2] tensor of value 100 i + j, f64 to even j, u32 to odd.
     let piece = |i: usize, j: usize| -> candle_core::Result<Tensor> {
         let t = Tensor::full((100 * i + j) as f64, (i + 1, j + 2), dev)?;
-        t.to_dtype(if j % 2 == 0 { DType::F64 } else { DType::U32 })
+        t.to_dtype(if j.is_multiple_of(2) { DType::F64 } else { DType::U32 })
     };
     let outs = world.all_to_all((0..size).map(|j| piece(rank, j)).collect::<candle_core::Result<_>>()?)?;
     for (j, t) in outs.iter().enumerate() {

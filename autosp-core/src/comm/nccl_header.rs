@@ -43,8 +43,11 @@ pub(crate) fn encode_header(t: Option<(DType, &[usize])>, stamp: Stamp) -> Resul
     Ok(h)
 }
 
-/// The stamp and the dtype and dims a header announces (`None`: an empty marker), or why it is malformed.
-pub(crate) fn decode_header(h: &[u64]) -> Result<(Stamp, Option<(DType, Vec<usize>)>), String> {
+/// The dtype and dims of the tensor a header announces (`None`: an empty marker).
+pub(crate) type Announced = Option<(DType, Vec<usize>)>;
+
+/// The stamp and the tensor a header announces, or why it is malformed.
+pub(crate) fn decode_header(h: &[u64]) -> Result<(Stamp, Announced), String> {
     if h.len() != HEADER_WORDS {
         return Err(format!("a header has {} words, expected {HEADER_WORDS}", h.len()));
     }
