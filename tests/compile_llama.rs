@@ -146,3 +146,31 @@ fn logits_at_gathers_only_the_scored_rows() {
         }
     }
 }
+
+#[test]
+fn a_rank_that_fails_between_steps_stops_the_other_at_once() {
+    // Rank 1 fails after the first step (as a failed save would); rank 0's next step must stop within
+    // seconds with rank 1's error, although the group timeout is two minutes.
+    let start = std::time::Instant::now();
+    let out = autosp_core::comm::run_ranks_fallible(2, std::time::Duration::from_secs(120), |pg| {
+        let c = compile(
+            tiny(),
+            CompileConfig::new(pg.clone(), Strategy::Ring, Checkpointing::Policy(CheckpointPolicy::None)),
+        )
+        .map_err(|e| e.to_string())?;
+        let (ids, labels) = common::batch(24, 128);
+        c.train_step(&ids, Some(&labels)).map_err(|e| e.to_string())?;
+        if pg.rank() == 1 {
+            return Err("rank 1 could not write its checkpoint".to_string());
+        }
+        let t = std::time::Instant::now();
+        let e = c.train_step(&ids, Some(&labels)).map(|_| ()).unwrap_err().to_string();
+        Ok((e, t.elapsed()))
+    });
+    let (e, waited) = out[0].as_ref().unwrap().as_ref().unwrap();
+    assert!(e.contains("rank 1 of the job failed") && e.contains("could not write its checkpoint"), "{e}");
+    // Stated bound: thread wake-ups on 2 shared cores, far below the 120 s timeout.
+    assert!(*waited < std::time::Duration::from_secs(5), "rank 0 waited {waited:?}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(60), "took {:?}", start.elapsed());
+    assert!(out[1].as_ref().unwrap().is_err());
+}
