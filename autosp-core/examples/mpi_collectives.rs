@@ -1,11 +1,20 @@
 //! Multi-process check of the MPI back end: every collective against values each process computes on its
 //! own, bit-identical agreement with the thread back end, exact byte counts, 2x2 subgroups, a ring step with
-//! messages above MPI's eager limit, and a rank that never arrives (the others must get the timeout error).
-//! Exits non-zero on the first mismatch (without finalising, so mpirun stops the whole job at once).
+//! messages above MPI's eager limit, a rank that calls another collective than the others (every rank must get
+//! `OutOfStep`), and a rank that never arrives (the others must get the timeout error). Exits non-zero on the
+//! first mismatch (without finalising, so mpirun stops the whole job at once).
+//!
+//! With `--fail-rank R` it checks instead that a failing rank stops the job: after one all_reduce, rank R
+//! fails (calls `abort` with its error, as `llama_longctx` does) and exits with status 3; every other rank,
+//! waiting in the next all_reduce with a 30 s timeout, must get `PeerFailed` naming R and its message within
+//! 5 s, print `stopped after` and exit with status 3 too (status 2 if it got anything else). With
+//! `--busy-ms M` as well, the other ranks compute (sleep) M ms before that all_reduce: past the failing rank's
+//! 5 s grace they have not taken its notice, so it ends the whole job with `MPI_Abort` (the fallback).
 //!
 //! ```text
 //! cargo build --release -p autosp-core --features mpi --example mpi_collectives
 //! mpirun --allow-run-as-root --oversubscribe -np 4 target/release/examples/mpi_collectives
+//! mpirun --allow-run-as-root --oversubscribe -np 2 target/release/examples/mpi_collectives --fail-rank 1
 //! ```
 
 use std::process::ExitCode;
@@ -14,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use autosp_core::comm::{
-    contiguous_groups, run_ranks, strided_groups, Collective, CommError, MpiGroup, ProcessGroup, ReduceOp,
+    contiguous_groups, run_ranks, strided_groups, Collective, CommError, MpiGroup, PeerCall, ProcessGroup, ReduceOp,
 };
 use candle_core::{DType, Device, Tensor};
 
@@ -33,6 +42,15 @@ fn main() -> ExitCode {
         }
     };
     let (rank, size) = (world.rank(), world.size());
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--fail-rank") {
+        let Some(failing) = args.get(i + 1).and_then(|v| v.parse::<usize>().ok()).filter(|&r| r < size) else {
+            eprintln!("mpi_collectives: --fail-rank needs a rank below {size}");
+            return ExitCode::from(2);
+        };
+        let busy = args.iter().position(|a| a == "--busy-ms").and_then(|i| args.get(i + 1)?.parse::<u64>().ok());
+        return fail_rank(&world, failing, Duration::from_millis(busy.unwrap_or(0)));
+    }
     match check_all(&world) {
         Ok(checks) => {
             drop(world); // finalises MPI
@@ -44,6 +62,42 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("mpi_collectives: rank {rank} of {size} FAILED: {e:#}");
             std::process::exit(1);
+        }
+    }
+}
+
+/// `--fail-rank`: rank `failing` fails after one all_reduce; the others, after `busy` of work, must get
+/// `PeerFailed` within 5 s.
+fn fail_rank(world: &Arc<dyn ProcessGroup>, failing: usize, busy: Duration) -> ExitCode {
+    let rank = world.rank();
+    let x = Tensor::ones(16, DType::F32, &Device::Cpu).expect("a CPU tensor");
+    if let Err(e) = world.all_reduce(&x, ReduceOp::Sum) {
+        eprintln!("mpi_collectives: rank {rank}: the first all_reduce failed: {e}");
+        return ExitCode::from(2);
+    }
+    let message = format!("injected failure on rank {failing} (mpi_collectives --fail-rank)");
+    if rank == failing {
+        eprintln!("mpi_collectives: rank {rank}: {message}");
+        world.abort(&message);
+        return ExitCode::from(3);
+    }
+    std::thread::sleep(busy);
+    let start = Instant::now();
+    let res = world.all_reduce(&x, ReduceOp::Sum);
+    let took = start.elapsed();
+    match res {
+        Err(e @ CommError::PeerFailed { .. }) if took < Duration::from_secs(5) => {
+            let CommError::PeerFailed { peer, message: got, .. } = &e else { unreachable!() };
+            if *peer != failing || !got.contains(&message) {
+                eprintln!("mpi_collectives: rank {rank}: PeerFailed names the wrong rank or message: {e}");
+                return ExitCode::from(2);
+            }
+            println!("mpi_collectives: rank {rank} stopped after {took:?}: {e}");
+            ExitCode::from(3)
+        }
+        other => {
+            eprintln!("mpi_collectives: rank {rank}: expected PeerFailed from rank {failing} within 5 s, got {other:?} after {took:?}");
+            ExitCode::from(2)
         }
     }
 }
@@ -134,7 +188,7 @@ fn check_all(world: &Arc<dyn ProcessGroup>) -> Result<usize> {
     // all_to_all: rank i sends rank j a [i + 1, j + 2] tensor of value 100 i + j, f64 to even j, u32 to odd.
     let piece = |i: usize, j: usize| -> candle_core::Result<Tensor> {
         let t = Tensor::full((100 * i + j) as f64, (i + 1, j + 2), dev)?;
-        t.to_dtype(if j % 2 == 0 { DType::F64 } else { DType::U32 })
+        t.to_dtype(if j.is_multiple_of(2) { DType::F64 } else { DType::U32 })
     };
     let outs = world.all_to_all((0..size).map(|j| piece(rank, j)).collect::<candle_core::Result<_>>()?)?;
     for (j, t) in outs.iter().enumerate() {
@@ -204,6 +258,32 @@ fn check_all(world: &Arc<dyn ProcessGroup>) -> Result<usize> {
         ensure!(gi == vec![base, base + 1.], "inner group: {gi:?}");
         let want: Vec<f32> = (0..size / 2).map(|g| (2 * g + rank % 2) as f32).collect();
         ensure!(go == want, "orthogonal group: {go:?}");
+        checks += 2;
+    }
+
+    // Rank 1 calls all_gather where the others call all_to_all (each sends [2]-tensors to every rank, so the
+    // calls would pair silently by call number alone): every rank must get OutOfStep naming both operations
+    // and the call number, and the group is poisoned. On a group of its own, so the world stays usable.
+    if size >= 2 {
+        let skewed = world.split(&[(0..size).collect()])?;
+        let x = Tensor::full(rank as f32, 2, dev)?;
+        let res =
+            if rank == 1 { skewed.all_gather(&x, 0).map(|_| ()) } else { skewed.all_to_all(vec![x; size]).map(|_| ()) };
+        let (mine, want): (Collective, Vec<PeerCall>) = if rank == 1 {
+            let others = (0..size).filter(|&r| r != 1);
+            (
+                Collective::AllGather,
+                others.map(|r| PeerCall { rank: r, collective: Collective::AllToAll, call: 0 }).collect(),
+            )
+        } else {
+            (Collective::AllToAll, vec![PeerCall { rank: 1, collective: Collective::AllGather, call: 0 }])
+        };
+        match res {
+            Err(CommError::OutOfStep { collective, call: 0, others, .. }) if collective == mine && others == want => {}
+            other => anyhow::bail!("expected OutOfStep ({mine} against {want:?}), got {other:?}"),
+        }
+        let again = skewed.barrier();
+        ensure!(matches!(again, Err(CommError::Poisoned { .. })), "after OutOfStep: {again:?}");
         checks += 2;
     }
 

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use autosp_core::comm::{
-    contiguous_groups, run_ranks, strided_groups, Collective, CommError, Departure, ProcessGroup, ReduceOp,
+    contiguous_groups, run_ranks, run_ranks_fallible, strided_groups, Collective, CommError, Departure, PeerCall,
+    ProcessGroup, ReduceOp,
 };
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
@@ -636,4 +637,101 @@ fn bad_arguments_on_one_rank_fail_every_rank_promptly() {
     for (r, out) in outs.iter().enumerate() {
         assert!(matches!(out, Ok(Err(CommError::Mismatch { .. }))), "rank {r}: {out:?}");
     }
+}
+
+#[test]
+fn a_rank_in_another_collective_puts_every_rank_out_of_step() {
+    // Rank 1 calls all_gather where ranks 0 and 2 call all_to_all. Every rank sends [2]-tensors to every
+    // other, so paired by call number alone both calls would "succeed" with the wrong data.
+    let outs = run_ranks(3, GUARD, |pg| {
+        let dev = &Device::Cpu;
+        let first = pg.all_reduce(&Tensor::ones(2, DType::F32, dev).unwrap(), ReduceOp::Sum);
+        assert!(first.is_ok(), "the matching call before the divergence: {first:?}");
+        let x = Tensor::full(pg.rank() as f32, 2, dev).unwrap();
+        let res = if pg.rank() == 1 {
+            pg.all_gather(&x, 0).map(|_| ())
+        } else {
+            pg.all_to_all(vec![x.clone(), x.clone(), x]).map(|_| ())
+        };
+        (res, pg.barrier())
+    });
+    for (r, out) in outs.into_iter().enumerate() {
+        let (res, after) = out.unwrap();
+        let err = res.unwrap_err();
+        let (mine, theirs) = if r == 1 {
+            (Collective::AllGather, vec![(0, Collective::AllToAll), (2, Collective::AllToAll)])
+        } else {
+            (Collective::AllToAll, vec![(1, Collective::AllGather)])
+        };
+        match &err {
+            CommError::OutOfStep { collective, group, rank, call, others } => {
+                assert_eq!((*collective, group.as_str(), *rank, *call), (mine, "world", r, 1));
+                let want: Vec<PeerCall> =
+                    theirs.iter().map(|&(rank, collective)| PeerCall { rank, collective, call: 1 }).collect();
+                assert_eq!(others, &want, "rank {r}");
+            }
+            other => panic!("rank {r}: expected OutOfStep, got {other:?}"),
+        }
+        let msg = err.to_string();
+        assert!(msg.contains("all_gather") && msg.contains("all_to_all") && msg.contains("call #1"), "{msg}");
+        // The ranks are out of step: the group is unusable afterwards.
+        assert!(matches!(after, Err(CommError::Poisoned { .. })), "rank {r} after: {after:?}");
+    }
+}
+
+#[test]
+fn a_rank_that_skips_a_collective_is_caught_at_the_next_one() {
+    // Rank 2 skips the barrier: its all_reduce meets the others' barrier.
+    let outs = run_ranks(3, GUARD, |pg| {
+        if pg.rank() != 2 {
+            pg.barrier()?;
+        }
+        pg.all_reduce(&Tensor::ones(3, DType::F32, &Device::Cpu).unwrap(), ReduceOp::Sum).map(|_| ())
+    });
+    for (r, out) in outs.iter().enumerate() {
+        match out.as_ref().unwrap() {
+            Err(CommError::OutOfStep { collective, call: 0, others, .. }) => {
+                let want = if r == 2 { Collective::AllReduce } else { Collective::Barrier };
+                assert_eq!(*collective, want, "rank {r}");
+                assert!(others.iter().all(|o| o.collective != want), "rank {r}: {others:?}");
+            }
+            other => panic!("rank {r}: expected OutOfStep, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_fails_mid_step_stops_the_others_at_once() {
+    // A long timeout: the others must stop because rank 1 told them, not because they gave up waiting.
+    let timeout = Duration::from_secs(120);
+    let start = Instant::now();
+    let outs = run_ranks_fallible(3, timeout, |pg| -> Result<Duration, String> {
+        let dev = &Device::Cpu;
+        let x = Tensor::ones(8, DType::F32, dev).unwrap();
+        pg.all_reduce(&x, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        if pg.rank() == 1 {
+            // Rank 1 fails between two collectives of the step (and still holds its group handle).
+            std::thread::sleep(Duration::from_millis(200));
+            return Err("token id 70000 is outside the vocabulary (rank 1's shard)".to_string());
+        }
+        let t = Instant::now();
+        match pg.all_reduce(&x, ReduceOp::Sum) {
+            Err(CommError::PeerFailed { collective, group, rank, peer, message }) => {
+                assert_eq!((collective, group.as_str(), rank, peer), (Collective::AllReduce, "world", pg.rank(), 1));
+                assert!(message.contains("token id 70000"), "{message}");
+            }
+            other => panic!("rank {}: expected PeerFailed, got {other:?}", pg.rank()),
+        }
+        // Every later call, on any group of the world, fails the same way at once.
+        let later = pg.barrier();
+        assert!(matches!(later, Err(CommError::PeerFailed { peer: 1, .. })), "{later:?}");
+        Ok(t.elapsed())
+    });
+    // Stated bound: 200 ms of rank 1's work plus thread wake-ups on 2 shared cores, far below the timeout.
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+    for r in [0, 2] {
+        let waited = outs[r].as_ref().unwrap().as_ref().unwrap();
+        assert!(*waited < Duration::from_secs(3), "rank {r} waited {waited:?}");
+    }
+    assert!(outs[1].as_ref().unwrap().as_ref().unwrap_err().contains("70000"));
 }

@@ -66,8 +66,9 @@ fn main() -> ExitCode {
 fn run_threads(args: Args) -> Result<Ended> {
     let p = args.sp.unwrap_or(2);
     let job = Job::prepare(args, p, true)?;
-    let results = autosp::core::comm::run_ranks(p, TIMEOUT, |pg| train::run_rank(pg, &job));
-    // Report rank 0's error first (the others usually only saw it leave).
+    // A rank that fails tells the others (they stop at once with the failed rank's error).
+    let results = autosp::core::comm::run_ranks_fallible(p, TIMEOUT, |pg| train::run_rank(pg, &job));
+    // Report the first rank's error (the others usually only saw it fail).
     let mut first_err = None;
     let mut ended = Ended::Done;
     for (rank, r) in results.into_iter().enumerate() {
@@ -91,12 +92,22 @@ fn run_threads(args: Args) -> Result<Ended> {
     }
 }
 
-/// One rank per process under mpirun; only rank 0 prints and saves.
+/// One rank per process under mpirun; only rank 0 prints and saves. A rank that fails tells every other
+/// process (`ProcessGroup::abort`), so they all stop within moments with its error and exit non-zero.
 #[cfg(feature = "mpi")]
 fn run_mpi(args: Args) -> Result<Ended> {
     use autosp::core::comm::{MpiGroup, ProcessGroup};
     use std::sync::Arc;
     let pg: Arc<dyn ProcessGroup> = Arc::new(MpiGroup::init(TIMEOUT)?);
+    let out = run_mpi_rank(args, &pg);
+    if let Err(e) = &out {
+        pg.abort(&format!("{e:#}"));
+    }
+    out
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi_rank(args: Args, pg: &std::sync::Arc<dyn autosp::core::comm::ProcessGroup>) -> Result<Ended> {
     let (rank, size) = (pg.rank(), pg.size());
     if let Some(sp) = args.sp {
         if sp != size {
@@ -110,7 +121,7 @@ fn run_mpi(args: Args) -> Result<Ended> {
         made?;
     }
     let job = Job::prepare(args, size, false).map_err(|e| e.context(format!("rank {rank}")))?;
-    train::run_rank(pg, &job).map_err(|e| e.context(format!("rank {rank}")))
+    train::run_rank(pg.clone(), &job).map_err(|e| e.context(format!("rank {rank}")))
 }
 
 #[cfg(not(feature = "mpi"))]

@@ -212,9 +212,11 @@ fn passkey_accuracy(c: &Compiled<LlamaModel>, probes: &[Sample]) -> Result<(usiz
     for s in probes {
         let n = s.ids.len();
         let ids = Tensor::from_vec(s.ids.clone(), (1, n), &Device::Cpu)?;
-        let logits = c.logits(&ids)?;
         let k = s.answer.len();
-        let rows = logits.narrow(1, s.answer.start - 1, k)?.argmax(2)?.flatten_all()?.to_vec1::<u32>()?;
+        // Only the scored rows travel between the ranks, not the whole [n, vocab] logits.
+        let scored: Vec<usize> = (s.answer.start - 1..s.answer.start - 1 + k).collect();
+        let logits = c.logits_at(&ids, &scored)?;
+        let rows = logits.argmax(2)?.flatten_all()?.to_vec1::<u32>()?;
         let ok = rows.iter().zip(&s.ids[s.answer.clone()]).filter(|(a, b)| a == b).count();
         right += ok;
         total += k;

@@ -1,6 +1,8 @@
 //! Running a compiled model: shifting labels before sharding, padding to the layout's multiple, taking this
 //! rank's shard, the global loss (sum of token losses over the all-reduced valid count) and the all-reduced
-//! parameter gradients; and forward-only logits gathered back into sequence order.
+//! parameter gradients; and forward-only logits gathered back into sequence order. Inputs are checked on the
+//! whole batch, which every rank holds, before sharding: a bad batch fails on every rank at once, with the
+//! same error and before any collective, instead of on the one rank whose shard holds the bad id.
 
 use autosp_core::comm::ReduceOp;
 use autosp_core::module::all_params;
@@ -48,6 +50,54 @@ pub fn shift_and_pad(ids: &Tensor, labels: Option<&Tensor>, n_pad: usize) -> Res
     Ok((pad_ids(ids, n_pad)?, targets))
 }
 
+/// Checks `ids: [b, n]` (and `labels`, same shape) against a vocabulary of `vocab` ids: every id in
+/// `0..vocab`, every label in `0..vocab` or -100 (ignored), at least `min_len` tokens per sequence, integer
+/// dtypes. Reads the batch to the host once (ids are small next to activations).
+pub fn check_batch(ids: &Tensor, labels: Option<&Tensor>, vocab: usize, min_len: usize) -> Result<(), CompileError> {
+    let (b, n) = match ids.dims() {
+        &[b, n] => (b, n),
+        dims => {
+            return Err(CompileError::Input(format!(
+                "token ids must have shape [batch, seq_len], got {dims:?}; reshape a single sequence to [1, n]"
+            )))
+        }
+    };
+    if b == 0 || n < min_len {
+        return Err(CompileError::Input(format!(
+            "a batch of {b} sequence(s) of {n} token(s): need at least one sequence of at least {min_len} tokens"
+        )));
+    }
+    let check = |what: &str, t: &Tensor, ignore: Option<i64>| -> Result<(), CompileError> {
+        if t.dtype().is_float() {
+            return Err(CompileError::Input(format!(
+                "{what} must be integers (u32 or i64), got {:?}; convert them before the step",
+                t.dtype()
+            )));
+        }
+        let rows = t.to_dtype(DType::I64)?.to_vec2::<i64>()?;
+        for (r, row) in rows.iter().enumerate() {
+            for (i, &id) in row.iter().enumerate() {
+                if (id < 0 || id as u64 >= vocab as u64) && Some(id) != ignore {
+                    let allowed = if ignore.is_some() { " or -100 (ignored)" } else { "" };
+                    return Err(CompileError::Input(format!(
+                        "{what}: id {id} at sequence {r}, position {i} is outside the model's vocabulary of {vocab} \
+                         ids (0..{vocab}){allowed}; fix the data or use the tokenizer that matches the model"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    };
+    check("token ids", ids, None)?;
+    if let Some(l) = labels {
+        if l.dims() != [b, n] {
+            return Err(CompileError::Input(format!("labels have shape {:?} but ids have [{b}, {n}]", l.dims())));
+        }
+        check("labels", l, Some(IGNORE_INDEX))?;
+    }
+    Ok(())
+}
+
 /// `ids: [b, n]` as u32, padded with token 0 to `[b, n_pad]` (causal attention keeps real tokens from seeing
 /// the pad, and its targets are ignored).
 fn pad_ids(ids: &Tensor, n_pad: usize) -> Result<Tensor, CompileError> {
@@ -77,10 +127,8 @@ impl<M: CausalLm> Compiled<M> {
         policy: CheckpointPolicy,
         trace: bool,
     ) -> Result<StepOutput, CompileError> {
+        check_batch(ids, labels, self.model.dims().vocab, 2)?;
         let (_, n) = ids.dims2()?;
-        if n < 2 {
-            return Err(CompileError::Input(format!("a training sequence needs at least 2 tokens, got {n}")));
-        }
         let n_pad = self.padded_len(n);
         let device = self.device();
         let (ids, labels) = (ids.to_device(&device)?, labels.map(|l| l.to_device(&device)).transpose()?);
@@ -163,6 +211,7 @@ impl<M: CausalLm> Compiled<M> {
     /// Forward only (a long prompt's prefill split over the ranks): logits `[b, n, vocab]` for `ids: [b, n]`,
     /// gathered back into sequence order on every rank.
     pub fn logits(&self, ids: &Tensor) -> Result<Tensor, CompileError> {
+        check_batch(ids, None, self.model.dims().vocab, 1)?;
         let (_, n) = ids.dims2()?;
         let n_pad = self.padded_len(n);
         let ids = pad_ids(&ids.to_device(&self.device())?, n_pad)?;
@@ -172,6 +221,63 @@ impl<M: CausalLm> Compiled<M> {
         let local = self.model.logits(&tape, &ids.index_select(&index, 1)?, &positions)?.into_tensor();
         let whole = gather_unshard(self.group.as_ref(), &local.contiguous()?, 1, self.layout())?;
         Ok(whole.narrow(1, 0, n)?)
+    }
+
+    /// Forward only, gathering only the scored rows: logits `[b, rows.len(), vocab]` at sequence positions
+    /// `rows` (each `< n`, any order, repeats allowed) for `ids: [b, n]`, the same on every rank. Each rank
+    /// computes the logits of its own shard, keeps the requested rows it holds, and one `all_gather` moves
+    /// only those: `(P-1) * rows_here * b * vocab` elements sent per rank, whatever `n` (where [`logits`]
+    /// sends `(P-1) * b * n/P * vocab`, gigabytes for a large vocabulary at long context). Use it for
+    /// evaluation that scores a few positions (passkey accuracy).
+    ///
+    /// [`logits`]: Self::logits
+    pub fn logits_at(&self, ids: &Tensor, rows: &[usize]) -> Result<Tensor, CompileError> {
+        check_batch(ids, None, self.model.dims().vocab, 1)?;
+        let (_, n) = ids.dims2()?;
+        if let Some(&bad) = rows.iter().find(|&&t| t >= n) {
+            return Err(CompileError::Input(format!(
+                "logits_at: row {bad} is outside the sequence of {n} tokens (rows must be below {n})"
+            )));
+        }
+        let n_pad = self.padded_len(n);
+        let (size, rank) = (self.group.size(), self.group.rank());
+        let ids = pad_ids(&ids.to_device(&self.device())?, n_pad)?;
+        // Where each position lives: (rank, index in that rank's shard).
+        let mut home = vec![(0, 0); n_pad];
+        let mut shards = Vec::with_capacity(size);
+        for r in 0..size {
+            let positions = self.positions(n_pad, r)?;
+            for (i, &t) in positions.iter().enumerate() {
+                home[t] = (r, i);
+            }
+            shards.push(positions);
+        }
+        let positions = &shards[rank];
+        let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
+        let tape = Tape::inference();
+        let local = self.model.logits(&tape, &ids.index_select(&index, 1)?, positions)?.into_tensor();
+        // The requested rows each rank holds, in request order; rank r's come r-th in the gather.
+        let home = &home;
+        let held = |r: usize| rows.iter().filter(move |&&t| home[t].0 == r).map(move |&t| home[t].1 as u32);
+        let mine: Vec<u32> = held(rank).collect();
+        let picked = local.index_select(&Tensor::from_vec(mine.clone(), mine.len(), local.device())?, 1)?;
+        let gathered = self.group.all_gather(&picked.contiguous()?, 1)?;
+        // Back to request order: the k-th request held by rank r sits at offset(r) + k.
+        let mut offset = vec![0usize; size + 1];
+        for r in 0..size {
+            offset[r + 1] = offset[r] + held(r).count();
+        }
+        let mut seen = vec![0usize; size];
+        let order: Vec<u32> = rows
+            .iter()
+            .map(|&t| {
+                let r = home[t].0;
+                seen[r] += 1;
+                (offset[r] + seen[r] - 1) as u32
+            })
+            .collect();
+        let order = Tensor::from_vec(order, rows.len(), gathered.device())?;
+        Ok(gathered.index_select(&order, 1)?)
     }
 }
 

@@ -1,6 +1,7 @@
 //! `Communicator`: the collectives of `ProcessGroup` built from a back end's `Transport` exchange, with the
 //! argument checks, the rank-order reductions and the call/byte counting shared by every back end.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,6 +11,7 @@ use super::error::{ErrCtx, Result};
 use super::groups;
 use super::process_group::{Collective, PendingRecv, ProcessGroup, ReduceOp};
 use super::reduce::{chunk_sizes, reduce_in_rank_order};
+use super::stamp::Stamp;
 use super::stats::{tensor_bytes, CommStats, StatsCounter};
 use super::transport::Transport;
 
@@ -19,12 +21,14 @@ use super::transport::Transport;
 pub struct Communicator<T: Transport> {
     transport: T,
     stats: StatsCounter,
+    /// Collective calls this rank made on this group (numbers each call's [`Stamp`]).
+    calls: AtomicU64,
 }
 
 impl<T: Transport> Communicator<T> {
     /// Wraps a transport; counters start at zero.
     pub fn new(transport: T) -> Self {
-        Self { transport, stats: StatsCounter::default() }
+        Self { transport, stats: StatsCounter::default(), calls: AtomicU64::new(0) }
     }
 
     /// The underlying transport.
@@ -34,6 +38,11 @@ impl<T: Transport> Communicator<T> {
 
     fn ctx(&self, collective: Collective) -> ErrCtx<'_> {
         ErrCtx { collective, group: self.transport.name(), rank: self.transport.rank() }
+    }
+
+    /// The stamp of this rank's next collective call (numbering it).
+    fn stamp(&self, collective: Collective) -> Stamp {
+        Stamp::new(collective, self.calls.fetch_add(1, Ordering::Relaxed))
     }
 
     fn check_peer(&self, collective: Collective, peer: usize, role: &str) -> Result<()> {
@@ -50,12 +59,12 @@ impl<T: Transport> Communicator<T> {
     /// peers fail promptly; then returns this rank's own error, or every peer's tensor.
     fn round(
         &self,
-        collective: Collective,
+        stamp: Stamp,
         prepared: Result<Vec<Tensor>>,
         bytes: impl FnOnce(&[Tensor]) -> u64,
         device: &Device,
     ) -> Result<Vec<Tensor>> {
-        let size = self.transport.size();
+        let (size, collective) = (self.transport.size(), stamp.collective);
         let outgoing = match &prepared {
             Ok(parts) => {
                 self.stats.record(collective, bytes(parts));
@@ -63,7 +72,7 @@ impl<T: Transport> Communicator<T> {
             }
             Err(_) => vec![None; size],
         };
-        let incoming = self.transport.exchange(collective, outgoing, device)?;
+        let incoming = self.transport.exchange(stamp, outgoing, device)?;
         prepared?;
         self.all_present(collective, incoming)
     }
@@ -128,6 +137,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let c = Collective::AllReduce;
+        let stamp = self.stamp(c);
         let ctx = self.ctx(c);
         let (size, rank) = (self.size(), self.rank());
         // Phase 1, reduce-scatter: rank j receives chunk j of every rank's flattened tensor and reduces it.
@@ -142,7 +152,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         let elem = x.dtype().size_in_bytes() as u64;
         // Bytes: every chunk but its own in phase 1, its reduced chunk to P-1 ranks in phase 2.
         let bytes = |parts: &[Tensor]| self.bytes_to_others(parts) + (size as u64 - 1) * sizes[rank] as u64 * elem;
-        let mine = self.round(c, Ok(chunks), bytes, x.device())?;
+        let mine = self.round(stamp, Ok(chunks), bytes, x.device())?;
         let reduced =
             self.same_layout(c, &mine).and_then(|()| reduce_in_rank_order(&mine, op).map_err(|e| ctx.candle(e)));
         // Phase 2, all-gather of the reduced chunks. A rank that failed sends nothing so the others stop too.
@@ -150,7 +160,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
             Ok(t) => vec![Some(t.clone()); size],
             Err(_) => vec![None; size],
         };
-        let incoming = self.transport.exchange(c, outgoing, x.device())?;
+        let incoming = self.transport.exchange(stamp, outgoing, x.device())?;
         reduced?;
         let parts = self.all_present(c, incoming)?;
         Tensor::cat(&parts, 0).and_then(|t| t.reshape(x.shape())).map_err(|e| ctx.candle(e))
@@ -158,6 +168,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
 
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
         let c = Collective::AllGather;
+        let stamp = self.stamp(c);
         let ctx = self.ctx(c);
         let size = self.size();
         let prepared = if dim < x.rank() {
@@ -165,7 +176,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         } else {
             Err(ctx.invalid(format!("dim {dim} is out of range for a tensor of shape {:?}", x.dims())))
         };
-        let parts = self.round(c, prepared, |p| self.bytes_to_others(p), x.device())?;
+        let parts = self.round(stamp, prepared, |p| self.bytes_to_others(p), x.device())?;
         for (i, t) in parts.iter().enumerate() {
             let same_rest =
                 t.rank() == x.rank() && (0..x.rank()).all(|d| d == dim || t.dims()[d] == parts[0].dims()[d]);
@@ -184,6 +195,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
         let c = Collective::ReduceScatter;
+        let stamp = self.stamp(c);
         let ctx = self.ctx(c);
         let size = self.size();
         let prepared = if dim >= x.rank() {
@@ -198,13 +210,14 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
             let len = x.dims()[dim] / size;
             (0..size).map(|j| x.narrow(dim, j * len, len).map_err(|e| ctx.candle(e))).collect()
         };
-        let parts = self.round(c, prepared, |p| self.bytes_to_others(p), x.device())?;
+        let parts = self.round(stamp, prepared, |p| self.bytes_to_others(p), x.device())?;
         self.same_layout(c, &parts)?;
         reduce_in_rank_order(&parts, op).map_err(|e| ctx.candle(e))
     }
 
     fn all_to_all(&self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>> {
         let c = Collective::AllToAll;
+        let stamp = self.stamp(c);
         let size = self.size();
         let device = inputs.first().map_or(Device::Cpu, |t| t.device().clone());
         let prepared = if inputs.len() == size {
@@ -212,7 +225,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         } else {
             Err(self.ctx(c).invalid(format!("got {} tensors, need one per rank ({size})", inputs.len())))
         };
-        self.round(c, prepared, |p| self.bytes_to_others(p), &device)
+        self.round(stamp, prepared, |p| self.bytes_to_others(p), &device)
     }
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
@@ -245,12 +258,14 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
 
     fn barrier(&self) -> Result<()> {
         let c = Collective::Barrier;
+        let stamp = self.stamp(c);
         self.stats.record(c, 0);
-        self.transport.exchange(c, vec![None; self.size()], &Device::Cpu).map(|_| ())
+        self.transport.exchange(stamp, vec![None; self.size()], &Device::Cpu).map(|_| ())
     }
 
     fn split(&self, groups: &[Vec<usize>]) -> Result<Arc<dyn ProcessGroup>> {
         let c = Collective::Split;
+        let stamp = self.stamp(c);
         let ctx = self.ctx(c);
         let (size, rank) = (self.size(), self.rank());
         let spec = groups::encode(groups);
@@ -259,7 +274,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
             Ok(_) => Tensor::new(spec.as_slice(), &Device::Cpu).map(|t| vec![t; size]).map_err(|e| ctx.candle(e)),
             Err(detail) => Err(ctx.invalid(detail.clone())),
         };
-        let parts = self.round(c, prepared, |p| self.bytes_to_others(p), &Device::Cpu)?;
+        let parts = self.round(stamp, prepared, |p| self.bytes_to_others(p), &Device::Cpu)?;
         let (group, index) = located.map_err(|d| ctx.invalid(d))?;
         for (i, t) in parts.iter().enumerate() {
             let theirs = t.to_vec1::<i64>().map_err(|e| ctx.candle(e))?;
@@ -271,6 +286,10 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         }
         let transport = self.transport.split(groups, group, index)?;
         Ok(Arc::new(Communicator::new(transport)))
+    }
+
+    fn abort(&self, message: &str) {
+        self.transport.abort(message)
     }
 
     fn stats(&self) -> CommStats {

@@ -58,6 +58,25 @@ pub enum CommError {
          ({cause}); start a new group to go on"
     )]
     Poisoned { collective: Collective, group: String, rank: usize, cause: String },
+    /// The ranks are in different collectives: this rank's call `call` on the group is `collective`, but in the
+    /// same round other ranks are in another collective or another call (`others`). Some rank skipped or added
+    /// a collective; the group is poisoned.
+    #[error(
+        "{collective} on group `{group}`: the ranks are out of step: rank {rank} is in its collective call #{call} \
+         ({collective}) but {}; every rank must call the same collectives in the same order, so look for a \
+         collective that only some ranks reach (a branch on the rank or on data only one rank holds, an early \
+         return, an error that one rank swallowed)",
+        list_calls(.others)
+    )]
+    OutOfStep { collective: Collective, group: String, rank: usize, call: u64, others: Vec<PeerCall> },
+    /// A rank of the job failed and told the others ([`ProcessGroup::abort`](super::ProcessGroup::abort)):
+    /// every rank's call in progress and every later call, on every group of the job, fails at once with this.
+    /// `peer` is the failed rank's rank in the whole job (the thread world or `MPI_COMM_WORLD`).
+    #[error(
+        "{collective} on group `{group}` (rank {rank}): rank {peer} of the job failed, so this rank stops too; \
+         rank {peer}'s error: {message}"
+    )]
+    PeerFailed { collective: Collective, group: String, rank: usize, peer: usize, message: String },
     /// This rank's own arguments are wrong (a dimension out of range, a size that does not divide, ...).
     #[error("{collective} on group `{group}` (rank {rank}): {detail}")]
     InvalidArgument { collective: Collective, group: String, rank: usize, detail: String },
@@ -88,6 +107,27 @@ pub enum CommError {
     /// A group could not be created as asked.
     #[error("cannot create the process group: {detail}")]
     Config { detail: String },
+}
+
+/// Where another rank was when the ranks were found out of step (see [`CommError::OutOfStep`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCall {
+    /// The rank, within the group.
+    pub rank: usize,
+    /// The collective it called.
+    pub collective: Collective,
+    /// Its collective call number on the group (0 for its first).
+    pub call: u64,
+}
+
+impl fmt::Display for PeerCall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {} is in its call #{} ({})", self.rank, self.call, self.collective)
+    }
+}
+
+fn list_calls(others: &[PeerCall]) -> String {
+    others.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", ")
 }
 
 /// Where an error happened: builds `CommError`s that name the collective, the group and the rank.
@@ -164,6 +204,26 @@ impl ErrCtx<'_> {
             missing,
             waited,
             timeout,
+        }
+    }
+
+    pub fn out_of_step(&self, call: u64, others: Vec<PeerCall>) -> CommError {
+        CommError::OutOfStep {
+            collective: self.collective,
+            group: self.group.to_string(),
+            rank: self.rank,
+            call,
+            others,
+        }
+    }
+
+    pub fn peer_failed(&self, peer: usize, message: impl Into<String>) -> CommError {
+        CommError::PeerFailed {
+            collective: self.collective,
+            group: self.group.to_string(),
+            rank: self.rank,
+            peer,
+            message: message.into(),
         }
     }
 

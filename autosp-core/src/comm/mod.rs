@@ -25,6 +25,15 @@
 //! then poisoned: later calls fail at once with [`CommError::Poisoned`]. A rank whose own arguments are
 //! invalid still takes part, sending nothing, so its peers fail at once with [`CommError::Mismatch`].
 //!
+//! Every message carries a [`Stamp`]: the operation and the caller's collective call number on the group
+//! (point-to-point: the message's number between the two ranks). Ranks that reach a round in different
+//! collectives (one skipped or added a call) all fail with [`CommError::OutOfStep`], naming both operations
+//! and call numbers, and the group is poisoned; without the stamp they would pair the wrong operations.
+//!
+//! A rank that gives up on an error calls [`ProcessGroup::abort`] with it ([`run_ranks_fallible`] does for
+//! thread ranks): every other rank of the job stops at once with [`CommError::PeerFailed`] carrying that
+//! error, on every group, instead of waiting for the timeout (MPI: see `mpi.rs`).
+//!
 //! # What the statistics count
 //!
 //! [`ProcessGroup::stats`] counts, per kind of call, the calls this rank made on this group handle
@@ -57,13 +66,14 @@ mod nccl_header;
 pub mod process_group;
 mod reduce;
 pub mod schedule;
+pub mod stamp;
 pub mod stats;
 pub mod threads;
 pub mod transport;
 pub mod wire;
 
 pub use communicator::Communicator;
-pub use error::{CommError, Departure, Result};
+pub use error::{CommError, Departure, PeerCall, Result};
 pub use groups::{contiguous_groups, strided_groups};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiGroup, MpiTransport};
@@ -71,6 +81,7 @@ pub use mpi::{MpiGroup, MpiTransport};
 pub use nccl::{NcclGroup, NcclId, NcclTransport};
 pub use process_group::{Collective, PendingRecv, ProcessGroup, ReduceOp, DEFAULT_TIMEOUT};
 pub use schedule::{pairwise_schedule, PairStep};
+pub use stamp::Stamp;
 pub use stats::{tensor_bytes, CommStats};
-pub use threads::{run_ranks, ThreadGroup, ThreadTransport};
+pub use threads::{run_ranks, run_ranks_fallible, ThreadGroup, ThreadTransport};
 pub use transport::Transport;

@@ -5,7 +5,23 @@
 //! arrives gives the others `CommError::Timeout` naming it, never a hang. Each message is a tensor in the
 //! [`wire`] format (a header with dtype and shape, then the elements), so receivers need not know
 //! shapes in advance; one message is limited to 2 GiB. Collective rounds use tags 1..=32000 (cycling, each round
-//! completes before the next starts); point-to-point messages use tag 0, so the two never mix.
+//! completes before the next starts); point-to-point messages use tag 0, so the two never mix. Every message's
+//! header carries its [`Stamp`] (operation and call number): a round whose ranks are in different collectives
+//! fails on every rank with `CommError::OutOfStep` once all its messages arrived.
+//!
+//! # A failing rank tells the others
+//!
+//! `abort(message)` (called by a rank that gives up on an error) sends `message` to every other process of
+//! the job on a private duplicate of `MPI_COMM_WORLD`, with synchronous sends (`MPI_Issend`), and waits until
+//! every process has taken it: every wait of every call here also polls for such notices, so a process that
+//! is in a collective (or enters one) fails within milliseconds with `CommError::PeerFailed` carrying the
+//! message, returns its own error, and finalises. Why not just `MPI_Abort`: the other processes would be
+//! killed without saying why they stopped. Why not just return: OpenMPI's `MPI_Finalize` waits for every
+//! process (a PMIx fence), so the failed process would hang in it while the others wait in their collective
+//! for the whole timeout. The notice is the fix; `MPI_Abort` stays the fallback: a process that has not taken
+//! the notice within [`ABORT_GRACE`] (busy outside any collective, stuck in `MPI_Comm_split`, or gone) is
+//! ended by `MPI_Abort` of the whole job, after the failed rank printed its error, so the job never outlives
+//! a failure by more than that.
 //!
 //! Use: `let world = MpiGroup::init(timeout)?;` once per process, keep it (and any subgroup) alive while
 //! communicating, and drop them all before `main` returns: MPI is finalised when the last handle goes, and
@@ -30,6 +46,7 @@ use mpi::Threading;
 use super::communicator::Communicator;
 use super::error::{CommError, ErrCtx, Result};
 use super::process_group::{nanos, Collective, PendingRecv};
+use super::stamp::{check_message, check_round, PairCounter, Stamp};
 use super::transport::Transport;
 use super::wire;
 
@@ -56,9 +73,12 @@ impl Communicator<MpiTransport> {
         }
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
+        let notices = Comm(world.duplicate());
+        let runtime =
+            Runtime { notices, rank, size, failed: Mutex::new(None), _universe: universe, lock: Mutex::new(()) };
         Ok(Communicator::new(MpiTransport {
             comm: Comm(world),
-            runtime: Arc::new(Runtime { _universe: universe, lock: Mutex::new(()) }),
+            runtime: Arc::new(runtime),
             name: "world".to_string(),
             rank,
             members: (0..size).collect(),
@@ -66,6 +86,8 @@ impl Communicator<MpiTransport> {
             seq: AtomicU64::new(0),
             splits: AtomicU64::new(0),
             failure: Mutex::new(None),
+            sent: PairCounter::default(),
+            received: PairCounter::default(),
         }))
     }
 }
@@ -73,12 +95,50 @@ impl Communicator<MpiTransport> {
 /// Tag of point-to-point messages; collective rounds use `1 + seq % COLLECTIVE_TAGS`.
 const P2P_TAG: i32 = 0;
 const COLLECTIVE_TAGS: u64 = 32_000;
+/// Tag of failure notices on `Runtime::notices`.
+const NOTICE_TAG: i32 = 1;
+/// The longest failure message sent to the other processes (longer ones are cut).
+const NOTICE_BYTES: usize = 8192;
+/// How long a failing rank waits for every other process to take its failure notice before it ends the job
+/// with `MPI_Abort`.
+pub const ABORT_GRACE: Duration = Duration::from_secs(5);
+/// How long a failing rank keeps taking other ranks' notices after its own were all taken (ranks that fail
+/// at the same moment send each other notices; each must be taken for its sender to finish).
+const NOTICE_LINGER: Duration = Duration::from_millis(250);
 
-/// Keeps MPI initialised while any handle lives, and serialises all MPI calls of this process.
+/// Keeps MPI initialised while any handle lives, serialises all MPI calls of this process, and holds what
+/// is known about failed ranks (for every group of the process).
 struct Runtime {
+    /// Failure notices travel here (a duplicate of the world), apart from every group's messages. Dropped
+    /// (freed) before `_universe`.
+    notices: Comm,
+    /// This process's rank and the number of processes in `MPI_COMM_WORLD`.
+    rank: usize,
+    size: usize,
+    /// The first failure of the job this process learned of: (world rank, message); this rank's own included.
+    failed: Mutex<Option<(usize, String)>>,
     /// Finalises MPI when dropped.
     _universe: Universe,
     lock: Mutex<()>,
+}
+
+impl Runtime {
+    fn failed(&self) -> MutexGuard<'_, Option<(usize, String)>> {
+        self.failed.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes every failure notice that has arrived, remembers the first, and returns the job's failure if
+    /// one is known. Call with the MPI lock held.
+    fn take_notices(&self) -> Option<(usize, String)> {
+        while let Some((message, status)) = self.notices.0.any_process().immediate_matched_probe_with_tag(NOTICE_TAG) {
+            let len = status.count(u8::equivalent_datatype()).max(0) as usize;
+            let mut buf = vec![0u8; len];
+            message.matched_receive_into(&mut buf[..]);
+            let text = String::from_utf8_lossy(&buf).into_owned();
+            self.failed().get_or_insert((status.source_rank() as usize, text));
+        }
+        self.failed().clone()
+    }
 }
 
 /// An MPI communicator that may be moved between threads.
@@ -104,6 +164,9 @@ pub struct MpiTransport {
     splits: AtomicU64,
     /// Why the group is unusable, once it is.
     failure: Mutex<Option<String>>,
+    /// Numbers of the point-to-point messages sent to / received from each rank.
+    sent: PairCounter,
+    received: PairCounter,
 }
 
 impl fmt::Debug for MpiTransport {
@@ -126,12 +189,19 @@ struct PendingSend {
 }
 
 impl PendingSend {
-    fn start(comm: &SimpleCommunicator, buffer: Arc<Vec<u8>>, dst: usize, tag: i32) -> Self {
+    /// A standard send (`MPI_Isend`), or with `synchronous` one that completes only once `dst` has matched
+    /// it (`MPI_Issend`).
+    fn start(comm: &SimpleCommunicator, buffer: Arc<Vec<u8>>, dst: usize, tag: i32, synchronous: bool) -> Self {
         // SAFETY: `data` points into the heap allocation of `buffer`, which is never mutated and lives at least
         // as long as the request: `self.buffer` is released only after `test` saw the request complete, and is
         // leaked together with the request otherwise (see `Drop`).
         let data: &'static [u8] = unsafe { &*(buffer.as_slice() as *const [u8]) };
-        let request = comm.process_at_rank(dst as i32).immediate_send_with_tag(StaticScope, data, tag);
+        let process = comm.process_at_rank(dst as i32);
+        let request = if synchronous {
+            process.immediate_synchronous_send_with_tag(StaticScope, data, tag)
+        } else {
+            process.immediate_send_with_tag(StaticScope, data, tag)
+        };
         Self { dst, request: Some(request), buffer: Some(buffer) }
     }
 
@@ -171,7 +241,11 @@ impl MpiTransport {
         self.runtime.lock.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Fails if a rank of the job failed (`PeerFailed`) or this group is unusable (`Poisoned`).
     fn check_healthy(&self, collective: Collective) -> Result<()> {
+        if let Some((peer, message)) = self.runtime.failed().clone() {
+            return Err(self.ctx(collective).peer_failed(peer, message));
+        }
         match &*self.failure.lock().unwrap_or_else(|e| e.into_inner()) {
             Some(cause) => Err(self.ctx(collective).poisoned(cause.clone())),
             None => Ok(()),
@@ -182,8 +256,9 @@ impl MpiTransport {
         *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(cause);
     }
 
-    fn encode(&self, collective: Collective, t: Option<&Tensor>) -> Result<Arc<Vec<u8>>> {
-        let bytes = wire::encode(t).map_err(|e| self.ctx(collective).mpi(e.to_string()))?;
+    fn encode(&self, stamp: Stamp, t: Option<&Tensor>) -> Result<Arc<Vec<u8>>> {
+        let collective = stamp.collective;
+        let bytes = wire::encode(t, stamp).map_err(|e| self.ctx(collective).mpi(e.to_string()))?;
         if bytes.len() > i32::MAX as usize {
             return Err(self
                 .ctx(collective)
@@ -192,8 +267,9 @@ impl MpiTransport {
         Ok(Arc::new(bytes))
     }
 
-    /// Polls `sends` and the receives from `sources` (with `tag`) until all are done or the timeout passed.
-    /// Returns the received tensors by source. Call with the MPI lock held.
+    /// Polls `sends` and the receives from `sources` (with `tag`) until all are done, the timeout passed, or
+    /// a failure notice came (then `PeerFailed`). Returns the received stamps and tensors by source. Call
+    /// with the MPI lock held.
     fn complete(
         &self,
         collective: Collective,
@@ -201,7 +277,7 @@ impl MpiTransport {
         mut sources: Vec<usize>,
         tag: i32,
         device: &Device,
-    ) -> Result<Vec<(usize, Option<Tensor>)>> {
+    ) -> Result<Vec<(usize, Stamp, Option<Tensor>)>> {
         let ctx = self.ctx(collective);
         let timeout = self.timeout();
         let start = Instant::now();
@@ -220,12 +296,12 @@ impl MpiTransport {
                 let len = status.count(u8::equivalent_datatype()).max(0) as usize;
                 let mut buf = vec![0u8; len];
                 message.matched_receive_into(&mut buf[..]);
-                let tensor = wire::decode(&buf, device).map_err(|e| {
+                let (stamp, tensor) = wire::decode(&buf, device).map_err(|e| {
                     let detail = format!("bad message from rank {src}: {e}");
                     self.poison(format!("rank {} got a {detail}", self.rank));
                     ctx.mpi(detail)
                 })?;
-                received.push((src, tensor));
+                received.push((src, stamp, tensor));
                 sources.swap_remove(k);
                 progressed = true;
             }
@@ -234,6 +310,10 @@ impl MpiTransport {
             progressed |= sends.len() < before;
             if sources.is_empty() && sends.is_empty() {
                 return Ok(received);
+            }
+            if let Some((peer, message)) = self.runtime.take_notices() {
+                self.poison(format!("rank {peer} of the job failed: {message}"));
+                return Err(ctx.peer_failed(peer, message));
             }
             let waited = start.elapsed();
             if waited >= timeout {
@@ -271,10 +351,13 @@ impl MpiTransport {
         };
         let _mpi = self.mpi_lock();
         let received = self.complete(collective, sends, src.into_iter().collect(), P2P_TAG, &device)?;
+        if let Some(&(from, stamp, _)) = received.first() {
+            check_message(self.ctx(collective), from, stamp, self.received.next(from))?;
+        }
         match received.into_iter().next() {
             None => Ok(None),
-            Some((_, Some(t))) => Ok(Some(t)),
-            Some((from, None)) => {
+            Some((_, _, Some(t))) => Ok(Some(t)),
+            Some((from, _, None)) => {
                 Err(self.ctx(collective).mpi(format!("rank {from} sent an empty marker where a tensor was expected")))
             }
         }
@@ -283,9 +366,9 @@ impl MpiTransport {
     /// Serialises `x` and starts sending it to `dst` on the point-to-point tag.
     fn start_send(&self, collective: Collective, x: &Tensor, dst: usize) -> Result<(PendingSend, Device)> {
         self.check_healthy(collective)?;
-        let buf = self.encode(collective, Some(x))?;
+        let buf = self.encode(Stamp::new(collective, self.sent.next(dst)), Some(x))?;
         let _mpi = self.mpi_lock();
-        Ok((PendingSend::start(&self.comm.0, buf, dst, P2P_TAG), x.device().clone()))
+        Ok((PendingSend::start(&self.comm.0, buf, dst, P2P_TAG, false), x.device().clone()))
     }
 }
 
@@ -328,10 +411,11 @@ impl Transport for MpiTransport {
 
     fn exchange(
         &self,
-        collective: Collective,
+        stamp: Stamp,
         mut outgoing: Vec<Option<Tensor>>,
         device: &Device,
     ) -> Result<Vec<Option<Tensor>>> {
+        let collective = stamp.collective;
         self.check_healthy(collective)?;
         let (size, rank) = (self.members.len(), self.rank);
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
@@ -347,7 +431,7 @@ impl Transport for MpiTransport {
             let bytes = match encoded.get(&key) {
                 Some(b) => b.clone(),
                 None => {
-                    let b = self.encode(collective, t.as_ref())?;
+                    let b = self.encode(stamp, t.as_ref())?;
                     encoded.insert(key, b.clone());
                     b
                 }
@@ -357,10 +441,17 @@ impl Transport for MpiTransport {
         let mut incoming: Vec<Option<Tensor>> = vec![None; size];
         incoming[rank] = outgoing[rank].take();
         let _mpi = self.mpi_lock();
-        let sends = payloads.into_iter().map(|(j, b)| PendingSend::start(&self.comm.0, b, j, tag)).collect();
+        let sends = payloads.into_iter().map(|(j, b)| PendingSend::start(&self.comm.0, b, j, tag, false)).collect();
         let sources = (0..size).filter(|&i| i != rank).collect();
-        for (src, t) in self.complete(collective, sends, sources, tag, device)? {
+        let mut stamps = Vec::with_capacity(size);
+        for (src, s, t) in self.complete(collective, sends, sources, tag, device)? {
+            stamps.push((src, s));
             incoming[src] = t;
+        }
+        stamps.sort_unstable_by_key(|&(src, _)| src);
+        if let Err(e) = check_round(self.ctx(collective), stamp, &stamps) {
+            self.poison(e.to_string());
+            return Err(e);
         }
         Ok(incoming)
     }
@@ -378,6 +469,49 @@ impl Transport for MpiTransport {
     fn start_send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Box<dyn PendingRecv + '_>> {
         let send = self.start_send(Collective::SendRecv, x, dst)?;
         Ok(Box::new(MpiRecv { transport: self, send, src }))
+    }
+
+    fn abort(&self, message: &str) {
+        let rt = &self.runtime;
+        let _mpi = self.mpi_lock();
+        // A known failure (a peer's, whose notice this rank's error may come from, or this rank's own
+        // earlier abort) has been announced already.
+        if rt.take_notices().is_some() {
+            return;
+        }
+        *rt.failed() = Some((rt.rank, message.to_string()));
+        let mut cut = message.len().min(NOTICE_BYTES);
+        while !message.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let buf = Arc::new(message.as_bytes()[..cut].to_vec());
+        let mut sends: Vec<PendingSend> = (0..rt.size)
+            .filter(|&r| r != rt.rank)
+            .map(|r| PendingSend::start(&rt.notices.0, buf.clone(), r, NOTICE_TAG, true))
+            .collect();
+        let start = Instant::now();
+        let mut all_taken: Option<Instant> = None;
+        loop {
+            rt.take_notices();
+            sends.retain_mut(|s| !s.test());
+            let now = Instant::now();
+            if sends.is_empty() {
+                let since = *all_taken.get_or_insert(now);
+                if now - since >= NOTICE_LINGER {
+                    return;
+                }
+            } else if now - start >= ABORT_GRACE {
+                let missing: Vec<usize> = sends.iter().map(|s| s.dst).collect();
+                eprintln!(
+                    "autosp: rank {} failed: {message}\nautosp: rank(s) {missing:?} did not take the failure notice \
+                     within {ABORT_GRACE:?} (busy outside any collective, blocked, or gone); ending the whole job \
+                     with MPI_Abort",
+                    rt.rank
+                );
+                rt.notices.0.abort(1);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     fn split(&self, groups: &[Vec<usize>], group: usize, index: usize) -> Result<Self> {
@@ -401,6 +535,8 @@ impl Transport for MpiTransport {
             seq: AtomicU64::new(0),
             splits: AtomicU64::new(0),
             failure: Mutex::new(None),
+            sent: PairCounter::default(),
+            received: PairCounter::default(),
         })
     }
 }

@@ -33,6 +33,15 @@
 //! - There is no overlap: [`PendingRecv`] steps (`start_send_recv`) complete before they return, because the
 //!   transfers run on the stream candle computes on.
 //!
+//! # Stamps and failures
+//!
+//! Every header carries the message's [`Stamp`] (operation and call number): a collective round whose ranks
+//! are in different collectives fails on every rank with `CommError::OutOfStep` right after the header round
+//! (before any payload moves), and the group is poisoned. `abort` poisons this rank's group and aborts its
+//! NCCL communicators; NCCL has no way to carry a message to the other ranks, so tell them through the group
+//! the NCCL group was bootstrapped over as well (e.g. `abort` on the `MpiGroup`, which notifies every
+//! process); until then they stop at their timeout.
+//!
 //! Sending to oneself with `send` is refused (NCCL would block until a receive that cannot come); use
 //! `send_recv`. Tensors may be on any device; they travel through this rank's GPU, and what is received
 //! lands on the device the call names (`recv`: the group's GPU). Dtypes: those of the MPI wire format; at
@@ -57,6 +66,7 @@ use super::error::{CommError, ErrCtx, Result};
 use super::nccl_header::{decode_header, encode_header, HEADER_WORDS};
 use super::process_group::{nanos, Collective, PendingRecv, ProcessGroup};
 use super::schedule::pairwise_schedule;
+use super::stamp::{check_message, check_round, PairCounter, Stamp};
 use super::transport::Transport;
 
 /// A rank's handle on an NCCL group.
@@ -157,6 +167,8 @@ impl Communicator<NcclTransport> {
             timeout_ns: AtomicU64::new(nanos(timeout)),
             splits: AtomicU64::new(0),
             failure: Mutex::new(None),
+            sent: PairCounter::default(),
+            received: PairCounter::default(),
         }))
     }
 }
@@ -249,6 +261,9 @@ pub struct NcclTransport {
     splits: AtomicU64,
     /// Why the group is unusable, once it is.
     failure: Mutex<Option<String>>,
+    /// Numbers of the point-to-point messages sent to / received from each rank.
+    sent: PairCounter,
+    received: PairCounter,
 }
 
 impl fmt::Debug for NcclTransport {
@@ -411,10 +426,10 @@ impl NcclTransport {
         }
     }
 
-    /// `x` on the group's GPU, contiguous, with its header.
-    fn outgoing(&self, collective: Collective, x: &Tensor) -> Result<(Tensor, [u64; HEADER_WORDS])> {
-        let ctx = self.ctx(collective);
-        let header = encode_header(Some((x.dtype(), x.dims()))).map_err(|d| ctx.invalid(d))?;
+    /// `x` on the group's GPU, contiguous, with its header stamped `stamp`.
+    fn outgoing(&self, stamp: Stamp, x: &Tensor) -> Result<(Tensor, [u64; HEADER_WORDS])> {
+        let ctx = self.ctx(stamp.collective);
+        let header = encode_header(Some((x.dtype(), x.dims())), stamp).map_err(|d| ctx.invalid(d))?;
         let t = x.to_device(&self.device).and_then(|t| t.contiguous()).map_err(|e| ctx.candle(e))?;
         Ok((t, header))
     }
@@ -454,13 +469,15 @@ impl NcclTransport {
         Ok(got.chunks(HEADER_WORDS).take(from.len()).map(|c| c.to_vec()).collect())
     }
 
-    /// A zeroed tensor on the group's GPU for the payload `header` announces (`None`: an empty marker).
-    fn receive_buffer(&self, collective: Collective, from: usize, header: &[u64]) -> Result<Option<Tensor>> {
-        let decoded =
+    /// The stamp `header` carries, and a zeroed tensor on the group's GPU for the payload it announces
+    /// (`None`: an empty marker).
+    fn receive_buffer(&self, collective: Collective, from: usize, header: &[u64]) -> Result<(Stamp, Option<Tensor>)> {
+        let (stamp, decoded) =
             decode_header(header).map_err(|d| self.fatal(collective, format!("bad header from rank {from}: {d}")))?;
-        decoded
+        let buffer = decoded
             .map(|(dtype, dims)| Tensor::zeros(dims, dtype, &self.device).map_err(|e| self.ctx(collective).candle(e)))
-            .transpose()
+            .transpose()?;
+        Ok((stamp, buffer))
     }
 
     /// The payload transfers of a round; each tensor stays alive in the caller until `grouped` returned.
@@ -492,19 +509,28 @@ impl NcclTransport {
     ) -> Result<Option<Tensor>> {
         self.check_healthy(collective)?;
         // A tensor that cannot travel still sends an empty marker, so the receiver fails at once.
-        let (out, own_error) = match send.map(|(x, dst)| self.outgoing(collective, x).map(|(t, h)| (dst, t, h))) {
+        let stamp = send.map(|(_, dst)| Stamp::new(collective, self.sent.next(dst)));
+        let prepared = send.zip(stamp).map(|((x, dst), stamp)| self.outgoing(stamp, x).map(|(t, h)| (dst, t, h)));
+        let (out, own_error) = match prepared {
             Some(Err(e)) => (None, Some((e, send.map(|(_, dst)| dst)))),
             other => (other.transpose()?, None),
         };
         let _nccl = self.nccl_lock();
         let mut to: Vec<(usize, [u64; HEADER_WORDS])> = out.iter().map(|(dst, _, h)| (*dst, *h)).collect();
-        if let Some((_, Some(dst))) = &own_error {
-            to.push((*dst, encode_header(None).expect("an empty marker always encodes")));
+        if let (Some((_, Some(dst))), Some(stamp)) = (&own_error, stamp) {
+            to.push((*dst, encode_header(None, stamp).expect("an empty marker always encodes")));
         }
         let from: Vec<usize> = src.into_iter().collect();
         let headers = self.header_round(collective, &self.p2p, &to, &from)?;
         let incoming = match (src, headers.first()) {
-            (Some(s), Some(h)) => self.receive_buffer(collective, s, h)?,
+            (Some(s), Some(h)) => {
+                let (got, buffer) = self.receive_buffer(collective, s, h)?;
+                if let Err(e) = check_message(self.ctx(collective), s, got, self.received.next(s)) {
+                    self.fail(e.to_string());
+                    return Err(e);
+                }
+                buffer
+            }
             _ => None,
         };
         let sends: Vec<(usize, &Tensor)> = out.iter().map(|(dst, t, _)| (*dst, t)).collect();
@@ -557,10 +583,11 @@ impl Transport for NcclTransport {
 
     fn exchange(
         &self,
-        collective: Collective,
+        stamp: Stamp,
         mut outgoing: Vec<Option<Tensor>>,
         device: &Device,
     ) -> Result<Vec<Option<Tensor>>> {
+        let collective = stamp.collective;
         self.check_healthy(collective)?;
         let (size, rank) = (self.members.len(), self.rank);
         let schedule = pairwise_schedule(rank, size);
@@ -572,9 +599,9 @@ impl Transport for NcclTransport {
         let mut to = Vec::with_capacity(size);
         for step in &schedule {
             let j = step.send_to;
-            let mut header = encode_header(None).expect("an empty marker always encodes");
+            let mut header = encode_header(None, stamp).expect("an empty marker always encodes");
             if let Some(x) = &outgoing[j] {
-                match self.outgoing(collective, x) {
+                match self.outgoing(stamp, x) {
                     Ok((t, h)) => {
                         payloads[j] = Some(t);
                         header = h;
@@ -588,8 +615,17 @@ impl Transport for NcclTransport {
         let _nccl = self.nccl_lock();
         let headers = self.header_round(collective, &self.coll, &to, &from)?;
         let mut received: Vec<Option<Tensor>> = vec![None; size];
+        let mut stamps = Vec::with_capacity(from.len());
         for (&i, h) in from.iter().zip(&headers) {
-            received[i] = self.receive_buffer(collective, i, h)?;
+            let (got, buffer) = self.receive_buffer(collective, i, h)?;
+            stamps.push((i, got));
+            received[i] = buffer;
+        }
+        // Ranks in different collectives stop here, before any payload moves: every rank got every header.
+        stamps.sort_unstable_by_key(|&(i, _)| i);
+        if let Err(e) = check_round(self.ctx(collective), stamp, &stamps) {
+            self.fail(e.to_string());
+            return Err(e);
         }
         let sends: Vec<(usize, &Tensor)> =
             schedule.iter().filter_map(|s| payloads[s.send_to].as_ref().map(|t| (s.send_to, t))).collect();
@@ -631,6 +667,10 @@ impl Transport for NcclTransport {
         Ok(Box::new(Ready(t)))
     }
 
+    fn abort(&self, message: &str) {
+        self.fail(format!("rank {} aborted: {message}", self.rank));
+    }
+
     fn split(&self, groups: &[Vec<usize>], group: usize, index: usize) -> Result<Self> {
         self.check_healthy(Collective::Split)?;
         let n = self.splits.fetch_add(1, Ordering::Relaxed);
@@ -655,6 +695,8 @@ impl Transport for NcclTransport {
             timeout_ns: AtomicU64::new(nanos(self.timeout())),
             splits: AtomicU64::new(0),
             failure: Mutex::new(None),
+            sent: PairCounter::default(),
+            received: PairCounter::default(),
         })
     }
 }

@@ -166,6 +166,15 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
     /// The subgroup keeps its own statistics and inherits the timeout.
     fn split(&self, groups: &[Vec<usize>]) -> Result<Arc<dyn ProcessGroup>>;
 
+    /// Tells every rank of the job (every rank of the world this group was split from) that this rank
+    /// failed, with `message` (its error): the other ranks' calls in progress and all their later calls, on
+    /// every group of the job, fail within moments with [`CommError::PeerFailed`](super::CommError::PeerFailed)
+    /// naming this rank and `message`, instead of waiting for the timeout. This rank's own later calls fail
+    /// too. Call it when a rank gives up on an error (a rank whose error came from a peer's failure need not;
+    /// it is then harmless). Thread ranks: [`run_ranks_fallible`](super::run_ranks_fallible) calls it for a
+    /// rank function that returns `Err`. MPI: see `mpi.rs` for how the other processes are told.
+    fn abort(&self, message: &str);
+
     /// Calls and bytes sent by this rank on this group (subgroups count separately) since the last reset.
     fn stats(&self) -> CommStats;
 

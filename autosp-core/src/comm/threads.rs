@@ -3,9 +3,12 @@
 //! statistics still count them as sent.
 //!
 //! All groups of one world share one mutex-protected state: the open exchange rounds (keyed by group and
-//! call number), the point-to-point mailboxes, which ranks have left, and which groups failed. A rank leaves
-//! when its last group handle is dropped (its function returned or panicked); waiters notice at once and
-//! fail with `PeerGone` instead of waiting for the timeout.
+//! call number), the point-to-point mailboxes, which ranks have left or failed, and which groups failed. A
+//! rank leaves when its last group handle is dropped (its function returned or panicked); waiters notice at
+//! once and fail with `PeerGone` instead of waiting for the timeout. A rank that calls `abort` (as
+//! [`run_ranks_fallible`] does for a rank function that returns `Err`) fails every waiter of the world at
+//! once with `PeerFailed` and its message. Every deposit and message carries its [`Stamp`]; a round whose
+//! stamps differ fails on every rank with `OutOfStep`.
 //!
 //! Ranks run on plain OS threads, never on rayon's pool, so candle's rayon-parallel CPU kernels keep all of
 //! the pool's workers even while some ranks block in a collective. Do not call collectives from inside rayon
@@ -22,6 +25,7 @@ use candle_core::{Device, Tensor};
 use super::communicator::Communicator;
 use super::error::{CommError, Departure, ErrCtx, Result};
 use super::process_group::{nanos, Collective, PendingRecv, ProcessGroup};
+use super::stamp::{check_message, check_round, PairCounter, Stamp};
 use super::transport::Transport;
 
 /// A rank's handle on an in-process group.
@@ -37,6 +41,7 @@ impl Communicator<ThreadTransport> {
         let world = Arc::new(World {
             state: Mutex::new(WorldState {
                 departed: vec![None; size],
+                failed: Vec::new(),
                 rounds: HashMap::new(),
                 mail: HashMap::new(),
                 failures: HashMap::new(),
@@ -55,6 +60,8 @@ impl Communicator<ThreadTransport> {
                     timeout_ns: AtomicU64::new(nanos(timeout)),
                     seq: AtomicU64::new(0),
                     splits: AtomicU64::new(0),
+                    sent: PairCounter::default(),
+                    received: PairCounter::default(),
                 })
             })
             .collect())
@@ -99,6 +106,25 @@ where
     })
 }
 
+/// [`run_ranks`] for a rank function that returns a `Result`: a rank whose function returns `Err(e)` first
+/// tells the world ([`ProcessGroup::abort`] with `e`, printed with `{:#}`), so the other ranks' calls fail at
+/// once with `CommError::PeerFailed` carrying `e`'s message instead of waiting for the timeout. Returns each
+/// rank's result in rank order, as `run_ranks` does.
+pub fn run_ranks_fallible<T, E, F>(size: usize, timeout: Duration, f: F) -> Vec<Result<std::result::Result<T, E>>>
+where
+    T: Send,
+    E: Send + fmt::Display,
+    F: Fn(Arc<dyn ProcessGroup>) -> std::result::Result<T, E> + Sync,
+{
+    run_ranks(size, timeout, |pg| {
+        let out = f(pg.clone());
+        if let Err(e) = &out {
+            pg.abort(&format!("{e:#}"));
+        }
+        out
+    })
+}
+
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         s.to_string()
@@ -127,9 +153,11 @@ type MailKey = (Arc<str>, usize, usize);
 struct WorldState {
     /// Indexed by world rank: set once the rank's last handle is dropped.
     departed: Vec<Option<Departure>>,
+    /// Ranks that called `abort`, in order: (world rank, message). The first is the one reported.
+    failed: Vec<(usize, String)>,
     /// Open exchange rounds, by group and call number.
     rounds: HashMap<(Arc<str>, u64), Round>,
-    mail: HashMap<MailKey, VecDeque<Tensor>>,
+    mail: HashMap<MailKey, VecDeque<(Stamp, Tensor)>>,
     /// Groups that failed, and how.
     failures: HashMap<Arc<str>, Failure>,
 }
@@ -137,6 +165,8 @@ struct WorldState {
 /// One exchange: `deposits[i][j]` is what rank i sends to rank j.
 struct Round {
     deposits: Vec<Option<Vec<Option<Tensor>>>>,
+    /// `stamps[i]`: the call rank i deposited for.
+    stamps: Vec<Option<Stamp>>,
     collected: usize,
 }
 
@@ -151,8 +181,17 @@ struct Failure {
 
 #[derive(Clone)]
 enum FailureKind {
-    Timeout { missing: Vec<usize> },
-    PeerGone { peer: usize, how: Departure },
+    Timeout {
+        missing: Vec<usize>,
+    },
+    PeerGone {
+        peer: usize,
+        how: Departure,
+    },
+    /// The ranks' stamps disagreed (every rank of the round reports its own `OutOfStep`).
+    OutOfStep {
+        detail: String,
+    },
 }
 
 impl Failure {
@@ -164,6 +203,7 @@ impl Failure {
             FailureKind::PeerGone { peer, how } => {
                 format!("rank {peer} {how} before joining {} (seen by rank {})", self.collective, self.by_rank)
             }
+            FailureKind::OutOfStep { detail } => detail.clone(),
         }
     }
 }
@@ -202,6 +242,9 @@ pub struct ThreadTransport {
     seq: AtomicU64,
     /// Splits this rank made of this group (names the subgroups).
     splits: AtomicU64,
+    /// Numbers of the point-to-point messages sent to / received from each rank.
+    sent: PairCounter,
+    received: PairCounter,
 }
 
 impl fmt::Debug for ThreadTransport {
@@ -220,8 +263,17 @@ impl ThreadTransport {
         ErrCtx { collective, group: &self.key, rank: self.rank }
     }
 
-    /// Fails if the group failed; `seq` is this call's exchange round, if it is one.
+    /// The `PeerFailed` error of the first rank of the world that called `abort`, if any did.
+    fn peer_failed(&self, collective: Collective, st: &WorldState) -> Option<CommError> {
+        st.failed.first().map(|(peer, message)| self.ctx(collective).peer_failed(*peer, message.clone()))
+    }
+
+    /// Fails if a rank of the world failed or the group failed; `seq` is this call's exchange round, if it
+    /// is one.
     fn check_healthy(&self, collective: Collective, st: &WorldState, seq: Option<u64>) -> Result<()> {
+        if let Some(e) = self.peer_failed(collective, st) {
+            return Err(e);
+        }
         match st.failures.get(&self.key) {
             Some(f) => Err(self.failure_error(collective, f, seq, Duration::ZERO)),
             None => Ok(()),
@@ -260,6 +312,9 @@ impl ThreadTransport {
                 Poll::Ready(v) => return Ok(v),
                 Poll::Missing(missing) => missing,
             };
+            if let Some(e) = self.peer_failed(collective, &st) {
+                return Err(e);
+            }
             if let Some(f) = st.failures.get(&self.key) {
                 return Err(self.failure_error(collective, f, seq, start.elapsed()));
             }
@@ -279,6 +334,7 @@ impl ThreadTransport {
             return Err(match kind {
                 FailureKind::PeerGone { peer, how } => ctx.peer_gone(peer, how, start.elapsed()),
                 FailureKind::Timeout { missing } => ctx.timeout(self.members.len(), missing, start.elapsed(), timeout),
+                FailureKind::OutOfStep { detail } => ctx.poisoned(detail),
             });
         }
     }
@@ -291,7 +347,8 @@ impl ThreadTransport {
                 return Err(self.ctx(collective).peer_gone(dst, how, Duration::ZERO));
             }
         }
-        st.mail.entry((self.key.clone(), self.rank, dst)).or_default().push_back(x.clone());
+        let stamp = Stamp::new(collective, self.sent.next(dst));
+        st.mail.entry((self.key.clone(), self.rank, dst)).or_default().push_back((stamp, x.clone()));
         self.world.cv.notify_all();
         Ok(())
     }
@@ -299,10 +356,12 @@ impl ThreadTransport {
     fn recv_as(&self, collective: Collective, src: usize) -> Result<Tensor> {
         self.check_healthy(collective, &self.world.lock(), None)?;
         let key = (self.key.clone(), src, self.rank);
-        self.wait(collective, None, |st| match st.mail.get_mut(&key).and_then(|q| q.pop_front()) {
-            Some(t) => Poll::Ready(t),
+        let (stamp, t) = self.wait(collective, None, |st| match st.mail.get_mut(&key).and_then(|q| q.pop_front()) {
+            Some(m) => Poll::Ready(m),
             None => Poll::Missing(vec![src]),
-        })
+        })?;
+        check_message(self.ctx(collective), src, stamp, self.received.next(src))?;
+        Ok(t)
     }
 }
 
@@ -339,26 +398,25 @@ impl Transport for ThreadTransport {
         self.timeout_ns.store(nanos(timeout), Ordering::Relaxed)
     }
 
-    fn exchange(
-        &self,
-        collective: Collective,
-        outgoing: Vec<Option<Tensor>>,
-        _device: &Device,
-    ) -> Result<Vec<Option<Tensor>>> {
-        let size = self.members.len();
+    fn exchange(&self, stamp: Stamp, outgoing: Vec<Option<Tensor>>, _device: &Device) -> Result<Vec<Option<Tensor>>> {
+        let (size, collective) = (self.members.len(), stamp.collective);
         debug_assert_eq!(outgoing.len(), size);
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let key = (self.key.clone(), seq);
         {
             let mut st = self.world.lock();
             self.check_healthy(collective, &st, Some(seq))?;
-            let round =
-                st.rounds.entry(key.clone()).or_insert_with(|| Round { deposits: vec![None; size], collected: 0 });
+            let round = st.rounds.entry(key.clone()).or_insert_with(|| Round {
+                deposits: vec![None; size],
+                stamps: vec![None; size],
+                collected: 0,
+            });
             round.deposits[self.rank] = Some(outgoing);
+            round.stamps[self.rank] = Some(stamp);
             self.world.cv.notify_all();
         }
         let rank = self.rank;
-        self.wait(collective, Some(seq), |st| {
+        let (column, stamps) = self.wait(collective, Some(seq), |st| {
             let round = st.rounds.get_mut(&key).expect("a round stays open until every rank collected its part");
             let missing: Vec<usize> = (0..size).filter(|&i| round.deposits[i].is_none()).collect();
             if !missing.is_empty() {
@@ -366,12 +424,22 @@ impl Transport for ThreadTransport {
             }
             let column: Vec<Option<Tensor>> =
                 round.deposits.iter_mut().map(|d| d.as_mut().and_then(|d| d[rank].take())).collect();
+            let stamps: Vec<(usize, Stamp)> =
+                round.stamps.iter().enumerate().filter_map(|(i, s)| s.filter(|_| i != rank).map(|s| (i, s))).collect();
             round.collected += 1;
             if round.collected == size {
                 st.rounds.remove(&key);
             }
-            Poll::Ready(column)
-        })
+            Poll::Ready((column, stamps))
+        })?;
+        if let Err(e) = check_round(self.ctx(collective), stamp, &stamps) {
+            let kind = FailureKind::OutOfStep { detail: e.to_string() };
+            let mut st = self.world.lock();
+            st.failures.entry(self.key.clone()).or_insert(Failure { seq: Some(seq), collective, by_rank: rank, kind });
+            self.world.cv.notify_all();
+            return Err(e);
+        }
+        Ok(column)
     }
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
@@ -388,6 +456,15 @@ impl Transport for ThreadTransport {
         Ok(Box::new(ThreadRecv { transport: self, src }))
     }
 
+    fn abort(&self, message: &str) {
+        let global = self.members[self.rank];
+        let mut st = self.world.lock();
+        if !st.failed.iter().any(|(r, _)| *r == global) {
+            st.failed.push((global, message.to_string()));
+        }
+        self.world.cv.notify_all();
+    }
+
     fn split(&self, groups: &[Vec<usize>], group: usize, index: usize) -> Result<Self> {
         let n = self.splits.fetch_add(1, Ordering::Relaxed);
         let members: Arc<[usize]> = groups[group].iter().map(|&r| self.members[r]).collect();
@@ -400,6 +477,8 @@ impl Transport for ThreadTransport {
             timeout_ns: AtomicU64::new(nanos(self.timeout())),
             seq: AtomicU64::new(0),
             splits: AtomicU64::new(0),
+            sent: PairCounter::default(),
+            received: PairCounter::default(),
         })
     }
 }

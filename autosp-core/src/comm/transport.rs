@@ -7,7 +7,8 @@ use std::time::Duration;
 use candle_core::{Device, Tensor};
 
 use super::error::Result;
-use super::process_group::{Collective, PendingRecv};
+use super::process_group::PendingRecv;
+use super::stamp::Stamp;
 
 /// What a back end must provide. Ranks are ranks within this group. Every method waits at most `timeout()`
 /// and reports missing ranks with `CommError::Timeout` / `CommError::PeerGone`; after such a failure the
@@ -24,16 +25,12 @@ pub trait Transport: Send + Sync + fmt::Debug + Sized + 'static {
     /// Changes the timeout of later calls.
     fn set_timeout(&self, timeout: Duration);
 
-    /// One synchronising round: `outgoing[j]` (`outgoing.len() == size()`) goes to rank j, and entry i of the
+    /// One synchronising round of the collective call `stamp`: `outgoing[j]` (`outgoing.len() == size()`) goes to rank j, and entry i of the
     /// result is what rank i put at this rank's index. `None` entries carry no payload but the round still
     /// waits for every rank. The own entry is passed through untouched. Received tensors land on `device`
-    /// where the back end has to materialise them.
-    fn exchange(
-        &self,
-        collective: Collective,
-        outgoing: Vec<Option<Tensor>>,
-        device: &Device,
-    ) -> Result<Vec<Option<Tensor>>>;
+    /// where the back end has to materialise them. Every rank's `stamp` travels with its messages; when the
+    /// ranks' stamps differ, every rank fails with `CommError::OutOfStep` and the group is poisoned.
+    fn exchange(&self, stamp: Stamp, outgoing: Vec<Option<Tensor>>, device: &Device) -> Result<Vec<Option<Tensor>>>;
 
     /// Sends `x` to rank `dst` (see `ProcessGroup::send` for the blocking rules).
     fn send(&self, x: &Tensor, dst: usize) -> Result<()>;
@@ -44,6 +41,9 @@ pub trait Transport: Send + Sync + fmt::Debug + Sized + 'static {
     /// Starts sending `x` to `dst` and returns the pending receive from `src`; waiting on it must not deadlock
     /// when all ranks do the same.
     fn start_send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Box<dyn PendingRecv + '_>>;
+
+    /// Tells every rank of the job that this rank failed with `message` (see `ProcessGroup::abort`).
+    fn abort(&self, message: &str);
 
     /// The transport of subgroup `groups[group]` in which this rank is number `index`. Called by every rank
     /// after the ranks agreed on `groups` (a partition of `0..size()`).

@@ -1,11 +1,14 @@
 //! The byte format tensors travel in between processes (MPI back end): a header the receiver needs
 //! because it cannot know the shape or dtype in advance, then the elements in little-endian order.
 //!
-//! Layout: `[present: u8][dtype code: u8][ndim: u8][5 zero bytes][ndim x u64 dims][elements]`;
-//! `present = 0` (an 8-byte message) carries no tensor. Supported dtypes: u8, u32, i16, i32, i64, bf16,
+//! Layout: `[present: u8][dtype code: u8][ndim: u8][kind: u8][4 zero bytes][call: u64][ndim x u64 dims]
+//! [elements]`; `kind` and `call` are the message's [`Stamp`] (the operation, `Collective::index() + 1`, and
+//! its sequence number); `present = 0` (a 16-byte message) carries no tensor, only the stamp. Supported dtypes: u8, u32, i16, i32, i64, bf16,
 //! f16, f32, f64.
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
+
+use super::stamp::Stamp;
 
 /// Why bytes could not be turned into a tensor or back.
 #[derive(Debug, thiserror::Error)]
@@ -20,7 +23,7 @@ pub enum WireError {
     Candle(#[from] candle_core::Error),
 }
 
-const HEADER: usize = 8;
+const HEADER: usize = 16;
 
 pub(crate) fn dtype_code(dtype: DType) -> Result<u8, WireError> {
     Ok(match dtype {
@@ -52,10 +55,18 @@ pub(crate) fn code_dtype(code: u8) -> Option<DType> {
     })
 }
 
-/// Serialises `t` (any layout, any device; `None`: an empty marker).
-pub fn encode(t: Option<&Tensor>) -> Result<Vec<u8>, WireError> {
+/// The header bytes of a message: presence, dtype code, rank, the stamp.
+fn header(present: bool, code: u8, ndim: u8, stamp: Stamp) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[..4].copy_from_slice(&[u8::from(present), code, ndim, stamp.kind_code()]);
+    h[8..].copy_from_slice(&stamp.call.to_le_bytes());
+    h
+}
+
+/// Serialises `t` (any layout, any device; `None`: an empty marker) stamped with `stamp`.
+pub fn encode(t: Option<&Tensor>, stamp: Stamp) -> Result<Vec<u8>, WireError> {
     let Some(t) = t else {
-        return Ok(vec![0; HEADER]);
+        return Ok(header(false, 0, 0, stamp).to_vec());
     };
     let code = dtype_code(t.dtype())?;
     if t.rank() > 255 {
@@ -63,7 +74,7 @@ pub fn encode(t: Option<&Tensor>) -> Result<Vec<u8>, WireError> {
     }
     let payload = t.elem_count() * t.dtype().size_in_bytes();
     let mut out = Vec::with_capacity(HEADER + 8 * t.rank() + payload);
-    out.extend_from_slice(&[1, code, t.rank() as u8, 0, 0, 0, 0, 0]);
+    out.extend_from_slice(&header(true, code, t.rank() as u8, stamp));
     for &d in t.dims() {
         out.extend_from_slice(&(d as u64).to_le_bytes());
     }
@@ -115,14 +126,17 @@ pub fn encode(t: Option<&Tensor>) -> Result<Vec<u8>, WireError> {
     Ok(out)
 }
 
-/// Parses bytes made by [`encode`] into a tensor on `device` (`None` for an empty marker).
-pub fn decode(bytes: &[u8], device: &Device) -> Result<Option<Tensor>, WireError> {
+/// Parses bytes made by [`encode`] into their stamp and a tensor on `device` (`None` for an empty marker).
+pub fn decode(bytes: &[u8], device: &Device) -> Result<(Stamp, Option<Tensor>), WireError> {
     let bad = |detail: String| WireError::Malformed { len: bytes.len(), detail };
     if bytes.len() < HEADER {
         return Err(bad(format!("shorter than the {HEADER}-byte header")));
     }
+    let collective =
+        Stamp::kind_from_code(bytes[3] as u64).ok_or_else(|| bad(format!("unknown operation code {}", bytes[3])))?;
+    let stamp = Stamp::new(collective, u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")));
     match bytes[0] {
-        0 => return Ok(None),
+        0 => return Ok((stamp, None)),
         1 => {}
         b => return Err(bad(format!("first byte {b} is neither 0 (none) nor 1 (tensor)"))),
     }
@@ -141,15 +155,20 @@ pub fn decode(bytes: &[u8], device: &Device) -> Result<Option<Tensor>, WireError
     if data.len() != expected {
         return Err(bad(format!("shape {dims:?} of {dtype:?} needs {expected} data bytes, got {}", data.len())));
     }
-    Ok(Some(Tensor::from_raw_buffer(data, dtype, &dims, device)?))
+    Ok((stamp, Some(Tensor::from_raw_buffer(data, dtype, &dims, device)?)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::Collective;
+
+    const STAMP: Stamp = Stamp { collective: Collective::AllGather, call: 0x0102_0304_0506 };
 
     fn round_trip(t: &Tensor) -> Tensor {
-        decode(&encode(Some(t)).unwrap(), &Device::Cpu).unwrap().unwrap()
+        let (stamp, back) = decode(&encode(Some(t), STAMP).unwrap(), &Device::Cpu).unwrap();
+        assert_eq!(stamp, STAMP);
+        back.unwrap()
     }
 
     #[test]
@@ -162,7 +181,7 @@ mod tests {
             let back = round_trip(&t);
             assert_eq!(back.dtype(), dtype);
             assert_eq!(back.dims(), &[2, 3, 4]);
-            assert_eq!(encode(Some(&back)).unwrap(), encode(Some(&t)).unwrap(), "{dtype:?}");
+            assert_eq!(encode(Some(&back), STAMP).unwrap(), encode(Some(&t), STAMP).unwrap(), "{dtype:?}");
         }
         Ok(())
     }
@@ -177,24 +196,31 @@ mod tests {
         assert_eq!(round_trip(&s).to_scalar::<f64>()?, 7.5);
         // A contiguous view that starts inside its storage: only the view's elements travel, in order.
         let rows = Tensor::arange(0f32, 12., &Device::Cpu)?.reshape((3, 4))?.narrow(0, 1, 2)?;
-        let bytes = encode(Some(&rows)).unwrap();
+        let bytes = encode(Some(&rows), STAMP).unwrap();
         let want: Vec<u8> = (4..12).flat_map(|v| (v as f32).to_le_bytes()).collect();
         assert_eq!(&bytes[bytes.len() - want.len()..], &want[..]);
         assert_eq!(round_trip(&rows).to_vec2::<f32>()?, rows.to_vec2::<f32>()?);
         let e = Tensor::zeros((0, 5), DType::F32, &Device::Cpu)?;
         assert_eq!(round_trip(&e).dims(), &[0, 5]);
-        assert!(decode(&encode(None).unwrap(), &Device::Cpu).unwrap().is_none());
+        let marker = Stamp::new(Collective::Barrier, 7);
+        let (stamp, none) = decode(&encode(None, marker).unwrap(), &Device::Cpu).unwrap();
+        assert!(stamp == marker && none.is_none());
         Ok(())
     }
 
     #[test]
     fn malformed_messages_are_errors() {
         let t = Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap();
-        let mut bytes = encode(Some(&t)).unwrap();
+        let mut bytes = encode(Some(&t), STAMP).unwrap();
         bytes.pop();
         let err = decode(&bytes, &Device::Cpu).unwrap_err().to_string();
         assert!(err.contains("needs 8 data bytes, got 7"), "{err}");
-        assert!(decode(&[1, 42, 0, 0, 0, 0, 0, 0], &Device::Cpu).is_err());
+        let mut header = encode(None, STAMP).unwrap();
+        header[0] = 1;
+        header[1] = 42;
+        assert!(decode(&header, &Device::Cpu).unwrap_err().to_string().contains("dtype code 42"));
+        header[3] = 0;
+        assert!(decode(&header, &Device::Cpu).unwrap_err().to_string().contains("operation code 0"));
         assert!(decode(&[3], &Device::Cpu).is_err());
     }
 }
