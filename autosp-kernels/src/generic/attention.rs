@@ -30,11 +30,13 @@
 //!   a few `[batch, heads, block, block]` tiles; never an N × N tensor.
 //! - Precision: f32 (f64 for f64 inputs); bf16/f16 blocks are converted to f32 as they are read and the
 //!   results converted back to the input dtype; the LSE stays f32 (f64).
-//! - Block size: 256 on the CPU, 1024 on a GPU. Each tile costs about a dozen candle ops (each a kernel launch
-//!   on a GPU, a pass over the tile and a fresh allocation on the CPU): large tiles amortise the launches and
-//!   keep the GPU's matmuls large; on the CPU a 256 × 256 tile of 8 heads (2 MiB in f32) stays in cache where
-//!   512 (8 MiB) and 1024 did not, and measured faster (N = 2048, 8 heads, causal, one thread: forward +
-//!   backward 0.30 CPU-s at 256, 0.51 at 512, 0.91 at 1024). The GPU size is not measured yet.
+//! - Block size: 512 on the CPU, 1024 on a GPU. Each tile costs about a dozen candle ops (each a kernel launch
+//!   on a GPU; on the CPU a pass over the tile, a fresh allocation and a round of candle's thread pool):
+//!   large tiles amortise the launches and keep the matmuls large. Measured on the CPU (2-core Zen 5, shared;
+//!   N = 8192, 8 heads, head_dim 64, causal, f32, forward + backward, docs/BENCHMARKS.md "Generic attention
+//!   (CPU)"): 3.9 s at 512, 5.6 s at 256, 7.1 s at 1024 with both threads; with one thread 256 was a little
+//!   faster than 512 (4.6 s vs 5.2 s), the thread pool's synchronisation per op being what larger tiles save.
+//!   The GPU size is not measured yet.
 //!
 use std::collections::HashMap;
 
@@ -46,7 +48,7 @@ use crate::running_sum::add_to;
 use crate::Result;
 
 /// Query rows and keys per tile on the CPU (see the module doc for the measurements behind it).
-pub const BLOCK_CPU: usize = 256;
+pub const BLOCK_CPU: usize = 512;
 /// Query rows and keys per tile on a GPU (CUDA, Metal): larger tiles, fewer kernel launches.
 pub const BLOCK_GPU: usize = 1024;
 
