@@ -1,11 +1,22 @@
 //! Benchmark of the CPU flash attention (forward, and forward + backward) against the naive attention
 //! that materialises the scores, in the same run. Prints one JSON line per sequence length.
 //!
+//! `--kernel generic` times the device-generic attention (`autosp_kernels::generic::attention`, candle tensor
+//! ops) on the CPU instead of the fast CPU kernel; `--kernel both` times both in one run and adds their ratios
+//! (`generic_over_cpu_fwd`, `generic_over_cpu_fwd_bwd`: generic time / CPU-kernel time).
+//!
+//! Memory: `*_fwd_bwd_peak_bytes` is the process heap peak during one forward + backward (the tracking global
+//! allocator of `autosp_core::alloc`) above the live bytes before it (inputs excluded), and
+//! `scores_bytes_per_head` the size one N × N f32 score matrix would have. `--peak-only` skips the timing and
+//! the naive attention and runs each kernel's forward + backward once, for the peak alone (long sequences).
+//!
 //! FLOP convention (the issue's, PyTorch's usual one): forward = 4 · batch · heads · N² · head_dim, halved
 //! when causal; forward + backward = 3.5 × forward. GFLOP/s are these counts over the measured time.
 //!
 //! ```text
 //! cargo run --release --example bench_attention -- --n 4096,8192 --causal
+//! cargo run --release --example bench_attention -- --n 8192 --causal --kernel both --naive-max-gib 0
+//! cargo run --release --example bench_attention -- --n 16384,65536 --causal --kernel generic --peak-only
 //! ```
 //!
 //! `fwd_cpu_s` / `fwd_bwd_cpu_s` are the process CPU seconds per call (all threads; Linux only): on a shared
@@ -18,9 +29,14 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
+use autosp_core::TrackingAllocator;
+use autosp_kernels::generic::attention::{attention_backward_with_block, attention_forward_with_block, BLOCK_CPU};
 use autosp_kernels::{flash_attention_backward, flash_attention_forward};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
+
+#[global_allocator]
+static ALLOC: TrackingAllocator = TrackingAllocator::new();
 
 #[derive(Parser, Debug)]
 #[command(about = "CPU flash attention vs naive attention: one JSON line per sequence length")]
@@ -51,6 +67,56 @@ struct Args {
     /// Skip the naive attention when its estimated peak memory is above this many GiB.
     #[arg(long, default_value_t = 6.0)]
     naive_max_gib: f64,
+    /// The flash kernel to time: `cpu` (the fast CPU kernel), `generic` (the device-generic one on the CPU),
+    /// or `both` (with their ratios).
+    #[arg(long, default_value = "cpu")]
+    kernel: String,
+    /// Only the heap peak of one forward + backward per kernel: no timing, no naive attention.
+    #[arg(long)]
+    peak_only: bool,
+    /// Query rows and keys per tile of the generic kernel (default: its CPU block, `BLOCK_CPU`).
+    #[arg(long, default_value_t = BLOCK_CPU)]
+    block: usize,
+}
+
+/// Which flash kernel a measurement runs (the generic one with its block size).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kernel {
+    Cpu,
+    Generic(usize),
+}
+
+impl Kernel {
+    fn name(self) -> &'static str {
+        match self {
+            Kernel::Cpu => "flash_attention_cpu",
+            Kernel::Generic(_) => "flash_attention_generic",
+        }
+    }
+
+    fn forward(self, q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(Tensor, Tensor)> {
+        Ok(match self {
+            Kernel::Cpu => flash_attention_forward(q, k, v, spec)?,
+            Kernel::Generic(block) => attention_forward_with_block(q, k, v, spec, block)?,
+        })
+    }
+
+    fn forward_backward(self, q: &Tensor, k: &Tensor, v: &Tensor, d_o: &Tensor, spec: &AttentionSpec) -> Result<()> {
+        let (o, lse) = self.forward(q, k, v, spec)?;
+        match self {
+            Kernel::Cpu => flash_attention_backward(q, k, v, &o, &lse, d_o, None, spec)?,
+            Kernel::Generic(block) => attention_backward_with_block(q, k, v, &o, &lse, d_o, None, spec, block)?,
+        };
+        Ok(())
+    }
+}
+
+/// The heap peak of one run of `f` above the live bytes before it.
+fn peak_of(f: impl FnOnce() -> Result<()>) -> Result<usize> {
+    let before = ALLOC.live_bytes();
+    ALLOC.reset_peak();
+    f()?;
+    Ok(ALLOC.peak_bytes().saturating_sub(before))
 }
 
 /// CPU seconds used by this process so far, all threads (Linux: /proc/self/stat, in clock ticks of 10 ms);
@@ -88,6 +154,12 @@ fn main() -> Result<()> {
         "bf16" => DType::BF16,
         other => bail!("--dtype {other}: use f32 or bf16"),
     };
+    let kernels = match args.kernel.as_str() {
+        "cpu" => vec![Kernel::Cpu],
+        "generic" => vec![Kernel::Generic(args.block)],
+        "both" => vec![Kernel::Cpu, Kernel::Generic(args.block)],
+        other => bail!("--kernel {other}: use cpu, generic or both"),
+    };
     let (b, h, d) = (args.batch, args.heads, args.head_dim);
     let hkv = args.kv_heads.unwrap_or(h);
     let spec = AttentionSpec { causal: args.causal, scale: None, q_offset: 0, k_offset: 0 };
@@ -99,18 +171,51 @@ fn main() -> Result<()> {
         let v = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?.to_dtype(dtype)?;
         let d_o = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
 
-        let (fwd_s, fwd_cpu_s) = median_time(args.repeats, || {
-            flash_attention_forward(&q, &k, &v, &spec)?;
-            Ok(())
-        })?;
-        let (fwd_bwd_s, fwd_bwd_cpu_s) = median_time(args.repeats, || {
-            let (o, lse) = flash_attention_forward(&q, &k, &v, &spec)?;
-            flash_attention_backward(&q, &k, &v, &o, &lse, &d_o, None, &spec)?;
-            Ok(())
-        })?;
-
         let fwd_flop = 4.0 * (b * h) as f64 * (n as f64).powi(2) * d as f64 * if args.causal { 0.5 } else { 1.0 };
         let fwd_bwd_flop = 3.5 * fwd_flop;
+        let mut line = serde_json::json!({
+            "kernel": kernels.iter().map(|k| k.name()).collect::<Vec<_>>().join(","),
+            "batch": b, "heads": h, "kv_heads": hkv, "head_dim": d, "n": n,
+            "causal": args.causal, "dtype": args.dtype, "threads": threads, "repeats": args.repeats,
+            "generic_block": args.block,
+            "flop_convention": "fwd = 4*b*h*N^2*d (x0.5 causal); fwd_bwd = 3.5*fwd",
+            "scores_bytes_per_head": 4 * n * n,
+        });
+        let mut fwd_times = Vec::new();
+        let mut fwd_bwd_times = Vec::new();
+        for &kernel in &kernels {
+            // "" for the CPU kernel (the fields this bench always printed), "generic_" for the generic one.
+            let p = if kernel == Kernel::Cpu { "" } else { "generic_" };
+            let peak = peak_of(|| kernel.forward_backward(&q, &k, &v, &d_o, &spec))?;
+            line[format!("{p}fwd_bwd_peak_bytes")] = peak.into();
+            if args.peak_only {
+                continue;
+            }
+            let (fwd_s, fwd_cpu_s) = median_time(args.repeats, || {
+                kernel.forward(&q, &k, &v, &spec)?;
+                Ok(())
+            })?;
+            let (fwd_bwd_s, fwd_bwd_cpu_s) =
+                median_time(args.repeats, || kernel.forward_backward(&q, &k, &v, &d_o, &spec))?;
+            line[format!("{p}fwd_s")] = fwd_s.into();
+            line[format!("{p}fwd_bwd_s")] = fwd_bwd_s.into();
+            line[format!("{p}fwd_cpu_s")] = fwd_cpu_s.into();
+            line[format!("{p}fwd_bwd_cpu_s")] = fwd_bwd_cpu_s.into();
+            line[format!("{p}fwd_gflops")] = (fwd_flop / fwd_s / 1e9).into();
+            line[format!("{p}fwd_bwd_gflops")] = (fwd_bwd_flop / fwd_bwd_s / 1e9).into();
+            fwd_times.push(fwd_s);
+            fwd_bwd_times.push(fwd_bwd_s);
+        }
+        if kernels.len() == 2 && !args.peak_only {
+            line["generic_over_cpu_fwd"] = (fwd_times[1] / fwd_times[0]).into();
+            line["generic_over_cpu_fwd_bwd"] = (fwd_bwd_times[1] / fwd_bwd_times[0]).into();
+        }
+        if args.peak_only {
+            println!("{line}");
+            continue;
+        }
+        let (fwd_s, fwd_bwd_s) = (fwd_times[0], fwd_bwd_times[0]);
+
         // The naive backward holds about 8 score-sized tensors in f32 plus an f64 mask.
         let naive_bytes = 8.0 * 4.0 * (b * h) as f64 * (n as f64).powi(2) + 8.0 * (n as f64).powi(2);
         let naive_gib = naive_bytes / (1u64 << 30) as f64;
@@ -129,23 +234,12 @@ fn main() -> Result<()> {
         } else {
             (None, None, format!("skipped: needs about {naive_gib:.1} GiB > --naive-max-gib {}", args.naive_max_gib))
         };
-        let line = serde_json::json!({
-            "kernel": "flash_attention_cpu",
-            "batch": b, "heads": h, "kv_heads": hkv, "head_dim": d, "n": n,
-            "causal": args.causal, "dtype": args.dtype, "threads": threads, "repeats": args.repeats,
-            "fwd_s": fwd_s,
-            "fwd_bwd_s": fwd_bwd_s,
-            "fwd_cpu_s": fwd_cpu_s,
-            "fwd_bwd_cpu_s": fwd_bwd_cpu_s,
-            "fwd_gflops": fwd_flop / fwd_s / 1e9,
-            "fwd_bwd_gflops": fwd_bwd_flop / fwd_bwd_s / 1e9,
-            "flop_convention": "fwd = 4*b*h*N^2*d (x0.5 causal); fwd_bwd = 3.5*fwd",
-            "naive_fwd_s": naive_fwd_s,
-            "naive_fwd_bwd_s": naive_fwd_bwd_s,
-            "naive_note": naive_note,
-            "speedup_fwd": naive_fwd_s.map(|t| t / fwd_s),
-            "speedup_fwd_bwd": naive_fwd_bwd_s.map(|t| t / fwd_bwd_s),
-        });
+        // Speed-ups against the naive attention are of the first kernel measured.
+        line["naive_fwd_s"] = naive_fwd_s.into();
+        line["naive_fwd_bwd_s"] = naive_fwd_bwd_s.into();
+        line["naive_note"] = naive_note.into();
+        line["speedup_fwd"] = naive_fwd_s.map(|t| t / fwd_s).into();
+        line["speedup_fwd_bwd"] = naive_fwd_bwd_s.map(|t| t / fwd_bwd_s).into();
         println!("{line}");
     }
     Ok(())

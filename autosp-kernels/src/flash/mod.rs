@@ -54,7 +54,7 @@ mod backward;
 mod cuda;
 #[cfg(any(feature = "flash-attn", test))]
 mod cuda_plan;
-pub(crate) mod device;
+mod device;
 mod forward;
 mod geometry;
 mod microkernel;
@@ -70,7 +70,8 @@ use device::Backend;
 use geometry::Geometry;
 use real::Real;
 
-/// The largest head dimension the kernels take.
+/// The largest head dimension the fast CPU kernel takes; the public functions run larger ones on the
+/// device-generic kernel.
 pub const MAX_HEAD_DIM: usize = 256;
 
 /// Flash attention forward. `q: [batch, q_len, heads, head_dim]`, `k, v: [batch, k_len, kv_heads, head_dim]`

@@ -9,7 +9,7 @@
 //! `h / (heads / kv_heads)`.
 //!
 //! How it works:
-//! - Tiles of `block` query rows × `block` keys ([`BLOCK`] by default). Repeated K/V are never materialised:
+//! - Tiles of `block` query rows × `block` keys ([`block_for`] the device by default). Repeated K/V are never materialised:
 //!   a query block of the `group = heads / kv_heads` query heads of each kv head is stacked into
 //!   `[batch, kv_heads, group · rows, head_dim]`, so one batched matmul per tile covers every batch, kv head
 //!   and group member against K, V in `[batch, kv_heads, k_len, head_dim]` (copied heads-major once).
@@ -18,10 +18,11 @@
 //!   `-inf - (-inf)`: a hidden score gives exactly 0, and a row that sees no key keeps `l = 0`, which gives
 //!   `lse = m + ln 0 = -inf` and `o = 0 / max(l, tiny) = 0`.
 //! - Backward (FlashAttention-2): per tile `P = exp(S - lse)` recomputed from the saved LSE (a row with
-//!   `lse = -inf` uses +inf, so its P is 0 and its gradients are 0, never NaN), `dV += Pᵀ dO`, `dP = dO Vᵀ`,
-//!   `dS = P ∘ (dP - D + d_lse)` with `D = rowsum(dO ∘ O)`, `dQ += dS K`, `dK += dSᵀ Q` (the stacked rows sum the
-//!   GQA group into its kv head). Q is scaled once per block, so `dK` needs no further scaling and `dQ` is
-//!   scaled once.
+//!   `lse = -inf` uses the largest finite value, so its P is 0 and its gradients are 0, never NaN),
+//!   `dV += Pᵀ dO`, `dS = P ∘ (dP - D + d_lse)` with `dP = dO Vᵀ` and `D = rowsum(dO ∘ O)`, `dQ += dS K`,
+//!   `dK += dSᵀ Q` (the stacked rows sum the GQA group into its kv head). The per-row subtractions ride in the
+//!   tile products: `[Q, -lse] [K, 1]ᵀ = S - lse` and `[dO, -(D - d_lse)] [V, 1]ᵀ = dP - D + d_lse`. Q is
+//!   scaled once per block, so `dK` needs no further scaling and `dQ` is scaled once.
 //! - Masks: under a causal mask the key blocks after a query block's last visible key are never computed;
 //!   a tile whose every row sees every key needs no mask; the others add a 0 / -inf bias `[rows, cols]`,
 //!   built once per (rows, cols, diagonal shift) from the spec's positions (`q_offset`, `k_offset`).
@@ -29,10 +30,14 @@
 //!   a few `[batch, heads, block, block]` tiles; never an N × N tensor.
 //! - Precision: f32 (f64 for f64 inputs); bf16/f16 blocks are converted to f32 as they are read and the
 //!   results converted back to the input dtype; the LSE stays f32 (f64).
-//! - Block size: 512 rows × 512 keys. Large tiles amortise candle's per-op cost (about a dozen ops per tile,
-//!   each a kernel launch on a GPU or a thread-pool round on the CPU) and keep the matmuls large; the waste on
-//!   the causal diagonal is half a tile per query block. On the CPU a 512 × 512 f32 tile of 8 heads is 8 MiB.
-
+//! - Block size: 512 on the CPU, 1024 on a GPU. Each tile costs about a dozen candle ops (each a kernel launch
+//!   on a GPU; on the CPU a pass over the tile, a fresh allocation and a round of candle's thread pool):
+//!   large tiles amortise the launches and keep the matmuls large. Measured on the CPU (2-core Zen 5, shared;
+//!   N = 8192, 8 heads, head_dim 64, causal, f32, forward + backward, docs/BENCHMARKS.md "Generic attention
+//!   (CPU)"): 3.9 s at 512, 5.6 s at 256, 7.1 s at 1024 with both threads; with one thread 256 was a little
+//!   faster than 512 (4.6 s vs 5.2 s), the thread pool's synchronisation per op being what larger tiles save.
+//!   The GPU size is not measured yet.
+//!
 use std::collections::HashMap;
 
 use autosp_core::ops::attention::{AttentionDims, AttentionSpec};
@@ -42,8 +47,19 @@ use crate::flash::{check, check_backward, compute_dtype};
 use crate::running_sum::add_to;
 use crate::Result;
 
-/// Query rows and keys per tile.
-pub const BLOCK: usize = 512;
+/// Query rows and keys per tile on the CPU (see the module doc for the measurements behind it).
+pub const BLOCK_CPU: usize = 512;
+/// Query rows and keys per tile on a GPU (CUDA, Metal): larger tiles, fewer kernel launches.
+pub const BLOCK_GPU: usize = 1024;
+
+/// The tile size [`attention_forward`] / [`attention_backward`] use on `device`.
+pub fn block_for(device: &Device) -> usize {
+    if device.is_cpu() {
+        BLOCK_CPU
+    } else {
+        BLOCK_GPU
+    }
+}
 
 const FWD: &str = "generic::attention_forward";
 const BWD: &str = "generic::attention_backward";
@@ -53,7 +69,7 @@ const BWD: &str = "generic::attention_backward";
 /// in q's dtype, `lse: [batch, heads, q_len]` in f32 (f64 for f64 inputs)`)` on q's device; a row that sees
 /// no key has `lse = -inf` and `o = 0`. The contract of [`crate::flash::flash_attention_forward`].
 pub fn attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(Tensor, Tensor)> {
-    attention_forward_with_block(q, k, v, spec, BLOCK)
+    attention_forward_with_block(q, k, v, spec, block_for(q.device()))
 }
 
 /// [`attention_forward`] with `block` query rows and keys per tile (at least 1), so that tests run many
@@ -136,7 +152,7 @@ pub fn attention_backward(
     d_lse: Option<&Tensor>,
     spec: &AttentionSpec,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    attention_backward_with_block(q, k, v, o, lse, d_o, d_lse, spec, BLOCK)
+    attention_backward_with_block(q, k, v, o, lse, d_o, d_lse, spec, block_for(q.device()))
 }
 
 /// [`attention_backward`] with `block` query rows and keys per tile (at least 1), for tests. Not part of
@@ -163,10 +179,15 @@ pub fn attention_backward_with_block(
     }
     let (b, h, hkv, d) = (dims.batch, dims.heads, dims.kv_heads, dims.head_dim);
     let (kh, vh) = (heads_major(k, cd)?, heads_major(v, cd)?);
-    // Per row `[b, h, nq]`: the LSE with +inf for rows that see no key (their P is exp(S - inf) = 0), and
-    // D - d_lse with D = rowsum(dO ∘ O).
+    // K and V with a column of ones, `[b, kv_heads, nk, d + 1]`: against Q with a column -lse (dO with a
+    // column -D) the tile product gives S - lse (dP - D) directly, one tile-sized pass less each.
+    let ones = t.full((b, hkv, dims.k_len, 1), 1.0)?;
+    let (kh1, vh1) = (Tensor::cat(&[&kh, &ones], 3)?, Tensor::cat(&[&vh, &ones], 3)?);
+    drop(ones);
+    // Per row `[b, h, nq]`: the LSE, with the largest finite value for rows that see no key (their P is then
+    // exp(S - MAX) = 0; -inf would meet a 0 in the tile product), and D - d_lse with D = rowsum(dO ∘ O).
     let lse = lse.to_dtype(cd)?;
-    let lse = lse.eq(f64::NEG_INFINITY)?.where_cond(&t.full(lse.shape(), f64::INFINITY)?, &lse)?;
+    let lse = lse.eq(f64::NEG_INFINITY)?.where_cond(&t.full(lse.shape(), t.max_finite())?, &lse)?;
     let delta = (d_o.to_dtype(cd)? * o.to_dtype(cd)?)?.sum(D::Minus1)?.transpose(1, 2)?;
     let delta = match d_lse {
         Some(d_lse) => (delta - d_lse.to_dtype(cd)?)?,
@@ -182,18 +203,18 @@ pub fn attention_backward_with_block(
         if key_blocks > 0 {
             let qb = t.stacked(q, i0, rows, Some(t.scale))?;
             let dob = t.stacked(d_o, i0, rows, None)?;
-            let per_row = |x: &Tensor| -> Result<Tensor> {
-                Ok(x.narrow(2, i0, rows)?.contiguous()?.reshape((b, hkv, t.group() * rows, 1))?)
+            let minus_per_row = |x: &Tensor| -> Result<Tensor> {
+                Ok(x.narrow(2, i0, rows)?.neg()?.reshape((b, hkv, t.group() * rows, 1))?)
             };
-            let (lse_b, delta_b) = (per_row(&lse)?, per_row(&delta)?);
+            let qb1 = Tensor::cat(&[&qb, &minus_per_row(&lse)?], 3)?;
+            let dob1 = Tensor::cat(&[&dob, &minus_per_row(&delta)?], 3)?;
             for jb in 0..key_blocks {
                 let (j0, cols) = t.key_block(jb);
-                let (kb, vb) = (kh.narrow(2, j0, cols)?, vh.narrow(2, j0, cols)?);
-                let s = masks.apply(&t, qb.matmul(&kb.t()?)?, i0, rows, j0, cols)?;
-                let p = s.broadcast_sub(&lse_b)?.exp()?;
+                let s = masks.apply(&t, qb1.matmul(&kh1.narrow(2, j0, cols)?.t()?)?, i0, rows, j0, cols)?;
+                let p = s.exp()?;
                 add_to(&mut dv_blocks[jb], p.t()?.matmul(&dob)?)?;
-                let dp = dob.matmul(&vb.t()?)?;
-                let ds = (p * dp.broadcast_sub(&delta_b)?)?;
+                let ds = (p * dob1.matmul(&vh1.narrow(2, j0, cols)?.t()?)?)?;
+                let kb = kh.narrow(2, j0, cols)?;
                 add_to(&mut dq, ds.matmul(&kb)?)?;
                 add_to(&mut dk_blocks[jb], ds.t()?.matmul(&qb)?)?;
             }
@@ -271,6 +292,15 @@ impl Tiles {
             DType::F64 => Tensor::full(value, shape, &self.device)?,
             _ => Tensor::full(value as f32, shape, &self.device)?,
         })
+    }
+
+    /// The largest finite value of the compute dtype.
+    fn max_finite(&self) -> f64 {
+        if self.cd == DType::F64 {
+            f64::MAX
+        } else {
+            f32::MAX as f64
+        }
     }
 
     /// Rows `i0..i0 + rows` of `x: [b, n, heads, d]` stacked per kv head, `[b, kv_heads, group · rows, d]`
