@@ -1,9 +1,12 @@
 //! Benchmark of the CPU flash attention (forward, and forward + backward) against the naive attention
 //! that materialises the scores, in the same run. Prints one JSON line per sequence length.
 //!
-//! `--kernel generic` times the device-generic attention (`autosp_kernels::generic::attention`, candle tensor
-//! ops) on the CPU instead of the fast CPU kernel; `--kernel both` times both in one run and adds their ratios
-//! (`generic_over_cpu_fwd`, `generic_over_cpu_fwd_bwd`: generic time / CPU-kernel time).
+//! `--kernel` takes a comma-separated list: `cpu` (the fast CPU kernel), `generic` (the device-generic
+//! attention, `autosp_kernels::generic::attention`, candle tensor ops), `flash-attn` (the inference output,
+//! `flash_attention_output`: candle-flash-attn on CUDA in a build with feature `flash-attn` when its kernel
+//! takes the inputs, forward only); `both` is `cpu,generic`. With two of them the line adds their ratios
+//! (`generic_over_cpu_fwd`, `generic_over_cpu_fwd_bwd`, `generic_over_flash_attn_fwd`: generic time / the
+//! other's). `--device cuda` runs everything on the GPU (times after a device synchronize).
 //!
 //! Memory: `*_fwd_bwd_peak_bytes` is the process heap peak during one forward + backward (the tracking global
 //! allocator of `autosp_core::alloc`) above the live bytes before it (inputs excluded), and
@@ -30,9 +33,9 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
 use autosp_core::TrackingAllocator;
-use autosp_kernels::generic::attention::{attention_backward_with_block, attention_forward_with_block, BLOCK_CPU};
-use autosp_kernels::{flash_attention_backward, flash_attention_forward};
-use candle_core::{DType, Device, Tensor};
+use autosp_kernels::generic::attention::{attention_backward_with_block, attention_forward_with_block, block_for};
+use autosp_kernels::{flash_attention_backward, flash_attention_forward, flash_attention_output};
+use candle_core::{Device, Tensor};
 use clap::Parser;
 
 #[global_allocator]
@@ -48,8 +51,9 @@ struct Args {
     /// Key/value heads (default: --heads).
     #[arg(long)]
     kv_heads: Option<usize>,
-    #[arg(long, default_value_t = 64)]
-    head_dim: usize,
+    /// Head dimensions, comma separated (one line per head dimension and length).
+    #[arg(long, value_delimiter = ',', default_value = "64")]
+    head_dim: Vec<usize>,
     /// Sequence lengths (queries = keys), comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1024,4096")]
     n: Vec<usize>,
@@ -74,9 +78,13 @@ struct Args {
     /// Only the heap peak of one forward + backward per kernel: no timing, no naive attention.
     #[arg(long)]
     peak_only: bool,
-    /// Query rows and keys per tile of the generic kernel (default: its CPU block, `BLOCK_CPU`).
-    #[arg(long, default_value_t = BLOCK_CPU)]
-    block: usize,
+    /// Query rows and keys per tile of the generic kernel (default: the device's, `block_for`).
+    #[arg(long)]
+    block: Option<usize>,
+    /// cpu | cuda | cuda:N | metal (default: the first CUDA device when built with `cuda` and one exists, else
+    /// the CPU).
+    #[arg(long)]
+    device: Option<autosp::DeviceSpec>,
 }
 
 /// Which flash kernel a measurement runs (the generic one with its block size).
@@ -84,6 +92,7 @@ struct Args {
 enum Kernel {
     Cpu,
     Generic(usize),
+    FlashAttn,
 }
 
 impl Kernel {
@@ -91,21 +100,38 @@ impl Kernel {
         match self {
             Kernel::Cpu => "flash_attention_cpu",
             Kernel::Generic(_) => "flash_attention_generic",
+            Kernel::FlashAttn => "flash_attention_output",
         }
     }
 
-    fn forward(self, q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(Tensor, Tensor)> {
+    /// The prefix of this kernel's fields in the JSON line ("" for the CPU kernel: the fields this bench
+    /// always printed).
+    fn prefix(self) -> &'static str {
+        match self {
+            Kernel::Cpu => "",
+            Kernel::Generic(_) => "generic_",
+            Kernel::FlashAttn => "flash_attn_",
+        }
+    }
+
+    /// The forward; `None` for the output-only kernel.
+    fn forward(self, q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<Option<(Tensor, Tensor)>> {
         Ok(match self {
-            Kernel::Cpu => flash_attention_forward(q, k, v, spec)?,
-            Kernel::Generic(block) => attention_forward_with_block(q, k, v, spec, block)?,
+            Kernel::Cpu => Some(flash_attention_forward(q, k, v, spec)?),
+            Kernel::Generic(block) => Some(attention_forward_with_block(q, k, v, spec, block)?),
+            Kernel::FlashAttn => {
+                flash_attention_output(q, k, v, spec)?;
+                None
+            }
         })
     }
 
     fn forward_backward(self, q: &Tensor, k: &Tensor, v: &Tensor, d_o: &Tensor, spec: &AttentionSpec) -> Result<()> {
-        let (o, lse) = self.forward(q, k, v, spec)?;
+        let Some((o, lse)) = self.forward(q, k, v, spec)? else { bail!("{} has no backward", self.name()) };
         match self {
             Kernel::Cpu => flash_attention_backward(q, k, v, &o, &lse, d_o, None, spec)?,
             Kernel::Generic(block) => attention_backward_with_block(q, k, v, &o, &lse, d_o, None, spec, block)?,
+            Kernel::FlashAttn => unreachable!("forward returned None"),
         };
         Ok(())
     }
@@ -128,14 +154,17 @@ fn process_cpu_s() -> Option<f64> {
     Some(ticks / 100.0)
 }
 
-/// Median wall time of `repeats` runs of `f` after one warm-up run, and the mean process CPU time per run.
-fn median_time(repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, Option<f64>)> {
+/// Median wall time of `repeats` runs of `f` after one warm-up run (each ended by a synchronize of `dev`, so
+/// a GPU's queued work is counted), and the mean process CPU time per run.
+fn median_time(dev: &Device, repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, Option<f64>)> {
     f()?;
+    dev.synchronize()?;
     let mut times = Vec::with_capacity(repeats);
     let cpu0 = process_cpu_s();
     for _ in 0..repeats.max(1) {
         let t = Instant::now();
         f()?;
+        dev.synchronize()?;
         times.push(t.elapsed().as_secs_f64());
     }
     let cpu = process_cpu_s().zip(cpu0).map(|(b, a)| ((b - a) / times.len() as f64 * 1e3).round() / 1e3);
@@ -149,23 +178,25 @@ fn main() -> Result<()> {
         // Read by rayon's global pool and candle's thread count when they first start, which is below.
         std::env::set_var("RAYON_NUM_THREADS", t.to_string());
     }
-    let dtype = match args.dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        other => bail!("--dtype {other}: use f32 or bf16"),
-    };
-    let kernels = match args.kernel.as_str() {
-        "cpu" => vec![Kernel::Cpu],
-        "generic" => vec![Kernel::Generic(args.block)],
-        "both" => vec![Kernel::Cpu, Kernel::Generic(args.block)],
-        other => bail!("--kernel {other}: use cpu, generic or both"),
-    };
-    let (b, h, d) = (args.batch, args.heads, args.head_dim);
+    let dtype = autosp::precision::parse_dtype(&args.dtype).map_err(anyhow::Error::msg)?;
+    let dev = args.device.unwrap_or_else(autosp::DeviceSpec::default_for_build).open(None)?;
+    let block = args.block.unwrap_or_else(|| block_for(&dev));
+    let mut kernels = Vec::new();
+    for name in args.kernel.split(',') {
+        match name.trim() {
+            "cpu" if !dev.is_cpu() => bail!("--kernel cpu is the CPU kernel: use generic or flash-attn on {dev:?}"),
+            "cpu" => kernels.push(Kernel::Cpu),
+            "generic" => kernels.push(Kernel::Generic(block)),
+            "flash-attn" => kernels.push(Kernel::FlashAttn),
+            "both" => kernels.extend([Kernel::Cpu, Kernel::Generic(block)]),
+            other => bail!("--kernel {other}: use cpu, generic, flash-attn or both (comma-separated)"),
+        }
+    }
+    let (b, h) = (args.batch, args.heads);
     let hkv = args.kv_heads.unwrap_or(h);
     let spec = AttentionSpec { causal: args.causal, scale: None, q_offset: 0, k_offset: 0 };
     let threads = candle_core::utils::get_num_threads();
-    let dev = Device::Cpu;
-    for &n in &args.n {
+    for (d, &n) in args.head_dim.iter().flat_map(|&d| args.n.iter().map(move |n| (d, n))) {
         let q = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
         let k = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?.to_dtype(dtype)?;
         let v = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?.to_dtype(dtype)?;
@@ -177,55 +208,65 @@ fn main() -> Result<()> {
             "kernel": kernels.iter().map(|k| k.name()).collect::<Vec<_>>().join(","),
             "batch": b, "heads": h, "kv_heads": hkv, "head_dim": d, "n": n,
             "causal": args.causal, "dtype": args.dtype, "threads": threads, "repeats": args.repeats,
-            "generic_block": args.block,
+            "generic_block": block, "device": format!("{:?}", dev.location()),
+            "flash_attn_feature": cfg!(feature = "flash-attn"),
             "flop_convention": "fwd = 4*b*h*N^2*d (x0.5 causal); fwd_bwd = 3.5*fwd",
             "scores_bytes_per_head": 4 * n * n,
         });
-        let mut fwd_times = Vec::new();
-        let mut fwd_bwd_times = Vec::new();
+        let mut fwd_times = std::collections::HashMap::new();
+        let mut fwd_bwd_times = std::collections::HashMap::new();
         for &kernel in &kernels {
-            // "" for the CPU kernel (the fields this bench always printed), "generic_" for the generic one.
-            let p = if kernel == Kernel::Cpu { "" } else { "generic_" };
-            let peak = peak_of(|| kernel.forward_backward(&q, &k, &v, &d_o, &spec))?;
-            line[format!("{p}fwd_bwd_peak_bytes")] = peak.into();
+            let p = kernel.prefix();
+            let has_backward = kernel != Kernel::FlashAttn;
+            if has_backward {
+                let peak = peak_of(|| kernel.forward_backward(&q, &k, &v, &d_o, &spec))?;
+                line[format!("{p}fwd_bwd_peak_bytes")] = peak.into();
+            }
             if args.peak_only {
                 continue;
             }
-            let (fwd_s, fwd_cpu_s) = median_time(args.repeats, || {
+            let (fwd_s, fwd_cpu_s) = median_time(&dev, args.repeats, || {
                 kernel.forward(&q, &k, &v, &spec)?;
                 Ok(())
             })?;
-            let (fwd_bwd_s, fwd_bwd_cpu_s) =
-                median_time(args.repeats, || kernel.forward_backward(&q, &k, &v, &d_o, &spec))?;
             line[format!("{p}fwd_s")] = fwd_s.into();
-            line[format!("{p}fwd_bwd_s")] = fwd_bwd_s.into();
             line[format!("{p}fwd_cpu_s")] = fwd_cpu_s.into();
-            line[format!("{p}fwd_bwd_cpu_s")] = fwd_bwd_cpu_s.into();
             line[format!("{p}fwd_gflops")] = (fwd_flop / fwd_s / 1e9).into();
-            line[format!("{p}fwd_bwd_gflops")] = (fwd_bwd_flop / fwd_bwd_s / 1e9).into();
-            fwd_times.push(fwd_s);
-            fwd_bwd_times.push(fwd_bwd_s);
+            fwd_times.insert(p, fwd_s);
+            if has_backward {
+                let (fwd_bwd_s, fwd_bwd_cpu_s) =
+                    median_time(&dev, args.repeats, || kernel.forward_backward(&q, &k, &v, &d_o, &spec))?;
+                line[format!("{p}fwd_bwd_s")] = fwd_bwd_s.into();
+                line[format!("{p}fwd_bwd_cpu_s")] = fwd_bwd_cpu_s.into();
+                line[format!("{p}fwd_bwd_gflops")] = (fwd_bwd_flop / fwd_bwd_s / 1e9).into();
+                fwd_bwd_times.insert(p, fwd_bwd_s);
+            }
         }
-        if kernels.len() == 2 && !args.peak_only {
-            line["generic_over_cpu_fwd"] = (fwd_times[1] / fwd_times[0]).into();
-            line["generic_over_cpu_fwd_bwd"] = (fwd_bwd_times[1] / fwd_bwd_times[0]).into();
+        if let (Some(g), Some(c)) = (fwd_times.get("generic_"), fwd_times.get("")) {
+            line["generic_over_cpu_fwd"] = (g / c).into();
+            line["generic_over_cpu_fwd_bwd"] = (fwd_bwd_times["generic_"] / fwd_bwd_times[""]).into();
         }
-        if args.peak_only {
+        if let (Some(g), Some(f)) = (fwd_times.get("generic_"), fwd_times.get("flash_attn_")) {
+            line["generic_over_flash_attn_fwd"] = (g / f).into();
+        }
+        // The naive comparison is of the first kernel with a backward.
+        let first = kernels.iter().map(|k| k.prefix()).find(|p| fwd_bwd_times.contains_key(p));
+        let (Some(first), false) = (first, args.peak_only) else {
             println!("{line}");
             continue;
-        }
-        let (fwd_s, fwd_bwd_s) = (fwd_times[0], fwd_bwd_times[0]);
+        };
+        let (fwd_s, fwd_bwd_s) = (fwd_times[first], fwd_bwd_times[first]);
 
         // The naive backward holds about 8 score-sized tensors in f32 plus an f64 mask.
         let naive_bytes = 8.0 * 4.0 * (b * h) as f64 * (n as f64).powi(2) + 8.0 * (n as f64).powi(2);
         let naive_gib = naive_bytes / (1u64 << 30) as f64;
         let naive_repeats = args.repeats.min(3);
         let (naive_fwd_s, naive_fwd_bwd_s, naive_note) = if naive_gib <= args.naive_max_gib {
-            let (f, _) = median_time(naive_repeats, || {
+            let (f, _) = median_time(&dev, naive_repeats, || {
                 naive_attention_forward(&q, &k, &v, &spec)?;
                 Ok(())
             })?;
-            let (fb, _) = median_time(naive_repeats, || {
+            let (fb, _) = median_time(&dev, naive_repeats, || {
                 let (o, lse) = naive_attention_forward(&q, &k, &v, &spec)?;
                 naive_attention_backward(&q, &k, &v, &o, &lse, Some(&d_o), None, &spec)?;
                 Ok(())

@@ -4,8 +4,9 @@
 #
 #   1. builds with `--features cuda` (candle's CUDA backend + the device-generic kernels), and with
 #      `flash-attn` on top when CUTLASS is already on disk (candle-flash-attn's build clones it otherwise);
-#   2. runs the CUDA tests (`autosp-kernels/tests/cuda_attention.rs`: the generic attention and ops on CUDA
-#      against the CPU kernels, forward and backward, f32 and bf16; candle-flash-attn's forward when built);
+#   2. runs the CUDA tests (`autosp-kernels/tests/cuda_attention.rs`, `cuda_ops.rs`: the generic attention
+#      and ops on CUDA against the CPU kernels, forward and backward, f32 and bf16; candle-flash-attn's
+#      forward when built);
 #   3. runs `llama_longctx --quick` on CUDA at P = 1 and 2 (thread ranks sharing the GPU) in f32 and bf16 and
 #      compares every step's loss with the CPU run (f32: 1e-4 relative; bf16: 2e-2);
 #   4. prints `bench_attention` on CUDA (generic attention vs candle-flash-attn forward, bf16, N = 16384,
@@ -43,8 +44,8 @@ cargo build "${cargo_flags[@]}" --features "$features" --example llama_longctx -
 log "build (--features $features): $((SECONDS - t0)) s"
 
 t0=$SECONDS
-cargo test "${cargo_flags[@]}" --features "$features" -p autosp-kernels --test cuda_attention -- --nocapture \
-  2>&1 | tee "$OUT/cuda_tests.log" | tail -15
+cargo test "${cargo_flags[@]}" --features "$features" -p autosp-kernels --test cuda_attention --test cuda_ops \
+  -- --nocapture 2>&1 | tee "$OUT/cuda_tests.log" | grep -E "^test |test result|error|max relative" | tail -40
 log "CUDA tests: $((SECONDS - t0)) s"
 
 bin=target/release/examples
@@ -74,8 +75,8 @@ for p in 1 2; do
   done
 done
 
-"$bin/bench_attention" --device cuda --kernel generic,flash-attn --dtype bf16 --n 16384 --head-dim 64,128 \
-  | tee "$OUT/bench_attention_cuda.jsonl" || status=1
+"$bin/bench_attention" --device cuda --kernel generic,flash-attn --dtype bf16 --causal --n 16384 --head-dim 64,128 \
+  --repeats 3 --naive-max-gib 0 | tee "$OUT/bench_attention_cuda.jsonl" || status=1
 "$bin/llama_longctx" --no-progress --device cuda --seq-len 8192 --steps 6 --warmup 1 --save "$OUT/tput" \
   --metrics "$OUT/tput_8k.jsonl" | grep -E "throughput|tape peak|loss:" | tee -a "$OUT/summary.txt" || status=1
 log "done, status $status"

@@ -1,16 +1,18 @@
-//! CUDA attention (feature `flash-attn`, on a machine with a CUDA GPU of compute capability >= 8.0):
-//! candle-flash-attn's output against the CPU flash kernel on the same bf16 inputs (widened to f32 on the
+//! CUDA attention (feature `cuda`, on a machine with a CUDA GPU of compute capability >= 8.0): the inference
+//! output (`flash_attention_output`: candle-flash-attn with feature `flash-attn`, the generic kernel without)
+//! against the CPU flash kernel on the same bf16 inputs (widened to f32 on the
 //! CPU), for causal and full attention, MHA and GQA, and KV-cache decoding (one query after a prefix); and the
 //! device-generic kernel, which serves the LSE, the backward and whatever candle-flash-attn does not take on
 //! CUDA, against the CPU kernel: forward o and lse, backward dq/dk/dv with d_lse, f32 and bf16. Run with
-//! `cargo test --release --features flash-attn -p autosp-kernels --test cuda_attention`.
+//! `cargo test --release --features cuda -p autosp-kernels --test cuda_attention` (add `flash-attn` for
+//! candle-flash-attn).
 //!
 //! Tolerances (max relative error: `max |x - y| / max |y|`): candle-flash-attn 2e-2 (the inputs are bf16, 8
 //! bits of mantissa, and flash-attn keeps P in bf16 for the PV product, so each output element carries a
 //! relative error of about 2^-8 per term). Generic f32 1e-4 (both accumulate in f32, in different orders;
 //! cuBLAS may split the sums differently from the CPU's). Generic bf16 2^-7 (both compute in f32 from the
 //! same bf16 inputs and round the results to bf16, whose ulp is 2^-8 of the element).
-#![cfg(feature = "flash-attn")]
+#![cfg(feature = "cuda")]
 
 use autosp_core::gradcheck::probe;
 use autosp_core::ops::AttentionSpec;
