@@ -226,12 +226,7 @@ fn update_in_place(
     v: Tensor,
     k: &Coefficients,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let gf = gf.contiguous()?;
-    m.inplace_op2(&gf, &Moment { beta: k.beta1, square: false })?;
-    v.inplace_op2(&gf, &Moment { beta: k.beta2, square: true })?;
-    let new = wf.copy()?;
-    new.inplace_op3(&m, &v, &Weights(*k))?;
-    Ok((new, m, v))
+    update_master_in_place(wf.copy()?, gf, m, v, k)
 }
 
 /// [`update_in_place`] on the optimiser's own f32 master copy: the master itself is updated, no copy.
