@@ -58,6 +58,8 @@ pub struct Job {
 pub enum Ended {
     Done,
     Interrupted,
+    /// Failed, and the error is already reported (one process per rank: said before the others were told).
+    Failed,
 }
 
 impl Job {
