@@ -59,6 +59,7 @@ pub enum Ended {
     Done,
     Interrupted,
     /// Failed, and the error is already reported (one process per rank: said before the others were told).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     Failed,
 }
 
