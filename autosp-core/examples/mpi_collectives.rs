@@ -77,6 +77,9 @@ fn fail_rank(world: &Arc<dyn ProcessGroup>, failing: usize, busy: Duration) -> E
     }
     let message = format!("injected failure on rank {failing} (mpi_collectives --fail-rank)");
     if rank == failing {
+        // Let the others leave the first all_reduce (this rank can finish it while they are still in its last
+        // round): the failure must reach them in the next call, or during their `busy` work.
+        std::thread::sleep(Duration::from_millis(500));
         eprintln!("mpi_collectives: rank {rank}: {message}");
         world.abort(&message);
         return ExitCode::from(3);
