@@ -211,7 +211,7 @@ fn unsupported_quantisation_is_named_with_the_fix() {
     std::fs::write(&path, &bytes).unwrap();
     for e in [
         import_gguf(&path, DType::F32, &Device::Cpu).err().expect("an IQ2_XXS tensor must be refused"),
-        gguf_tokenizer(&path).err().expect("the tokenizer reader must refuse it too"),
+        gguf_tokenizer(&path).expect_err("the tokenizer reader must refuse it too"),
     ] {
         assert!(matches!(&e, autosp_models::Error::GgufQuantisation { ggml_type: 16, name: "IQ2_XXS", .. }), "{e}");
         let msg = e.to_string();

@@ -621,6 +621,33 @@ mod tests {
         assert_eq!(complete(&r.join("step-6")).unwrap(), "six");
     }
 
+    /// A `.lock` left by a dead run (not held) is taken over; while held, a second lock of the directory
+    /// is refused naming the holder; dropping it removes the file, and the directory when the lock made it
+    /// and it is empty (a directory that existed stays).
+    #[test]
+    #[cfg(unix)]
+    fn the_save_lock_is_exclusive_and_leaves_no_trace() {
+        let root = tempfile::tempdir().unwrap();
+        let made = root.path().join("new");
+        let lock = SaveLock::acquire(&made).unwrap();
+        assert_eq!(std::fs::read_to_string(made.join(LOCK_FILE)).unwrap(), std::process::id().to_string());
+        // flock locks belong to the open file: a second open in this process conflicts like another process.
+        let e = SaveLock::acquire(&made).err().expect("a held lock must refuse a second one").to_string();
+        assert!(e.contains(&format!("another run (process {})", std::process::id())), "{e}");
+        assert!(made.join(LOCK_FILE).is_file(), "a refused lock must not remove the holder's file");
+        drop(lock);
+        assert!(!made.exists(), "the directory the lock made, left empty, goes with it");
+
+        let kept = root.path().join("kept");
+        std::fs::create_dir_all(&kept).unwrap();
+        std::fs::write(kept.join(LOCK_FILE), "999999999").unwrap();
+        let lock = SaveLock::acquire(&kept).unwrap();
+        assert_eq!(std::fs::read_to_string(kept.join(LOCK_FILE)).unwrap(), std::process::id().to_string());
+        drop(lock);
+        let left: Vec<_> = std::fs::read_dir(&kept).unwrap().collect();
+        assert!(kept.is_dir() && left.is_empty(), "a directory that existed stays, without the lock file");
+    }
+
     /// The streaming hash equals FNV-1a over the whole file at once, across chunk boundaries, and hashing a
     /// file far larger than a chunk does not hold it in memory.
     #[test]
