@@ -583,4 +583,8 @@ fn a_second_run_saving_into_the_same_directory_is_refused() {
     // Now the directory is free.
     let so = run_ok(t, &["--quick", "--steps", "1", "--save", s(&save)]);
     assert!(so.contains("step    1/1"), "{so}");
+    // The --save directory itself given to --resume: refused, naming its newest checkpoint.
+    let e = run_err(t, &["--quick", "--steps", "2", "--resume", s(&save)]);
+    let newest = format!("the newest is --resume {}", s(&save.join("step-1")));
+    assert!(e.contains("not a checkpoint") && e.contains(&newest), "{e}");
 }

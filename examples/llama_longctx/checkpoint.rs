@@ -442,8 +442,19 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
     }
     let path = dir.join(STATE_FILE);
     if !path.exists() {
+        // A `--save` directory given for one of its checkpoints: name its newest.
+        let newest = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("step-")?.parse::<usize>().ok())
+            .max();
+        let hint = match newest {
+            Some(n) => format!("; it holds checkpoints: the newest is --resume {}", step_dir(dir, n).display()),
+            None => String::new(),
+        };
         bail!(
-            "--resume {}: not a checkpoint (it has no {STATE_FILE}); give a `.../step-N` directory written by --save",
+            "--resume {}: not a checkpoint (it has no {STATE_FILE}); give a `.../step-N` directory written by \
+             --save{hint}",
             dir.display()
         );
     }
