@@ -203,21 +203,30 @@ fn plan_counts_bf16_attention_traffic_at_two_bytes_and_gradients_at_four() {
         let out = run_ranks(2, std::time::Duration::from_secs(60), move |pg| {
             let mut c = compiled(pg, dtype, s, CheckpointPolicy::None)?;
             let params: usize = c.params().iter().map(|p| p.tensor().elem_count()).sum();
-            Ok::<_, CompileError>((c.plan(n)?.comm_bytes, params))
+            let plan = c.plan(n)?;
+            Ok::<_, CompileError>((plan.attention_comm_bytes, plan.comm_bytes, params))
         });
         out.into_iter().next().unwrap().unwrap().unwrap()
     };
     for s in [Strategy::Ulysses, Strategy::Ring] {
-        let ((f, params), (h, _)) = (plans(DType::F32, s), plans(DType::BF16, s));
-        // The gradient all-reduce is f32 in both: ring all-reduce sends 2 (P - 1) / P of the gradients.
-        let grads = 2.0 * 0.5 * params as f64 * 4.0;
-        let (attn_f32, attn_bf16) = (f - grads, h - grads);
+        let ((attn_f32, f, params), (attn_bf16, h, _)) = (plans(DType::F32, s), plans(DType::BF16, s));
+        // The gradient all-reduce is f32 in both: ring all-reduce sends 2 (P - 1) / P of the gradients; the
+        // loss's two one-element f64 all-reduces send 8 bytes each from rank 0 at P = 2.
+        let grads = 2.0 * 0.5 * params as f64 * 4.0 + 16.0;
+        assert_eq!(f - attn_f32, grads, "{s:?} f32");
+        assert_eq!(h - attn_bf16, grads, "{s:?} bf16");
         assert!(attn_f32 > 0.0 && attn_bf16 > 0.0);
-        let ratio = attn_bf16 / attn_f32;
-        // Ulysses sends only activations (and their gradients) in the compute dtype: half. Ring's backward
-        // also passes f32 dK/dV accumulators as large as its k/v blocks: (2 + 2 + 4) / (4 + 4 + 4) = 2/3.
-        let want = if s == Strategy::Ring { 2.0 / 3.0 } else { 0.5 };
-        assert!((ratio - want).abs() < 1e-12, "{s:?}: bf16 / f32 attention traffic {ratio}, expected {want}");
+        // Ulysses sends activations (and their gradients) in the compute dtype, half of f32's, and the LSE in
+        // f32 both times: under None, forward only, 4 heads x 128 local tokens x (P-1)/P x 4 bytes per layer.
+        // Ring's backward also passes f32 dK/dV accumulators, P = 2 passes of blocks as large as its one
+        // forward and one backward k/v pass: (2 + 2 + 2·4) / (4 + 4 + 2·4) = 3/4.
+        let want = if s == Strategy::Ring {
+            0.75 * attn_f32
+        } else {
+            let lse = 2.0 * (4.0 * 128.0 * 0.5 * 4.0);
+            (attn_f32 - lse) / 2.0 + lse
+        };
+        assert!((attn_bf16 - want).abs() < 1e-9 * want, "{s:?}: bf16 attention traffic {attn_bf16}, expected {want}");
     }
 }
 

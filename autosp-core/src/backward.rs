@@ -270,8 +270,10 @@ impl Inner {
     }
 
     /// Replays the nodes of region `r` that `targets` (dropped values) depend on, and no others. Besides the
-    /// targets it keeps what it computed that a later backward still reads (so nothing is replayed twice in a
-    /// block's usual shape); everything else it computed goes when it returns. Regenerating lazily, per
+    /// targets it keeps every output of a replayed node that a later backward still reads, including outputs
+    /// no target depends on (an attention's `lse` when its `o` was the target), so a node whose outputs
+    /// backward reads is not replayed again for them; values only other replayed nodes read (scratch) go when
+    /// it returns. Regenerating lazily, per
     /// backward node, means a block's MLP part and attention part are never regenerated at the same time.
     fn replay(&mut self, r: usize, targets: &[usize]) -> Result<()> {
         if self.replay_region != Some(r) {
@@ -324,11 +326,18 @@ impl Inner {
             drop(tensors);
             self.replays += 1;
             for (t, &index) in outs.into_iter().zip(&self.nodes[n].outputs.clone()) {
-                if !needed.contains(&index) || self.available(index) {
+                if self.available(index) {
+                    continue;
+                }
+                // Every output a later backward reads is kept, needed now or not: an attention replayed for
+                // its `o` keeps its `lse` too, so its own backward does not replay it (and its collectives)
+                // a second time.
+                let read_later = self.values[index].save_count > 0;
+                if !needed.contains(&index) && !read_later {
                     continue;
                 }
                 self.memory.track(&t);
-                if targets.contains(&index) || self.values[index].save_count > 0 {
+                if targets.contains(&index) || read_later {
                     self.replayed.insert(index, t);
                 } else {
                     scratch.insert(index, t);

@@ -10,7 +10,7 @@ pub enum CheckpointPolicy {
     /// Keep everything backward reads: no recompute, most memory.
     #[default]
     None,
-    /// Keep only each region's inputs: backward replays the whole region (attention and collectives too).
+    /// Keep only each region's inputs: backward replays the region (attention and collectives too, once each).
     Full,
     /// Keep region inputs, attention outputs (and their LSE) and collective outputs; recompute linear, norm
     /// and elementwise work. Never replays an attention or a collective.

@@ -1,11 +1,15 @@
 //! Two toy transformer blocks (RMSNorm, q/k/v/o projections, rope, naive attention, SwiGLU MLP, residuals)
 //! under each checkpoint policy: gradients bit-identical to `None`, memory ordered Full < SequenceAware < None
 //! at the end of forward, peaks below None's, and SequenceAware holding attention outputs and LSE but no
-//! linear output.
+//! linear output. Attention runs once in forward and at most once more in backward (under `Full`).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use autosp_core::gradcheck::probe;
+use autosp_core::ops::attention::{apply_attention, NaiveAttention};
 use autosp_core::ops::{self, AttentionSpec};
-use autosp_core::{CheckpointPolicy, MemoryStats, NodeKind, Param, Result, Tape, Value};
+use autosp_core::{CheckpointPolicy, MemoryStats, NodeKind, Op, Param, Result, SavedTensors, Saves, Tape, Value};
 use candle_core::{DType, Device, Tensor};
 
 const DM: usize = 32;
@@ -15,6 +19,39 @@ const HD: usize = 8;
 const FF: usize = 64;
 const N: usize = 48;
 const VOCAB: usize = 16;
+
+/// Naive attention that counts how often it runs forward (in the forward pass and in replays): an attention
+/// with Ring or Ulysses communication inside does its collectives once per run.
+#[derive(Debug)]
+struct CountingAttention {
+    inner: NaiveAttention,
+    runs: Arc<AtomicUsize>,
+}
+
+impl Op for CountingAttention {
+    fn name(&self) -> &'static str {
+        "counting_attention"
+    }
+    fn kind(&self) -> NodeKind {
+        NodeKind::Attention
+    }
+    fn forward(&self, i: &[&Tensor]) -> Result<Vec<Tensor>> {
+        self.runs.fetch_add(1, Ordering::Relaxed);
+        self.inner.forward(i)
+    }
+    fn saves(&self) -> Saves {
+        self.inner.saves()
+    }
+    fn backward(&self, saved: &SavedTensors<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
+        self.inner.backward(saved, grads)
+    }
+}
+
+/// Records causal attention through a [`CountingAttention`] counting into `runs`.
+fn attend(t: &Tape, q: &Value, k: &Value, v: &Value, runs: &Arc<AtomicUsize>) -> Result<(Value, Value)> {
+    let op = CountingAttention { inner: NaiveAttention { spec: AttentionSpec::causal() }, runs: runs.clone() };
+    apply_attention(t, Arc::new(op), q, k, v)
+}
 
 struct Block {
     n1: Param,
@@ -26,6 +63,8 @@ struct Block {
     gate: Param,
     up: Param,
     down: Param,
+    /// Forward runs of this block's attention.
+    attention_runs: Arc<AtomicUsize>,
 }
 
 fn param(name: &str, shape: &[usize], seed: u64) -> Param {
@@ -50,6 +89,7 @@ impl Block {
             gate: param("gate", &[FF, DM], seed + 6),
             up: param("up", &[FF, DM], seed + 7),
             down: param("down", &[DM, FF], seed + 8),
+            attention_runs: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -63,7 +103,7 @@ impl Block {
         let k = ops::reshape(t, &ops::linear(t, &h, &t.param(&self.k), None)?, (1, N, KV, HD))?;
         let v = ops::reshape(t, &ops::linear(t, &h, &t.param(&self.v), None)?, (1, N, KV, HD))?;
         let (q, k) = (ops::rope(t, &q, cos, sin)?, ops::rope(t, &k, cos, sin)?);
-        let (a, _lse) = ops::naive_attention(t, &q, &k, &v, AttentionSpec::causal())?;
+        let (a, _lse) = attend(t, &q, &k, &v, &self.attention_runs)?;
         let a = ops::linear(t, &ops::reshape(t, &a, (1, N, HEADS * HD))?, &t.param(&self.o), None)?;
         let x = ops::add(t, x, &a)?;
         let h = ops::rms_norm(t, &x, &t.param(&self.n2), 1e-5)?;
@@ -88,6 +128,8 @@ struct Step {
     peak: MemoryStats,
     held_kinds: Vec<Option<NodeKind>>,
     replays: usize,
+    /// Forward runs of each block's attention over the step (forward pass and replays).
+    attention_runs: Vec<usize>,
 }
 
 impl Model {
@@ -114,6 +156,9 @@ impl Model {
 
     /// A step where block i may run under its own policy `per_block[i]`.
     fn step_mixed(&self, policy: CheckpointPolicy, per_block: &[CheckpointPolicy]) -> Step {
+        for b in &self.blocks {
+            b.attention_runs.store(0, Ordering::Relaxed);
+        }
         let t = Tape::new(policy);
         let ids: Vec<u32> = (0..N as u32).map(|i| (i * 7 + 3) % VOCAB as u32).collect();
         let mut targets: Vec<i64> = ids[1..].iter().map(|&x| x as i64).collect();
@@ -154,6 +199,7 @@ impl Model {
             peak: t.memory(),
             held_kinds,
             replays: t.replay_count(),
+            attention_runs: self.blocks.iter().map(|b| b.attention_runs.load(Ordering::Relaxed)).collect(),
         }
     }
 }
@@ -260,4 +306,66 @@ fn backward_regenerates_a_region_lazily_one_part_at_a_time() {
     let bound = 3 * nf + n * DM * 4;
     assert!(peak <= bound, "backward peak {peak} bytes over {bound}: the region was not regenerated lazily");
     assert_eq!(tape.replay_count(), 2, "each linear replayed once");
+}
+
+#[test]
+fn attention_runs_once_more_in_backward_under_full_and_never_again() {
+    // Full drops the attention's o and lse. The first backward that reads o (the output projection's, through
+    // a reshape) replays the attention; that replay must keep lse too, which the attention's own backward
+    // reads, or that backward replays the attention (and, for Ring or Ulysses, its collectives) once more.
+    let model = Model::new();
+    let none = model.step(CheckpointPolicy::None);
+    let sa = model.step(CheckpointPolicy::SequenceAware);
+    let full = model.step(CheckpointPolicy::Full);
+    assert_eq!(none.attention_runs, vec![1, 1], "None: forward only");
+    assert_eq!(sa.attention_runs, vec![1, 1], "SequenceAware never replays attention");
+    assert_eq!(full.attention_runs, vec![2, 2], "Full: forward and exactly one replay per block");
+    assert_eq!(full.grads, none.grads);
+    let mixed = model.step_mixed(CheckpointPolicy::None, &[CheckpointPolicy::SequenceAware, CheckpointPolicy::Full]);
+    assert_eq!(mixed.attention_runs, vec![1, 2]);
+}
+
+#[test]
+fn a_replayed_attention_whose_o_and_lse_both_feed_the_loss_runs_once_more() {
+    // loss = sum(o W^T) + 0.1 sum(lse), all inside one region: backward regenerates lse first (its sum's
+    // backward reads nothing, so the first replay comes from the projection's backward reading o) and the
+    // attention's backward gets a gradient for both outputs. Gradients bit-identical to None's, the attention
+    // run twice under Full (forward, one replay) and once otherwise.
+    let n = 24;
+    let x = probe(&[1, n, DM], 11, &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+    let (wq, wk, wv) =
+        (param("wq", &[HEADS * HD, DM], 12), param("wk", &[KV * HD, DM], 13), param("wv", &[KV * HD, DM], 14));
+    let wo = param("wo", &[DM, HEADS * HD], 15);
+    let run = |policy: CheckpointPolicy| {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let tape = Tape::new(policy);
+        let xv = tape.leaf(x.clone());
+        let y = tape
+            .checkpoint("block", |t| {
+                let proj =
+                    |w: &Param, h: usize| ops::reshape(t, &ops::linear(t, &xv, &t.param(w), None)?, (1, n, h, HD));
+                let (q, k, v) = (proj(&wq, HEADS)?, proj(&wk, KV)?, proj(&wv, KV)?);
+                let (o, lse) = attend(t, &q, &k, &v, &runs)?;
+                let o = ops::linear(t, &ops::reshape(t, &o, (1, n, HEADS * HD))?, &t.param(&wo), None)?;
+                ops::add(t, &ops::sum_all(t, &o)?, &ops::scale(t, &ops::sum_all(t, &lse)?, 0.1)?)
+            })
+            .unwrap();
+        tape.backward(&y).unwrap();
+        let g = tape.param_grads();
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        let mut grads: Vec<Vec<u32>> = [&wq, &wk, &wv, &wo].iter().map(|p| bits(g.get(p).unwrap())).collect();
+        grads.push(bits(&tape.grad(&xv).unwrap().unwrap()));
+        (grads, runs.load(Ordering::Relaxed))
+    };
+    let (none, none_runs) = run(CheckpointPolicy::None);
+    for (policy, want) in
+        [(CheckpointPolicy::None, 1), (CheckpointPolicy::SequenceAware, 1), (CheckpointPolicy::Full, 2)]
+    {
+        let (grads, runs) = run(policy);
+        assert_eq!(runs, want, "{policy:?}: attention forward runs");
+        assert_eq!(grads, none, "{policy:?}: gradients differ from None's");
+    }
+    assert_eq!(none_runs, 1);
 }

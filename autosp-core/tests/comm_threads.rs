@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use autosp_core::comm::{
-    contiguous_groups, run_ranks, run_ranks_fallible, strided_groups, Collective, CommError, Departure, PeerCall,
-    ProcessGroup, ReduceOp,
+    all_reduce_bytes, contiguous_groups, run_ranks, run_ranks_fallible, strided_groups, Collective, CommError,
+    Departure, PeerCall, ProcessGroup, ReduceOp,
 };
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
@@ -407,6 +407,7 @@ fn stats_count_calls_and_bytes_exactly() {
         // 3,3,2,2 of 4 bytes: (n + (P-2) c_r) s = (10 + 2 * 3) * 4 = 64 for ranks 0,1 and 56 for ranks 2,3.
         let second = if r < 2 { 64 } else { 56 };
         assert_eq!(s.bytes_sent(Collective::AllReduce), 288 + second, "rank {r}");
+        assert_eq!(all_reduce_bytes(48, 4, r, 4) + all_reduce_bytes(10, 4, r, 4), 288 + second, "rank {r}");
         assert_eq!(s.bytes_sent(Collective::AllGather), 3 * 12);
         assert_eq!(s.bytes_sent(Collective::ReduceScatter), 3 * 192 / 4);
         // all_to_all: (r + 1)(j + 2) f64s to each j != r.

@@ -55,11 +55,19 @@ fn main() -> ExitCode {
     match result {
         Ok(Ended::Done) => ExitCode::SUCCESS,
         Ok(Ended::Interrupted) => ExitCode::from(INTERRUPTED),
+        Ok(Ended::Failed) => ExitCode::FAILURE,
         Err(e) => {
-            eprintln!("llama_longctx: error: {e:#}");
+            report(&e);
             ExitCode::FAILURE
         }
     }
+}
+
+/// Prints a run's error on stderr (the one line every failing rank prints).
+fn report(e: &anyhow::Error) {
+    use std::io::Write;
+    eprintln!("llama_longctx: error: {e:#}");
+    let _ = std::io::stderr().flush();
 }
 
 /// P ranks as threads of this process.
@@ -99,11 +107,15 @@ fn run_mpi(args: Args) -> Result<Ended> {
     use autosp::core::comm::{MpiGroup, ProcessGroup};
     use std::sync::Arc;
     let pg: Arc<dyn ProcessGroup> = Arc::new(MpiGroup::init(TIMEOUT)?);
-    let out = run_mpi_rank(args, &pg);
-    if let Err(e) = &out {
-        pg.abort(&format!("{e:#}"));
+    match run_mpi_rank(args, &pg) {
+        Err(e) => {
+            // Said before the others are told: once they exit, mpirun may end this process at any moment.
+            report(&e);
+            pg.abort(&format!("{e:#}"));
+            Ok(Ended::Failed)
+        }
+        ended => ended,
     }
-    out
 }
 
 #[cfg(feature = "mpi")]

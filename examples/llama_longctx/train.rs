@@ -58,6 +58,9 @@ pub struct Job {
 pub enum Ended {
     Done,
     Interrupted,
+    /// Failed, and the error is already reported (one process per rank: said before the others were told).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    Failed,
 }
 
 impl Job {

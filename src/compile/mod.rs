@@ -31,6 +31,8 @@ pub struct Compiled<M> {
     checkpoint: Checkpointing,
     /// The compute dtype (the parameters' dtype).
     dtype: DType,
+    /// The groups the attention communicates over (Hybrid's Ulysses and Ring subgroups).
+    attention_groups: Vec<Arc<dyn ProcessGroup>>,
 }
 
 impl<M: CausalLm> Compiled<M> {
@@ -70,6 +72,13 @@ impl<M: CausalLm> Compiled<M> {
         &self.group
     }
 
+    /// The groups the attention's collectives run over: the group itself for Ulysses and Ring, Hybrid's Ulysses
+    /// group (u ranks) and Ring group (P/u ranks), none at P = 1. Their statistics count attention traffic
+    /// ([`Plan::attention_comm_bytes`] predicts their `AllToAll` and `SendRecv` bytes).
+    pub fn attention_groups(&self) -> &[Arc<dyn ProcessGroup>] {
+        &self.attention_groups
+    }
+
     /// Every parameter, in model order.
     pub fn params(&self) -> Vec<autosp_core::Param> {
         autosp_core::module::all_params(&self.model)
@@ -94,8 +103,10 @@ impl<M: CausalLm> Compiled<M> {
     }
 }
 
-/// The attention that `resolved` runs on this rank.
-fn build_attention(resolved: &Resolved, group: &Arc<dyn ProcessGroup>) -> Result<Arc<dyn Attention>, CompileError> {
+/// The attention that `resolved` runs on this rank, and the groups it communicates over.
+type BuiltAttention = (Arc<dyn Attention>, Vec<Arc<dyn ProcessGroup>>);
+
+fn build_attention(resolved: &Resolved, group: &Arc<dyn ProcessGroup>) -> Result<BuiltAttention, CompileError> {
     use autosp_kernels::sp::{HybridAttention, RingAttention, RingLayout, UlyssesAttention};
     let flash: Arc<dyn Attention> = Arc::new(autosp_kernels::FlashAttention);
     let ring_layout = match resolved.layout {
@@ -103,10 +114,14 @@ fn build_attention(resolved: &Resolved, group: &Arc<dyn ProcessGroup>) -> Result
         SeqLayout::Zigzag | SeqLayout::HybridZigzag { .. } => RingLayout::Zigzag,
     };
     Ok(match resolved.strategy {
-        _ if group.size() == 1 => flash,
-        Strategy::Ulysses => Arc::new(UlyssesAttention::new(group.clone(), flash)),
-        Strategy::Ring => Arc::new(RingAttention::new(group.clone(), ring_layout)),
-        Strategy::Hybrid { ulysses } => Arc::new(HybridAttention::new(group.as_ref(), ulysses, ring_layout)?),
+        _ if group.size() == 1 => (flash, Vec::new()),
+        Strategy::Ulysses => (Arc::new(UlyssesAttention::new(group.clone(), flash)), vec![group.clone()]),
+        Strategy::Ring => (Arc::new(RingAttention::new(group.clone(), ring_layout)), vec![group.clone()]),
+        Strategy::Hybrid { ulysses } => {
+            let h = HybridAttention::new(group.as_ref(), ulysses, ring_layout)?;
+            let groups = vec![h.inner_group.clone(), h.outer_group.clone()];
+            (Arc::new(h), groups)
+        }
         Strategy::Auto => return Err(CompileError::Input("Auto must be resolved before building".into())),
     })
 }
@@ -146,7 +161,7 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
         }
     }
     let resolved = strategy::resolve(config.strategy, &model.dims(), p, true)?;
-    let attention = build_attention(&resolved, &config.group)?;
+    let (attention, attention_groups) = build_attention(&resolved, &config.group)?;
     let (mut slots, mut regions) = (0, 0);
     visit_mut(&mut model, "", &mut |_, m| {
         if let Some(s) = m.attention_slot() {
@@ -165,8 +180,14 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
                 .into(),
         ));
     }
-    let mut compiled =
-        Compiled { model, group: config.group, resolved, checkpoint: config.checkpoint, dtype: config.dtype };
+    let mut compiled = Compiled {
+        model,
+        group: config.group,
+        resolved,
+        checkpoint: config.checkpoint,
+        dtype: config.dtype,
+        attention_groups,
+    };
     if let Checkpointing::Budget(bytes) = config.checkpoint {
         let n = config.seq_len.ok_or_else(|| {
             CompileError::Input(

@@ -2,13 +2,13 @@
 //! any model), the predicted peak at a target length, FLOPs per step (attention vs linear, with
 //! recompute), communication bytes, and the budget planner that picks a policy per block.
 
+use autosp_core::comm::all_reduce_bytes;
 use autosp_core::module::visit_mut;
 use autosp_core::{CausalLm, CheckpointPolicy};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::config::Strategy;
-use super::step::reduce_dtype;
-use super::step::StepOutput;
+use super::step::{grad_buckets, reduce_dtype, StepOutput, GRAD_BUCKET_ELEMS};
 use super::strategy::comm_bytes_per_layer_step;
 use super::{CompileError, Compiled};
 
@@ -90,8 +90,13 @@ pub struct Plan {
     pub probes: (usize, usize),
     /// FLOPs per step per rank.
     pub flops: Flops,
-    /// Bytes each rank sends per step (attention forward and backward in the compute dtype, and the
-    /// gradient all-reduce in f32), each element counted at its real size.
+    /// Bytes this rank sends per step in the attention's collectives (forward, backward and, under `Full`, the
+    /// one replay of each attention in backward; [`comm_bytes_per_layer_step`]): what the `AllToAll` and
+    /// `SendRecv` counters of the attention's groups show after a step at the padded length.
+    pub attention_comm_bytes: f64,
+    /// Bytes this rank sends per step: [`attention_comm_bytes`](Self::attention_comm_bytes), the gradient
+    /// all-reduce (f32, f64 for f64 parameters, one per bucket) and the loss's two reductions, each element
+    /// counted at its real size.
     pub comm_bytes: f64,
 }
 
@@ -266,23 +271,30 @@ impl<M: CausalLm> Compiled<M> {
         }
         flops.linear += 3.0 * 2.0 * n_loc * (d.hidden * d.vocab) as f64;
         let s = self.resolved.strategy;
-        // Activations travel in the compute dtype, Ring's dK/dV accumulators and the gradients in f32.
+        // Activations travel in the compute dtype, the LSE, Ring's dK/dV accumulators and the gradients in f32
+        // (f64 for f64); the step runs at the padded length.
         let elem = self.dtype.size_in_bytes();
         let acc_elem = reduce_dtype(self.dtype).size_in_bytes();
+        let n_pad = self.padded_len(n);
         let attn_comm: f64 = if p > 1 {
-            let recomputes = |pol: &CheckpointPolicy| *pol != CheckpointPolicy::None;
-            policies.iter().map(|pol| comm_bytes_per_layer_step(s, &d, n, p, recomputes(pol), elem, acc_elem)).sum()
+            policies.iter().map(|&pol| comm_bytes_per_layer_step(s, &d, n_pad, p, pol, elem, acc_elem)).sum()
         } else {
             0.0
         };
-        let grad_bytes: f64 = autosp_core::module::all_params(&self.model)
-            .iter()
-            .map(|x| {
-                let t = x.tensor();
-                (t.elem_count() * reduce_dtype(t.dtype()).size_in_bytes()) as f64
-            })
-            .sum();
-        let grad_comm = if p > 1 { 2.0 * (p as f64 - 1.0) / p as f64 * grad_bytes } else { 0.0 };
+        // The gradient all-reduce, one per bucket as `reduce_grads` makes them, and the two one-element f64
+        // all-reduces of the loss (valid-token count and loss), with this rank's share of each.
+        let rank = self.group.rank();
+        let grad_comm: u64 = if p > 1 {
+            let params = autosp_core::module::all_params(&self.model);
+            let buckets = grad_buckets(&params, GRAD_BUCKET_ELEMS).into_iter().map(|bucket| {
+                let elems: usize = bucket.iter().map(|x| x.tensor().elem_count()).sum();
+                let size = reduce_dtype(bucket[0].tensor().dtype()).size_in_bytes();
+                all_reduce_bytes(elems, p, rank, size)
+            });
+            buckets.sum::<u64>() + 2 * all_reduce_bytes(1, p, rank, DType::F64.size_in_bytes())
+        } else {
+            0
+        };
         Ok(Plan {
             n,
             p,
@@ -292,7 +304,8 @@ impl<M: CausalLm> Compiled<M> {
             predicted_peak: peak,
             probes: m.probes,
             flops,
-            comm_bytes: attn_comm + grad_comm,
+            attention_comm_bytes: attn_comm,
+            comm_bytes: attn_comm + grad_comm as f64,
         })
     }
 
@@ -331,8 +344,9 @@ impl<M: CausalLm> Compiled<M> {
             plan.probes.1
         ));
         out.push_str(&format!(
-            "FLOPs per step per rank: attention {:.3e}, linear {:.3e}; communication {:.3e} bytes per rank per step\n",
-            plan.flops.attention, plan.flops.linear, plan.comm_bytes
+            "FLOPs per step per rank: attention {:.3e}, linear {:.3e}; communication {:.3e} bytes per rank per step \
+             ({:.3e} in attention: forward, backward and Full's one replay; the rest gradient and loss all-reduces)\n",
+            plan.flops.attention, plan.flops.linear, plan.comm_bytes, plan.attention_comm_bytes
         ));
         Ok(out)
     }

@@ -282,7 +282,7 @@ impl<M: CausalLm> Compiled<M> {
 }
 
 /// Elements per gradient all-reduce bucket (16 MiB of f32).
-const GRAD_BUCKET_ELEMS: usize = 1 << 22;
+pub(crate) const GRAD_BUCKET_ELEMS: usize = 1 << 22;
 
 /// The dtype a gradient of a `param` dtype is all-reduced and handed to the optimiser in: f32 for bf16,
 /// f16 and f32 parameters, f64 for f64 ones (the optimiser's master/moment dtype).
@@ -293,7 +293,7 @@ pub fn reduce_dtype(param: DType) -> DType {
 /// `params` (in model order) split into all-reduce buckets: one reduction dtype per bucket, consecutive
 /// parameters while the bucket stays within `limit` elements. Every rank builds the same buckets from the
 /// same model, so the collectives match.
-fn grad_buckets(params: &[Param], limit: usize) -> Vec<Vec<&Param>> {
+pub(crate) fn grad_buckets(params: &[Param], limit: usize) -> Vec<Vec<&Param>> {
     let dtype_of = |p: &Param| reduce_dtype(p.tensor().dtype());
     let mut dtypes: Vec<DType> = params.iter().map(dtype_of).collect();
     dtypes.sort_by_key(|d| d.as_str());

@@ -1,7 +1,7 @@
 //! Choosing and checking the sequence-parallel strategy: which strategies can split a model over P ranks,
 //! what `Auto` picks and why, and the sequence layout each one needs.
 
-use autosp_core::LmDims;
+use autosp_core::{CheckpointPolicy, LmDims};
 
 use super::config::Strategy;
 use super::CompileError;
@@ -23,52 +23,101 @@ pub fn ulysses_fits(heads: usize, kv: usize, p: usize) -> bool {
     heads.is_multiple_of(p) && (kv.is_multiple_of(p) || p.is_multiple_of(kv))
 }
 
-/// Elements each rank sends per layer per forward pass, for `n` tokens in all (ALGORITHMS.md).
+/// Elements each rank sends per layer per forward pass, for `n` tokens in all (ALGORITHMS.md): the Ulysses
+/// exchanges of q, k, v, o and the LSE, and the Ring passes of the k/v blocks.
 pub fn comm_elems_per_layer(strategy: Strategy, d: &LmDims, n: usize, p: usize) -> f64 {
-    let (a2a, ring) = comm_parts_per_layer(strategy, d, n, p);
-    a2a + ring
+    let t = comm_parts_per_layer(strategy, d, n, p);
+    t.a2a + t.lse + t.ring
 }
 
-/// Bytes each rank sends per layer per training step (forward and backward), with `elem` bytes per
-/// activation element (the compute dtype's: q/k/v/o and their gradients travel in it) and `acc_elem` bytes
-/// per element of Ring's travelling dK/dV accumulators (f32 for f32/bf16/f16, f64 for f64). Ulysses's
-/// backward sends what its forward sent when it is recorded exchange by exchange (policy None), and twice
-/// that as one fused op that redoes its exchanges (a recomputing policy; `autosp-kernels/src/sp/ulysses_op.rs`);
-/// Ring's backward sends the k/v blocks again and the dK/dV accumulators (as many elements as the blocks).
+/// Bytes each rank sends per layer per training step under `policy` (forward, backward and any replay), for
+/// `n` tokens in all (the padded length the step runs), with `elem` bytes per activation element (the compute
+/// dtype's: q/k/v/o and their gradients travel in it) and `acc_elem` bytes per element of the LSE and of
+/// Ring's travelling dK/dV accumulators (f32 for f32/bf16/f16, f64 for f64). The model reads the attention's
+/// output only (its LSE takes no gradient). What runs:
+/// - forward: Ulysses's exchanges of q, k, v, o and LSE, and Ring's `r-1` k/v block passes (`r`: the ring's
+///   ranks, P for Ring, P/u for Hybrid);
+/// - `Full` replays the forward once more in backward (the attention and its collectives, once);
+/// - backward, `None` (Ulysses recorded exchange by exchange): the inverse exchanges of q, k, v and o;
+///   a recomputing policy (Ulysses as one fused op, `autosp-kernels/src/sp/ulysses_op.rs`): q, k, v, o and
+///   LSE to the head layout again, dO there and dq, dk, dv back, twice the forward's q, k, v, o bytes and one
+///   LSE exchange;
+/// - Ring's backward, every policy: the `r-1` k/v block passes again and `r` passes of the dK/dV
+///   accumulators (as many elements as the blocks, the last pass brings each back to its owner).
 pub fn comm_bytes_per_layer_step(
     strategy: Strategy,
     d: &LmDims,
     n: usize,
     p: usize,
-    recomputes: bool,
+    policy: CheckpointPolicy,
     elem: usize,
     acc_elem: usize,
 ) -> f64 {
-    let (a2a, ring) = comm_parts_per_layer(strategy, d, n, p);
-    a2a * if recomputes { 3.0 } else { 2.0 } * elem as f64 + ring * (2 * elem + acc_elem) as f64
+    let t = comm_parts_per_layer(strategy, d, n, p);
+    let (elem, acc_elem) = (elem as f64, acc_elem as f64);
+    let forward = t.a2a * elem + t.lse * acc_elem + t.ring * elem;
+    let forwards = if policy == CheckpointPolicy::Full { 2.0 } else { 1.0 };
+    let a2a_backward = match policy {
+        CheckpointPolicy::None => t.a2a * elem,
+        CheckpointPolicy::Full | CheckpointPolicy::SequenceAware => 2.0 * t.a2a * elem + t.lse * acc_elem,
+    };
+    let ring_backward = t.ring * elem + t.ring_acc * acc_elem;
+    forwards * forward + a2a_backward + ring_backward
 }
 
-/// `(all-to-all, ring)` elements each rank sends per layer per forward pass.
-fn comm_parts_per_layer(strategy: Strategy, d: &LmDims, n: usize, p: usize) -> (f64, f64) {
-    let (dq, dkv) = ((d.heads * d.head_dim) as f64, (d.kv_heads * d.head_dim) as f64);
-    let n = n as f64;
-    let pf = p as f64;
+/// Elements each rank sends per layer per forward pass, by what travels.
+struct Traffic {
+    /// Ulysses's all-to-alls of q, k, v and o (compute dtype).
+    a2a: f64,
+    /// Ulysses's all-to-all of the LSE (f32, f64 for f64).
+    lse: f64,
+    /// Ring's k/v block passes (compute dtype).
+    ring: f64,
+    /// Ring's dK/dV accumulator passes in backward (f32, f64 for f64).
+    ring_acc: f64,
+}
+
+/// What each rank sends per layer per forward pass, `n` tokens in all over `p` ranks (`n / p` each).
+/// Ulysses over u ranks sends (u-1)/u of its local q, k, v, o and LSE (replicated kv heads: one head per
+/// rank); Ring over r ranks passes its k/v block, `E = tokens · kv heads · head_dim` elements, r-1 times
+/// forward and its accumulators r times backward. In Hybrid the ring runs after the Ulysses exchange: each
+/// rank's block is the u·n/p tokens of its group with H_kv/u kv heads (`E = n/p · H_kv · d`, u times what a
+/// rank holds of its own tokens per kv head).
+fn comm_parts_per_layer(strategy: Strategy, d: &LmDims, n: usize, p: usize) -> Traffic {
+    let dq = (d.heads * d.head_dim) as f64;
+    let local = n as f64 / p as f64;
+    // Ulysses over `u` ranks: (q+k+v+o elements, lse elements); and the kv elements per token sent to each.
+    let ulysses = |u: usize| -> (f64, f64, f64) {
+        let uf = u as f64;
+        let kv_sent =
+            if d.kv_heads.is_multiple_of(u) { (d.kv_heads * d.head_dim) as f64 } else { uf * d.head_dim as f64 };
+        let share = local * (uf - 1.0) / uf;
+        ((2.0 * dq + 2.0 * kv_sent) * share, d.heads as f64 * share, kv_sent)
+    };
+    // Ring over `r` ranks whose blocks hold `e` elements of k (and as many of v).
+    let ring = |r: usize, e: f64| -> (f64, f64) {
+        if r <= 1 {
+            (0.0, 0.0)
+        } else {
+            (2.0 * e * (r as f64 - 1.0), 2.0 * e * r as f64)
+        }
+    };
     match strategy {
         Strategy::Ulysses => {
-            // q, k, v there and o back; replicated kv heads send one head per rank.
-            let kv_sent = if d.kv_heads.is_multiple_of(p) { dkv } else { pf * d.head_dim as f64 };
-            ((2.0 * dq + 2.0 * kv_sent) * (n / pf) * (pf - 1.0) / pf, 0.0)
+            let (a2a, lse, _) = ulysses(p);
+            Traffic { a2a, lse, ring: 0.0, ring_acc: 0.0 }
         }
-        Strategy::Ring => (0.0, 2.0 * n * dkv * (pf - 1.0) / pf),
+        Strategy::Ring => {
+            let (ring, ring_acc) = ring(p, local * (d.kv_heads * d.head_dim) as f64);
+            Traffic { a2a: 0.0, lse: 0.0, ring, ring_acc }
+        }
         Strategy::Hybrid { ulysses: u } => {
-            let r = p / u;
-            let uf = u as f64;
-            let kv_sent = if d.kv_heads.is_multiple_of(u) { dkv } else { uf * d.head_dim as f64 };
-            let inner = (2.0 * dq + 2.0 * kv_sent) * (n / pf) * (uf - 1.0) / uf;
-            let outer = 2.0 * (n / uf) * (kv_sent / uf) * (r as f64 - 1.0) / r as f64;
-            (inner, outer)
+            let (a2a, lse, kv_sent) = ulysses(u);
+            // After the exchange a rank holds u·local tokens and kv_sent/u kv elements per token.
+            let (ring, ring_acc) = ring(p / u, local * kv_sent);
+            Traffic { a2a, lse, ring, ring_acc }
         }
-        Strategy::Auto => (f64::NAN, f64::NAN),
+        Strategy::Auto => Traffic { a2a: f64::NAN, lse: f64::NAN, ring: f64::NAN, ring_acc: f64::NAN },
     }
 }
 

@@ -82,6 +82,6 @@ pub use nccl::{NcclGroup, NcclId, NcclTransport};
 pub use process_group::{Collective, PendingRecv, ProcessGroup, ReduceOp, DEFAULT_TIMEOUT};
 pub use schedule::{pairwise_schedule, PairStep};
 pub use stamp::Stamp;
-pub use stats::{tensor_bytes, CommStats};
+pub use stats::{all_reduce_bytes, tensor_bytes, CommStats};
 pub use threads::{run_ranks, run_ranks_fallible, ThreadGroup, ThreadTransport};
 pub use transport::Transport;

@@ -70,3 +70,14 @@ impl StatsCounter {
 pub fn tensor_bytes(t: &candle_core::Tensor) -> u64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
+
+/// Bytes rank `rank` of `p` sends in one `all_reduce` of `n` elements of `elem` bytes: every other rank's
+/// chunk in the reduce-scatter phase and its own reduced chunk to the P-1 others, `(n + (P-2)·c_r)·elem`
+/// with `c_r = n/P + (r < n % P)` (0 at P = 1). Planners use it to predict what the counters will show.
+pub fn all_reduce_bytes(n: usize, p: usize, rank: usize, elem: usize) -> u64 {
+    if p <= 1 {
+        return 0;
+    }
+    let mine = super::reduce::chunk_sizes(n, p)[rank];
+    ((n - mine + (p - 1) * mine) * elem) as u64
+}
