@@ -1,7 +1,8 @@
 //! End-to-end tests of the `llama_longctx` example binary (built by `cargo test` with the examples): the quick
 //! no-argument run trains (the loss falls) and writes a checkpoint that loads back; resuming is bit-exact;
 //! `--eval-tokens` and `--dump-grads` agree between `--sp 1` and `--sp 2`; Ctrl-C saves and exits cleanly;
-//! bad input is a clear error that writes nothing. Every run uses its own temporary cache and save
+//! bad input (each command-line row of docs/RELIABILITY.md "Bad input") is a clear error that writes nothing;
+//! a second run saving into a directory in use is refused. Every run uses its own temporary cache and save
 //! directories and HF_HUB_OFFLINE=1.
 
 use std::collections::HashMap;
@@ -478,4 +479,112 @@ fn resume_with_another_schedule_is_refused_unless_allowed_and_stale_saves_are_cl
     let so = run_ok(t, &["--quick", "--steps", "4", "--lr", "0.001", "--resume", s(&ckpt), "--allow-changes"]);
     assert!(so.contains("resumed with changes (--allow-changes): --steps 2 -> 4, --lr 0.01 -> 0.001"), "{so}");
     assert!(so.contains("step    4/4"), "{so}");
+}
+
+/// The rows of docs/RELIABILITY.md "Bad input" that the command line decides: each is refused with a
+/// non-zero exit, a message naming the file or option and the fix, and no save directory created.
+#[test]
+fn each_bad_input_row_is_refused_naming_the_option_and_the_fix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let save = t.join("run");
+    let sv = s(&save);
+    let refused = |args: &[&str], wants: &[&str]| {
+        let e = run_err(t, &[args, &["--save", sv]].concat());
+        assert!(!e.contains("panicked"), "{args:?} panicked: {e}");
+        for w in wants {
+            assert!(e.contains(w), "{args:?}: the message lacks `{w}`:\n{e}");
+        }
+        assert!(!save.exists(), "{args:?}: a refused run must not create the save directory");
+    };
+    let file = |name: &str, text: &str| {
+        let p = t.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+
+    // Token-id files: negative, not a number, outside the tiny model's vocabulary of 128, empty.
+    let neg = file("neg.txt", "1 2 -5 3");
+    refused(
+        &["--quick", "--data", &format!("ids:{}", s(&neg))],
+        &["neg.txt", "token 2 is `-5`", "integers from 0 to 127"],
+    );
+    let word = file("word.txt", "1 2 three");
+    refused(&["--quick", "--data", &format!("ids:{}", s(&word))], &["word.txt", "`three`, not a token id"]);
+    let big = file("big.txt", "1 2 128");
+    refused(
+        &["--quick", "--data", &format!("ids:{}", s(&big))],
+        &["big.txt", "id 128, outside the model's vocabulary of 128", "this model's tokenizer"],
+    );
+    let empty_ids = file("empty-ids.txt", " \n");
+    refused(&["--quick", "--data", &format!("ids:{}", s(&empty_ids))], &["empty-ids.txt", "the file is empty"]);
+    refused(&["--quick", "--eval-tokens", s(&empty_ids)], &["empty-ids.txt", "the file is empty"]);
+    // Empty text data, plain and JSONL.
+    for name in ["empty.txt", "empty.jsonl"] {
+        let p = file(name, "\n\n");
+        refused(&["--quick", "--data", s(&p)], &[name, "is empty", "give a file with text"]);
+    }
+
+    refused(&["--quick", "--seq-len", "0"], &["--seq-len 0", "at least 2 tokens", "--seq-len 2 or more"]);
+    refused(&["--quick", "--seq-len", "3", "--sp", "4"], &["--sp 4 is larger than --seq-len 3", "at most 3"]);
+    refused(&["--quick", "--sp", "0"], &["--sp 0", "--sp 1 or more"]);
+    // The tiny model has 4 heads and 2 kv heads: Ulysses degree 3 divides none of them.
+    refused(
+        &["--quick", "--sp", "4", "--strategy", "hybrid:3"],
+        &["--strategy hybrid:3", "does not fit P = 4", "ulysses: 2"],
+    );
+    refused(
+        &["--quick", "--checkpoint", "1000"],
+        &["--checkpoint 1000", "tape budget of 1000 bytes", "raise the budget"],
+    );
+
+    // A directory that is not a checkpoint (no trainer_state.json), and one that does not exist.
+    let not_ckpt = t.join("not-a-checkpoint");
+    std::fs::create_dir_all(&not_ckpt).unwrap();
+    std::fs::write(not_ckpt.join("notes.txt"), "hello").unwrap();
+    let before = snapshot(&not_ckpt);
+    refused(
+        &["--quick", "--resume", s(&not_ckpt)],
+        &["--resume", "not-a-checkpoint", "not a checkpoint", "trainer_state.json", "written by --save"],
+    );
+    assert!(snapshot(&not_ckpt) == before, "a refused --resume must not write into the directory");
+    refused(&["--quick", "--resume", s(&t.join("absent"))], &["--resume", "absent", "no such directory"]);
+}
+
+/// Two runs saving into one directory at once: the second is refused, naming the first's process id, and
+/// writes nothing; the lock goes when the first run ends.
+#[test]
+fn a_second_run_saving_into_the_same_directory_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let save = t.join("run");
+    let lock = save.join(".lock");
+    let child = command(t, &["--quick", "--steps", "100000", "--save", s(&save)])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while std::fs::read_to_string(&lock).map(|p| p != child.id().to_string()).unwrap_or(true) {
+        assert!(start.elapsed().as_secs() < 60, "the first run took no lock within 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let before = snapshot(&save);
+    let e = run_err(t, &["--quick", "--steps", "2", "--save", s(&save)]);
+    let other = format!("another run (process {})", child.id());
+    assert!(e.contains(&format!("--save {}", s(&save))) && e.contains(&other) && e.contains("another --save"), "{e}");
+    assert!(snapshot(&save) == before, "the refused run must not write into the directory");
+    // SAFETY: sends SIGINT to the child we started.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(!lock.exists(), "the lock file goes when its run ends");
+    // Now the directory is free.
+    let so = run_ok(t, &["--quick", "--steps", "1", "--save", s(&save)]);
+    assert!(so.contains("step    1/1"), "{so}");
+    // The --save directory itself given to --resume: refused, naming its newest checkpoint.
+    let e = run_err(t, &["--quick", "--steps", "2", "--resume", s(&save)]);
+    let newest = format!("the newest is --resume {}", s(&save.join("step-1")));
+    assert!(e.contains("not a checkpoint") && e.contains(&newest), "{e}");
 }

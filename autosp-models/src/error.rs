@@ -46,7 +46,10 @@ pub enum Error {
     #[error("tensor `{name}` in {path} has dtype {dtype}; only F32, BF16 and F16 weights are supported")]
     UnsupportedDtype { name: String, dtype: String, path: PathBuf },
     /// The sharded index names a shard file that is not there.
-    #[error("shard `{shard}` named in {index} is missing (looked for {path})")]
+    #[error(
+        "shard `{shard}` named in {index} is missing (looked for {path}); download the checkpoint again, or fix \
+         the index's weight_map"
+    )]
     MissingShard { shard: String, index: PathBuf, path: PathBuf },
     /// A model string resolved to nothing: files missing locally and from the hub cache.
     #[error("model `{model}`: missing {missing:?}; looked in {looked_in}{hint}")]
@@ -54,6 +57,13 @@ pub enum Error {
     /// The hub could be reached but a download failed.
     #[error("model `{model}`: downloading `{file}` from the hub failed: {message}")]
     Hub { model: String, file: String, message: String },
+    /// A GGUF tensor is stored in a quantisation type candle cannot read (the IQ types, for instance).
+    #[error(
+        "{path}: GGUF tensor type {ggml_type} ({name}) is not supported; supported: F32, F16, BF16, Q4_0, Q4_1, \
+         Q5_0, Q5_1, Q8_0, Q8_1, Q2_K to Q6_K and Q8_K: requantise the file with llama.cpp's llama-quantize (Q8_0 \
+         or Q4_K_M, say), or load the model's safetensors checkpoint instead"
+    )]
+    GgufQuantisation { path: PathBuf, ggml_type: u32, name: &'static str },
     /// A GGUF file is malformed or is not a Llama-architecture model.
     #[error("{path}: GGUF: {message}")]
     Gguf { path: PathBuf, message: String },

@@ -24,8 +24,52 @@ pub struct GgufModel {
 /// whose tokenizer family is not supported still imports, with its tokenizer.json used instead.
 pub fn gguf_tokenizer(path: &Path) -> Result<Tokenizer> {
     let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let ct = Content::read(&mut file).map_err(|e| Error::Gguf { path: path.into(), message: e.to_string() })?;
+    let ct = read_content(&mut file, path)?;
     tokenizer_from_gguf(&ct, path)
+}
+
+/// The ggml type ids candle's reader does not know, by name (ggml.h's `ggml_type`).
+fn ggml_type_name(id: u32) -> &'static str {
+    match id {
+        4 | 5 => "Q4_2/Q4_3, removed from llama.cpp",
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        20 => "IQ4_NL",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        23 => "IQ4_XS",
+        24 => "I8",
+        25 => "I16",
+        26 => "I32",
+        27 => "I64",
+        28 => "F64",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        _ => "unknown",
+    }
+}
+
+/// Reads a GGUF file's header (metadata and tensor infos). A tensor in a quantisation type candle cannot read
+/// is [`Error::GgufQuantisation`], naming the type; any other failure is [`Error::Gguf`].
+fn read_content(file: &mut std::fs::File, path: &Path) -> Result<Content> {
+    Content::read(file).map_err(|e| {
+        let message = e.to_string();
+        // candle's only words for it: `unknown dtype for tensor {id}`.
+        // (`to_string` may append a backtrace: only the digits right after it count.)
+        let id = message.split("unknown dtype for tensor ").nth(1).and_then(|t| {
+            let digits: String = t.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse::<u32>().ok()
+        });
+        match id {
+            Some(ggml_type) => {
+                Error::GgufQuantisation { path: path.into(), ggml_type, name: ggml_type_name(ggml_type) }
+            }
+            None => Error::Gguf { path: path.into(), message },
+        }
+    })
 }
 
 struct Meta<'a> {
@@ -135,7 +179,7 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
 pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufModel> {
     let gguf_err = |e: candle_core::Error| Error::Gguf { path: path.into(), message: e.to_string() };
     let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let ct = Content::read(&mut file).map_err(gguf_err)?;
+    let ct = read_content(&mut file, path)?;
     let config = config_from_gguf(&ct, path)?;
     let expected: HashMap<String, Vec<usize>> = config.expected_tensors().into_iter().collect();
 

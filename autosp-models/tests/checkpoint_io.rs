@@ -113,7 +113,7 @@ fn missing_shard_is_named() {
     std::fs::remove_file(dir.join(&gone)).unwrap();
     let e = load_dir(&dir, DType::F32, &Device::Cpu).unwrap_err();
     assert!(matches!(&e, Error::MissingShard { shard, .. } if *shard == gone), "{e}");
-    assert!(e.to_string().contains(&gone));
+    assert!(e.to_string().contains(&gone) && e.to_string().contains("download the checkpoint again"), "{e}");
 }
 
 fn single(dir: &Path) -> std::path::PathBuf {

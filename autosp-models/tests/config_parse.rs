@@ -112,8 +112,12 @@ fn active_sliding_window_is_an_error_naming_the_field() {
 fn unknown_model_type_and_missing_field() {
     let e = parse(r#"{"model_type": "gemma"}"#).unwrap_err();
     assert!(matches!(&e, Error::UnknownModelType { model_type, .. } if model_type == "gemma"));
+    let msg = e.to_string();
+    assert!(msg.contains("config.json") && msg.contains("`gemma`") && msg.contains("supported: llama"), "{msg}");
     let e = parse(r#"{"model_type": "llama", "vocab_size": 3}"#).unwrap_err();
     assert!(matches!(&e, Error::MissingField { field, .. } if field == "hidden_size"), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("config.json") && msg.contains("`hidden_size`") && msg.contains("add it"), "{msg}");
 }
 
 #[test]

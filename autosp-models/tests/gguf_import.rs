@@ -189,3 +189,32 @@ fn smollm2_tokenizer_round_trips() {
     let e = autosp_models::load_tokenizer(&tmp.path().join("absent.json")).unwrap_err();
     assert!(e.to_string().contains("absent.json"), "{e}");
 }
+
+/// A GGUF with a tensor in a quantisation candle cannot read (IQ2_XXS, ggml type 16) is a typed error naming
+/// the file, the type and what to do, not a panic or a bare "unknown dtype".
+#[test]
+fn unsupported_quantisation_is_named_with_the_fix() {
+    let spec = TinySpec::default();
+    let config = spec.config();
+    let w = random_weights(&config, 3, DType::F32, &Device::Cpu).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("iq.gguf");
+    write_gguf(&path, &config, &w, GgmlDType::Q8_0);
+    // The tensor info after the name: u32 n_dims, n_dims x u64 dims, u32 ggml type (8 = Q8_0), u64 offset.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let name = b"blk.0.attn_q.weight";
+    let at = bytes.windows(name.len()).position(|x| x == name).unwrap() + name.len();
+    let n_dims = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+    let ty = at + 4 + 8 * n_dims;
+    assert_eq!(u32::from_le_bytes(bytes[ty..ty + 4].try_into().unwrap()), 8, "the test's offsets are wrong");
+    bytes[ty..ty + 4].copy_from_slice(&16u32.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    for e in [
+        import_gguf(&path, DType::F32, &Device::Cpu).err().expect("an IQ2_XXS tensor must be refused"),
+        gguf_tokenizer(&path).expect_err("the tokenizer reader must refuse it too"),
+    ] {
+        assert!(matches!(&e, autosp_models::Error::GgufQuantisation { ggml_type: 16, name: "IQ2_XXS", .. }), "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains("iq.gguf") && msg.contains("IQ2_XXS") && msg.contains("llama-quantize"), "{msg}");
+    }
+}

@@ -72,7 +72,8 @@ pub struct Args {
     pub data: String,
 
     /// Directory for checkpoints (each one in `DIR/step-N`, written atomically). Default: the directory
-    /// holding the --resume checkpoint, else `runs/latest` under the autosp cache.
+    /// holding the --resume checkpoint, else `runs/latest` under the autosp cache. One run at a time: a second
+    /// run saving into the same directory is refused, naming the first one's process id.
     #[arg(long)]
     pub save: Option<PathBuf>,
 
@@ -191,6 +192,26 @@ pub fn parse_strategy(s: &str) -> Result<Strategy, String> {
             Some(Ok(u)) if u >= 1 => Ok(Strategy::Hybrid { ulysses: u }),
             _ => Err(format!("unknown strategy `{s}`: use ulysses, ring, hybrid:U (U = Ulysses degree) or auto")),
         },
+    }
+}
+
+/// How `strategy` is spelled on the command line (the inverse of [`parse_strategy`]).
+pub fn strategy_flag(strategy: Strategy) -> String {
+    match strategy {
+        Strategy::Ulysses => "ulysses".into(),
+        Strategy::Ring => "ring".into(),
+        Strategy::Auto => "auto".into(),
+        Strategy::Hybrid { ulysses } => format!("hybrid:{ulysses}"),
+    }
+}
+
+/// How `checkpointing` is spelled on the command line (the inverse of [`parse_checkpointing`]).
+pub fn checkpoint_flag(checkpointing: Checkpointing) -> String {
+    match checkpointing {
+        Checkpointing::Policy(CheckpointPolicy::None) => "none".into(),
+        Checkpointing::Policy(CheckpointPolicy::Full) => "full".into(),
+        Checkpointing::Policy(CheckpointPolicy::SequenceAware) => "sequence-aware".into(),
+        Checkpointing::Budget(bytes) => bytes.to_string(),
     }
 }
 

@@ -167,14 +167,24 @@ pub fn read_ids(path: &Path, vocab: usize) -> Result<Vec<u32>> {
     for (i, word) in text.split_whitespace().enumerate() {
         let id: u32 = word.parse().map_err(|_| {
             anyhow::anyhow!(
-                "{}: token {i} is `{word}`, not a token id: the file must hold whitespace-separated integers",
-                path.display()
+                "{}: token {i} is `{word}`, not a token id: the file must hold whitespace-separated integers from 0 \
+                 to {} (the model's vocabulary)",
+                path.display(),
+                vocab.saturating_sub(1)
             )
         })?;
         if id as usize >= vocab {
-            bail!("{}: token {i} is id {id}, outside the model's vocabulary of {vocab}", path.display());
+            bail!(
+                "{}: token {i} is id {id}, outside the model's vocabulary of {vocab} (ids 0 to {}): the ids were \
+                 made with another tokenizer; tokenise the text with this model's tokenizer",
+                path.display(),
+                vocab.saturating_sub(1)
+            );
         }
         ids.push(id);
+    }
+    if ids.is_empty() {
+        bail!("{}: no token ids (the file is empty): give whitespace-separated token ids", path.display());
     }
     Ok(ids)
 }
@@ -184,6 +194,9 @@ pub fn read_ids(path: &Path, vocab: usize) -> Result<Vec<u32>> {
 pub fn read_documents(path: &Path) -> Result<Vec<String>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading training data {}", path.display()))?;
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+    if text.trim().is_empty() {
+        bail!("training data {} is empty: give a file with text (or --data passkey)", path.display());
+    }
     if ext != "jsonl" && ext != "json" {
         return Ok(vec![text]);
     }
@@ -204,9 +217,6 @@ pub fn read_documents(path: &Path) -> Result<Vec<String>> {
             Some(t) => docs.push(t.to_string()),
             None => bail!("{} line {}: no \"text\" string field in {}", path.display(), i + 1, short(line)),
         }
-    }
-    if docs.is_empty() {
-        bail!("{}: no documents (every line is empty)", path.display());
     }
     Ok(docs)
 }

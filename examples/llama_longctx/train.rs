@@ -67,10 +67,22 @@ impl Job {
     /// Reads the model, the data and the checkpoint to resume, checking them all before anything runs.
     pub fn prepare(args: Args, p: usize, threads: bool) -> Result<Self> {
         if p == 0 {
-            bail!("--sp must be at least 1");
+            bail!("--sp 0: there must be at least one rank; give --sp 1 or more");
         }
         if args.seq_len < 2 {
-            bail!("--seq-len must be at least 2");
+            bail!(
+                "--seq-len {}: a training sequence needs at least 2 tokens (an input and its next token); give \
+                 --seq-len 2 or more",
+                args.seq_len
+            );
+        }
+        if p > args.seq_len {
+            bail!(
+                "--sp {p} is larger than --seq-len {}: every rank needs at least one token of the sequence; lower \
+                 --sp to at most {} or raise --seq-len",
+                args.seq_len,
+                args.seq_len
+            );
         }
         // A typo in AUTOSP_KERNELS or a device this build cannot open fails here, before any rank starts.
         autosp::kernels::dispatch::kernels_from_env().map_err(anyhow::Error::msg)?;
@@ -263,7 +275,15 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
     let model = LlamaModel::from_weights(&job.base.config, weights)?;
     let mut cfg = CompileConfig::new(pg.clone(), a.strategy, a.checkpoint).with_dtype(job.dtype);
     cfg.seq_len = Some(a.seq_len);
-    let mut c = compile(model, cfg)?;
+    let mut c = compile(model, cfg).with_context(|| {
+        format!(
+            "--sp {} --strategy {} --checkpoint {} --seq-len {} cannot be compiled",
+            job.p,
+            crate::args::strategy_flag(a.strategy),
+            crate::args::checkpoint_flag(a.checkpoint),
+            a.seq_len
+        )
+    })?;
 
     if a.explain {
         let text = c.explain(a.seq_len)?;
@@ -279,6 +299,9 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         say(&line.to_string());
         return Ok(Ended::Done);
     }
+
+    // One run at a time saves into a directory (rank 0 saves; it holds the lock until the run ends).
+    let _lock = if rank0 { Some(checkpoint::SaveLock::acquire(&job.save_root)?) } else { None };
 
     let d = &job.base.config;
     let tokens_per_step = a.seq_len * job.micro;
