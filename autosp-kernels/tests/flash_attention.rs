@@ -3,26 +3,13 @@
 //! offsets (with rows that see no key), head_dim 64/128/80 and odd ones; every output element written
 //! (poisoned buffers), identical bits on a second run, and typed errors for bad input.
 
+mod common;
+
 use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
 use autosp_kernels::flash::poisoned;
 use autosp_kernels::{flash_attention_backward, flash_attention_forward, Error};
 use candle_core::{DType, Device, Tensor};
-
-/// One attention shape and mask.
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    b: usize,
-    nq: usize,
-    nk: usize,
-    h: usize,
-    hkv: usize,
-    d: usize,
-    spec: AttentionSpec,
-}
-
-fn spec(causal: bool, q_offset: usize, k_offset: usize) -> AttentionSpec {
-    AttentionSpec { causal, scale: None, q_offset, k_offset }
-}
+use common::{inputs, random, spec, values, Case};
 
 /// The shapes every numerical check runs (tiles are 64 × 64, so 70, 100, 131, 150 cut tiles).
 fn cases() -> Vec<Case> {
@@ -39,45 +26,6 @@ fn cases() -> Vec<Case> {
         c(1, 80, 80, 2, 1, 256, spec(true, 0, 0)),   // the largest head_dim
         c(1, 64, 128, 2, 2, 64, AttentionSpec { scale: Some(0.3), ..spec(true, 64, 0) }), // own scale
     ]
-}
-
-/// Uniform numbers in [-2, 2) from a seeded splitmix64: every check gets its own fresh inputs.
-fn random(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
-    let n: usize = shape.iter().product();
-    let data: Vec<f64> = (0..n)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            (z >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
-        })
-        .collect();
-    Tensor::from_vec(data, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
-}
-
-struct Inputs {
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    d_o: Tensor,
-    d_lse: Tensor,
-}
-
-fn inputs(c: &Case, seed: u64, dtype: DType) -> Inputs {
-    Inputs {
-        q: random(&[c.b, c.nq, c.h, c.d], seed, dtype),
-        k: random(&[c.b, c.nk, c.hkv, c.d], seed + 1, dtype),
-        v: random(&[c.b, c.nk, c.hkv, c.d], seed + 2, dtype),
-        d_o: random(&[c.b, c.nq, c.h, c.d], seed + 3, dtype),
-        d_lse: random(&[c.b, c.h, c.nq], seed + 4, if dtype == DType::F64 { DType::F64 } else { DType::F32 }),
-    }
-}
-
-fn values(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
 /// Asserts `|got - want| <= tol · max(1, max |want|)` elementwise (equal infinities pass), and that `got`
