@@ -194,7 +194,7 @@ fn main() -> Result<()> {
     }
     let (b, h) = (args.batch, args.heads);
     let hkv = args.kv_heads.unwrap_or(h);
-    let spec = AttentionSpec { causal: args.causal, scale: None, q_offset: 0, k_offset: 0 };
+    let spec = AttentionSpec { causal: args.causal, scale: None, q_offset: 0, k_offset: 0, max_distance: None };
     let threads = candle_core::utils::get_num_threads();
     for (d, &n) in args.head_dim.iter().flat_map(|&d| args.n.iter().map(move |n| (d, n))) {
         let q = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;

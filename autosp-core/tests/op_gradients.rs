@@ -180,7 +180,7 @@ fn naive_attention_all_variants() {
         (4, 3, 2, 1, true, 0, 2),
     ];
     for (i, &(nq, nk, h, hkv, causal, qo, ko)) in cases.iter().enumerate() {
-        let spec = AttentionSpec { causal, scale: None, q_offset: qo, k_offset: ko };
+        let spec = AttentionSpec { causal, scale: None, q_offset: qo, k_offset: ko, max_distance: None };
         let s = 30 + 3 * i as u64;
         let inputs = [rand(&[1, nq, h, 4], s), rand(&[1, nk, hkv, 4], s + 1), rand(&[1, nk, hkv, 4], s + 2)];
         check(
@@ -196,7 +196,7 @@ fn naive_attention_all_variants() {
 
 #[test]
 fn attention_row_with_no_visible_key_is_zero_not_nan() {
-    let spec = AttentionSpec { causal: true, scale: None, q_offset: 0, k_offset: 1 };
+    let spec = AttentionSpec { causal: true, scale: None, q_offset: 0, k_offset: 1, max_distance: None };
     let (o, lse) = ops::attention::naive_attention_forward(
         &rand(&[1, 2, 1, 4], 40),
         &rand(&[1, 2, 1, 4], 41),

@@ -11,7 +11,7 @@ use candle_core::Device;
 fn flash_op_gradients_match_finite_differences_and_naive() {
     let cases = [
         (AttentionSpec::causal(), 6, 6, 4, 2),
-        (AttentionSpec { causal: true, scale: Some(0.3), q_offset: 5, k_offset: 2 }, 5, 7, 2, 1),
+        (AttentionSpec { causal: true, scale: Some(0.3), q_offset: 5, k_offset: 2, max_distance: None }, 5, 7, 2, 1),
         (AttentionSpec::full(), 4, 9, 2, 2),
     ];
     for (i, &(spec, nq, nk, h, hkv)) in cases.iter().enumerate() {

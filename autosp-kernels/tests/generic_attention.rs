@@ -163,7 +163,7 @@ fn rows_that_see_no_key_give_minus_inf_zero_and_finite_gradients() {
         }
     }
     // And when no query sees any key at all: every lse -inf, o and every gradient 0.
-    let blind = AttentionSpec { causal: true, scale: None, q_offset: 0, k_offset: 100 };
+    let blind = AttentionSpec { causal: true, scale: None, q_offset: 0, k_offset: 100, max_distance: None };
     let (o, lse) = attention_forward_with_block(&x.q, &x.k, &x.v, &blind, BLOCK).unwrap();
     assert!(values(&lse).iter().all(|&l| l == f64::NEG_INFINITY));
     assert!(values(&o).iter().all(|&v| v == 0.0));

@@ -23,17 +23,21 @@ pub struct AttentionSpec {
     pub q_offset: usize,
     /// Absolute position of the first key row.
     pub k_offset: usize,
+    /// A sliding window: when `Some(w)`, query position `p` sees only keys at positions `p'` with
+    /// `|p - p'| <= w` (and, when causal, `p' <= p`). `None` sees every key the mask allows. Used as the
+    /// control that proves a task needs long range (`llama_longctx --max-attention-distance`).
+    pub max_distance: Option<usize>,
 }
 
 impl AttentionSpec {
     /// Causal attention of a block against itself at position 0, default scale.
     pub fn causal() -> Self {
-        Self { causal: true, scale: None, q_offset: 0, k_offset: 0 }
+        Self { causal: true, scale: None, q_offset: 0, k_offset: 0, max_distance: None }
     }
 
     /// Full (unmasked) attention, default scale.
     pub fn full() -> Self {
-        Self { causal: false, scale: None, q_offset: 0, k_offset: 0 }
+        Self { causal: false, scale: None, q_offset: 0, k_offset: 0, max_distance: None }
     }
 
     /// The softmax scale for this head dimension.
@@ -41,10 +45,21 @@ impl AttentionSpec {
         self.scale.unwrap_or(1.0 / (head_dim as f64).sqrt())
     }
 
+    /// The same spec with keys further than `distance` positions from the query hidden.
+    pub fn with_max_distance(self, distance: usize) -> Self {
+        Self { max_distance: Some(distance), ..self }
+    }
+
+    /// Whether this spec hides any (query, key) pair: causal or windowed.
+    pub fn is_masked(&self) -> bool {
+        self.causal || self.max_distance.is_some()
+    }
+
     /// Whether query row `i` may see key row `j` under this spec.
     #[inline]
     pub fn visible(&self, i: usize, j: usize) -> bool {
-        !self.causal || self.k_offset + j <= self.q_offset + i
+        let (qp, kp) = (self.q_offset + i, self.k_offset + j);
+        (!self.causal || kp <= qp) && self.max_distance.is_none_or(|w| qp.abs_diff(kp) <= w)
     }
 
     /// Checks `q: [b, nq, h, d]`, `k, v: [b, nk, h_kv, d]` and returns their dimensions.
@@ -142,7 +157,7 @@ fn scores(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(T
     let kt = heads_major(k, dims.group())?;
     let vt = heads_major(v, dims.group())?;
     let s = (qt.matmul(&kt.t()?)? * spec.scale_for(dims.head_dim))?;
-    let s = if spec.causal {
+    let s = if spec.is_masked() {
         let mut mask = vec![0f64; dims.q_len * dims.k_len];
         for i in 0..dims.q_len {
             for j in 0..dims.k_len {

@@ -73,7 +73,7 @@ mod tests {
     use super::*;
 
     fn spec(causal: bool, q_offset: usize, k_offset: usize) -> AttentionSpec {
-        AttentionSpec { causal, scale: None, q_offset, k_offset }
+        AttentionSpec { causal, scale: None, q_offset, k_offset, max_distance: None }
     }
 
     /// Every translated mask agrees with the spec on every (query, key) pair, and every refusal is right:

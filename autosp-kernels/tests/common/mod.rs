@@ -18,7 +18,7 @@ pub struct Case {
 }
 
 pub fn spec(causal: bool, q_offset: usize, k_offset: usize) -> AttentionSpec {
-    AttentionSpec { causal, scale: None, q_offset, k_offset }
+    AttentionSpec { causal, scale: None, q_offset, k_offset, max_distance: None }
 }
 
 /// Uniform numbers in [-2, 2) from a seeded splitmix64: every check gets its own fresh inputs.

@@ -220,7 +220,13 @@ impl LlamaModel {
         if positions.len() != n {
             return Err(ModelError::PositionsMismatch { positions: positions.len(), seq: n });
         }
-        let spec = AttentionSpec { causal: true, scale: None, q_offset: positions[0], k_offset: positions[0] };
+        let spec = AttentionSpec {
+            causal: true,
+            scale: None,
+            q_offset: positions[0],
+            k_offset: positions[0],
+            max_distance: None,
+        };
         self.run_layers(tape, ids, positions, &spec, None)
     }
 
@@ -291,7 +297,7 @@ impl LlamaModel {
         cache.check(b, self.layers.0.len())?;
         let start = cache.len();
         let positions: Vec<usize> = (start..start + n).collect();
-        let spec = AttentionSpec { causal: true, scale: None, q_offset: start, k_offset: 0 };
+        let spec = AttentionSpec { causal: true, scale: None, q_offset: start, k_offset: 0, max_distance: None };
         let h = self.run_layers(tape, ids, &positions, &spec, Some(cache))?;
         cache.advance(b, n);
         self.head(tape, &h)
