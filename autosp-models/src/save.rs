@@ -128,6 +128,7 @@ fn write_files(tmp: &Path, config: &LlamaConfig, shards: &[Vec<(String, Tensor)>
         let data: Vec<(&str, &Tensor)> = shard.iter().map(|(k, t)| (k.as_str(), t)).collect();
         safetensors::serialize_to_file(data, Some(meta.clone()), &path)
             .map_err(|e| Error::Safetensors { path: path.clone(), message: e.to_string() })?;
+        match_permissions(&path, &cfg_path)?;
         for (name, _) in shard {
             weight_map.insert(name.clone(), file.clone());
         }
@@ -142,6 +143,15 @@ fn write_files(tmp: &Path, config: &LlamaConfig, shards: &[Vec<(String, Tensor)>
         std::fs::write(&path, text).map_err(|e| Error::io(&path, e))?;
     }
     Ok(())
+}
+
+/// Gives `path` the permissions of `like`, a file this process wrote with `std::fs` (so the user's umask
+/// applied). safetensors writes through a temporary file created with mode 0600, which would leave a saved
+/// model readable by its owner only (a shared model cache, a job run as another user) while the config
+/// beside it is not.
+pub fn match_permissions(path: &Path, like: &Path) -> Result<()> {
+    let perms = std::fs::metadata(like).map_err(|e| Error::io(like, e))?.permissions();
+    std::fs::set_permissions(path, perms).map_err(|e| Error::io(path, e))
 }
 
 /// `.<name>.<tag>-<pid>` next to `dir`.

@@ -206,3 +206,25 @@ fn failed_save_leaves_the_old_model_and_no_temporaries() {
         std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect();
     assert_eq!(entries, vec!["m".to_string()]);
 }
+
+/// safetensors writes through a 0600 temporary file; every saved file must instead carry the mode the
+/// user's umask gives (that of config.json), or a shared model cache is unreadable to the group.
+#[cfg(unix)]
+#[test]
+fn weight_files_get_the_config_files_permissions() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    write_sharded(&dir);
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let want = mode(&dir.join("config.json"));
+    let mut weights = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            assert_eq!(mode(&path), want, "{} has mode {:o}, config.json {want:o}", path.display(), mode(&path));
+            weights += 1;
+        }
+    }
+    assert!(weights > 1, "the sharded save wrote {weights} weight files");
+}

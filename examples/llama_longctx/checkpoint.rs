@@ -399,6 +399,7 @@ fn write_into(
     }
     save_model(tmp, &model.config, &weights, &SaveOptions { dtype: Some(disk), ..SaveOptions::default() })?;
     candle_core::safetensors::save(&moments, tmp.join(OPTIMIZER_FILE))?;
+    autosp::models::save::match_permissions(&tmp.join(OPTIMIZER_FILE), &tmp.join("config.json"))?;
     if let Some(t) = tokenizer {
         let path = tmp.join("tokenizer.json");
         std::fs::write(&path, t).with_context(|| format!("writing {}", path.display()))?;
