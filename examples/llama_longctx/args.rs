@@ -65,11 +65,20 @@ pub struct Args {
     #[arg(long)]
     pub batch_tokens: Option<usize>,
 
-    /// Training data: `passkey` (synthetic passkey retrieval), a JSONL file with a "text" field per line or
+    /// Training data: `needles` (synthetic multi-needle retrieval across the shards: the evidence in the
+    /// first eighth of each sequence, the questions after 5/8 of it; trained on the answers only, with a
+    /// length curriculum), `passkey` (synthetic passkey retrieval), a JSONL file with a "text" field per line or
     /// a plain text file (tokenised with the model's tokenizer, packed to --seq-len), or `ids:FILE`
     /// (whitespace-separated token ids, used as they are).
-    #[arg(long, default_value = "passkey")]
+    #[arg(long, default_value = "needles")]
     pub data: String,
+
+    /// Sequence lengths before --seq-len (`--data needles` only): `L1:S1,L2:S2,...` trains S1 steps on
+    /// sequences of L1 tokens, then S2 steps at L2, ..., and the remaining steps at --seq-len; every step
+    /// holds --seq-len tokens (seq-len / L sequences of L tokens). `none`: every step at --seq-len. Default:
+    /// lengths doubling from 256, 60% of the steps, then 40% at --seq-len.
+    #[arg(long)]
+    pub curriculum: Option<String>,
 
     /// Directory for checkpoints (each one in `DIR/step-N`, written atomically). Default: the directory
     /// holding the --resume checkpoint, else `runs/latest` under the autosp cache. One run at a time: a second
@@ -251,6 +260,8 @@ pub fn parse_checkpointing(s: &str) -> Result<Checkpointing, String> {
 pub enum DataSource {
     /// Synthetic passkey retrieval.
     Passkey,
+    /// Synthetic multi-needle retrieval across the shards (`task.rs`).
+    Needles,
     /// Whitespace-separated token ids.
     Ids(PathBuf),
     /// A JSONL file with a "text" field, or plain text (decided by the extension `.jsonl`/`.json`).
@@ -262,6 +273,8 @@ impl DataSource {
     pub fn parse(s: &str) -> Self {
         if s == "passkey" {
             DataSource::Passkey
+        } else if s == "needles" {
+            DataSource::Needles
         } else if let Some(f) = s.strip_prefix("ids:") {
             DataSource::Ids(PathBuf::from(f))
         } else {

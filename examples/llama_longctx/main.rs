@@ -19,6 +19,7 @@ mod data;
 mod interrupt;
 mod model;
 mod progress;
+mod task;
 mod train;
 
 use std::process::ExitCode;
