@@ -14,12 +14,19 @@
 //! the naive attention and runs each kernel's forward + backward once, for the peak alone (long sequences).
 //!
 //! FLOP convention (the issue's, PyTorch's usual one): forward = 4 · batch · heads · N² · head_dim, halved
-//! when causal; forward + backward = 3.5 × forward. GFLOP/s are these counts over the measured time.
+//! when causal; forward + backward = 3.5 × forward. GFLOP/s are these counts over the measured time. Under a
+//! sliding window (`--max-distance`) the counts are scaled by `window_pair_fraction`, the fraction of the
+//! (query, key) pairs the mask leaves visible that the window keeps.
+//!
+//! `--max-distance` takes a comma-separated list of windows (`none` for no window): one line per window,
+//! and, when `none` comes first, each windowed line adds `{kernel}fwd_over_no_window` and
+//! `{kernel}fwd_bwd_over_no_window` (its time / the unwindowed time of the same run).
 //!
 //! ```text
 //! cargo run --release --example bench_attention -- --n 4096,8192 --causal
 //! cargo run --release --example bench_attention -- --n 8192 --causal --kernel both --naive-max-gib 0
 //! cargo run --release --example bench_attention -- --n 16384,65536 --causal --kernel generic --peak-only
+//! cargo run --release --example bench_attention -- --n 8192 --causal --max-distance none,2048,512 --naive-max-gib 0
 //! ```
 //!
 //! `fwd_cpu_s` / `fwd_bwd_cpu_s` are the process CPU seconds per call (all threads; Linux only): on a shared
@@ -59,6 +66,10 @@ struct Args {
     n: Vec<usize>,
     #[arg(long)]
     causal: bool,
+    /// Sliding windows (`AttentionSpec::max_distance`), comma separated: `none` or a whole number of positions
+    /// (one line per window).
+    #[arg(long, value_delimiter = ',', default_value = "none", value_parser = parse_window)]
+    max_distance: Vec<Option<usize>>,
     /// f32 or bf16 (bf16 computes in f32).
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -172,6 +183,28 @@ fn median_time(dev: &Device, repeats: usize, mut f: impl FnMut() -> Result<()>) 
     Ok((times[times.len() / 2], cpu))
 }
 
+/// `none` or a whole number of positions.
+fn parse_window(s: &str) -> Result<Option<usize>, String> {
+    match s.trim() {
+        "none" => Ok(None),
+        t => t.parse().map(Some).map_err(|_| format!("`{s}`: give `none` or a whole number of positions, 0 or more")),
+    }
+}
+
+/// The fraction of the (query, key) pairs of an `n × n` attention under `spec` without its window that the
+/// window keeps (1 without a window).
+fn window_pair_fraction(n: usize, spec: &AttentionSpec) -> f64 {
+    let Some(w) = spec.max_distance else { return 1.0 };
+    // Query p sees keys max(p - w, 0) ..= p (causal) or ..= min(p + w, n - 1); without the window 0 ..= p or all.
+    let (mut kept, mut all) = (0f64, 0f64);
+    for p in 0..n {
+        let hi = if spec.causal { p } else { (p + w).min(n - 1) };
+        kept += (hi - p.saturating_sub(w) + 1) as f64;
+        all += if spec.causal { p + 1 } else { n } as f64;
+    }
+    kept / all
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     if let Some(t) = args.threads {
@@ -194,23 +227,34 @@ fn main() -> Result<()> {
     }
     let (b, h) = (args.batch, args.heads);
     let hkv = args.kv_heads.unwrap_or(h);
-    let spec = AttentionSpec { causal: args.causal, scale: None, q_offset: 0, k_offset: 0, max_distance: None };
     let threads = candle_core::utils::get_num_threads();
-    for (d, &n) in args.head_dim.iter().flat_map(|&d| args.n.iter().map(move |n| (d, n))) {
+    let mut runs = Vec::new();
+    for &d in &args.head_dim {
+        for &n in &args.n {
+            runs.extend(args.max_distance.iter().map(|&w| (d, n, w)));
+        }
+    }
+    // The unwindowed times per (head_dim, n, kernel prefix): (forward, forward + backward).
+    let mut no_window: std::collections::HashMap<(usize, usize, &str), (f64, Option<f64>)> = Default::default();
+    for (d, n, window) in runs {
+        let spec = AttentionSpec { causal: args.causal, scale: None, q_offset: 0, k_offset: 0, max_distance: window };
         let q = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
         let k = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?.to_dtype(dtype)?;
         let v = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?.to_dtype(dtype)?;
         let d_o = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
 
-        let fwd_flop = 4.0 * (b * h) as f64 * (n as f64).powi(2) * d as f64 * if args.causal { 0.5 } else { 1.0 };
+        let fraction = window_pair_fraction(n, &spec);
+        let fwd_flop =
+            4.0 * (b * h) as f64 * (n as f64).powi(2) * d as f64 * if args.causal { 0.5 } else { 1.0 } * fraction;
         let fwd_bwd_flop = 3.5 * fwd_flop;
         let mut line = serde_json::json!({
             "kernel": kernels.iter().map(|k| k.name()).collect::<Vec<_>>().join(","),
             "batch": b, "heads": h, "kv_heads": hkv, "head_dim": d, "n": n,
-            "causal": args.causal, "dtype": args.dtype, "threads": threads, "repeats": args.repeats,
+            "causal": args.causal, "max_distance": window, "window_pair_fraction": fraction,
+            "dtype": args.dtype, "threads": threads, "repeats": args.repeats,
             "generic_block": block, "device": format!("{:?}", dev.location()),
             "flash_attn_feature": cfg!(feature = "flash-attn"),
-            "flop_convention": "fwd = 4*b*h*N^2*d (x0.5 causal); fwd_bwd = 3.5*fwd",
+            "flop_convention": "fwd = 4*b*h*N^2*d (x0.5 causal, x window_pair_fraction); fwd_bwd = 3.5*fwd",
             "scores_bytes_per_head": 4 * n * n,
         });
         let mut fwd_times = std::collections::HashMap::new();
@@ -240,6 +284,18 @@ fn main() -> Result<()> {
                 line[format!("{p}fwd_bwd_cpu_s")] = fwd_bwd_cpu_s.into();
                 line[format!("{p}fwd_bwd_gflops")] = (fwd_bwd_flop / fwd_bwd_s / 1e9).into();
                 fwd_bwd_times.insert(p, fwd_bwd_s);
+            }
+            match (window, no_window.get(&(d, n, p))) {
+                (None, _) => {
+                    no_window.insert((d, n, p), (fwd_s, fwd_bwd_times.get(p).copied()));
+                }
+                (Some(_), Some(&(f, fb))) => {
+                    line[format!("{p}fwd_over_no_window")] = (fwd_s / f).into();
+                    if let (Some(fb), Some(t)) = (fb, fwd_bwd_times.get(p)) {
+                        line[format!("{p}fwd_bwd_over_no_window")] = (t / fb).into();
+                    }
+                }
+                (Some(_), None) => {}
             }
         }
         if let (Some(g), Some(c)) = (fwd_times.get("generic_"), fwd_times.get("")) {

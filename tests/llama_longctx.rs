@@ -481,6 +481,47 @@ fn resume_with_another_schedule_is_refused_unless_allowed_and_stale_saves_are_cl
     assert!(so.contains("step    4/4"), "{so}");
 }
 
+/// `--max-attention-distance D`: the run names its window; `--eval-tokens` under a window agrees between
+/// `--sp 1` and `--sp 2` (Ring at P = 2: 1e-5 · P) and differs from the unwindowed loss; the checkpoint
+/// records the window and a resume with another one is refused unless --allow-changes. (A value that is not
+/// a distance: `each_bad_input_row_is_refused_naming_the_option_and_the_fix`.)
+#[test]
+fn max_attention_distance_is_applied_recorded_and_checked_on_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let ids: Vec<String> = (0..301u32).map(|i| ((i * 37 + 11) % 128).to_string()).collect();
+    let f = t.join("ids.txt");
+    std::fs::write(&f, ids.join(" ")).unwrap();
+    let eval = |args: &[&str]| -> f64 {
+        let out = run_ok(t, &[&["--eval-tokens", s(&f)], args].concat());
+        let line = out.lines().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON line:\n{out}"));
+        serde_json::from_str::<serde_json::Value>(line).unwrap()["eval_loss"].as_f64().unwrap()
+    };
+    let (w1, w2) =
+        (eval(&["--sp", "1", "--max-attention-distance", "4"]), eval(&["--sp", "2", "--max-attention-distance", "4"]));
+    assert!((w1 - w2).abs() <= 2e-5 * w1.abs(), "windowed eval loss sp1 {w1} vs sp2 {w2}");
+    let plain = eval(&["--sp", "1"]);
+    assert!((w1 - plain).abs() > 1e-4 * plain.abs(), "the window changes nothing: {w1} vs {plain}");
+
+    let a = t.join("a");
+    let so = run_ok(t, &["--quick", "--steps", "2", "--max-attention-distance", "16", "--save", s(&a)]);
+    assert!(so.contains("attention window (--max-attention-distance 16)"), "{so}");
+    let ckpt = a.join("step-2");
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("trainer_state.json")).unwrap()).unwrap();
+    assert_eq!(state["max_attention_distance"], 16, "{state}");
+    let e = run_err(t, &["--quick", "--steps", "2", "--resume", s(&ckpt)]);
+    assert!(e.contains("--max-attention-distance 16 -> none") && e.contains("--allow-changes"), "{e}");
+    let e = run_err(t, &["--quick", "--steps", "3", "--resume", s(&ckpt), "--max-attention-distance", "8"]);
+    assert!(e.contains("--max-attention-distance 16 -> 8"), "{e}");
+    let so = run_ok(
+        t,
+        &["--quick", "--steps", "3", "--resume", s(&ckpt), "--max-attention-distance", "16", "--allow-changes"],
+    );
+    assert!(so.contains("resumed with changes (--allow-changes): --steps 2 -> 3\n"), "the same window: {so}");
+    assert!(so.contains("step    3/3"), "{so}");
+}
+
 /// The rows of docs/RELIABILITY.md "Bad input" that the command line decides: each is refused with a
 /// non-zero exit, a message naming the file or option and the fix, and no save directory created.
 #[test]
@@ -528,6 +569,12 @@ fn each_bad_input_row_is_refused_naming_the_option_and_the_fix() {
     refused(&["--quick", "--seq-len", "0"], &["--seq-len 0", "at least 2 tokens", "--seq-len 2 or more"]);
     refused(&["--quick", "--seq-len", "3", "--sp", "4"], &["--sp 4 is larger than --seq-len 3", "at most 3"]);
     refused(&["--quick", "--sp", "0"], &["--sp 0", "--sp 1 or more"]);
+    for bad in ["-3", "ten", "1.5"] {
+        refused(
+            &["--quick", &format!("--max-attention-distance={bad}")],
+            &["--max-attention-distance", &format!("`{bad}` is not a distance"), "0 or more"],
+        );
+    }
     // The tiny model has 4 heads and 2 kv heads: Ulysses degree 3 divides none of them.
     refused(
         &["--quick", "--sp", "4", "--strategy", "hybrid:3"],

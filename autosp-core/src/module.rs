@@ -55,16 +55,41 @@ impl Attention for NaiveAttention {
     }
 }
 
-/// Where a model's attention goes; the compile step replaces what it holds.
+/// Where a model's attention goes; the compile step replaces what it holds. The slot may also carry a
+/// sliding window ([`set_max_distance`](Self::set_max_distance)) that it applies to every spec it runs, on top
+/// of the model's own mask: the compile step sets it from `CompileConfig::max_attention_distance`, and
+/// [`set_max_attention_distance`] sets it on a whole model.
 #[derive(Clone, Debug)]
 pub struct AttentionSlot {
     imp: Arc<dyn Attention>,
+    max_distance: Option<usize>,
 }
 
 impl AttentionSlot {
-    /// A slot holding `imp`.
+    /// A slot holding `imp`, with no window of its own.
     pub fn new(imp: Arc<dyn Attention>) -> Self {
-        Self { imp }
+        Self { imp, max_distance: None }
+    }
+
+    /// Limits every attention this slot runs to keys at most `distance` positions from the query
+    /// ([`AttentionSpec::max_distance`]; the smaller one wins when the model's spec has a window too).
+    /// `None` adds no limit.
+    pub fn set_max_distance(&mut self, distance: Option<usize>) {
+        self.max_distance = distance;
+    }
+
+    /// The window this slot adds (see [`set_max_distance`](Self::set_max_distance)).
+    pub fn max_distance(&self) -> Option<usize> {
+        self.max_distance
+    }
+
+    /// `spec` with this slot's window applied.
+    fn spec(&self, spec: &AttentionSpec) -> AttentionSpec {
+        let max_distance = match (spec.max_distance, self.max_distance) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        AttentionSpec { max_distance, ..*spec }
     }
 
     /// Replaces the implementation.
@@ -86,12 +111,12 @@ impl AttentionSlot {
         v: &Value,
         spec: &AttentionSpec,
     ) -> Result<(Value, Value)> {
-        self.imp.forward(tape, q, k, v, spec)
+        self.imp.forward(tape, q, k, v, &self.spec(spec))
     }
 
     /// Runs the held attention for its output alone (see [`Attention::forward_output`]).
     pub fn forward_output(&self, tape: &Tape, q: &Value, k: &Value, v: &Value, spec: &AttentionSpec) -> Result<Value> {
-        self.imp.forward_output(tape, q, k, v, spec)
+        self.imp.forward_output(tape, q, k, v, &self.spec(spec))
     }
 }
 
@@ -218,6 +243,20 @@ pub fn visit_mut(m: &mut dyn Module, path: &str, f: &mut dyn FnMut(&str, &mut dy
     }
 }
 
+/// Sets the sliding window of every attention slot in `m` and its descendants
+/// ([`AttentionSlot::set_max_distance`]: a query sees keys at most `distance` positions away; `None` removes
+/// the slots' windows). Returns the number of slots set.
+pub fn set_max_attention_distance(m: &mut dyn Module, distance: Option<usize>) -> usize {
+    let mut slots = 0;
+    visit_mut(m, "", &mut |_, m| {
+        if let Some(s) = m.attention_slot() {
+            s.set_max_distance(distance);
+            slots += 1;
+        }
+    });
+    slots
+}
+
 /// The tree as indented lines `path: Kind [attention: ..] [checkpointed]`, for `explain()`.
 pub fn describe_tree(m: &mut dyn Module) -> String {
     let mut out = String::new();
@@ -226,7 +265,11 @@ pub fn describe_tree(m: &mut dyn Module) -> String {
         let name = if path.is_empty() { "model" } else { path.rsplit('.').next().unwrap_or(path) };
         let mut line = format!("{}{}: {}", "  ".repeat(depth), name, m.kind());
         if let Some(slot) = m.attention_slot() {
-            line.push_str(&format!(" [attention: {}]", slot.get().describe()));
+            line.push_str(&format!(" [attention: {}", slot.get().describe()));
+            if let Some(w) = slot.max_distance() {
+                line.push_str(&format!(", max distance {w}"));
+            }
+            line.push(']');
         }
         if let Some(r) = m.region_slot() {
             match (r.enabled(), r.policy()) {

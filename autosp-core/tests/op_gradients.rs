@@ -172,15 +172,22 @@ fn cross_entropy_with_ignored_targets() {
 #[test]
 fn naive_attention_all_variants() {
     let cases = [
-        // (nq, nk, h, hkv, causal, q_offset, k_offset)
-        (5, 5, 2, 2, true, 0, 0),
-        (5, 5, 4, 2, false, 0, 0),
-        (3, 6, 4, 1, true, 3, 0),
+        // (nq, nk, h, hkv, causal, q_offset, k_offset, max_distance)
+        (5, 5, 2, 2, true, 0, 0, None),
+        (5, 5, 4, 2, false, 0, 0, None),
+        (3, 6, 4, 1, true, 3, 0, None),
         // queries before every key: the first rows see nothing (lse = -inf, o = 0).
-        (4, 3, 2, 1, true, 0, 2),
+        (4, 3, 2, 1, true, 0, 2, None),
+        // Sliding windows: causal (each row sees its last 2 positions), non-causal with GQA, offsets and
+        // q_len != k_len, a window of 0 (each row sees only its own position), and non-causal rows whose
+        // window holds no key (q positions 0..2 against keys 6..10 with w = 4: rows 0 and 1 see nothing).
+        (6, 6, 2, 2, true, 0, 0, Some(1)),
+        (5, 7, 4, 2, false, 2, 0, Some(2)),
+        (4, 6, 2, 1, true, 2, 0, Some(0)),
+        (3, 4, 2, 2, false, 0, 6, Some(4)),
     ];
-    for (i, &(nq, nk, h, hkv, causal, qo, ko)) in cases.iter().enumerate() {
-        let spec = AttentionSpec { causal, scale: None, q_offset: qo, k_offset: ko, max_distance: None };
+    for (i, &(nq, nk, h, hkv, causal, qo, ko, w)) in cases.iter().enumerate() {
+        let spec = AttentionSpec { causal, scale: None, q_offset: qo, k_offset: ko, max_distance: w };
         let s = 30 + 3 * i as u64;
         let inputs = [rand(&[1, nq, h, 4], s), rand(&[1, nk, hkv, 4], s + 1), rand(&[1, nk, hkv, 4], s + 2)];
         check(

@@ -52,6 +52,8 @@ struct Case {
     causal: bool,
     /// Run inside a SequenceAware checkpoint region: Ulysses (and hybrid's Ulysses) records one fused op.
     fused: bool,
+    /// The sliding window (`AttentionSpec::max_distance`).
+    window: Option<usize>,
 }
 
 /// Deterministic values in [-1, 1) (splitmix64 of the index and seed).
@@ -108,11 +110,8 @@ fn inputs(c: &Case) -> Full {
 }
 
 fn spec(c: &Case) -> AttentionSpec {
-    if c.causal {
-        AttentionSpec::causal()
-    } else {
-        AttentionSpec::full()
-    }
+    let s = if c.causal { AttentionSpec::causal() } else { AttentionSpec::full() };
+    AttentionSpec { max_distance: c.window, ..s }
 }
 
 fn layout_of(c: &Case) -> SeqLayout {
@@ -289,7 +288,8 @@ fn sweep(strategy: Strategy, p: usize, batch: usize, heads: usize, kv: &[usize],
             );
             // Shards of 37 tokens (two sub-chunks of 37 for zigzag): never a multiple of the 64-row flash tile.
             let local = if zig { 74 } else { 37 };
-            let c = Case { strategy, p, batch, local, heads, kv_heads, head_dim: 16, causal, fused: false };
+            let c =
+                Case { strategy, p, batch, local, heads, kv_heads, head_dim: 16, causal, fused: false, window: None };
             let composed = run_case(c);
             if matches!(strategy, Strategy::Ulysses | Strategy::Hybrid { .. }) {
                 // The fused forward moves the same data through the same inner op: the same bits. Its backward
@@ -349,6 +349,7 @@ fn ring_contiguous_layout_is_correct_under_a_causal_mask() {
         head_dim: 16,
         causal: true,
         fused: false,
+        window: None,
     };
     let first = run_case(c);
     // Deterministic: a second run gives the same bits.
@@ -367,6 +368,90 @@ fn hybrid_2x2_matches_single_rank() {
     sweep(Strategy::Hybrid { u: 2, layout: RingLayout::Zigzag }, 4, 1, 4, &[4, 2, 1], &[true, false]);
 }
 
+/// Sliding windows through every strategy at P = 4 (zigzag for causal, contiguous for non-causal Ring), GQA,
+/// composed and fused: a window of 0 (each token sees itself), one smaller than a shard (most Ring pairs are
+/// skipped, the rest cut), and one that crosses several shards; the tolerances of `run_case`.
+fn window_sweep(strategy: Strategy, heads: usize, kv_heads: usize) {
+    for causal in [true, false] {
+        let strategy = match strategy {
+            Strategy::Ring(_) => Strategy::Ring(if causal { RingLayout::Zigzag } else { RingLayout::Contiguous }),
+            Strategy::Hybrid { u, .. } => {
+                Strategy::Hybrid { u, layout: if causal { RingLayout::Zigzag } else { RingLayout::Contiguous } }
+            }
+            s => s,
+        };
+        for window in [0, 5, 90] {
+            let c = Case {
+                strategy,
+                p: 4,
+                batch: 1,
+                local: 74,
+                heads,
+                kv_heads,
+                head_dim: 16,
+                causal,
+                fused: false,
+                window: Some(window),
+            };
+            run_case(c);
+            if matches!(strategy, Strategy::Ulysses | Strategy::Hybrid { .. }) {
+                run_case(Case { fused: true, ..c });
+            }
+        }
+    }
+}
+
+#[test]
+fn ulysses_with_a_window_matches_single_rank() {
+    window_sweep(Strategy::Ulysses, 4, 2);
+}
+
+#[test]
+fn ring_with_a_window_matches_single_rank() {
+    window_sweep(Strategy::Ring(RingLayout::Zigzag), 4, 2);
+}
+
+#[test]
+fn hybrid_with_a_window_matches_single_rank() {
+    window_sweep(Strategy::Hybrid { u: 2, layout: RingLayout::Zigzag }, 4, 1);
+}
+
+/// Ring with a window whose shards see no key at all (the caller's q_offset far after k_offset): those rows
+/// get lse = -inf and o = 0 (as one rank's flash gives them) instead of a missing result.
+#[test]
+fn ring_rows_whose_window_holds_no_key() {
+    let c = Case {
+        strategy: Strategy::Ring(RingLayout::Contiguous),
+        p: 2,
+        batch: 1,
+        local: 37,
+        heads: 2,
+        kv_heads: 2,
+        head_dim: 16,
+        causal: false,
+        fused: false,
+        window: Some(3),
+    };
+    let x = inputs(&c);
+    // Queries at 100.., keys at 0..74: only keys 97.. would be in a window, none exists.
+    let sp = AttentionSpec { q_offset: 100, ..spec(&c) };
+    let outs = run_ranks(c.p, TIMEOUT, |world| -> autosp_core::Result<(Tensor, Tensor)> {
+        let r = world.rank();
+        let sh = |t: &Tensor, dim| shard(t, dim, SeqLayout::Contiguous, c.p, r).unwrap();
+        let tape = Tape::new(CheckpointPolicy::None);
+        let (q, k, v) = (tape.leaf(sh(&x.q, 1)), tape.leaf(sh(&x.k, 1)), tape.leaf(sh(&x.v, 1)));
+        let (o, lse) = RingAttention::new(world, RingLayout::Contiguous).forward(&tape, &q, &k, &v, &sp)?;
+        Ok((o.tensor().clone(), lse.tensor().clone()))
+    });
+    for out in outs {
+        let (o, lse) = out.unwrap().unwrap();
+        let lse: Vec<f32> = lse.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(lse.iter().all(|&l| l == f32::NEG_INFINITY), "{lse:?}");
+        let o: Vec<f32> = o.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(o.iter().all(|&v| v == 0.0));
+    }
+}
+
 #[test]
 fn fused_ulysses_keeps_only_its_local_inputs_and_outputs() {
     // Inside a SequenceAware region the tape holds the local q, k, v (leaves here) and o, lse: nothing in the
@@ -382,6 +467,7 @@ fn fused_ulysses_keeps_only_its_local_inputs_and_outputs() {
             head_dim: 16,
             causal: true,
             fused: true,
+            window: None,
         };
         let x = inputs(&c);
         let held = |c: Case| -> Vec<usize> {

@@ -44,6 +44,14 @@ pub struct Args {
     #[arg(long, value_parser = autosp::precision::parse_dtype)]
     pub dtype: Option<DType>,
 
+    /// Limit attention to a sliding window of D positions: each token sees only itself and the D tokens
+    /// before it (0: itself only), in training, evaluation and the passkey probes alike. The control that shows
+    /// whether a task needs long range (passkey retrieval with D below the distance between key and question
+    /// should stay at chance). Key tiles and Ring blocks out of reach are skipped, so it is also cheaper.
+    /// Default: no window.
+    #[arg(long, value_name = "D", value_parser = parse_max_attention_distance)]
+    pub max_attention_distance: Option<usize>,
+
     /// Optimizer steps.
     #[arg(long, default_value_t = 200)]
     pub steps: usize,
@@ -189,6 +197,16 @@ impl Args {
             Some(t) => Ok(t / self.seq_len),
         }
     }
+}
+
+/// `--max-attention-distance D`: a whole number of positions, 0 or more.
+pub fn parse_max_attention_distance(s: &str) -> Result<usize, String> {
+    s.trim().parse::<usize>().map_err(|_| {
+        format!(
+            "`{s}` is not a distance: give a whole number of tokens, 0 or more (0: each token sees only itself; \
+             leave the flag out for no window)"
+        )
+    })
 }
 
 /// `ulysses`, `ring`, `hybrid:U`, `auto`.

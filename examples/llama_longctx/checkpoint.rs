@@ -54,6 +54,9 @@ pub struct TrainerState {
     pub steps: Option<usize>,
     pub lr: Option<f64>,
     pub warmup: Option<usize>,
+    /// The sliding attention window (`--max-attention-distance`); `None` also for checkpoints written before
+    /// it existed (they were trained without one).
+    pub max_attention_distance: Option<usize>,
 }
 
 /// Bytes read at a time when hashing a file.
@@ -423,6 +426,7 @@ fn write_into(
         "steps": state.steps,
         "lr": state.lr,
         "warmup": state.warmup,
+        "max_attention_distance": state.max_attention_distance,
         "files": files,
     });
     let path = tmp.join(STATE_FILE);
@@ -512,6 +516,12 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
         steps: doc.get("steps").and_then(Value::as_u64).map(|x| x as usize),
         lr: doc.get("lr").and_then(Value::as_f64),
         warmup: doc.get("warmup").and_then(Value::as_u64).map(|x| x as usize),
+        max_attention_distance: match doc.get("max_attention_distance") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v.as_u64().ok_or_else(|| {
+                damaged(format!("{STATE_FILE}: `max_attention_distance` is not a whole number or null"))
+            })? as usize),
+        },
     })
 }
 

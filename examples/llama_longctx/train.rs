@@ -99,10 +99,16 @@ impl Job {
         let resume = match &args.resume {
             Some(dir) => {
                 let state = checkpoint::verify(dir)?;
-                // The schedule and the sequence length may change with --allow-changes (older checkpoints did
-                // not record the schedule: nothing to compare).
+                // The schedule, the sequence length and the attention window may change with --allow-changes
+                // (older checkpoints did not record the schedule: nothing to compare; they had no window).
+                let window = |w: Option<usize>| w.map_or("none".to_string(), |w| w.to_string());
                 let may_change = [
                     ("--seq-len", Some(state.seq_len.to_string()), args.seq_len.to_string()),
+                    (
+                        "--max-attention-distance",
+                        Some(window(state.max_attention_distance)),
+                        window(args.max_attention_distance),
+                    ),
                     ("--steps", state.steps.map(|x| x.to_string()), args.steps.to_string()),
                     ("--lr", state.lr.map(|x| x.to_string()), args.lr.to_string()),
                     ("--warmup", state.warmup.map(|x| x.to_string()), args.warmup.to_string()),
@@ -341,7 +347,9 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         .map(|(k, t)| Ok((k.clone(), t.to_dtype(job.dtype)?)))
         .collect::<Result<std::collections::HashMap<String, Tensor>>>()?;
     let model = LlamaModel::from_weights(&job.base.config, weights)?;
-    let mut cfg = CompileConfig::new(pg.clone(), a.strategy, a.checkpoint).with_dtype(job.dtype);
+    let mut cfg = CompileConfig::new(pg.clone(), a.strategy, a.checkpoint)
+        .with_dtype(job.dtype)
+        .with_max_attention_distance(a.max_attention_distance);
     cfg.seq_len = Some(a.seq_len);
     let mut c = compile(model, cfg).with_context(|| {
         format!(
@@ -398,6 +406,14 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         job.micro,
         a.data
     ));
+    if let Some(w) = c.max_attention_distance() {
+        say(&format!(
+            "attention window (--max-attention-distance {w}): each token sees only the {} tokens at most {w} \
+             positions before it{}",
+            w + 1,
+            if w + 1 >= a.seq_len { " (every token of a sequence: the window hides nothing)" } else { "" }
+        ));
+    }
 
     if let Stream::Needles(_) = job.stream {
         say(&needles_line(&c, a.seq_len, a.steps, job.p, &job.curriculum)?);
@@ -452,6 +468,7 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
             steps: Some(a.steps),
             lr: Some(a.lr),
             warmup: Some(a.warmup),
+            max_attention_distance: a.max_attention_distance,
         };
         checkpoint::save(&job.save_root, c.model(), opt, &params, &state, job.tokenizer_json.as_deref())
     };

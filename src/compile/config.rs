@@ -1,5 +1,5 @@
 //! What the compile step is asked for: the sequence-parallel degree (through the process group), the
-//! strategy, the checkpoint policy or byte budget, and the dtype.
+//! strategy, the checkpoint policy or byte budget, the dtype, and an optional sliding attention window.
 
 use std::sync::Arc;
 
@@ -50,17 +50,30 @@ pub struct CompileConfig {
     pub dtype: DType,
     /// The sequence length a byte budget must fit (needed for `Checkpointing::Budget`).
     pub seq_len: Option<usize>,
+    /// A sliding attention window: when `Some(d)`, every attention of the compiled model (training steps and
+    /// logits alike) lets the token at position `p` see only the tokens at positions `p - d ..= p` (`d = 0`:
+    /// itself only), on top of the model's causal mask; key tiles and Ring blocks out of reach are skipped,
+    /// not computed. `None` (the default): no window. The control that shows whether a task uses context
+    /// further away than `d` (`llama_longctx --max-attention-distance`).
+    pub max_attention_distance: Option<usize>,
 }
 
 impl CompileConfig {
     /// Ulysses/Ring/Hybrid/Auto with a policy, f32.
     pub fn new(group: Arc<dyn ProcessGroup>, strategy: Strategy, checkpoint: Checkpointing) -> Self {
-        Self { group, strategy, checkpoint, dtype: DType::F32, seq_len: None }
+        Self { group, strategy, checkpoint, dtype: DType::F32, seq_len: None, max_attention_distance: None }
     }
 
     /// The same configuration computing in `dtype` (f32, bf16, f16 or f64; see [`CompileConfig::dtype`]).
     pub fn with_dtype(mut self, dtype: DType) -> Self {
         self.dtype = dtype;
+        self
+    }
+
+    /// The same configuration with a sliding attention window of `distance` positions (`None`: none; see
+    /// [`CompileConfig::max_attention_distance`]).
+    pub fn with_max_attention_distance(mut self, distance: Option<usize>) -> Self {
+        self.max_attention_distance = distance;
         self
     }
 }

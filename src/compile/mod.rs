@@ -33,6 +33,8 @@ pub struct Compiled<M> {
     dtype: DType,
     /// The groups the attention communicates over (Hybrid's Ulysses and Ring subgroups).
     attention_groups: Vec<Arc<dyn ProcessGroup>>,
+    /// The sliding attention window every attention slot applies.
+    max_attention_distance: Option<usize>,
 }
 
 impl<M: CausalLm> Compiled<M> {
@@ -49,6 +51,11 @@ impl<M: CausalLm> Compiled<M> {
     /// The compute dtype: the parameters' and activations' dtype (see [`CompileConfig::dtype`]).
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The sliding attention window (see [`CompileConfig::max_attention_distance`]); `None`: none.
+    pub fn max_attention_distance(&self) -> Option<usize> {
+        self.max_attention_distance
     }
 
     /// The sequence layout over the ranks.
@@ -166,6 +173,7 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
     visit_mut(&mut model, "", &mut |_, m| {
         if let Some(s) = m.attention_slot() {
             s.set(attention.clone());
+            s.set_max_distance(config.max_attention_distance);
             slots += 1;
         }
         if let Some(r) = m.region_slot() {
@@ -187,6 +195,7 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
         checkpoint: config.checkpoint,
         dtype: config.dtype,
         attention_groups,
+        max_attention_distance: config.max_attention_distance,
     };
     if let Checkpointing::Budget(bytes) = config.checkpoint {
         let n = config.seq_len.ok_or_else(|| {

@@ -58,6 +58,20 @@ impl PolicyMemory {
     }
 }
 
+/// The fraction of causal attention's (query, key) pairs over `n` tokens (about n² / 2) that a sliding window
+/// of `w` keeps: `Σ_p min(p + 1, w + 1) / (n (n + 1) / 2)`; 1 without a window.
+fn window_fraction(n: usize, window: Option<usize>) -> f64 {
+    let n = n as f64;
+    let all = n * (n + 1.0) / 2.0;
+    match window {
+        Some(w) if (w as f64) + 1.0 < n => {
+            let w1 = w as f64 + 1.0;
+            (w1 * (w1 + 1.0) / 2.0 + (n - w1) * w1) / all
+        }
+        _ => 1.0,
+    }
+}
+
 /// The longest probe step the plan runs (tokens): probes stay cheap next to a long target step.
 pub const PROBE_CAP: usize = 2048;
 
@@ -259,8 +273,9 @@ impl<M: CausalLm> Compiled<M> {
         let mut flops = Flops::default();
         for pol in &policies {
             let lin = 2.0 * n_loc * layer_params;
-            // Causal attention forward: half of 4 * N * n_loc * d_q; backward 2.5x forward.
-            let attn = 2.0 * n as f64 * n_loc * dq;
+            // Causal attention forward: half of 4 * N * n_loc * d_q (fewer under a sliding window: each query
+            // sees at most w + 1 keys); backward 2.5x forward.
+            let attn = 2.0 * n as f64 * n_loc * dq * window_fraction(n, self.max_attention_distance);
             let (lin_recompute, attn_recompute) = match pol {
                 CheckpointPolicy::None => (0.0, 0.0),
                 CheckpointPolicy::SequenceAware => (lin, 0.0),
@@ -324,6 +339,12 @@ impl<M: CausalLm> Compiled<M> {
             self.layout()
         );
         out.push_str(&format!("checkpointing: {:?}\n", self.checkpoint));
+        if let Some(w) = self.max_attention_distance {
+            out.push_str(&format!(
+                "attention window: each token sees the tokens at most {w} positions before it (out-of-window tiles \
+                 and Ring blocks skipped)\n"
+            ));
+        }
         out.push_str(&format!(
             "compute dtype: {}; LSE, loss, gradient all-reduce, master weights and optimizer moments: {}\n",
             self.dtype.as_str(),

@@ -28,7 +28,9 @@ pub(crate) struct BackwardInputs<'a, T> {
     pub d_lse: Option<&'a [T]>,
 }
 
-/// Backward pass: writes every element of `dq: [b, nq, h, d]`, `dk, dv: [b, nk, hkv, d]`.
+/// Backward pass: writes every element of `dq: [b, nq, h, d]`, `dk, dv: [b, nk, hkv, d]`. Returns the number
+/// of (query tile, key tile) products computed, summed over batch and query heads: only the query tiles that
+/// see a key tile (causal cut, sliding window) are visited.
 /// `fill` initialises the internal partial buffers (0 in use; NaN in the poison tests, which then show that
 /// every element is written before it is read).
 pub(crate) fn backward<T: Real>(
@@ -38,7 +40,7 @@ pub(crate) fn backward<T: Real>(
     dk: &mut [T],
     dv: &mut [T],
     fill: T,
-) {
+) -> usize {
     let (d, nq) = (g.d, g.nq);
     let nkt = g.k_tiles();
     let chunks = TARGET_TASKS.div_ceil((g.b * g.hkv).max(1)).clamp(1, nkt.max(1));
@@ -92,17 +94,21 @@ pub(crate) fn backward<T: Real>(
     let dv_out = SharedOut(dv.as_mut_ptr());
     let packs = Packed { qc: &qc, doc: &doc, lse2: &lse2, delta: &delta };
     let dq_w = SharedOut(dq.as_mut_ptr());
+    let mut computed = 0;
     for first in (0..chunks).step_by(wave) {
         let in_wave = wave.min(chunks - first);
-        (0..g.b * g.hkv * in_wave).into_par_iter().for_each(|i| {
-            let (bkh, ch) = (i / in_wave, first + i % in_wave);
-            // SAFETY: task (bi, kh, ch) alone writes the dQ rows (or the partial slot of chunk ch) of the
-            // query heads of kv head kh of batch bi, and the rows of the key tiles t ≡ ch (mod chunks) of that
-            // kv head in dk, dv; the waves run one after the other.
-            unsafe { key_chunk(g, x, &packs, bkh * chunks + ch, chunks, &dq_dst, &dk_out, &dv_out) };
-        });
+        computed += (0..g.b * g.hkv * in_wave)
+            .into_par_iter()
+            .map(|i| {
+                let (bkh, ch) = (i / in_wave, first + i % in_wave);
+                // SAFETY: task (bi, kh, ch) alone writes the dQ rows (or the partial slot of chunk ch) of the
+                // query heads of kv head kh of batch bi, and the rows of the key tiles t ≡ ch (mod chunks) of
+                // that kv head in dk, dv; the waves run one after the other.
+                unsafe { key_chunk(g, x, &packs, bkh * chunks + ch, chunks, &dq_dst, &dk_out, &dv_out) }
+            })
+            .sum::<usize>();
         if chunks == 1 {
-            return;
+            return computed;
         }
         // Add this wave's partials (chunk 0 is already in place) in chunk order; scale after the last wave.
         let last = first + in_wave == chunks;
@@ -124,6 +130,7 @@ pub(crate) fn backward<T: Real>(
             }
         });
     }
+    computed
 }
 
 /// Where a task accumulates dQ: chunk 0 straight into the `[b, nq, h, d]` output (scaled by the task at the
@@ -157,7 +164,7 @@ struct Packed<'a, T> {
 
 /// One backward task: the key tiles `t ≡ ch (mod chunks)` of kv head `kh` of batch `bi`, each packed here
 /// (only this task reads it) and run against every query tile of every query head of its group that sees
-/// it (group heads in order, then query tiles).
+/// it (group heads in order, then query tiles). Returns the number of (query tile, key tile) products computed.
 ///
 /// # Safety
 /// No other task writes this task's parts of `dq`, `dk_out`, `dv_out` (see [`backward`]).
@@ -171,8 +178,9 @@ unsafe fn key_chunk<T: Real>(
     dq: &DqDst<T>,
     dk_out: &SharedOut<T>,
     dv_out: &SharedOut<T>,
-) {
+) -> usize {
     let (d, nq, nk) = (g.d, g.nq, g.nk);
+    let mut computed = 0;
     let ch = idx % chunks;
     let bkh = idx / chunks;
     let (bi, kh) = (bkh / g.hkv, bkh % g.hkv);
@@ -198,9 +206,8 @@ unsafe fn key_chunk<T: Real>(
         let cols = (nk - j0).min(BC);
         dk_acc.fill(T::ZERO);
         dv_acc.fill(T::ZERO);
-        let first_row = g.first_row_seeing(j0);
-        let first_tile = if first_row >= nq { g.q_tiles() } else { first_row / BR };
-        if first_tile < g.q_tiles() {
+        let q_tiles = g.query_tiles_seeing(j0, cols);
+        if !q_tiles.is_empty() {
             g.pack_tile_transposed(x.k, bi, kh, t, &mut kt);
             g.pack_tile_transposed(x.v, bi, kh, t, &mut vt);
             pack_rows(x.k, g.k_base(bi, kh) + j0 * g.k_rs, g.k_rs, d, &mut kc[..cols * d]);
@@ -212,7 +219,8 @@ unsafe fn key_chunk<T: Real>(
             let lse2 = &pk.lse2[bh * nq..][..nq];
             let delta = &pk.delta[bh * nq..][..nq];
             let (dq_buf, dq_base, dq_rs) = dq.rows(g, bh, ch);
-            for qt in first_tile..g.q_tiles() {
+            for qt in q_tiles.clone() {
+                computed += 1;
                 let i0 = qt * BR;
                 let rows = (nq - i0).min(BR);
                 let qp = qc.as_ptr().add(i0 * d);
@@ -222,7 +230,7 @@ unsafe fn key_chunk<T: Real>(
 
                 // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
                 T::gemm(false, rows, BC, d, qp, d, 1, ktp, BC, p.as_mut_ptr(), BC);
-                if g.tile_needs_mask(i0, j0) {
+                if g.tile_needs_mask(i0, rows, j0) {
                     g.mask_tile(p, rows, i0, j0);
                 }
                 for r in 0..rows {
@@ -258,4 +266,5 @@ unsafe fn key_chunk<T: Real>(
             }
         }
     }
+    computed
 }

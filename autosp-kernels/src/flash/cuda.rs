@@ -29,8 +29,8 @@ pub(crate) fn forward_output(
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let o = match mask {
         FlashAttnMask::Full => candle_flash_attn::flash_attn(&q, &k, &v, scale, false)?,
-        FlashAttnMask::Window { right } => {
-            candle_flash_attn::flash_attn_windowed(&q, &k, &v, scale, None, Some(right))?
+        FlashAttnMask::Window { left, right } => {
+            candle_flash_attn::flash_attn_windowed(&q, &k, &v, scale, left, Some(right))?
         }
     };
     Ok(o)

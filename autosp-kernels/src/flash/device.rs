@@ -121,7 +121,7 @@ mod tests {
     #[cfg(feature = "flash-attn")]
     #[test]
     fn cuda_output_goes_to_candle_flash_attn_when_it_has_a_plan() {
-        let mask = FlashAttnMask::Window { right: 0 };
+        let mask = FlashAttnMask::Window { left: None, right: 0 };
         assert_eq!(route(false, CUDA, 64, Some(mask)), Backend::FlashAttn(mask));
         // A plan never moves a CPU or Metal call.
         assert_eq!(route(true, DeviceLocation::Cpu, 64, Some(mask)), Backend::FastCpu);

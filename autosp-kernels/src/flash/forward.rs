@@ -9,7 +9,9 @@ use super::real::Real;
 
 /// Forward pass. `q: [b, nq, h, d]`, `k, v: [b, nk, hkv, d]` (contiguous slices); writes every element of
 /// `o: [b, nq, h, d]` and `lse: [b, h, nq]` (natural log; -inf and o = 0 for a row that sees no key).
-pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut [T], lse: &mut [T]) {
+/// Returns the number of (query tile, key tile) score products computed, summed over batch and heads: only
+/// the key tiles a query tile sees (causal cut, sliding window) are visited.
+pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut [T], lse: &mut [T]) -> usize {
     let kt_len = g.k_tiles() * g.d * BC;
     // Kᵀ in tiles and V in contiguous rows, once per kv head; the query heads of a GQA group share them.
     let v_len = g.nk * g.d;
@@ -26,20 +28,23 @@ pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut 
     let o_out = SharedOut(o.as_mut_ptr());
     let lse_out = SharedOut(lse.as_mut_ptr());
     // The last query tiles see the most keys under a causal mask: hand them out first.
-    (0..g.b * g.h * nqt).into_par_iter().for_each(|idx| {
-        let qt = nqt - 1 - idx % nqt;
-        let bh = idx / nqt;
-        let (bi, hi) = (bh / g.h, bh % g.h);
-        let kh = hi / g.group;
-        let kt_head = &kt[(bi * g.hkv + kh) * kt_len..][..kt_len];
-        let v_head = &vp[(bi * g.hkv + kh) * v_len..][..v_len];
-        // SAFETY: task (bi, hi, qt) alone writes rows qt·BR.. of head hi of batch bi in o and lse.
-        unsafe { query_tile(g, q, kt_head, v_head, bi, hi, qt, &o_out, &lse_out) };
-    });
+    (0..g.b * g.h * nqt)
+        .into_par_iter()
+        .map(|idx| {
+            let qt = nqt - 1 - idx % nqt;
+            let bh = idx / nqt;
+            let (bi, hi) = (bh / g.h, bh % g.h);
+            let kh = hi / g.group;
+            let kt_head = &kt[(bi * g.hkv + kh) * kt_len..][..kt_len];
+            let v_head = &vp[(bi * g.hkv + kh) * v_len..][..v_len];
+            // SAFETY: task (bi, hi, qt) alone writes rows qt·BR.. of head hi of batch bi in o and lse.
+            unsafe { query_tile(g, q, kt_head, v_head, bi, hi, qt, &o_out, &lse_out) }
+        })
+        .sum()
 }
 
 /// Attention of query tile `qt` of head `hi` against every key tile it sees; `kt` is the packed Kᵀ and `v`
-/// the packed `[nk, d]` values of its kv head.
+/// the packed `[nk, d]` values of its kv head. Returns the number of key tiles computed.
 ///
 /// # Safety
 /// No other task writes the rows of this tile in `o` and `lse`.
@@ -54,7 +59,7 @@ unsafe fn query_tile<T: Real>(
     qt: usize,
     o_out: &SharedOut<T>,
     lse_out: &SharedOut<T>,
-) {
+) -> usize {
     let d = g.d;
     let i0 = qt * BR;
     let rows = (g.nq - i0).min(BR);
@@ -66,13 +71,14 @@ unsafe fn query_tile<T: Real>(
     let mut m = [T::NEG_INF; BR];
     let mut l = [T::ZERO; BR];
 
-    let keys = g.visible_keys(i0 + rows - 1);
-    for t in 0..keys.div_ceil(BC) {
+    let tiles = g.key_tiles_seen(i0, rows);
+    let computed = tiles.len();
+    for t in tiles {
         let j0 = t * BC;
         let cols = (g.nk - j0).min(BC);
         let s = &mut s[..rows * BC];
         T::gemm(false, rows, BC, d, qp, g.q_rs, 1, kt.as_ptr().add(t * d * BC), BC, s.as_mut_ptr(), BC);
-        if g.tile_needs_mask(i0, j0) {
+        if g.tile_needs_mask(i0, rows, j0) {
             g.mask_tile(s, rows, i0, j0);
         }
         for r in 0..rows {
@@ -113,4 +119,5 @@ unsafe fn query_tile<T: Real>(
             lse_row[r] = (m[r] + l[r].log2()) * ln2;
         }
     }
+    computed
 }

@@ -1,5 +1,6 @@
 //! Where things are: the tile sizes, the offsets of a head's rows in the `[batch, seq, heads, head_dim]`
-//! layout, which keys a query row sees, the packing of a head's rows into transposed tiles or contiguous rows,
+//! layout, which keys a query row sees (causal cut and sliding window: an interval of keys per row, and an
+//! interval of rows per key, so whole tiles outside them are skipped), the packing of a head's rows into transposed tiles or contiguous rows,
 //! and the raw pointer that lets parallel tasks write their own disjoint parts of one output buffer.
 
 use autosp_core::ops::attention::{AttentionDims, AttentionSpec};
@@ -29,6 +30,8 @@ pub(crate) struct Geometry {
     pub causal: bool,
     pub q_offset: usize,
     pub k_offset: usize,
+    /// The sliding window: query position `p` sees key positions `p'` with `|p - p'| <= w`.
+    pub window: Option<usize>,
 }
 
 impl Geometry {
@@ -47,6 +50,7 @@ impl Geometry {
             causal: spec.causal,
             q_offset: spec.q_offset,
             k_offset: spec.k_offset,
+            window: spec.max_distance,
         }
     }
 
@@ -68,35 +72,73 @@ impl Geometry {
         self.nk.div_ceil(BC)
     }
 
-    /// How many keys (a prefix) query row `i` sees.
-    pub fn visible_keys(&self, i: usize) -> usize {
+    /// The keys query row `i` sees: `lo..hi` (empty when `hi <= lo`). Both ends are non-decreasing in `i`, and
+    /// consecutive rows' non-empty ranges overlap or touch, so the keys a run of rows sees are
+    /// `key_range(first).0..key_range(last).1`.
+    pub fn key_range(&self, i: usize) -> (usize, usize) {
+        let qp = self.q_offset + i;
+        let mut end = usize::MAX;
         if self.causal {
-            (self.q_offset + i + 1).saturating_sub(self.k_offset).min(self.nk)
-        } else {
-            self.nk
+            end = qp + 1;
         }
+        if let Some(w) = self.window {
+            end = end.min(qp.saturating_add(w).saturating_add(1));
+        }
+        let start = self.window.map_or(0, |w| qp.saturating_sub(w));
+        (start.saturating_sub(self.k_offset).min(self.nk), end.saturating_sub(self.k_offset).min(self.nk))
     }
 
-    /// The first query row that sees key `j` (`>= nq` when none does).
-    pub fn first_row_seeing(&self, j: usize) -> usize {
+    /// The query rows that see key `j`: `first..end` (empty when `end <= first`), both non-decreasing in `j`,
+    /// so the rows that see a run of keys are `row_range(first).0..row_range(last).1`.
+    pub fn row_range(&self, j: usize) -> (usize, usize) {
+        let kp = self.k_offset + j;
+        let mut first = 0;
         if self.causal {
-            (self.k_offset + j).saturating_sub(self.q_offset)
-        } else {
-            0
+            first = kp;
         }
+        let mut end = usize::MAX;
+        if let Some(w) = self.window {
+            first = first.max(kp.saturating_sub(w));
+            end = kp.saturating_add(w).saturating_add(1);
+        }
+        (first.saturating_sub(self.q_offset).min(self.nq), end.saturating_sub(self.q_offset).min(self.nq))
     }
 
-    /// Whether the score tile of query rows from `i0` and key tile `j0..j0 + BC` hides any entry (a causal
-    /// cut or padding columns past the last key).
-    pub fn tile_needs_mask(&self, i0: usize, j0: usize) -> bool {
-        self.visible_keys(i0) < j0 + BC
+    /// The key tiles that query rows `i0..i0 + rows` see (`rows >= 1`): `first..end`, every one of them seen by
+    /// at least one of the rows; the others are never computed.
+    pub fn key_tiles_seen(&self, i0: usize, rows: usize) -> std::ops::Range<usize> {
+        let (lo, _) = self.key_range(i0);
+        let (_, hi) = self.key_range(i0 + rows - 1);
+        if hi <= lo {
+            return 0..0;
+        }
+        lo / BC..hi.div_ceil(BC)
+    }
+
+    /// The query tiles that see key rows `j0..j0 + cols` (`cols >= 1`): `first..end`, every one of them seeing
+    /// at least one of the keys; the others are never computed.
+    pub fn query_tiles_seeing(&self, j0: usize, cols: usize) -> std::ops::Range<usize> {
+        let (first, _) = self.row_range(j0);
+        let (_, end) = self.row_range(j0 + cols - 1);
+        if end <= first {
+            return 0..0;
+        }
+        first / BR..end.div_ceil(BR)
+    }
+
+    /// Whether the score tile of query rows `i0..i0 + rows` and key tile `j0..j0 + BC` hides any entry (a
+    /// causal cut, the window's edges, or padding columns past the last key).
+    pub fn tile_needs_mask(&self, i0: usize, rows: usize, j0: usize) -> bool {
+        self.key_range(i0).1 < j0 + BC || self.key_range(i0 + rows - 1).0 > j0
     }
 
     /// Sets the hidden entries of the score tile `s: [rows, BC]` (query rows from `i0`, keys from `j0`) to -inf.
     pub fn mask_tile<T: Real>(&self, s: &mut [T], rows: usize, i0: usize, j0: usize) {
         for r in 0..rows {
-            let vis = self.visible_keys(i0 + r).saturating_sub(j0).min(BC);
-            s[r * BC + vis..(r + 1) * BC].fill(T::NEG_INF);
+            let (lo, hi) = self.key_range(i0 + r);
+            let row = &mut s[r * BC..(r + 1) * BC];
+            row[..lo.saturating_sub(j0).min(BC)].fill(T::NEG_INF);
+            row[hi.saturating_sub(j0).min(BC)..].fill(T::NEG_INF);
         }
     }
 

@@ -9,8 +9,9 @@
 //!
 //! How it works:
 //! - Tiles of 64 query rows × 64 keys; the online softmax of ALGORITHMS.md in the log2 domain; never an
-//!   N × N buffer. Under a causal mask the key tiles after a query tile are never visited; only tiles that
-//!   cross the diagonal or pass the last key are masked.
+//!   N × N buffer. Key tiles that a query tile cannot see (after it under a causal mask, further than a
+//!   sliding window's `max_distance`) are never visited; only tiles that cross the diagonal, a window edge or
+//!   the last key are masked.
 //! - Memory: O(N·d) per head besides the outputs. The inputs are read in their `[b, n, h, d]` layout where
 //!   they are the broadcast (A) operand of a tile product; where they are the streamed (B) operand they are
 //!   packed: Kᵀ in 64-key tiles and V rows contiguous once per kv head for the forward (shared by its GQA
@@ -80,7 +81,7 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// kernel, other devices (or a forced generic path) [`generic::attention_forward`].
 pub fn flash_attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(Tensor, Tensor)> {
     match device::backend(FWD, q, k, v)? {
-        Backend::FastCpu => forward_with_fill(q, k, v, spec, false),
+        Backend::FastCpu => Ok(forward_with_fill(q, k, v, spec, false)?.0),
         _ => generic::attention_forward(q, k, v, spec),
     }
 }
@@ -89,10 +90,10 @@ pub fn flash_attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &Attent
 /// kv_heads, head_dim]`; returns `o: [batch, q_len, heads, head_dim]` in q's dtype on q's device: the output
 /// of [`flash_attention_forward`]. With feature `flash-attn`, CUDA inputs that candle-flash-attn takes (f16/bf16,
 /// head_dim a multiple of 8 up to 512, the masks `cuda_plan.rs` lists: plain causal, KV-cache decoding,
-/// unmasked) run it; other CUDA inputs run the generic kernel.
+/// unmasked, and their sliding windows) run it; other CUDA inputs run the generic kernel.
 pub fn flash_attention_output(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<Tensor> {
     match device::output_backend(OUT, q, k, v, spec)? {
-        Backend::FastCpu => Ok(forward_with_fill(q, k, v, spec, false)?.0),
+        Backend::FastCpu => Ok(forward_with_fill(q, k, v, spec, false)?.0 .0),
         Backend::Generic => Ok(generic::attention_forward(q, k, v, spec)?.0),
         #[cfg(feature = "flash-attn")]
         Backend::FlashAttn(mask) => {
@@ -119,7 +120,7 @@ pub fn flash_attention_backward(
     spec: &AttentionSpec,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     match device::backend(BWD, q, k, v)? {
-        Backend::FastCpu => backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, false),
+        Backend::FastCpu => Ok(backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, false)?.0),
         _ => generic::attention_backward(q, k, v, o, lse, d_o, d_lse, spec),
     }
 }
@@ -137,7 +138,7 @@ pub mod poisoned {
         v: &Tensor,
         spec: &AttentionSpec,
     ) -> Result<(Tensor, Tensor)> {
-        forward_with_fill(q, k, v, spec, true)
+        Ok(forward_with_fill(q, k, v, spec, true)?.0)
     }
 
     /// [`flash_attention_backward`] with NaN-filled buffers.
@@ -152,7 +153,45 @@ pub mod poisoned {
         d_lse: Option<&Tensor>,
         spec: &AttentionSpec,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, true)
+        Ok(backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, true)?.0)
+    }
+}
+
+/// Test hooks: the fast CPU kernels (CPU tensors only, whatever the dispatch says) with the number of
+/// (query tile, key tile) products they computed, summed over batch and query heads, so a test can check that
+/// the tiles a causal mask or a sliding window hides entirely are never computed. Not part of the stable API.
+#[doc(hidden)]
+pub mod counted {
+    use super::*;
+
+    /// Query rows and key rows per tile.
+    pub const TILE: (usize, usize) = (geometry::BR, geometry::BC);
+
+    /// The fast CPU forward: `(o, lse, tile products computed)`.
+    pub fn flash_attention_forward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        spec: &AttentionSpec,
+    ) -> Result<(Tensor, Tensor, usize)> {
+        let ((o, lse), n) = forward_with_fill(q, k, v, spec, false)?;
+        Ok((o, lse, n))
+    }
+
+    /// The fast CPU backward: `(dq, dk, dv, tile products computed)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention_backward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        lse: &Tensor,
+        d_o: &Tensor,
+        d_lse: Option<&Tensor>,
+        spec: &AttentionSpec,
+    ) -> Result<(Tensor, Tensor, Tensor, usize)> {
+        let ((dq, dk, dv), n) = backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, false)?;
+        Ok((dq, dk, dv, n))
     }
 }
 
@@ -273,16 +312,16 @@ fn forward_with_fill(
     v: &Tensor,
     spec: &AttentionSpec,
     poison: bool,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<((Tensor, Tensor), usize)> {
     let dims = check(FWD, q, k, v, spec, MAX_HEAD_DIM)?;
     let g = Geometry::new(&dims, spec);
     let cd = compute_dtype(FWD, q.dtype())?;
     let (q2, k2, v2) = (prepared(q, cd)?, prepared(k, cd)?, prepared(v, cd)?);
-    let (o, lse) = match cd {
+    let ((o, lse), n) = match cd {
         DType::F64 => forward_typed::<f64>(&g, &q2, &k2, &v2, if poison { f64::NAN } else { 0.0 })?,
         _ => forward_typed::<f32>(&g, &q2, &k2, &v2, if poison { f32::NAN } else { 0.0 })?,
     };
-    Ok((o.to_dtype(q.dtype())?, lse))
+    Ok(((o.to_dtype(q.dtype())?, lse), n))
 }
 
 fn forward_typed<T: Real + WithDType>(
@@ -291,12 +330,12 @@ fn forward_typed<T: Real + WithDType>(
     k: &Tensor,
     v: &Tensor,
     fill: T,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<((Tensor, Tensor), usize)> {
     let mut o = vec![fill; q.elem_count()];
     let mut lse = vec![fill; g.b * g.h * g.nq];
     let (hq, hk, hv) = (Host::new(FWD, "q", q)?, Host::new(FWD, "k", k)?, Host::new(FWD, "v", v)?);
-    forward::forward(g, hq.slice()?, hk.slice()?, hv.slice()?, &mut o, &mut lse);
-    Ok((Tensor::from_vec(o, q.shape(), &Device::Cpu)?, Tensor::from_vec(lse, (g.b, g.h, g.nq), &Device::Cpu)?))
+    let n = forward::forward(g, hq.slice()?, hk.slice()?, hv.slice()?, &mut o, &mut lse);
+    Ok(((Tensor::from_vec(o, q.shape(), &Device::Cpu)?, Tensor::from_vec(lse, (g.b, g.h, g.nq), &Device::Cpu)?), n))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -310,7 +349,7 @@ fn backward_with_fill(
     d_lse: Option<&Tensor>,
     spec: &AttentionSpec,
     poison: bool,
-) -> Result<(Tensor, Tensor, Tensor)> {
+) -> Result<((Tensor, Tensor, Tensor), usize)> {
     let dims = check(BWD, q, k, v, spec, MAX_HEAD_DIM)?;
     check_backward(q, o, lse, d_o, d_lse, &dims)?;
     let g = Geometry::new(&dims, spec);
@@ -320,11 +359,11 @@ fn backward_with_fill(
     let (q2, k2, v2, o2, lse2, do2) = (p(q)?, p(k)?, p(v)?, p(o)?, p(lse)?, p(d_o)?);
     let dl2 = d_lse.map(p).transpose()?;
     let tensors = [&q2, &k2, &v2, &o2, &lse2, &do2];
-    let (dq, dk, dv) = match cd {
+    let ((dq, dk, dv), n) = match cd {
         DType::F64 => backward_typed::<f64>(&g, tensors, dl2.as_ref(), if poison { f64::NAN } else { 0.0 })?,
         _ => backward_typed::<f32>(&g, tensors, dl2.as_ref(), if poison { f32::NAN } else { 0.0 })?,
     };
-    Ok((dq.to_dtype(q.dtype())?, dk.to_dtype(k.dtype())?, dv.to_dtype(v.dtype())?))
+    Ok(((dq.to_dtype(q.dtype())?, dk.to_dtype(k.dtype())?, dv.to_dtype(v.dtype())?), n))
 }
 
 fn backward_typed<T: Real + WithDType>(
@@ -332,7 +371,7 @@ fn backward_typed<T: Real + WithDType>(
     [q, k, v, o, lse, d_o]: [&Tensor; 6],
     d_lse: Option<&Tensor>,
     fill: T,
-) -> Result<(Tensor, Tensor, Tensor)> {
+) -> Result<((Tensor, Tensor, Tensor), usize)> {
     let mut dq = vec![fill; q.elem_count()];
     let mut dk = vec![fill; k.elem_count()];
     let mut dv = vec![fill; v.elem_count()];
@@ -348,11 +387,14 @@ fn backward_typed<T: Real + WithDType>(
         d_o: hdo.slice()?,
         d_lse: hdl.as_ref().map(|h| h.slice()).transpose()?,
     };
-    backward::backward(g, &x, &mut dq, &mut dk, &mut dv, fill);
+    let n = backward::backward(g, &x, &mut dq, &mut dk, &mut dv, fill);
     let dev = &Device::Cpu;
     Ok((
-        Tensor::from_vec(dq, q.shape(), dev)?,
-        Tensor::from_vec(dk, k.shape(), dev)?,
-        Tensor::from_vec(dv, v.shape(), dev)?,
+        (
+            Tensor::from_vec(dq, q.shape(), dev)?,
+            Tensor::from_vec(dk, k.shape(), dev)?,
+            Tensor::from_vec(dv, v.shape(), dev)?,
+        ),
+        n,
     ))
 }

@@ -5,8 +5,9 @@
 //! Layouts ([`RingLayout`]): `Contiguous` (rank r holds chunk r of P; for non-causal attention) and `Zigzag`
 //! (the sequence in 2P chunks, rank r holds `[c_r ; c_{2P-1-r}]`; for causal attention, equal work on every
 //! rank). The positions given to the flash kernel are the true global ones (plus the caller's `q_offset` /
-//! `k_offset`, which describe the start of the whole sequence); a (query chunk, key chunk) pair that the causal
-//! mask hides entirely is skipped, a pair it does not touch runs unmasked.
+//! `k_offset`, which describe the start of the whole sequence); a (query chunk, key chunk) pair that the mask
+//! (causal cut, sliding window `max_distance`) hides entirely is skipped, a pair it does not touch runs
+//! unmasked, and a pair it cuts runs with the spec at the pair's true positions.
 //!
 //! Forward: step s = 0 … P-1 computes against the block of rank `t = r - s (mod P)`; for s < P-1 the block
 //! (k and v packed in one tensor) goes on with one `send_recv(r+1, r-1)`, which runs on a helper thread while
@@ -141,23 +142,14 @@ impl RingAttentionOp {
         }
     }
 
-    /// The flash calls of the step where this rank's queries meet the block of rank `t`: fully masked
-    /// (query segment, key segment) pairs are skipped, unmasked ones are grouped.
+    /// The flash calls of the step where this rank's queries meet the block of rank `t`: (query segment, key
+    /// segment) pairs that the mask (causal cut, sliding window) hides entirely are skipped, pairs it does not
+    /// touch are grouped and run unmasked, the others run with the spec at their true positions.
     fn calls(&self, t: usize, n: usize) -> Vec<Call> {
         let r = self.group.rank();
         let (qs, ks) = (self.segments(r, n), self.segments(t, n));
-        let full = AttentionSpec { causal: false, q_offset: 0, k_offset: 0, ..self.spec };
-        // 0: hidden, 1: partly visible, 2: fully visible.
-        let class = |a: &Segment, b: &Segment| -> u8 {
-            let (q0, k0) = (self.spec.q_offset + a.pos, self.spec.k_offset + b.pos);
-            if !self.spec.causal || k0 + b.len - 1 <= q0 {
-                2
-            } else if k0 > q0 + a.len - 1 {
-                0
-            } else {
-                1
-            }
-        };
+        let full = AttentionSpec { causal: false, q_offset: 0, k_offset: 0, max_distance: None, ..self.spec };
+        let class = |a: &Segment, b: &Segment| pair_class(&self.spec, a, b);
         if qs.iter().all(|a| ks.iter().all(|b| class(a, b) == 2)) {
             return vec![Call { q: (0, n), k: (0, n), spec: full }];
         }
@@ -172,7 +164,6 @@ impl RingAttentionOp {
                     0 => continue,
                     2 => full,
                     _ => AttentionSpec {
-                        causal: true,
                         q_offset: self.spec.q_offset + a.pos,
                         k_offset: self.spec.k_offset + b.pos,
                         ..self.spec
@@ -226,6 +217,26 @@ impl RingAttentionOp {
                 .map_err(|_| autosp_core::Error::Internal("ring attention: the transfer thread panicked".into()))?;
             Ok((out?, got?))
         })
+    }
+}
+
+/// How much of key segment `b` query segment `a` sees under `spec` (whose offsets are those of the whole
+/// sequence): 0 none (skipped), 1 part (masked call), 2 all (unmasked call). Segments are non-empty.
+fn pair_class(spec: &AttentionSpec, a: &Segment, b: &Segment) -> u8 {
+    let (q0, k0) = (spec.q_offset + a.pos, spec.k_offset + b.pos);
+    let (q1, k1) = (q0 + a.len - 1, k0 + b.len - 1);
+    // Hidden: every key after every query (causal), or every key out of every query's window.
+    let window_hides = spec.max_distance.is_some_and(|w| k0 > q1.saturating_add(w) || q0 > k1.saturating_add(w));
+    if (spec.causal && k0 > q1) || window_hides {
+        return 0;
+    }
+    // Fully visible: every key at or before every query (causal), every pair within the window.
+    let causal_all = !spec.causal || k1 <= q0;
+    let window_all = spec.max_distance.is_none_or(|w| q1.abs_diff(k0).max(k1.abs_diff(q0)) <= w);
+    if causal_all && window_all {
+        2
+    } else {
+        1
     }
 }
 
@@ -284,9 +295,20 @@ impl Op for RingAttentionOp {
         }
         let mut os = Vec::new();
         let mut lses = Vec::new();
-        for run in acc {
-            // Every query row sees at least one block (its own), so every segment has a result.
-            let (o, lse) = run.expect("each query segment attends to its own block").finish()?;
+        for (run, seg) in acc.into_iter().zip(&qs) {
+            let (o, lse) = match run {
+                Some(run) => run.finish()?,
+                // No key of any block is visible to this segment (possible only when the caller's q_offset and
+                // k_offset differ): o = 0 and lse = -inf, as the flash kernel gives a row that sees no key.
+                None => {
+                    let (h, d) = (q.dim(2)?, q.dim(3)?);
+                    let lse_dtype = if q.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+                    (
+                        Tensor::zeros((b, seg.len, h, d), q.dtype(), q.device())?,
+                        Tensor::full(f64::NEG_INFINITY, (b, h, seg.len), q.device())?.to_dtype(lse_dtype)?,
+                    )
+                }
+            };
             os.push(o);
             lses.push(lse);
         }
@@ -391,5 +413,47 @@ impl Op for RingAttentionOp {
         let dk = dkv.narrow(0, 0, b)?.to_dtype(k.dtype())?;
         let dv = dkv.narrow(0, b, b)?.to_dtype(v.dtype())?;
         Ok(vec![Some(dq), Some(dk), Some(dv)])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The class of every (query segment, key segment) pair agrees with the spec's own `visible`, pair by pair:
+    /// 0 exactly when no pair is visible (the call is skipped), 2 exactly when every pair is (the call runs
+    /// unmasked). Exhaustive over small segments, causal or not, without and with windows, and offsets.
+    #[test]
+    fn pair_classes_agree_with_the_mask() {
+        let mut seen = [0usize; 3];
+        for causal in [false, true] {
+            for w in std::iter::once(None).chain((0..7).map(Some)) {
+                for (q_offset, k_offset) in [(0, 0), (3, 0), (0, 4)] {
+                    let spec = AttentionSpec { causal, scale: None, q_offset, k_offset, max_distance: w };
+                    for (qpos, qlen, kpos, klen) in (0..6).flat_map(|qp| {
+                        (1..4).flat_map(move |ql| (0..6).flat_map(move |kp| (1..4).map(move |kl| (qp, ql, kp, kl))))
+                    }) {
+                        let a = Segment { start: 0, len: qlen, pos: qpos };
+                        let b = Segment { start: 0, len: klen, pos: kpos };
+                        let vis = |i: usize, j: usize| {
+                            let s = AttentionSpec { q_offset: q_offset + qpos, k_offset: k_offset + kpos, ..spec };
+                            s.visible(i, j)
+                        };
+                        let pairs: Vec<bool> =
+                            (0..qlen).flat_map(|i| (0..klen).map(move |j| (i, j))).map(|(i, j)| vis(i, j)).collect();
+                        let want = if !pairs.iter().any(|&x| x) {
+                            0
+                        } else if pairs.iter().all(|&x| x) {
+                            2
+                        } else {
+                            1
+                        };
+                        assert_eq!(pair_class(&spec, &a, &b), want, "{spec:?} {a:?} {b:?}");
+                        seen[want as usize] += 1;
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|&n| n > 0), "{seen:?}");
     }
 }

@@ -307,6 +307,15 @@ impl LlamaModel {
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.layers.0.len())
     }
+
+    /// Limits every layer's attention to a sliding window: the token at position `p` sees only the tokens
+    /// at positions `p - distance ..= p` (`Some(0)`: itself only; `None`: every earlier token, the default).
+    /// Training ([`loss`](Self::loss)), [`logits`](Self::logits) and cached decoding
+    /// ([`forward_cached`](Self::forward_cached)) all honour it; `autosp::compile` sets the same window from
+    /// `CompileConfig::max_attention_distance`. (The KV cache still keeps every key.)
+    pub fn set_max_attention_distance(&mut self, distance: Option<usize>) {
+        autosp_core::module::set_max_attention_distance(self, distance);
+    }
 }
 
 impl Module for LlamaModel {
