@@ -11,7 +11,7 @@ use clap::Parser;
 /// Long-context fine-tuning of Llama-family models with sequence parallelism.
 ///
 /// With no arguments: makes (once, cached) a tiny random Llama, compiles it for 2 thread ranks with
-/// sequence-aware checkpointing and fine-tunes it on synthetic passkey retrieval.
+/// sequence-aware checkpointing and trains it on synthetic multi-needle retrieval across the shards.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "llama_longctx", version, about, long_about)]
 pub struct Args {

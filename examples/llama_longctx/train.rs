@@ -278,6 +278,7 @@ fn needles_line(
     steps: usize,
     p: usize,
     curriculum: &Curriculum,
+    tokens_per_step: usize,
 ) -> Result<String> {
     let n_pad = c.padded_len(seq_len);
     let (ev, qs) = (Needles::evidence(seq_len), Needles::questions(seq_len));
@@ -297,7 +298,7 @@ fn needles_line(
     Ok(format!(
         "task: needles. {} needles stated {} times each in tokens {}-{} (rank {}), asked for in tokens {}-{} \
          (rank {}): every answer is {} to {} tokens before its question; chance {:.1}% (1 in {}). Loss on the \
-         answers only; curriculum: {} ({seq_len} tokens per step)",
+         answers only; curriculum: {} ({tokens_per_step} tokens per step)",
         task::CLASSES,
         task::copies(seq_len),
         ev.start,
@@ -416,7 +417,7 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
     }
 
     if let Stream::Needles(_) = job.stream {
-        say(&needles_line(&c, a.seq_len, a.steps, job.p, &job.curriculum)?);
+        say(&needles_line(&c, a.seq_len, a.steps, job.p, &job.curriculum, a.seq_len * job.micro)?);
     }
 
     let params: Vec<Param> = c.params();
