@@ -146,7 +146,7 @@ impl Curriculum {
     pub fn default_for(seq_len: usize, steps: usize) -> Self {
         let mut lens = Vec::new();
         let mut l = 256;
-        while l < seq_len && seq_len % l == 0 {
+        while l < seq_len && seq_len.is_multiple_of(l) {
             lens.push(l);
             l *= 2;
         }
@@ -175,7 +175,7 @@ impl Curriculum {
                 let Some((len, steps)) = parsed else {
                     bail!("--curriculum `{s}`: `{part}` is not LENGTH:STEPS; give e.g. 256:60,1024:40 (or none)");
                 };
-                if len == 0 || len >= seq_len || seq_len % len != 0 {
+                if len == 0 || len >= seq_len || !seq_len.is_multiple_of(len) {
                     bail!("--curriculum `{s}`: length {len} must be shorter than --seq-len {seq_len} and divide it");
                 }
                 stages.push((len, steps));
@@ -194,5 +194,59 @@ impl Curriculum {
             }
         }
         self.seq_len
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_answer_is_stated_only_in_the_evidence_far_before_its_question() {
+        let mut g = Needles::new(128, 7).unwrap();
+        let v = Vocab::new(128).unwrap();
+        for n in [256, 1024, 4096] {
+            let s = g.sample(n).unwrap();
+            assert_eq!(s.ids.len(), n);
+            assert_eq!(s.answers.len(), CLASSES);
+            let (ev, qs) = (Needles::evidence(n), Needles::questions(n));
+            for &a in &s.answers {
+                assert!(qs.contains(&(a - 1)) && qs.contains(&a), "answer {a} outside the question span");
+                let q = s.ids[a - 1];
+                assert!(v.questions.contains(&q), "the token before an answer is a question");
+                let class = (q - v.questions.start) as usize;
+                let ans = s.ids[a];
+                assert_eq!((ans - v.values.start) as usize / VALUES, class, "the answer is of the asked class");
+                // Before the question, the class's tokens occur only in the evidence, and only as the answer.
+                for (i, &t) in s.ids[..a - 1].iter().enumerate() {
+                    if v.values.contains(&t) && (t - v.values.start) as usize / VALUES == class {
+                        assert_eq!(t, ans, "position {i}: another token of the class");
+                        assert!(ev.contains(&i), "position {i}: the needle outside the evidence");
+                    }
+                }
+                let stated = s.ids[ev.clone()].iter().filter(|&&t| t == ans).count();
+                assert_eq!(stated, copies(n));
+                assert!(a - 1 - (ev.end - 1) >= Needles::min_distance(n));
+            }
+        }
+        assert_eq!(Needles::min_distance(4096), 2049);
+        assert!(g.sample(MIN_LEN - 1).is_err());
+    }
+
+    #[test]
+    fn the_default_curriculum_doubles_to_seq_len_and_parses_back() {
+        let c = Curriculum::default_for(4096, 200);
+        assert_eq!(c.stages, vec![(256, 80), (512, 33), (1024, 33), (2048, 34)]);
+        assert_eq!(
+            (c.len_at(0), c.len_at(79), c.len_at(80), c.len_at(179), c.len_at(180)),
+            (256, 256, 512, 2048, 4096)
+        );
+        assert_eq!(Curriculum::parse("256:80,512:33,1024:33,2048:34", 4096).unwrap(), c);
+        assert!(Curriculum::default_for(256, 10).stages.is_empty());
+        assert_eq!(Curriculum::default_for(512, 12).stages, vec![(256, 10)]);
+        assert!(Curriculum::parse("none", 512).unwrap().stages.is_empty());
+        for bad in ["300:5", "512:5", "256", "x:1"] {
+            assert!(Curriculum::parse(bad, 512).is_err(), "{bad}");
+        }
     }
 }
