@@ -198,7 +198,20 @@ fn a_bf16_checkpoint_is_saved_in_bf16_and_f32_training_of_it_resumes_exactly() {
     autosp_models::write_tiny(&model, &autosp_models::TinySpec::default(), 5, DType::BF16).unwrap();
     let (a, b) = (t.join("a"), t.join("b"));
     let (ma, mb) = (t.join("a.jsonl"), t.join("b.jsonl"));
-    let run = ["--model", s(&model), "--dtype", "f32", "--seq-len", "128", "--steps", "4", "--warmup", "1"];
+    let run = [
+        "--model",
+        s(&model),
+        "--data",
+        "passkey",
+        "--dtype",
+        "f32",
+        "--seq-len",
+        "128",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+    ];
     run_ok(t, &[&run[..], &["--save-every", "2", "--save", s(&a), "--metrics", s(&ma)]].concat());
     let ckpt = a.join("step-2");
     run_ok(t, &[&run[..], &["--resume", s(&ckpt), "--save", s(&b), "--metrics", s(&mb)]].concat());
