@@ -506,6 +506,8 @@ fn resume_with_another_schedule_is_refused_unless_allowed_and_stale_saves_are_cl
     let before = snapshot(t);
     let e = run_err(t, &["--quick", "--steps", "4", "--lr", "0.001", "--resume", s(&ckpt)]);
     assert!(e.contains("--steps 2 -> 4") && e.contains("--lr 0.01 -> 0.001") && e.contains("--allow-changes"), "{e}");
+    // The needles curriculum follows --steps by default (1 of 2 steps at 256 tokens, then 3 of 4): named too.
+    assert!(e.contains("--curriculum 256:1 -> 256:3"), "{e}");
     assert!(snapshot(t) == before, "a refused resume writes nothing");
 
     let so = run_ok(t, &["--quick", "--steps", "4", "--lr", "0.001", "--resume", s(&ckpt), "--allow-changes"]);
@@ -550,7 +552,11 @@ fn max_attention_distance_is_applied_recorded_and_checked_on_resume() {
         t,
         &["--quick", "--steps", "3", "--resume", s(&ckpt), "--max-attention-distance", "16", "--allow-changes"],
     );
-    assert!(so.contains("resumed with changes (--allow-changes): --steps 2 -> 3\n"), "the same window: {so}");
+    // The same window is no change; the needles curriculum follows --steps (1 step at 256 tokens, then 2).
+    assert!(
+        so.contains("resumed with changes (--allow-changes): --steps 2 -> 3, --curriculum 256:1 -> 256:2\n"),
+        "the same window: {so}"
+    );
     assert!(so.contains("step    3/3"), "{so}");
 }
 
@@ -598,6 +604,17 @@ fn each_bad_input_row_is_refused_naming_the_option_and_the_fix() {
         refused(&["--quick", "--data", s(&p)], &[name, "is empty", "give a file with text"]);
     }
 
+    // The needles task (the default): its shortest sequence, and the curriculum's shape.
+    refused(&["--seq-len", "200"], &["--seq-len 200 is too short for the needles task", "--seq-len 256 or more"]);
+    refused(
+        &["--quick", "--curriculum", "300:5"],
+        &["--curriculum `300:5`", "shorter than --seq-len 512 and divide it"],
+    );
+    refused(&["--quick", "--curriculum", "256"], &["`256` is not LENGTH:STEPS"]);
+    refused(
+        &["--quick", "--data", "passkey", "--curriculum", "256:5"],
+        &["--curriculum works with --data needles only"],
+    );
     refused(&["--quick", "--seq-len", "0"], &["--seq-len 0", "at least 2 tokens", "--seq-len 2 or more"]);
     refused(&["--quick", "--seq-len", "3", "--sp", "4"], &["--sp 4 is larger than --seq-len 3", "at most 3"]);
     refused(&["--quick", "--sp", "0"], &["--sp 0", "--sp 1 or more"]);

@@ -100,11 +100,11 @@ pub struct Args {
 
     /// Resume from a checkpoint directory (`.../step-N`): model, optimizer state, step, data position and
     /// random state. The other options must describe the same run: a different --batch-tokens, --data or
-    /// --seed is refused; a different --steps, --lr, --warmup or --seq-len needs --allow-changes.
+    /// --seed is refused; a different --steps, --lr, --warmup, --seq-len or --curriculum needs --allow-changes.
     #[arg(long)]
     pub resume: Option<PathBuf>,
 
-    /// With --resume: go on when --steps, --lr, --warmup or --seq-len differ from the checkpoint's run,
+    /// With --resume: go on when --steps, --lr, --warmup, --seq-len or --curriculum differ from the checkpoint's run,
     /// printing each change (the schedule, or the data's shape, then differ from an uninterrupted run).
     /// Without it such a resume is refused, naming what differs.
     #[arg(long)]

@@ -103,7 +103,10 @@ impl Needles {
     /// The next sample of `n` tokens (advances the random state); its `answers` are the answer positions.
     pub fn sample(&mut self, n: usize) -> Result<Sample> {
         if n < MIN_LEN {
-            bail!("--seq-len {n} is too short for the needles task: use {MIN_LEN} or more");
+            bail!(
+                "--seq-len {n} is too short for the needles task (its evidence and questions need room): use \
+                 --seq-len {MIN_LEN} or more"
+            );
         }
         let v = self.vocab.clone();
         let mut ids: Vec<u32> =
@@ -184,6 +187,14 @@ impl Curriculum {
         Ok(Self { stages, seq_len })
     }
 
+    /// How `--curriculum` spells it (`none` without stages).
+    pub fn flag(&self) -> String {
+        if self.stages.is_empty() {
+            return "none".into();
+        }
+        self.stages.iter().map(|(l, s)| format!("{l}:{s}")).collect::<Vec<_>>().join(",")
+    }
+
     /// The sequence length of (0-based) `step`.
     pub fn len_at(&self, step: usize) -> usize {
         let mut end = 0;
@@ -241,7 +252,8 @@ mod tests {
             (c.len_at(0), c.len_at(79), c.len_at(80), c.len_at(179), c.len_at(180)),
             (256, 256, 512, 2048, 4096)
         );
-        assert_eq!(Curriculum::parse("256:80,512:33,1024:33,2048:34", 4096).unwrap(), c);
+        assert_eq!(Curriculum::parse(&c.flag(), 4096).unwrap(), c);
+        assert_eq!(c.flag(), "256:80,512:33,1024:33,2048:34");
         assert!(Curriculum::default_for(256, 10).stages.is_empty());
         assert_eq!(Curriculum::default_for(512, 12).stages, vec![(256, 10)]);
         assert!(Curriculum::parse("none", 512).unwrap().stages.is_empty());

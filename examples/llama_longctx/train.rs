@@ -95,6 +95,14 @@ impl Job {
         let device = if threads { Some(args.device_spec().open(None)?) } else { None };
         let micro = args.micro_batches().map_err(anyhow::Error::msg)?;
         let dtype = args.compute_dtype();
+        let curriculum = match (DataSource::parse(&args.data), &args.curriculum) {
+            (DataSource::Needles, Some(c)) => Curriculum::parse(c, args.seq_len)?,
+            (DataSource::Needles, None) => Curriculum::default_for(args.seq_len, args.steps),
+            (_, Some(_)) => {
+                bail!("--curriculum works with --data needles only (the other data come in --seq-len sequences)")
+            }
+            (_, None) => Curriculum::parse("none", args.seq_len)?,
+        };
         let mut resume_changes = Vec::new();
         let resume = match &args.resume {
             Some(dir) => {
@@ -112,6 +120,7 @@ impl Job {
                     ("--steps", state.steps.map(|x| x.to_string()), args.steps.to_string()),
                     ("--lr", state.lr.map(|x| x.to_string()), args.lr.to_string()),
                     ("--warmup", state.warmup.map(|x| x.to_string()), args.warmup.to_string()),
+                    ("--curriculum", state.curriculum.clone(), curriculum.flag()),
                 ];
                 for (what, saved, now) in may_change {
                     if let Some(saved) = saved.filter(|s| *s != now) {
@@ -153,13 +162,8 @@ impl Job {
         let loaded = model::load(&source, master_dtype(dtype))?;
         let vocab = loaded.model.config.vocab_size;
         let mut probes = Vec::new();
-        let mut curriculum = Curriculum::parse("none", args.seq_len)?;
         let stream = match DataSource::parse(&args.data) {
             DataSource::Needles => {
-                curriculum = match &args.curriculum {
-                    Some(c) => Curriculum::parse(c, args.seq_len)?,
-                    None => Curriculum::default_for(args.seq_len, args.steps),
-                };
                 let mut held_out = Needles::new(vocab, args.seed.wrapping_add(0x00AB_5E11))?;
                 for _ in 0..if args.quick { 4 } else { 16 } {
                     probes.push(held_out.sample(args.seq_len)?);
@@ -210,9 +214,6 @@ impl Job {
             (None, Some((dir, _))) => dir.parent().map(PathBuf::from).unwrap_or_else(|| PathBuf::from(".")),
             (None, None) => model::cache_dir().join("runs").join("latest"),
         };
-        if args.curriculum.is_some() && !matches!(DataSource::parse(&args.data), DataSource::Needles) {
-            bail!("--curriculum works with --data needles only (the other data come in --seq-len sequences)");
-        }
         let schedule = schedule(&args);
         schedule.validate().map_err(|e| anyhow::anyhow!("--lr / --warmup / --steps: {e}"))?;
         Ok(Job {
@@ -470,6 +471,7 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
             lr: Some(a.lr),
             warmup: Some(a.warmup),
             max_attention_distance: a.max_attention_distance,
+            curriculum: Some(job.curriculum.flag()),
         };
         checkpoint::save(&job.save_root, c.model(), opt, &params, &state, job.tokenizer_json.as_deref())
     };
