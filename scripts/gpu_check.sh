@@ -77,7 +77,7 @@ done
 
 "$bin/bench_attention" --device cuda --kernel generic,flash-attn --dtype bf16 --causal --n 16384 --head-dim 64,128 \
   --repeats 3 --naive-max-gib 0 | tee "$OUT/bench_attention_cuda.jsonl" || status=1
-"$bin/llama_longctx" --no-progress --device cuda --seq-len 8192 --steps 6 --warmup 1 --save "$OUT/tput" \
+"$bin/llama_longctx" --no-progress --device cuda --seq-len 8192 --curriculum none --steps 6 --warmup 1 --save "$OUT/tput" \
   --metrics "$OUT/tput_8k.jsonl" | grep -E "throughput|tape peak|loss:" | tee -a "$OUT/summary.txt" || status=1
 log "done, status $status"
 exit $status

@@ -11,7 +11,7 @@ use clap::Parser;
 /// Long-context fine-tuning of Llama-family models with sequence parallelism.
 ///
 /// With no arguments: makes (once, cached) a tiny random Llama, compiles it for 2 thread ranks with
-/// sequence-aware checkpointing and fine-tunes it on synthetic passkey retrieval.
+/// sequence-aware checkpointing and trains it on synthetic multi-needle retrieval across the shards.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "llama_longctx", version, about, long_about)]
 pub struct Args {
@@ -73,11 +73,20 @@ pub struct Args {
     #[arg(long)]
     pub batch_tokens: Option<usize>,
 
-    /// Training data: `passkey` (synthetic passkey retrieval), a JSONL file with a "text" field per line or
+    /// Training data: `needles` (synthetic multi-needle retrieval across the shards: the evidence in the
+    /// first eighth of each sequence, the questions after 5/8 of it; trained on the answers only, with a
+    /// length curriculum), `passkey` (synthetic passkey retrieval), a JSONL file with a "text" field per line or
     /// a plain text file (tokenised with the model's tokenizer, packed to --seq-len), or `ids:FILE`
     /// (whitespace-separated token ids, used as they are).
-    #[arg(long, default_value = "passkey")]
+    #[arg(long, default_value = "needles")]
     pub data: String,
+
+    /// Sequence lengths before --seq-len (`--data needles` only): `L1:S1,L2:S2,...` trains S1 steps on
+    /// sequences of L1 tokens, then S2 steps at L2, ..., and the remaining steps at --seq-len; every step
+    /// holds --seq-len tokens (seq-len / L sequences of L tokens). `none`: every step at --seq-len. Default:
+    /// lengths doubling from 256, 60% of the steps, then 40% at --seq-len.
+    #[arg(long)]
+    pub curriculum: Option<String>,
 
     /// Directory for checkpoints (each one in `DIR/step-N`, written atomically). Default: the directory
     /// holding the --resume checkpoint, else `runs/latest` under the autosp cache. One run at a time: a second
@@ -91,11 +100,11 @@ pub struct Args {
 
     /// Resume from a checkpoint directory (`.../step-N`): model, optimizer state, step, data position and
     /// random state. The other options must describe the same run: a different --batch-tokens, --data or
-    /// --seed is refused; a different --steps, --lr, --warmup or --seq-len needs --allow-changes.
+    /// --seed is refused; a different --steps, --lr, --warmup, --seq-len or --curriculum needs --allow-changes.
     #[arg(long)]
     pub resume: Option<PathBuf>,
 
-    /// With --resume: go on when --steps, --lr, --warmup or --seq-len differ from the checkpoint's run,
+    /// With --resume: go on when --steps, --lr, --warmup, --seq-len or --curriculum differ from the checkpoint's run,
     /// printing each change (the schedule, or the data's shape, then differ from an uninterrupted run).
     /// Without it such a resume is refused, naming what differs.
     #[arg(long)]
@@ -269,6 +278,8 @@ pub fn parse_checkpointing(s: &str) -> Result<Checkpointing, String> {
 pub enum DataSource {
     /// Synthetic passkey retrieval.
     Passkey,
+    /// Synthetic multi-needle retrieval across the shards (`task.rs`).
+    Needles,
     /// Whitespace-separated token ids.
     Ids(PathBuf),
     /// A JSONL file with a "text" field, or plain text (decided by the extension `.jsonl`/`.json`).
@@ -280,6 +291,8 @@ impl DataSource {
     pub fn parse(s: &str) -> Self {
         if s == "passkey" {
             DataSource::Passkey
+        } else if s == "needles" {
+            DataSource::Needles
         } else if let Some(f) = s.strip_prefix("ids:") {
             DataSource::Ids(PathBuf::from(f))
         } else {

@@ -57,6 +57,9 @@ pub struct TrainerState {
     /// The sliding attention window (`--max-attention-distance`); `None` also for checkpoints written before
     /// it existed (they were trained without one).
     pub max_attention_distance: Option<usize>,
+    /// The sequence-length curriculum of `--data needles` as `--curriculum` spells it (`none` for other
+    /// data; `None` in checkpoints written before it was recorded).
+    pub curriculum: Option<String>,
 }
 
 /// Bytes read at a time when hashing a file.
@@ -428,6 +431,7 @@ fn write_into(
         "lr": state.lr,
         "warmup": state.warmup,
         "max_attention_distance": state.max_attention_distance,
+        "curriculum": state.curriculum,
         "files": files,
     });
     let path = tmp.join(STATE_FILE);
@@ -523,6 +527,7 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
                 damaged(format!("{STATE_FILE}: `max_attention_distance` is not a whole number or null"))
             })? as usize),
         },
+        curriculum: doc.get("curriculum").and_then(Value::as_str).map(str::to_string),
     })
 }
 

@@ -3,7 +3,6 @@
 //! packing into sequences of `--seq-len` tokens. Every stream has a position (and the passkey stream a
 //! random state) that checkpoints save, so a resumed run sees exactly the data it would have seen.
 
-use std::ops::Range;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
@@ -11,12 +10,25 @@ use autosp::models::rng::SplitMix64 as Rng;
 use autosp::models::tokenizer::encode;
 use autosp::models::Tokenizer;
 
-/// One training or probe sequence: `ids` of exactly `seq_len` tokens; `answer`: the positions of the
-/// passkey's answer tokens (empty for text data).
+use crate::task::Needles;
+
+/// One training or probe sequence: `ids` of exactly `seq_len` tokens; `answers`: the positions of the tokens
+/// a synthetic task scores (the passkey's digits, the needles' answers; empty for text data).
 #[derive(Clone, Debug)]
 pub struct Sample {
     pub ids: Vec<u32>,
-    pub answer: Range<usize>,
+    pub answers: Vec<usize>,
+}
+
+impl Sample {
+    /// Labels that train on the answers only: each answer's token at its position, -100 (ignored) elsewhere.
+    pub fn answer_labels(&self) -> Vec<i64> {
+        let mut labels = vec![-100i64; self.ids.len()];
+        for &a in &self.answers {
+            labels[a] = i64::from(self.ids[a]);
+        }
+        labels
+    }
 }
 
 /// Passkey digits per key.
@@ -157,7 +169,7 @@ fn assemble(p: Parts, seq_len: usize, depth: usize) -> Result<Sample> {
     let answer_range = a..ids.len();
     ids.extend_from_slice(&p.end);
     debug_assert_eq!(ids.len(), seq_len);
-    Ok(Sample { ids, answer: answer_range })
+    Ok(Sample { ids, answers: answer_range.collect() })
 }
 
 /// Whitespace-separated token ids from `path`, each below `vocab`.
@@ -255,6 +267,8 @@ pub fn pack(ids: &[u32], seq_len: usize, source: &str) -> Result<Vec<Vec<u32>>> 
 pub enum Stream {
     /// Fresh passkey samples.
     Passkey(Passkey),
+    /// Fresh needles samples (trained on their answers only), of the curriculum's length.
+    Needles(Needles),
     /// Packed sequences, in order, cycling.
     Packed { seqs: Vec<Vec<u32>>, next: usize },
 }
@@ -269,14 +283,21 @@ pub struct Position {
 }
 
 impl Stream {
-    /// The next training sequence.
-    pub fn next(&mut self) -> Result<Sample> {
+    /// Whether training scores only each sample's answers (the needles task) rather than every token.
+    pub fn answers_only(&self) -> bool {
+        matches!(self, Stream::Needles(_))
+    }
+
+    /// The next training sequence, of `len` tokens (only the needles task takes other lengths than
+    /// `--seq-len`).
+    pub fn next(&mut self, len: usize) -> Result<Sample> {
         match self {
             Stream::Passkey(p) => p.sample(),
+            Stream::Needles(g) => g.sample(len),
             Stream::Packed { seqs, next } => {
                 let s = &seqs[*next % seqs.len()];
                 *next += 1;
-                Ok(Sample { ids: s.clone(), answer: 0..0 })
+                Ok(Sample { ids: s.clone(), answers: Vec::new() })
             }
         }
     }
@@ -285,6 +306,7 @@ impl Stream {
     pub fn position(&self, drawn: u64) -> Position {
         match self {
             Stream::Passkey(p) => Position { drawn, rng: p.rng.state() },
+            Stream::Needles(g) => Position { drawn, rng: g.rng.state() },
             Stream::Packed { .. } => Position { drawn, rng: 0 },
         }
     }
@@ -293,6 +315,7 @@ impl Stream {
     pub fn seek(&mut self, pos: Position) {
         match self {
             Stream::Passkey(p) => p.rng = Rng::new(pos.rng),
+            Stream::Needles(g) => g.rng = Rng::new(pos.rng),
             Stream::Packed { next, .. } => *next = pos.drawn as usize,
         }
     }

@@ -1,8 +1,10 @@
 //! `llama_longctx`: long-context fine-tuning of Llama-family models with autosp, the project's main job.
 //!
 //! With no arguments it makes (once, cached) a tiny random Llama in the HF layout, compiles it for 2 thread
-//! ranks with sequence-aware checkpointing, fine-tunes it on synthetic passkey retrieval, and prints the loss
-//! per step, tokens/s, memory per rank, passkey accuracy before and after, and where the checkpoint went.
+//! ranks with sequence-aware checkpointing, trains it on synthetic multi-needle retrieval across the shards
+//! (`task.rs`: every answer sits thousands of tokens before its question, on the other rank), and prints the
+//! loss per step, tokens/s, memory per rank, the retrieval accuracy before, during and after, and where the
+//! checkpoint went.
 //! With options it fine-tunes a local, hub or GGUF checkpoint on your data (`--help`).
 //!
 //! ```text
@@ -19,6 +21,7 @@ mod data;
 mod interrupt;
 mod model;
 mod progress;
+mod task;
 mod train;
 
 use std::process::ExitCode;

@@ -23,22 +23,35 @@ pub fn cache_dir() -> PathBuf {
     }
 }
 
-/// The default model's shape: 2 layers, hidden 64, 4 heads (2 kv heads), vocab 128. Small enough that a
-/// few thousand tokens train in well under a second per step on two CPU cores.
+/// The default model's shape: 2 layers, hidden 64, 4 heads (4 kv heads), vocab 128. Small enough that a
+/// few thousand tokens train in well under a second per step on two CPU cores. (With 2 kv heads, GQA's
+/// 32 value dimensions per layer learned the needles task to about 85% only: copying one of 96 answer
+/// tokens wants the full 64.)
 pub fn tiny_spec() -> TinySpec {
-    TinySpec { layers: 2, hidden: 64, intermediate: 128, heads: 4, kv_heads: 2, vocab: 128, ..TinySpec::default() }
+    TinySpec { layers: 2, hidden: 64, intermediate: 128, heads: 4, kv_heads: 4, vocab: 128, ..TinySpec::default() }
 }
+
+/// The default model's RoPE base. At 1e9 the slower half of the 8 rotation frequencies of a 16-dimension
+/// head turn by less than 0.1 radian over 4096 tokens, so a head can match a question with its needle by
+/// content at any distance, and what it learns on short sequences holds at 4096 (long-context Llamas raise
+/// the base for the same reason: Llama 3 uses 5e5). Measured on the needles task: 99% after the default run
+/// at 1e9, 88% at 5e5.
+pub const TINY_ROPE_THETA: f64 = 1e9;
 
 /// The default tiny model's directory (made now if it is not in the cache yet; the write is atomic, so
 /// concurrent first runs are safe).
 pub fn tiny_model(seed: u64) -> Result<PathBuf> {
     let spec = tiny_spec();
-    let dir = cache_dir().join(format!("tiny-llama-l{}-h{}-v{}-seed{seed}", spec.layers, spec.hidden, spec.vocab));
+    let dir = cache_dir().join(format!(
+        "tiny-llama-l{}-h{}-kv{}-v{}-theta{TINY_ROPE_THETA:e}-seed{seed}",
+        spec.layers, spec.hidden, spec.kv_heads, spec.vocab
+    ));
     if dir.join("config.json").is_file() {
         return Ok(dir);
     }
     let mut config = spec.config();
     config.max_position_embeddings = 1 << 16;
+    config.rope_theta = TINY_ROPE_THETA;
     let weights = random_weights(&config, seed, DType::F32, &Device::Cpu)?;
     save_model(&dir, &config, &weights, &SaveOptions::default())
         .with_context(|| format!("writing the tiny model into {}", dir.display()))?;

@@ -1,5 +1,6 @@
 //! The job: what every rank needs, prepared (and checked) before any rank starts, and the loop each rank
-//! runs: compile, optionally explain or evaluate and exit, probe passkey accuracy, train with gradient
+//! runs: compile, optionally explain or evaluate and exit, probe the synthetic task's accuracy (needles or
+//! passkey; the needles curriculum's stages too), train with gradient
 //! accumulation, clipping, AdamW and a warm-up + cosine schedule, report (rank 0 only), save checkpoints,
 //! and stop cleanly on Ctrl-C.
 
@@ -23,6 +24,7 @@ use crate::checkpoint::{self, TrainerState};
 use crate::data::{self, Passkey, PasskeyVocab, Sample, Stream};
 use crate::model;
 use crate::progress::Progress;
+use crate::task::{self, Curriculum, Needles};
 
 /// Everything the ranks share, read and checked before they start.
 pub struct Job {
@@ -41,8 +43,10 @@ pub struct Job {
     /// `tokenizer.json`'s text, written into every checkpoint.
     pub tokenizer_json: Option<String>,
     pub stream: Stream,
-    /// Held-out passkey samples for the accuracy probe (passkey data only).
+    /// Held-out samples for the accuracy probe (passkey and needles data only), at --seq-len.
     pub probes: Vec<Sample>,
+    /// Sequence lengths over the steps (`--data needles`; otherwise every step at --seq-len).
+    pub curriculum: Curriculum,
     pub eval_ids: Option<Vec<u32>>,
     pub resume: Option<(PathBuf, TrainerState)>,
     /// What a resumed run changes (`--steps 4 -> 8`), accepted with --allow-changes; printed by rank 0.
@@ -91,6 +95,14 @@ impl Job {
         let device = if threads { Some(args.device_spec().open(None)?) } else { None };
         let micro = args.micro_batches().map_err(anyhow::Error::msg)?;
         let dtype = args.compute_dtype();
+        let curriculum = match (DataSource::parse(&args.data), &args.curriculum) {
+            (DataSource::Needles, Some(c)) => Curriculum::parse(c, args.seq_len)?,
+            (DataSource::Needles, None) => Curriculum::default_for(args.seq_len, args.steps),
+            (_, Some(_)) => {
+                bail!("--curriculum works with --data needles only (the other data come in --seq-len sequences)")
+            }
+            (_, None) => Curriculum::parse("none", args.seq_len)?,
+        };
         let mut resume_changes = Vec::new();
         let resume = match &args.resume {
             Some(dir) => {
@@ -108,6 +120,7 @@ impl Job {
                     ("--steps", state.steps.map(|x| x.to_string()), args.steps.to_string()),
                     ("--lr", state.lr.map(|x| x.to_string()), args.lr.to_string()),
                     ("--warmup", state.warmup.map(|x| x.to_string()), args.warmup.to_string()),
+                    ("--curriculum", state.curriculum.clone(), curriculum.flag()),
                 ];
                 for (what, saved, now) in may_change {
                     if let Some(saved) = saved.filter(|s| *s != now) {
@@ -150,6 +163,13 @@ impl Job {
         let vocab = loaded.model.config.vocab_size;
         let mut probes = Vec::new();
         let stream = match DataSource::parse(&args.data) {
+            DataSource::Needles => {
+                let mut held_out = Needles::new(vocab, args.seed.wrapping_add(0x00AB_5E11))?;
+                for _ in 0..if args.quick { 4 } else { 16 } {
+                    probes.push(held_out.sample(args.seq_len)?);
+                }
+                Stream::Needles(Needles::new(vocab, args.seed)?)
+            }
             DataSource::Passkey => {
                 let pv = match &loaded.tokenizer {
                     Some(t) => PasskeyVocab::Text(Box::new(t.clone())),
@@ -205,6 +225,7 @@ impl Job {
             tokenizer_json: loaded.tokenizer_json,
             stream,
             probes,
+            curriculum,
             eval_ids,
             resume,
             resume_changes,
@@ -225,25 +246,74 @@ fn mib(b: f64) -> f64 {
     b / (1u64 << 20) as f64
 }
 
-/// Teacher-forced passkey accuracy: for every answer token, whether the argmax of the logits at the token
-/// before it is that token (the earlier answer tokens are given, not generated). Returns (tokens right,
-/// tokens, whole keys right). Collective.
-fn passkey_accuracy(c: &Compiled<LlamaModel>, probes: &[Sample]) -> Result<(usize, usize, usize)> {
+/// Teacher-forced answer accuracy: for every answer token, whether the argmax of the logits at the token
+/// before it is that token (earlier answer tokens are given, not generated). Returns (tokens right, tokens,
+/// samples with every answer right). Collective.
+fn answer_accuracy(c: &Compiled<LlamaModel>, probes: &[Sample]) -> Result<(usize, usize, usize)> {
     let (mut right, mut total, mut keys) = (0, 0, 0);
     for s in probes {
         let n = s.ids.len();
         let ids = Tensor::from_vec(s.ids.clone(), (1, n), &Device::Cpu)?;
-        let k = s.answer.len();
+        let k = s.answers.len();
         // Only the scored rows travel between the ranks, not the whole [n, vocab] logits.
-        let scored: Vec<usize> = (s.answer.start - 1..s.answer.start - 1 + k).collect();
+        let scored: Vec<usize> = s.answers.iter().map(|&a| a - 1).collect();
         let logits = c.logits_at(&ids, &scored)?;
         let rows = logits.argmax(2)?.flatten_all()?.to_vec1::<u32>()?;
-        let ok = rows.iter().zip(&s.ids[s.answer.clone()]).filter(|(a, b)| a == b).count();
+        let ok = rows.iter().zip(s.answers.iter().map(|&a| s.ids[a])).filter(|(a, b)| **a == *b).count();
         right += ok;
         total += k;
         keys += usize::from(ok == k);
     }
     Ok((right, total, keys))
+}
+
+/// Held-out samples scored at the end of each curriculum stage (the first ones of the probe set).
+const STAGE_PROBES: usize = 4;
+
+/// What the needles task needs of the run, in one line: where the evidence and the questions sit at
+/// `seq_len` (tokens, and the ranks holding them under the compiled layout), the distance between them,
+/// chance, and the curriculum.
+fn needles_line(
+    c: &Compiled<LlamaModel>,
+    seq_len: usize,
+    steps: usize,
+    p: usize,
+    curriculum: &Curriculum,
+    tokens_per_step: usize,
+) -> Result<String> {
+    let n_pad = c.padded_len(seq_len);
+    let (ev, qs) = (Needles::evidence(seq_len), Needles::questions(seq_len));
+    let (mut ev_ranks, mut q_ranks) = (Vec::new(), Vec::new());
+    for r in 0..p {
+        let pos = c.positions(n_pad, r)?;
+        if pos.iter().any(|x| ev.contains(x)) {
+            ev_ranks.push(r.to_string());
+        }
+        if pos.iter().any(|x| qs.contains(x)) {
+            q_ranks.push(r.to_string());
+        }
+    }
+    let mut stages: Vec<String> = curriculum.stages.iter().map(|(l, s)| format!("{s} steps at {l}")).collect();
+    let short: usize = curriculum.stages.iter().map(|s| s.1).sum();
+    stages.push(format!("{} at {seq_len}", steps.saturating_sub(short)));
+    Ok(format!(
+        "task: needles. {} needles stated {} times each in tokens {}-{} (rank {}), asked for in tokens {}-{} \
+         (rank {}): every answer is {} to {} tokens before its question; chance {:.1}% (1 in {}). Loss on the \
+         answers only; curriculum: {} ({tokens_per_step} tokens per step)",
+        task::CLASSES,
+        task::copies(seq_len),
+        ev.start,
+        ev.end - 1,
+        ev_ranks.join(", "),
+        qs.start,
+        qs.end - 1,
+        q_ranks.join(", "),
+        Needles::min_distance(seq_len),
+        qs.end - 1 - ev.start,
+        100.0 / task::VALUES as f64,
+        task::VALUES,
+        stages.join(", ")
+    ))
 }
 
 /// Gathers `values` from every rank (f64, exact for byte counts) to every rank: `[rank][i]`.
@@ -347,6 +417,10 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         ));
     }
 
+    if let Stream::Needles(_) = job.stream {
+        say(&needles_line(&c, a.seq_len, a.steps, job.p, &job.curriculum, a.seq_len * job.micro)?);
+    }
+
     let params: Vec<Param> = c.params();
     let mut opt = AdamW::new(AdamWConfig::default())?;
     if needs_master(job.dtype) {
@@ -372,7 +446,7 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
     let first_step = step;
     let sched = schedule(a);
 
-    let before = if job.probes.is_empty() { None } else { Some(passkey_accuracy(&c, &job.probes)?) };
+    let before = if job.probes.is_empty() { None } else { Some(answer_accuracy(&c, &job.probes)?) };
     let mut metrics = match (&a.metrics, rank0) {
         (Some(f), true) => Some(
             std::fs::OpenOptions::new()
@@ -397,6 +471,7 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
             lr: Some(a.lr),
             warmup: Some(a.warmup),
             max_attention_distance: a.max_attention_distance,
+            curriculum: Some(job.curriculum.flag()),
         };
         checkpoint::save(&job.save_root, c.model(), opt, &params, &state, job.tokenizer_json.as_deref())
     };
@@ -418,11 +493,23 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         let t0 = Instant::now();
         let mut grads = Gradients::new();
         let (mut loss_sum, mut count, mut tape_peak) = (0f64, 0usize, 0usize);
+        // The curriculum's length for this step: seq_len / len sequences of len tokens per micro-batch.
+        let len = job.curriculum.len_at(step);
         for _ in 0..job.micro {
-            let s = stream.next()?;
-            drawn += 1;
-            let ids = Tensor::from_vec(s.ids, (1, a.seq_len), &Device::Cpu)?;
-            let out = c.train_step(&ids, None)?;
+            let (mut ids, mut labels) = (Vec::with_capacity(a.seq_len), Vec::with_capacity(a.seq_len));
+            for _ in 0..a.seq_len / len {
+                let s = stream.next(len)?;
+                drawn += 1;
+                labels.extend(s.answer_labels());
+                ids.extend(s.ids);
+            }
+            let rows = a.seq_len / len;
+            let labels = match stream.answers_only() {
+                true => Some(Tensor::from_vec(labels, (rows, len), &Device::Cpu)?),
+                false => None,
+            };
+            let ids = Tensor::from_vec(ids, (rows, len), &Device::Cpu)?;
+            let out = c.train_step(&ids, labels.as_ref())?;
             tape_peak = tape_peak.max(out.peak_bytes);
             if job.micro == 1 {
                 grads = out.grads;
@@ -520,6 +607,22 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
                 writeln!(m, "{line}")?;
             }
         }
+        // At the end of each curriculum stage: accuracy on the first held-out --seq-len probes (collective).
+        if step < a.steps && len != job.curriculum.len_at(step) && !job.probes.is_empty() {
+            let few = &job.probes[..job.probes.len().min(STAGE_PROBES)];
+            let acc = answer_accuracy(&c, few)?;
+            if rank0 {
+                bar.println(&format!(
+                    "stage of {len}-token sequences done at step {step}: accuracy at {} tokens {:.1}% ({}/{} answers \
+                     of {} held-out samples)",
+                    a.seq_len,
+                    100.0 * acc.0 as f64 / acc.1.max(1) as f64,
+                    acc.0,
+                    acc.1,
+                    few.len()
+                ));
+            }
+        }
         if a.save_every > 0 && step % a.save_every == 0 && step < a.steps {
             if rank0 {
                 let dir = save(&c, &opt, step, drawn, &stream)?;
@@ -542,7 +645,7 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         return Ok(Ended::Interrupted);
     }
 
-    let after = if job.probes.is_empty() { None } else { Some(passkey_accuracy(&c, &job.probes)?) };
+    let after = if job.probes.is_empty() { None } else { Some(answer_accuracy(&c, &job.probes)?) };
     if rank0 {
         let dir = save(&c, &opt, step, drawn, &stream)?;
         println!("== llama_longctx summary ==");
@@ -567,10 +670,18 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         }
         if let (Some(b), Some(f)) = (before, after) {
             let pct = |x: (usize, usize, usize)| 100.0 * x.0 as f64 / x.1.max(1) as f64;
+            let (task, unit, whole, chance) = match job.stream {
+                Stream::Needles(_) => {
+                    ("needles", "answers", "samples all right", format!("; chance {:.1}%", 100.0 / task::VALUES as f64))
+                }
+                _ => ("passkey", "tokens", "whole keys", String::new()),
+            };
             println!(
-                "passkey accuracy (teacher-forced: each answer token predicted with the true tokens before it) on {} \
-                 held-out samples: before {:.1}% ({}/{} tokens, {} whole keys), after {:.1}% ({}/{} tokens, {} whole keys)",
+                "{task} accuracy (teacher-forced: each answer token predicted with the true tokens before it) on {} \
+                 held-out samples of {} tokens: before {:.1}% ({}/{} {unit}, {} {whole}), after {:.1}% ({}/{} {unit}, \
+                 {} {whole}){chance}",
                 job.probes.len(),
+                a.seq_len,
                 pct(b),
                 b.0,
                 b.1,
