@@ -1,0 +1,329 @@
+//! f32 kernels written once over [`pulp::Simd`], so AVX2+FMA (pulp's `V3`, 8 lanes) and aarch64 NEON
+//! (`Neon`, 4 lanes) run the same source: the flash-attention tile product and row operations (online softmax,
+//! `exp2`), and the row primitives the fused ops, the chunked loss and AdamW use. Each public(crate) function
+//! takes the [`SimdPath`] to run on and returns `None` (doing nothing) for [`SimdPath::Scalar`] or a path
+//! the CPU lacks: the caller then runs its scalar loop, which stays the reference. Tails shorter than a vector
+//! run the scalar formula.
+//!
+//! `exp2` here: the argument clamped to [-127, 127], split into an integer n (rounded to nearest by adding
+//! and subtracting 1.5·2^23) and a fraction f in [-0.5, 0.5]; `2^f` from the degree-6 polynomial of the
+//! AVX-512 kernel (max relative error 1.9e-9 before f32 rounding); `2^n` added to the exponent bits. An
+//! argument below -125 gives exactly 0 (the exponent trick would wrap; 2^-125 is 2.4e-38), NaN gives NaN.
+
+use autosp_core::simd::{vectorize, SimdPath};
+use pulp::{Simd, WithSimd};
+
+use crate::flash::microkernel::gemm_portable;
+
+/// Coefficients of `2^f` on [-0.5, 0.5], highest degree first (the AVX-512 kernel's).
+const EXP2_C: [f32; 7] = [1.533_757_7e-4, 1.339_986e-3, 9.618_519e-3, 5.550_329e-2, 2.402_264_7e-1, 6.931_472e-1, 1.0];
+
+/// 1.5·2^23: adding it rounds an f32 in [-2^22, 2^22] to an integer held in the low mantissa bits.
+const ROUND_MAGIC: f32 = 12_582_912.0;
+
+/// `2^x` lane-wise (see the module doc).
+#[inline(always)]
+pub(crate) fn exp2_v<S: Simd>(s: S, x: S::f32s) -> S::f32s {
+    let xc = s.min_f32s(s.max_f32s(x, s.splat_f32s(-127.0)), s.splat_f32s(127.0));
+    let t = s.add_f32s(xc, s.splat_f32s(ROUND_MAGIC));
+    let n = s.sub_f32s(t, s.splat_f32s(ROUND_MAGIC));
+    let f = s.sub_f32s(xc, n);
+    let mut p = s.splat_f32s(EXP2_C[0]);
+    for &c in &EXP2_C[1..] {
+        p = s.mul_add_f32s(p, f, s.splat_f32s(c));
+    }
+    // The integer n is bits(t) - bits(MAGIC); shifted into the exponent field and added to p's bits.
+    let ni = s.sub_u32s(s.transmute_u32s_f32s(t), s.splat_u32s(ROUND_MAGIC.to_bits()));
+    let e = s.wrapping_dyn_shl_u32s(ni, s.splat_u32s(23));
+    let r = s.transmute_f32s_u32s(s.add_u32s(s.transmute_u32s_f32s(p), e));
+    let r = s.select_f32s(s.less_than_f32s(x, s.splat_f32s(-125.0)), s.splat_f32s(0.0), r);
+    // NaN compares unequal to itself: it passes through.
+    s.select_f32s(s.equal_f32s(x, x), r, x)
+}
+
+/// Unaligned load of one vector at `p`.
+///
+/// # Safety
+/// `p` valid for `S::F32_LANES` reads.
+#[inline(always)]
+unsafe fn load<S: Simd>(p: *const f32) -> S::f32s {
+    std::ptr::read_unaligned(p as *const S::f32s)
+}
+
+/// Unaligned store of one vector at `p`.
+///
+/// # Safety
+/// `p` valid for `S::F32_LANES` writes.
+#[inline(always)]
+unsafe fn store<S: Simd>(p: *mut f32, v: S::f32s) {
+    std::ptr::write_unaligned(p as *mut S::f32s, v)
+}
+
+/// One `R × V·lanes` block of C, held in registers over the whole k loop (the AVX-512 kernel's scheme).
+///
+/// # Safety
+/// As [`gemm`], for this block.
+#[inline(always)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+unsafe fn block<S: Simd, const R: usize, const V: usize>(
+    s: S,
+    accumulate: bool,
+    k: usize,
+    a: *const f32,
+    a_rs: usize,
+    a_cs: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+) {
+    let l = S::F32_LANES;
+    let mut acc = [[s.splat_f32s(0.0); V]; R];
+    if accumulate {
+        for r in 0..R {
+            for v in 0..V {
+                acc[r][v] = load::<S>(c.add(r * ldc + v * l));
+            }
+        }
+    }
+    let (mut ap, mut bp) = (a, b);
+    for _ in 0..k {
+        let mut bv = [s.splat_f32s(0.0); V];
+        for v in 0..V {
+            bv[v] = load::<S>(bp.add(v * l));
+        }
+        for r in 0..R {
+            let av = s.splat_f32s(*ap.add(r * a_rs));
+            for v in 0..V {
+                acc[r][v] = s.mul_add_f32s(av, bv[v], acc[r][v]);
+            }
+        }
+        ap = ap.add(a_cs);
+        bp = bp.add(ldb);
+    }
+    for r in 0..R {
+        for v in 0..V {
+            store::<S>(c.add(r * ldc + v * l), acc[r][v]);
+        }
+    }
+}
+
+/// Row blocks of up to `MR` rows of one column panel of `V` vectors.
+///
+/// # Safety
+/// As [`gemm`], for this panel.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn panel<S: Simd, const MR: usize, const V: usize>(
+    s: S,
+    accumulate: bool,
+    m: usize,
+    k: usize,
+    a: *const f32,
+    a_rs: usize,
+    a_cs: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+) {
+    let mut i = 0;
+    while i < m {
+        let r = (m - i).min(MR);
+        let (ai, ci) = (a.add(i * a_rs), c.add(i * ldc));
+        macro_rules! rows {
+            ($($n:literal)*) => {
+                match r {
+                    $($n => block::<S, $n, V>(s, accumulate, k, ai, a_rs, a_cs, b, ldb, ci, ldc),)*
+                    _ => block::<S, 1, V>(s, accumulate, k, ai, a_rs, a_cs, b, ldb, ci, ldc),
+                }
+            };
+        }
+        // MR is at most 8 (see `gemm_with`).
+        rows!(8 7 6 5 4 3 2);
+        i += r;
+    }
+}
+
+/// `C[m × n] (+)= A[m × k] · B[k × n]` with `MR × V` register blocks: full panels of `V` vectors, then
+/// single vectors, then the last `n % lanes` columns with the scalar formula.
+///
+/// # Safety
+/// As [`gemm`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_with<S: Simd, const MR: usize, const V: usize>(
+    s: S,
+    accumulate: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: *const f32,
+    a_rs: usize,
+    a_cs: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+) {
+    let l = S::F32_LANES;
+    let mut j = 0;
+    while j + V * l <= n {
+        panel::<S, MR, V>(s, accumulate, m, k, a, a_rs, a_cs, b.add(j), ldb, c.add(j), ldc);
+        j += V * l;
+    }
+    while j + l <= n {
+        panel::<S, MR, 1>(s, accumulate, m, k, a, a_rs, a_cs, b.add(j), ldb, c.add(j), ldc);
+        j += l;
+    }
+    if j < n {
+        gemm_portable(accumulate, m, n - j, k, a, a_rs, a_cs, b.add(j), ldb, c.add(j), ldc);
+    }
+}
+
+/// The tile product on `path` (see [`crate::flash::microkernel`] for the strides); `None` on the scalar
+/// path. Blocks: 6 rows × 2 vectors where there are 16 vector registers (AVX2: 12 accumulators, 2 of B,
+/// 1 broadcast), 8 × 3 where there are 32 (NEON: 24 + 3 + 1).
+///
+/// # Safety
+/// All pointers valid for the elements the strides address.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm(
+    path: SimdPath,
+    accumulate: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: *const f32,
+    a_rs: usize,
+    a_cs: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+) -> Option<()> {
+    struct Op {
+        accumulate: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: *const f32,
+        a_rs: usize,
+        a_cs: usize,
+        b: *const f32,
+        ldb: usize,
+        c: *mut f32,
+        ldc: usize,
+    }
+    impl WithSimd for Op {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) {
+            let Op { accumulate, m, n, k, a, a_rs, a_cs, b, ldb, c, ldc } = self;
+            // SAFETY: the caller of `gemm` vouches for the pointers.
+            unsafe {
+                if S::REGISTER_COUNT >= 32 {
+                    gemm_with::<S, 8, 3>(s, accumulate, m, n, k, a, a_rs, a_cs, b, ldb, c, ldc)
+                } else {
+                    gemm_with::<S, 6, 2>(s, accumulate, m, n, k, a, a_rs, a_cs, b, ldb, c, ldc)
+                }
+            }
+        }
+    }
+    vectorize(path, Op { accumulate, m, n, k, a, a_rs, a_cs, b, ldb, c, ldc })
+}
+
+/// In place `x[i] = 2^(x[i] · mul - sub)`; returns the sum of the results (lane-wise, then reduced; the
+/// tail added last). `None` on the scalar path.
+pub(crate) fn exp2_row(path: SimdPath, x: &mut [f32], mul: f32, sub: f32) -> Option<f32> {
+    struct Op<'a>(&'a mut [f32], f32, f32);
+    impl WithSimd for Op<'_> {
+        type Output = f32;
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) -> f32 {
+            let Op(x, mul, sub) = self;
+            let (head, tail) = S::as_mut_simd_f32s(x);
+            let (mv, sv) = (s.splat_f32s(mul), s.splat_f32s(-sub));
+            let mut sum = s.splat_f32s(0.0);
+            for v in head.iter_mut() {
+                let e = exp2_v(s, s.mul_add_f32s(*v, mv, sv));
+                *v = e;
+                sum = s.add_f32s(sum, e);
+            }
+            let mut total = s.reduce_sum_f32s(sum);
+            for v in tail.iter_mut() {
+                *v = (*v * mul - sub).exp2();
+                total += *v;
+            }
+            total
+        }
+    }
+    vectorize(path, Op(x, mul, sub))
+}
+
+/// The maximum of `x` (-inf for an empty or all -inf row, NaN when any element is NaN). `None` on the
+/// scalar path.
+pub(crate) fn max_row(path: SimdPath, x: &[f32]) -> Option<f32> {
+    struct Op<'a>(&'a [f32]);
+    impl WithSimd for Op<'_> {
+        type Output = f32;
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) -> f32 {
+            let (head, tail) = S::as_simd_f32s(self.0);
+            let mut m = s.splat_f32s(f32::NEG_INFINITY);
+            let mut nan = s.splat_f32s(0.0);
+            for &v in head {
+                m = s.max_f32s(m, v);
+                nan = s.select_f32s(s.equal_f32s(v, v), nan, s.splat_f32s(1.0));
+            }
+            if s.reduce_max_f32s(nan) > 0.0 {
+                return f32::NAN;
+            }
+            tail.iter().fold(s.reduce_max_f32s(m), |m, &v| if v > m || v.is_nan() { v } else { m })
+        }
+    }
+    vectorize(path, Op(x))
+}
+
+/// In place `ds = p ∘ (ds - delta)` (equal lengths). `None` on the scalar path.
+pub(crate) fn ds_row(path: SimdPath, ds: &mut [f32], p: &[f32], delta: f32) -> Option<()> {
+    struct Op<'a>(&'a mut [f32], &'a [f32], f32);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) {
+            let Op(ds, p, delta) = self;
+            let (dh, dt) = S::as_mut_simd_f32s(ds);
+            let (ph, pt) = S::as_simd_f32s(p);
+            let dv = s.splat_f32s(delta);
+            for (d, &pv) in dh.iter_mut().zip(ph) {
+                *d = s.mul_f32s(pv, s.sub_f32s(*d, dv));
+            }
+            for (d, &pv) in dt.iter_mut().zip(pt) {
+                *d = pv * (*d - delta);
+            }
+        }
+    }
+    debug_assert_eq!(ds.len(), p.len());
+    vectorize(path, Op(ds, p, delta))
+}
+
+/// In place `x *= a`. `None` on the scalar path.
+pub(crate) fn scale_row(path: SimdPath, x: &mut [f32], a: f32) -> Option<()> {
+    struct Op<'a>(&'a mut [f32], f32);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) {
+            let (h, t) = S::as_mut_simd_f32s(self.0);
+            let av = s.splat_f32s(self.1);
+            for v in h.iter_mut() {
+                *v = s.mul_f32s(*v, av);
+            }
+            for v in t.iter_mut() {
+                *v *= self.1;
+            }
+        }
+    }
+    vectorize(path, Op(x, a))
+}
