@@ -327,3 +327,229 @@ pub(crate) fn scale_row(path: SimdPath, x: &mut [f32], a: f32) -> Option<()> {
     }
     vectorize(path, Op(x, a))
 }
+
+/// `ln 2 = LN2_HI + LN2_LO` for the range reduction of [`exp_v`] (Cody–Waite, Cephes' split): `LN2_HI` =
+/// 355/512 has 9 significant bits, so `n · LN2_HI` is exact for the |n| <= 128 used here.
+const LN2_HI: f32 = 0.693_359_375;
+const LN2_LO: f32 = -2.121_944_4e-4;
+
+/// `e^x` lane-wise: n = round(x · log2 e), r = x - n · ln 2 in two steps (so r is exact to f32 rounding,
+/// |r| <= 0.347), `e^r` from its degree-7 Taylor polynomial (truncation error 5e-9 relative, about 1 ulp in
+/// f32 after rounding), `2^n` added to the exponent bits as in [`exp2_v`]. Below -86.6 (2^-125) exactly 0,
+/// above 88 clamped to e^88 (callers' arguments are at most ~0 or feed `1 / (1 + e^x)`, where that clamp
+/// changes nothing), NaN gives NaN.
+#[inline(always)]
+pub(crate) fn exp_v<S: Simd>(s: S, x: S::f32s) -> S::f32s {
+    let xc = s.min_f32s(s.max_f32s(x, s.splat_f32s(-88.0)), s.splat_f32s(88.0));
+    let t = s.mul_add_f32s(xc, s.splat_f32s(std::f32::consts::LOG2_E), s.splat_f32s(ROUND_MAGIC));
+    let n = s.sub_f32s(t, s.splat_f32s(ROUND_MAGIC));
+    let r = s.mul_add_f32s(n, s.splat_f32s(-LN2_HI), xc);
+    let r = s.mul_add_f32s(n, s.splat_f32s(-LN2_LO), r);
+    const C: [f32; 8] = [1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0];
+    let mut p = s.splat_f32s(C[0]);
+    for &c in &C[1..] {
+        p = s.mul_add_f32s(p, r, s.splat_f32s(c));
+    }
+    let ni = s.sub_u32s(s.transmute_u32s_f32s(t), s.splat_u32s(ROUND_MAGIC.to_bits()));
+    let e = s.wrapping_dyn_shl_u32s(ni, s.splat_u32s(23));
+    let y = s.transmute_f32s_u32s(s.add_u32s(s.transmute_u32s_f32s(p), e));
+    let y = s.select_f32s(s.less_than_f32s(x, s.splat_f32s(-86.6)), s.splat_f32s(0.0), y);
+    s.select_f32s(s.equal_f32s(x, x), y, x)
+}
+
+/// `sum(e^(x[i] - m))` over the row (lane-wise sums, reduced, then the tail). `None` on the scalar path.
+pub(crate) fn exp_sum_row(path: SimdPath, x: &[f32], m: f32) -> Option<f32> {
+    struct Op<'a>(&'a [f32], f32);
+    impl WithSimd for Op<'_> {
+        type Output = f32;
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) -> f32 {
+            let Op(x, m) = self;
+            let (head, tail) = S::as_simd_f32s(x);
+            let mv = s.splat_f32s(m);
+            let mut acc = [s.splat_f32s(0.0); 4];
+            let mut chunks = head.chunks_exact(4);
+            for c in &mut chunks {
+                for l in 0..4 {
+                    acc[l] = s.add_f32s(acc[l], exp_v(s, s.sub_f32s(c[l], mv)));
+                }
+            }
+            for &v in chunks.remainder() {
+                acc[0] = s.add_f32s(acc[0], exp_v(s, s.sub_f32s(v, mv)));
+            }
+            let sum = s.add_f32s(s.add_f32s(acc[0], acc[2]), s.add_f32s(acc[1], acc[3]));
+            tail.iter().fold(s.reduce_sum_f32s(sum), |a, &v| a + (v - m).exp())
+        }
+    }
+    vectorize(path, Op(x, m))
+}
+
+/// `out[i] = e^(x[i] - m)`; returns their sum. `None` on the scalar path.
+pub(crate) fn exp_row(path: SimdPath, out: &mut [f32], x: &[f32], m: f32) -> Option<f32> {
+    struct Op<'a>(&'a mut [f32], &'a [f32], f32);
+    impl WithSimd for Op<'_> {
+        type Output = f32;
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) -> f32 {
+            let Op(out, x, m) = self;
+            let (oh, ot) = S::as_mut_simd_f32s(out);
+            let (xh, xt) = S::as_simd_f32s(x);
+            let mv = s.splat_f32s(m);
+            let mut sum = s.splat_f32s(0.0);
+            for (o, &v) in oh.iter_mut().zip(xh) {
+                *o = exp_v(s, s.sub_f32s(v, mv));
+                sum = s.add_f32s(sum, *o);
+            }
+            let mut total = s.reduce_sum_f32s(sum);
+            for (o, &v) in ot.iter_mut().zip(xt) {
+                *o = (v - m).exp();
+                total += *o;
+            }
+            total
+        }
+    }
+    debug_assert_eq!(out.len(), x.len());
+    vectorize(path, Op(out, x, m))
+}
+
+/// `y = silu(a) · u = a / (1 + e^-a) · u` (equal lengths). `None` on the scalar path.
+pub(crate) fn silu_mul(path: SimdPath, y: &mut [f32], a: &[f32], u: &[f32]) -> Option<()> {
+    struct Op<'a>(&'a mut [f32], &'a [f32], &'a [f32]);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) {
+            let Op(y, a, u) = self;
+            let (yh, yt) = S::as_mut_simd_f32s(y);
+            let ((ah, at), (uh, ut)) = (S::as_simd_f32s(a), S::as_simd_f32s(u));
+            let one = s.splat_f32s(1.0);
+            for ((yv, &av), &uv) in yh.iter_mut().zip(ah).zip(uh) {
+                let den = s.add_f32s(one, exp_v(s, s.sub_f32s(s.splat_f32s(0.0), av)));
+                *yv = s.mul_f32s(s.div_f32s(av, den), uv);
+            }
+            for ((yv, &av), &uv) in yt.iter_mut().zip(at).zip(ut) {
+                *yv = av / (1.0 + (-av).exp()) * uv;
+            }
+        }
+    }
+    vectorize(path, Op(y, a, u))
+}
+
+/// SwiGLU's backward: `da = g · u · σ(a) · (1 + a (1 - σ(a)))`, `du = g · silu(a)` (equal lengths). `None` on
+/// the scalar path.
+pub(crate) fn swiglu_grad(
+    path: SimdPath,
+    da: &mut [f32],
+    du: &mut [f32],
+    a: &[f32],
+    u: &[f32],
+    g: &[f32],
+) -> Option<()> {
+    struct Op<'a>(&'a mut [f32], &'a mut [f32], &'a [f32], &'a [f32], &'a [f32]);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) {
+            let Op(da, du, a, u, g) = self;
+            let ((dah, dat), (duh, dut)) = (S::as_mut_simd_f32s(da), S::as_mut_simd_f32s(du));
+            let ((ah, at), (uh, ut), (gh, gt)) = (S::as_simd_f32s(a), S::as_simd_f32s(u), S::as_simd_f32s(g));
+            let one = s.splat_f32s(1.0);
+            for i in 0..dah.len() {
+                let (av, uv, gv) = (ah[i], uh[i], gh[i]);
+                let den = s.add_f32s(one, exp_v(s, s.sub_f32s(s.splat_f32s(0.0), av)));
+                let sg = s.div_f32s(one, den);
+                let inner = s.add_f32s(s.mul_f32s(av, s.sub_f32s(one, sg)), one);
+                dah[i] = s.mul_f32s(s.mul_f32s(gv, uv), s.mul_f32s(sg, inner));
+                duh[i] = s.mul_f32s(gv, s.div_f32s(av, den));
+            }
+            for i in 0..dat.len() {
+                let (av, uv, gv) = (at[i], ut[i], gt[i]);
+                let sg = 1.0 / (1.0 + (-av).exp());
+                dat[i] = gv * uv * (sg * (av * (1.0 - sg) + 1.0));
+                dut[i] = gv * (av / (1.0 + (-av).exp()));
+            }
+        }
+    }
+    vectorize(path, Op(da, du, a, u, g))
+}
+
+/// `sum(a[i] · b[i])` (four vector accumulators, reduced in a fixed order, then the tail). `None` on the
+/// scalar path.
+pub(crate) fn dot(path: SimdPath, a: &[f32], b: &[f32]) -> Option<f32> {
+    struct Op<'a>(&'a [f32], &'a [f32]);
+    impl WithSimd for Op<'_> {
+        type Output = f32;
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) -> f32 {
+            let ((ah, at), (bh, bt)) = (S::as_simd_f32s(self.0), S::as_simd_f32s(self.1));
+            let mut acc = [s.splat_f32s(0.0); 4];
+            let (ca, cb) = (ah.chunks_exact(4), bh.chunks_exact(4));
+            let (ra, rb) = (ca.remainder(), cb.remainder());
+            for (x, y) in ca.zip(cb) {
+                for l in 0..4 {
+                    acc[l] = s.mul_add_f32s(x[l], y[l], acc[l]);
+                }
+            }
+            for (&x, &y) in ra.iter().zip(rb) {
+                acc[0] = s.mul_add_f32s(x, y, acc[0]);
+            }
+            let sum = s.add_f32s(s.add_f32s(acc[0], acc[2]), s.add_f32s(acc[1], acc[3]));
+            at.iter().zip(bt).fold(s.reduce_sum_f32s(sum), |t, (&x, &y)| t + x * y)
+        }
+    }
+    debug_assert_eq!(a.len(), b.len());
+    vectorize(path, Op(a, b))
+}
+
+/// `y[i] = x[i] · r · w[i]` (RMSNorm's output row; equal lengths). `None` on the scalar path.
+pub(crate) fn scale_mul(path: SimdPath, y: &mut [f32], x: &[f32], w: &[f32], r: f32) -> Option<()> {
+    struct Op<'a>(&'a mut [f32], &'a [f32], &'a [f32], f32);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) {
+            let Op(y, x, w, r) = self;
+            let (yh, yt) = S::as_mut_simd_f32s(y);
+            let ((xh, xt), (wh, wt)) = (S::as_simd_f32s(x), S::as_simd_f32s(w));
+            let rv = s.splat_f32s(r);
+            for ((yv, &xv), &wv) in yh.iter_mut().zip(xh).zip(wh) {
+                *yv = s.mul_f32s(s.mul_f32s(xv, rv), wv);
+            }
+            for ((yv, &xv), &wv) in yt.iter_mut().zip(xt).zip(wt) {
+                *yv = xv * r * wv;
+            }
+        }
+    }
+    vectorize(path, Op(y, x, w, r))
+}
+
+#[cfg(test)]
+mod tests {
+    use autosp_core::simd::{supported_paths, SimdPath};
+
+    use super::*;
+
+    /// `e^x` on every vector path against f64's over [-86, 88]: within 3e-7 relative (Taylor truncation 5e-9
+    /// plus the f32 rounding of r, the polynomial's steps and the result, about 2 ulp); exactly 0 below
+    /// -88 and for -inf, NaN for NaN; tails take the scalar formula.
+    #[test]
+    fn exp_is_accurate() {
+        let mut xs: Vec<f32> = (0..17_401).map(|i| -86.0 + i as f32 * 0.01).collect();
+        xs.extend([f32::NEG_INFINITY, -1e30, -100.0, f32::NAN, 0.0, -0.0]);
+        for p in supported_paths().into_iter().filter(|&p| p != SimdPath::Scalar) {
+            let mut ys = vec![0.0; xs.len()];
+            exp_row(p, &mut ys, &xs, 0.0).unwrap();
+            for (&x, &y) in xs.iter().zip(&ys) {
+                if x.is_nan() {
+                    assert!(y.is_nan(), "{p}: e^NaN = {y}");
+                } else if x < -88.0 {
+                    // 0 in the vector lanes, libm's subnormal in a scalar tail.
+                    assert!((0.0..1.2e-38).contains(&y), "{p}: e^{x} = {y}");
+                } else {
+                    let want = (x as f64).exp();
+                    assert!(((y as f64) - want).abs() <= 3e-7 * want, "{p}: e^{x} = {y}, want {want}");
+                }
+            }
+        }
+    }
+}
