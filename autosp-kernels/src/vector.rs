@@ -523,6 +523,53 @@ pub(crate) fn scale_mul(path: SimdPath, y: &mut [f32], x: &[f32], w: &[f32], r: 
     vectorize(path, Op(y, x, w, r))
 }
 
+/// RoPE on one row's halves: `y1 = x1 c - x2 s`, `y2 = x2 c + x1 s`, or with `inverse` (the backward, the
+/// negative angle) `y1 = x1 c + x2 s`, `y2 = x2 c - x1 s` (all of one length). `None` on the scalar path.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rotate(
+    path: SimdPath,
+    y1: &mut [f32],
+    y2: &mut [f32],
+    x1: &[f32],
+    x2: &[f32],
+    c: &[f32],
+    sn: &[f32],
+    inverse: bool,
+) -> Option<()> {
+    struct Op<'a>(&'a mut [f32], &'a mut [f32], &'a [f32], &'a [f32], &'a [f32], &'a [f32], bool);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) {
+            let Op(y1, y2, x1, x2, c, sn, inverse) = self;
+            let ((y1h, y1t), (y2h, y2t)) = (S::as_mut_simd_f32s(y1), S::as_mut_simd_f32s(y2));
+            let ((x1h, x1t), (x2h, x2t)) = (S::as_simd_f32s(x1), S::as_simd_f32s(x2));
+            let ((ch, ct), (sh, st)) = (S::as_simd_f32s(c), S::as_simd_f32s(sn));
+            for i in 0..y1h.len() {
+                let (a, b, cv, sv) = (x1h[i], x2h[i], ch[i], sh[i]);
+                if inverse {
+                    y1h[i] = s.add_f32s(s.mul_f32s(a, cv), s.mul_f32s(b, sv));
+                    y2h[i] = s.sub_f32s(s.mul_f32s(b, cv), s.mul_f32s(a, sv));
+                } else {
+                    y1h[i] = s.sub_f32s(s.mul_f32s(a, cv), s.mul_f32s(b, sv));
+                    y2h[i] = s.add_f32s(s.mul_f32s(b, cv), s.mul_f32s(a, sv));
+                }
+            }
+            for i in 0..y1t.len() {
+                let (a, b, cv, sv) = (x1t[i], x2t[i], ct[i], st[i]);
+                if inverse {
+                    y1t[i] = a * cv + b * sv;
+                    y2t[i] = b * cv - a * sv;
+                } else {
+                    y1t[i] = a * cv - b * sv;
+                    y2t[i] = b * cv + a * sv;
+                }
+            }
+        }
+    }
+    vectorize(path, Op(y1, y2, x1, x2, c, sn, inverse))
+}
+
 #[cfg(test)]
 mod tests {
     use autosp_core::simd::{supported_paths, SimdPath};

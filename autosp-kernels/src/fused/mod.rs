@@ -77,6 +77,22 @@ pub trait Real:
         sum
     }
 
+    /// RoPE on one row's halves (all of one length): `y1 = x1 c - x2 s`, `y2 = x2 c + x1 s`; with `inverse`
+    /// (the backward) the negative angle, `y1 = x1 c + x2 s`, `y2 = x2 c - x1 s`.
+    #[allow(clippy::too_many_arguments)]
+    fn rotate_on(
+        _path: SimdPath,
+        y1: &mut [Self],
+        y2: &mut [Self],
+        x1: &[Self],
+        x2: &[Self],
+        c: &[Self],
+        s: &[Self],
+        inverse: bool,
+    ) {
+        rotate_ref(y1, y2, x1, x2, c, s, inverse)
+    }
+
     /// `y[i] = x[i] · r · w[i]` (equal lengths).
     fn scale_mul_on(_path: SimdPath, y: &mut [Self], x: &[Self], w: &[Self], r: Self) {
         scale_mul_ref(y, x, w, r)
@@ -125,6 +141,20 @@ impl Real for f32 {
                 }
                 sum
             }
+        }
+    }
+    fn rotate_on(
+        path: SimdPath,
+        y1: &mut [Self],
+        y2: &mut [Self],
+        x1: &[Self],
+        x2: &[Self],
+        c: &[Self],
+        s: &[Self],
+        inverse: bool,
+    ) {
+        if vector::rotate(path, y1, y2, x1, x2, c, s, inverse).is_none() {
+            rotate_ref(y1, y2, x1, x2, c, s, inverse)
         }
     }
     fn scale_mul_on(path: SimdPath, y: &mut [Self], x: &[Self], w: &[Self], r: Self) {
@@ -185,6 +215,22 @@ fn exp_sum_ref<T: Real>(x: &[T], m: T) -> T {
         }
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + s
+}
+
+/// The scalar RoPE of one row's halves (the reference of [`Real::rotate_on`]).
+fn rotate_ref<T: Real>(y1: &mut [T], y2: &mut [T], x1: &[T], x2: &[T], c: &[T], s: &[T], inverse: bool) {
+    let half = y1.len();
+    if inverse {
+        for i in 0..half {
+            y1[i] = x1[i] * c[i] + x2[i] * s[i];
+            y2[i] = x2[i] * c[i] - x1[i] * s[i];
+        }
+    } else {
+        for i in 0..half {
+            y1[i] = x1[i] * c[i] - x2[i] * s[i];
+            y2[i] = x2[i] * c[i] + x1[i] * s[i];
+        }
+    }
 }
 
 /// The scalar `y[i] = x[i] · r · w[i]` (the reference of [`Real::scale_mul_on`]).
