@@ -330,7 +330,7 @@ pub(crate) fn scale_row(path: SimdPath, x: &mut [f32], a: f32) -> Option<()> {
 
 /// `ln 2 = LN2_HI + LN2_LO` for the range reduction of [`exp_v`] (Cody–Waite, Cephes' split): `LN2_HI` =
 /// 355/512 has 9 significant bits, so `n · LN2_HI` is exact for the |n| <= 128 used here.
-const LN2_HI: f32 = 0.693_359_375;
+const LN2_HI: f32 = 0.693_359_4; // exactly 355/512 as an f32
 const LN2_LO: f32 = -2.121_944_4e-4;
 
 /// `e^x` lane-wise: n = round(x · log2 e), r = x - n · ln 2 in two steps (so r is exact to f32 rounding,
