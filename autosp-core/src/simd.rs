@@ -59,7 +59,8 @@ impl SimdPath {
         }
     }
 
-    /// Whether this CPU can run the path (checked at run time).
+    /// Whether this CPU can run the path (checked at run time, once per path; the kernels ask per call).
+    #[inline]
     pub fn is_supported(self) -> bool {
         match self {
             SimdPath::Scalar => true,

@@ -29,12 +29,13 @@
 //!   in force ([`crate::simd`]: `AUTOSP_SIMD`, else the best the CPU has, detected at run time): AVX-512 with
 //!   a 6 × 64 block of C in 24 registers (hand-written intrinsics), AVX2+FMA with a 6 × 16 block in 12
 //!   registers and NEON with 8 × 12 in 24 (one generic source over `pulp`, `crate::vector`), a portable
-//!   loop for the scalar path and for f64. Measured against calling the `gemm` crate (0.19, candle's) per tile, one thread,
-//!   L1-resident 64 × 64 × 64 f32 tiles, best of 20 × 500 calls: the AVX-512 kernel ~240 GFLOP/s (near the Zen 5
-//!   core's FMA peak), `gemm::gemm` ~115 GFLOP/s (its packing and dispatch dominate at this size).
-//!   Every head_dim that is a multiple of 16 (64 and 128 in particular) runs in whole vectors; others use
-//!   masked tail vectors (AVX-512) or scalar tail columns (pulp paths). The exponential is a vectorised `exp2` (degree-6 polynomial, then
-//!   `vscalefps` on AVX-512 or the exponent bits on the pulp paths; about 1 ulp).
+//!   loop for the scalar path and for f64. Measured against calling the `gemm` crate (0.19, candle's) per
+//!   tile, one thread, L1-resident 64 × 64 × 64 f32 tiles, best of 20 × 500 calls: the AVX-512 kernel ~240
+//!   GFLOP/s (near the Zen 5 core's FMA peak), `gemm::gemm` ~115 GFLOP/s (its packing and dispatch dominate
+//!   at this size). Every head_dim that is a multiple of 16 (64 and 128 in particular) runs in whole vectors;
+//!   others use masked tail vectors (AVX-512) or scalar tail columns (pulp paths). The exponential is a
+//!   vectorised `exp2` (degree-6 polynomial, then `vscalefps` on AVX-512 or the exponent bits on the pulp
+//!   paths; about 1 ulp).
 //! - NaN propagates: a NaN in a query (key) row makes that row (every row that sees that key) NaN in `o` and
 //!   `lse`, on every vector path and the scalar one alike (`tests/flash_nan.rs`).
 //! - Speed (2-core Zen 5, batch 1, 8 heads, head_dim 64, causal, f32, both cores free): forward+backward
