@@ -57,7 +57,8 @@ pub trait Real:
         dot(a, b)
     }
 
-    /// The largest element of a non-empty row (NaN rows: see [`max_ref`]).
+    /// The largest element of a non-empty row. With a NaN in the row the scalar formula skips it unless it
+    /// comes first and the vector paths return NaN; either way the row's softmax is NaN.
     fn max_on(_path: SimdPath, row: &[Self]) -> Self {
         max_ref(row)
     }
