@@ -24,6 +24,7 @@
 //!
 //! ```text
 //! cargo run --release --example bench_attention -- --n 4096,8192 --causal
+//! cargo run --release --example bench_attention -- --n 8192 --causal --simd all --naive-max-gib 0
 //! cargo run --release --example bench_attention -- --n 8192 --causal --kernel both --naive-max-gib 0
 //! cargo run --release --example bench_attention -- --n 16384,65536 --causal --kernel generic --peak-only
 //! cargo run --release --example bench_attention -- --n 8192 --causal --max-distance none,2048,512 --naive-max-gib 0
@@ -31,6 +32,9 @@
 //!
 //! `fwd_cpu_s` / `fwd_bwd_cpu_s` are the process CPU seconds per call (all threads; Linux only): on a shared
 //! machine they show the work done, where the wall times also include waiting for the cores.
+//!
+//! `--simd avx2,avx512` (or `all`) runs the CPU kernel on each vector path in turn, one line each, with
+//! `"simd"` naming the path; without it the line names the path in force (`AUTOSP_SIMD`, else the best).
 //!
 //! `--threads` sets RAYON_NUM_THREADS before anything starts, so both our kernels and candle's CPU ops
 //! (which size their pools from that variable) use that many threads.
@@ -41,6 +45,7 @@ use anyhow::{bail, Result};
 use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
 use autosp_core::TrackingAllocator;
 use autosp_kernels::generic::attention::{attention_backward_with_block, attention_forward_with_block, block_for};
+use autosp_kernels::simd::{self, SimdPath};
 use autosp_kernels::{flash_attention_backward, flash_attention_forward, flash_attention_output};
 use candle_core::{Device, Tensor};
 use clap::Parser;
@@ -82,6 +87,11 @@ struct Args {
     /// Skip the naive attention when its estimated peak memory is above this many GiB.
     #[arg(long, default_value_t = 6.0)]
     naive_max_gib: f64,
+    /// CPU vector paths to run, comma-separated (`avx512`, `avx2`, `neon`, `scalar`), each its own JSON
+    /// line with `"simd"` naming it; `all` runs every path this CPU has. Default: the path in force
+    /// (`AUTOSP_SIMD`, else the best the CPU has).
+    #[arg(long)]
+    simd: Option<String>,
     /// The flash kernel to time: `cpu` (the fast CPU kernel), `generic` (the device-generic one on the CPU),
     /// or `both` (with their ratios).
     #[arg(long, default_value = "cpu")]
@@ -211,6 +221,13 @@ fn main() -> Result<()> {
         // Read by rayon's global pool and candle's thread count when they first start, which is below.
         std::env::set_var("RAYON_NUM_THREADS", t.to_string());
     }
+    // A typo in AUTOSP_SIMD, or a path this CPU lacks, fails here rather than running another path.
+    simd::simd_from_env()?;
+    let simd_paths: Vec<SimdPath> = match args.simd.as_deref() {
+        None => vec![simd::simd_path()],
+        Some("all") => simd::supported_paths(),
+        Some(list) => list.split(',').map(|p| p.parse::<SimdPath>()?.supported()).collect::<Result<_, _>>()?,
+    };
     let dtype = autosp::precision::parse_dtype(&args.dtype).map_err(anyhow::Error::msg)?;
     let dev = args.device.unwrap_or_else(autosp::DeviceSpec::default_for_build).open(None)?;
     let block = args.block.unwrap_or_else(|| block_for(&dev));
@@ -234,8 +251,9 @@ fn main() -> Result<()> {
             runs.extend(args.max_distance.iter().map(|&w| (d, n, w)));
         }
     }
-    // The unwindowed times per (head_dim, n, kernel prefix): (forward, forward + backward).
-    let mut no_window: std::collections::HashMap<(usize, usize, &str), (f64, Option<f64>)> = Default::default();
+    // The unwindowed times per (head_dim, n, kernel prefix, vector path): (forward, forward + backward).
+    let mut no_window: std::collections::HashMap<(usize, usize, &str, SimdPath), (f64, Option<f64>)> =
+        Default::default();
     for (d, n, window) in runs {
         let spec = AttentionSpec { causal: args.causal, scale: None, q_offset: 0, k_offset: 0, max_distance: window };
         let q = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
@@ -243,101 +261,110 @@ fn main() -> Result<()> {
         let v = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?.to_dtype(dtype)?;
         let d_o = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
 
-        let fraction = window_pair_fraction(n, &spec);
-        let fwd_flop =
-            4.0 * (b * h) as f64 * (n as f64).powi(2) * d as f64 * if args.causal { 0.5 } else { 1.0 } * fraction;
-        let fwd_bwd_flop = 3.5 * fwd_flop;
-        let mut line = serde_json::json!({
-            "kernel": kernels.iter().map(|k| k.name()).collect::<Vec<_>>().join(","),
-            "batch": b, "heads": h, "kv_heads": hkv, "head_dim": d, "n": n,
-            "causal": args.causal, "max_distance": window, "window_pair_fraction": fraction,
-            "dtype": args.dtype, "threads": threads, "repeats": args.repeats,
-            "generic_block": block, "device": format!("{:?}", dev.location()),
-            "flash_attn_feature": cfg!(feature = "flash-attn"),
-            "flop_convention": "fwd = 4*b*h*N^2*d (x0.5 causal, x window_pair_fraction); fwd_bwd = 3.5*fwd",
-            "scores_bytes_per_head": 4 * n * n,
-        });
-        let mut fwd_times = std::collections::HashMap::new();
-        let mut fwd_bwd_times = std::collections::HashMap::new();
-        for &kernel in &kernels {
-            let p = kernel.prefix();
-            let has_backward = kernel != Kernel::FlashAttn;
-            if has_backward {
-                let peak = peak_of(|| kernel.forward_backward(&q, &k, &v, &d_o, &spec))?;
-                line[format!("{p}fwd_bwd_peak_bytes")] = peak.into();
-            }
-            if args.peak_only {
-                continue;
-            }
-            let (fwd_s, fwd_cpu_s) = median_time(&dev, args.repeats, || {
-                kernel.forward(&q, &k, &v, &spec)?;
-                Ok(())
-            })?;
-            line[format!("{p}fwd_s")] = fwd_s.into();
-            line[format!("{p}fwd_cpu_s")] = fwd_cpu_s.into();
-            line[format!("{p}fwd_gflops")] = (fwd_flop / fwd_s / 1e9).into();
-            fwd_times.insert(p, fwd_s);
-            if has_backward {
-                let (fwd_bwd_s, fwd_bwd_cpu_s) =
-                    median_time(&dev, args.repeats, || kernel.forward_backward(&q, &k, &v, &d_o, &spec))?;
-                line[format!("{p}fwd_bwd_s")] = fwd_bwd_s.into();
-                line[format!("{p}fwd_bwd_cpu_s")] = fwd_bwd_cpu_s.into();
-                line[format!("{p}fwd_bwd_gflops")] = (fwd_bwd_flop / fwd_bwd_s / 1e9).into();
-                fwd_bwd_times.insert(p, fwd_bwd_s);
-            }
-            match (window, no_window.get(&(d, n, p))) {
-                (None, _) => {
-                    no_window.insert((d, n, p), (fwd_s, fwd_bwd_times.get(p).copied()));
+        for (pi, &simd_path) in simd_paths.iter().enumerate() {
+            simd::set_simd(Some(simd_path))?;
+            let fraction = window_pair_fraction(n, &spec);
+            let fwd_flop =
+                4.0 * (b * h) as f64 * (n as f64).powi(2) * d as f64 * if args.causal { 0.5 } else { 1.0 } * fraction;
+            let fwd_bwd_flop = 3.5 * fwd_flop;
+            let mut line = serde_json::json!({
+                "kernel": kernels.iter().map(|k| k.name()).collect::<Vec<_>>().join(","),
+                "batch": b, "heads": h, "kv_heads": hkv, "head_dim": d, "n": n,
+                "causal": args.causal, "max_distance": window, "window_pair_fraction": fraction,
+                "dtype": args.dtype, "threads": threads, "repeats": args.repeats,
+                "generic_block": block, "device": format!("{:?}", dev.location()),
+                "flash_attn_feature": cfg!(feature = "flash-attn"),
+                "flop_convention": "fwd = 4*b*h*N^2*d (x0.5 causal, x window_pair_fraction); fwd_bwd = 3.5*fwd",
+                "scores_bytes_per_head": 4 * n * n,
+                "simd": simd_path.name(),
+            });
+            let mut fwd_times = std::collections::HashMap::new();
+            let mut fwd_bwd_times = std::collections::HashMap::new();
+            for &kernel in &kernels {
+                let p = kernel.prefix();
+                let has_backward = kernel != Kernel::FlashAttn;
+                if has_backward {
+                    let peak = peak_of(|| kernel.forward_backward(&q, &k, &v, &d_o, &spec))?;
+                    line[format!("{p}fwd_bwd_peak_bytes")] = peak.into();
                 }
-                (Some(_), Some(&(f, fb))) => {
-                    line[format!("{p}fwd_over_no_window")] = (fwd_s / f).into();
-                    if let (Some(fb), Some(t)) = (fb, fwd_bwd_times.get(p)) {
-                        line[format!("{p}fwd_bwd_over_no_window")] = (t / fb).into();
+                if args.peak_only {
+                    continue;
+                }
+                let (fwd_s, fwd_cpu_s) = median_time(&dev, args.repeats, || {
+                    kernel.forward(&q, &k, &v, &spec)?;
+                    Ok(())
+                })?;
+                line[format!("{p}fwd_s")] = fwd_s.into();
+                line[format!("{p}fwd_cpu_s")] = fwd_cpu_s.into();
+                line[format!("{p}fwd_gflops")] = (fwd_flop / fwd_s / 1e9).into();
+                fwd_times.insert(p, fwd_s);
+                if has_backward {
+                    let (fwd_bwd_s, fwd_bwd_cpu_s) =
+                        median_time(&dev, args.repeats, || kernel.forward_backward(&q, &k, &v, &d_o, &spec))?;
+                    line[format!("{p}fwd_bwd_s")] = fwd_bwd_s.into();
+                    line[format!("{p}fwd_bwd_cpu_s")] = fwd_bwd_cpu_s.into();
+                    line[format!("{p}fwd_bwd_gflops")] = (fwd_bwd_flop / fwd_bwd_s / 1e9).into();
+                    fwd_bwd_times.insert(p, fwd_bwd_s);
+                }
+                match (window, no_window.get(&(d, n, p, simd_path))) {
+                    (None, _) => {
+                        no_window.insert((d, n, p, simd_path), (fwd_s, fwd_bwd_times.get(p).copied()));
                     }
+                    (Some(_), Some(&(f, fb))) => {
+                        line[format!("{p}fwd_over_no_window")] = (fwd_s / f).into();
+                        if let (Some(fb), Some(t)) = (fb, fwd_bwd_times.get(p)) {
+                            line[format!("{p}fwd_bwd_over_no_window")] = (t / fb).into();
+                        }
+                    }
+                    (Some(_), None) => {}
                 }
-                (Some(_), None) => {}
             }
-        }
-        if let (Some(g), Some(c)) = (fwd_times.get("generic_"), fwd_times.get("")) {
-            line["generic_over_cpu_fwd"] = (g / c).into();
-            line["generic_over_cpu_fwd_bwd"] = (fwd_bwd_times["generic_"] / fwd_bwd_times[""]).into();
-        }
-        if let (Some(g), Some(f)) = (fwd_times.get("generic_"), fwd_times.get("flash_attn_")) {
-            line["generic_over_flash_attn_fwd"] = (g / f).into();
-        }
-        // The naive comparison is of the first kernel with a backward.
-        let first = kernels.iter().map(|k| k.prefix()).find(|p| fwd_bwd_times.contains_key(p));
-        let (Some(first), false) = (first, args.peak_only) else {
-            println!("{line}");
-            continue;
-        };
-        let (fwd_s, fwd_bwd_s) = (fwd_times[first], fwd_bwd_times[first]);
+            if let (Some(g), Some(c)) = (fwd_times.get("generic_"), fwd_times.get("")) {
+                line["generic_over_cpu_fwd"] = (g / c).into();
+                line["generic_over_cpu_fwd_bwd"] = (fwd_bwd_times["generic_"] / fwd_bwd_times[""]).into();
+            }
+            if let (Some(g), Some(f)) = (fwd_times.get("generic_"), fwd_times.get("flash_attn_")) {
+                line["generic_over_flash_attn_fwd"] = (g / f).into();
+            }
+            // The naive comparison is of the first kernel with a backward.
+            let first = kernels.iter().map(|k| k.prefix()).find(|p| fwd_bwd_times.contains_key(p));
+            // The naive attention (no vector kernels of ours) runs with the first path only.
+            let (Some(first), false, 0) = (first, args.peak_only, pi) else {
+                println!("{line}");
+                continue;
+            };
+            let (fwd_s, fwd_bwd_s) = (fwd_times[first], fwd_bwd_times[first]);
 
-        // The naive backward holds about 8 score-sized tensors in f32 plus an f64 mask.
-        let naive_bytes = 8.0 * 4.0 * (b * h) as f64 * (n as f64).powi(2) + 8.0 * (n as f64).powi(2);
-        let naive_gib = naive_bytes / (1u64 << 30) as f64;
-        let naive_repeats = args.repeats.min(3);
-        let (naive_fwd_s, naive_fwd_bwd_s, naive_note) = if naive_gib <= args.naive_max_gib {
-            let (f, _) = median_time(&dev, naive_repeats, || {
-                naive_attention_forward(&q, &k, &v, &spec)?;
-                Ok(())
-            })?;
-            let (fb, _) = median_time(&dev, naive_repeats, || {
-                let (o, lse) = naive_attention_forward(&q, &k, &v, &spec)?;
-                naive_attention_backward(&q, &k, &v, &o, &lse, Some(&d_o), None, &spec)?;
-                Ok(())
-            })?;
-            (Some(f), Some(fb), format!("median of {naive_repeats} after a warm-up"))
-        } else {
-            (None, None, format!("skipped: needs about {naive_gib:.1} GiB > --naive-max-gib {}", args.naive_max_gib))
-        };
-        // Speed-ups against the naive attention are of the first kernel measured.
-        line["naive_fwd_s"] = naive_fwd_s.into();
-        line["naive_fwd_bwd_s"] = naive_fwd_bwd_s.into();
-        line["naive_note"] = naive_note.into();
-        line["speedup_fwd"] = naive_fwd_s.map(|t| t / fwd_s).into();
-        line["speedup_fwd_bwd"] = naive_fwd_bwd_s.map(|t| t / fwd_bwd_s).into();
-        println!("{line}");
+            // The naive backward holds about 8 score-sized tensors in f32 plus an f64 mask.
+            let naive_bytes = 8.0 * 4.0 * (b * h) as f64 * (n as f64).powi(2) + 8.0 * (n as f64).powi(2);
+            let naive_gib = naive_bytes / (1u64 << 30) as f64;
+            let naive_repeats = args.repeats.min(3);
+            let (naive_fwd_s, naive_fwd_bwd_s, naive_note) = if naive_gib <= args.naive_max_gib {
+                let (f, _) = median_time(&dev, naive_repeats, || {
+                    naive_attention_forward(&q, &k, &v, &spec)?;
+                    Ok(())
+                })?;
+                let (fb, _) = median_time(&dev, naive_repeats, || {
+                    let (o, lse) = naive_attention_forward(&q, &k, &v, &spec)?;
+                    naive_attention_backward(&q, &k, &v, &o, &lse, Some(&d_o), None, &spec)?;
+                    Ok(())
+                })?;
+                (Some(f), Some(fb), format!("median of {naive_repeats} after a warm-up"))
+            } else {
+                (
+                    None,
+                    None,
+                    format!("skipped: needs about {naive_gib:.1} GiB > --naive-max-gib {}", args.naive_max_gib),
+                )
+            };
+            // Speed-ups against the naive attention are of the first kernel measured.
+            line["naive_fwd_s"] = naive_fwd_s.into();
+            line["naive_fwd_bwd_s"] = naive_fwd_bwd_s.into();
+            line["naive_note"] = naive_note.into();
+            line["speedup_fwd"] = naive_fwd_s.map(|t| t / fwd_s).into();
+            line["speedup_fwd_bwd"] = naive_fwd_bwd_s.map(|t| t / fwd_bwd_s).into();
+            println!("{line}");
+        }
     }
     Ok(())
 }

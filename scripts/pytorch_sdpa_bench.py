@@ -4,6 +4,9 @@
 Optional (needs torch); never part of the tests. Prints one JSON line per N:
   python3 scripts/pytorch_sdpa_bench.py --n 4096,8192 --heads 8 --head-dim 64 --causal
 FLOP convention (as bench_attention): forward 4*b*h*N^2*d, halved when causal; forward+backward 3.5x that.
+`fwd_cpu_s` / `fwd_bwd_cpu_s`: process CPU seconds per call (all threads), as bench_attention reports them.
+`cpu_capability` is ATen's kernel ISA; `ATEN_CPU_CAPABILITY=avx2` (with MKL_ENABLE_INSTRUCTIONS=AVX2 and
+ONEDNN_MAX_CPU_ISA=AVX2) makes an AVX-512 machine stand in for an AVX2-only one.
 """
 import argparse
 import json
@@ -38,20 +41,23 @@ def main():
             o.backward(torch.ones_like(o))
 
         def median(f):
+            """Median wall seconds per call, and the process CPU seconds per call (all threads)."""
             f()
             ts = []
+            c0 = time.process_time()
             for _ in range(a.repeats):
                 t0 = time.perf_counter()
                 f()
                 ts.append(time.perf_counter() - t0)
-            return statistics.median(ts)
+            return statistics.median(ts), round((time.process_time() - c0) / a.repeats, 3)
 
         flops = 4 * a.batch * a.heads * n * n * a.head_dim * (0.5 if a.causal else 1.0)
-        f, fb = median(fwd), median(fwd_bwd)
+        (f, f_cpu), (fb, fb_cpu) = median(fwd), median(fwd_bwd)
         print(json.dumps({
             "impl": "pytorch_sdpa", "torch": torch.__version__, "threads": a.threads, "batch": a.batch,
             "heads": a.heads, "head_dim": a.head_dim, "n": n, "causal": a.causal,
-            "fwd_s": f, "fwd_bwd_s": fb, "fwd_gflops": flops / f / 1e9, "fwd_bwd_gflops": 3.5 * flops / fb / 1e9,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "fwd_s": f, "fwd_bwd_s": fb, "fwd_cpu_s": f_cpu, "fwd_bwd_cpu_s": fb_cpu, "fwd_gflops": flops / f / 1e9, "fwd_bwd_gflops": 3.5 * flops / fb / 1e9,
         }), flush=True)
 
 

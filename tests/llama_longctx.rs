@@ -127,6 +127,22 @@ fn quick_default_run_trains_and_saves_a_loadable_checkpoint() {
     assert!(std::fs::read_dir(tmp.path().join("cache")).unwrap().count() >= 1);
 }
 
+/// `AUTOSP_SIMD`: a typo stops the run before any rank starts with an error naming the variable and the
+/// value; a path the CPU has runs, and the summary names it.
+#[test]
+fn autosp_simd_is_checked_and_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let out = command(t, &["--quick", "--steps", "1", "--save", s(&t.join("a"))]).env("AUTOSP_SIMD", "avx3").output();
+    let out = out.unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("AUTOSP_SIMD") && err.contains("avx3"), "{err}");
+    let out = command(t, &["--quick", "--steps", "2", "--save", s(&t.join("b"))]).env("AUTOSP_SIMD", "scalar").output();
+    let out = out.unwrap();
+    let so = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && so.contains("on the scalar vector path"), "{so}");
+}
+
 #[test]
 fn resume_continues_bit_for_bit() {
     let tmp = tempfile::tempdir().unwrap();

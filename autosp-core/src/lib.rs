@@ -30,6 +30,7 @@ pub mod op;
 pub mod ops;
 pub mod optim;
 pub mod param;
+pub mod simd;
 pub mod tape;
 pub mod value;
 

@@ -1,5 +1,6 @@
-//! Which implementation serves a kernel call: the fast CPU kernel (CPU slices, AVX-512 where present) for
-//! CPU tensors, the device-generic one (candle tensor ops only, [`crate::generic`]) everywhere else. Every
+//! Which implementation serves a kernel call: the fast CPU kernel (CPU slices; AVX-512, AVX2+FMA or NEON as
+//! [`crate::simd`] picks) for CPU tensors, the device-generic one (candle tensor ops only, [`crate::generic`])
+//! everywhere else. Every
 //! op asks [`use_fast_cpu`] in exactly one place, its public function; nothing above this crate branches on
 //! the device.
 //!

@@ -15,6 +15,10 @@ pub mod fused;
 pub mod generic;
 mod running_sum;
 pub mod sp;
+mod vector;
+
+/// The vector path the CPU kernels run on (AVX-512, AVX2+FMA, NEON, scalar) and the `AUTOSP_SIMD` switch.
+pub use autosp_core::simd;
 
 pub use attention_op::{flash_attention, FlashAttention, FlashAttentionOp};
 pub use chunked_loss::{

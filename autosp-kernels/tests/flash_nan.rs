@@ -1,11 +1,11 @@
-//! A NaN in a query or key row reaches the attention output and LSE of exactly the rows that see it, on the
-//! AVX-512 kernels and on the portable ones alike (the AVX-512 `exp2` used to clamp NaN scores to -200,
-//! turning them into zero weights). This binary holds one test because it switches the process-wide
-//! `force_portable_kernels` hook.
+//! A NaN in a query or key row reaches the attention output and LSE of exactly the rows that see it, on every
+//! vector path this CPU runs (AVX-512, AVX2+FMA, NEON) and on the scalar one alike (the AVX-512 `exp2` used to
+//! clamp NaN scores to -200, turning them into zero weights). This binary holds one test because it switches
+//! the process-wide path (`autosp_kernels::simd::set_simd`).
 
 use autosp_core::ops::attention::AttentionSpec;
-use autosp_kernels::flash::force_portable_kernels;
 use autosp_kernels::flash_attention_forward;
+use autosp_kernels::simd::{set_simd, supported_paths};
 use candle_core::{Device, Tensor};
 
 const N: usize = 100; // two query and key tiles of 64
@@ -59,9 +59,10 @@ fn check(path: &str, what: &str, out: &(Vec<Vec<Vec<f32>>>, Vec<Vec<f32>>), nan:
 }
 
 #[test]
-fn nan_in_q_or_k_propagates_on_both_kernel_paths() {
-    for (path, portable) in [("AVX-512 (when the CPU has it)", false), ("portable", true)] {
-        force_portable_kernels(portable);
+fn nan_in_q_or_k_propagates_on_every_simd_path() {
+    for p in supported_paths() {
+        set_simd(Some(p)).unwrap();
+        let path = p.name();
         // A NaN query element: that query row of that head alone.
         check(path, "NaN in q[70, head 1]", &attend(Some((70, 1)), None), |r, h| r == 70 && h == 1);
         check(path, "NaN in q[3, head 0]", &attend(Some((3, 0)), None), |r, h| r == 3 && h == 0);
@@ -70,5 +71,5 @@ fn nan_in_q_or_k_propagates_on_both_kernel_paths() {
         check(path, "NaN in k[30]", &attend(None, Some(30)), |r, _| r >= 30);
         check(path, "NaN in k[90]", &attend(None, Some(90)), |r, _| r >= 90);
     }
-    force_portable_kernels(false);
+    set_simd(None).unwrap();
 }

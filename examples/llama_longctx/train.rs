@@ -90,6 +90,8 @@ impl Job {
         }
         // A typo in AUTOSP_KERNELS or a device this build cannot open fails here, before any rank starts.
         autosp::kernels::dispatch::kernels_from_env().map_err(anyhow::Error::msg)?;
+        // Likewise a typo in AUTOSP_SIMD, or a vector path this CPU lacks.
+        autosp::kernels::simd::simd_from_env()?;
         // Thread ranks share one device handle (tensors pass between them as they are); one process per rank
         // opens its own in `run_rank`.
         let device = if threads { Some(args.device_spec().open(None)?) } else { None };
@@ -655,9 +657,11 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         if let Some(f) = first_loss {
             println!("loss: step {} {f:.4} -> step {step} {last_loss:.4}", first_step + 1);
             println!(
-                "throughput: {:.0} tokens/s over {} steps ({tokens} tokens in {seconds:.1} s)",
+                "throughput: {:.0} tokens/s over {} steps ({tokens} tokens in {seconds:.1} s; CPU kernels on the {} \
+                 vector path)",
                 tokens as f64 / seconds,
-                step - first_step
+                step - first_step,
+                autosp::kernels::simd::simd_path()
             );
         }
         let tape: Vec<String> = tape_peaks.iter().map(|b| format!("{:.1}", mib(*b))).collect();

@@ -15,7 +15,7 @@ use crate::{Error, Result};
 /// The kernel that serves a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Backend {
-    /// The fast CPU flash kernel of this module (host slices, AVX-512 where present).
+    /// The fast CPU flash kernel of this module (host slices, on the vector path of [`crate::simd`]).
     FastCpu,
     /// The device-generic kernel: candle tensor ops only, any device.
     Generic,

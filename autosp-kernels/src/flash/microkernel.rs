@@ -1,5 +1,8 @@
 //! The inner loops of flash attention: a register-blocked `C += A · B` on small tiles and a vectorised
-//! `exp2` over a row of scores, for f32 with AVX-512 (picked at run time) and portable versions for f32/f64.
+//! `exp2` over a row of scores. f32 runs on the [`SimdPath`] it is given: the hand-written AVX-512 kernels
+//! here (tuned on Zen 4/5; kept because pulp's 512-bit `V4` needs a pulp feature that would also change
+//! candle's gemm), the pulp kernels of [`crate::vector`] for AVX2+FMA and NEON (one generic source), or the
+//! portable loops (the reference; f64, the finite-difference-grade test path, always runs them).
 //!
 //! `gemm` computes `C[m × n] = A[m × k] · B[k × n]`, or `C += A · B` when asked to accumulate, where A is read through any (row, column) strides
 //! (so `Pᵀ` and `dSᵀ` need no transpose copy), B is row-major with row stride `ldb` and contiguous columns,
@@ -10,6 +13,10 @@
 //! The AVX-512 kernel keeps a 6 × 64 block of C in 24 zmm registers, broadcasts one element of A per row and
 //! loads 4 vectors of B per step of k (24 FMAs for 10 loads); column tails use masked loads and stores, so
 //! any n is exact and nothing past a row is read.
+
+use autosp_core::simd::SimdPath;
+
+use crate::vector;
 
 /// Rows of C per register block (AVX-512 path).
 const MR: usize = 6;
@@ -54,38 +61,107 @@ pub(crate) unsafe fn gemm_portable<T>(
     }
 }
 
-/// Set by [`force_portable`]: the portable kernels run even where AVX-512 is available.
-static PORTABLE_ONLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Makes every later flash call in this process use the portable kernels (`true`) or pick AVX-512 when the
-/// CPU has it again (`false`). Process-wide: for tests that compare the two paths, in a test binary of
-/// their own.
-pub(crate) fn force_portable(on: bool) {
-    PORTABLE_ONLY.store(on, std::sync::atomic::Ordering::Relaxed);
+/// f32 `C[m × n] (+)= A[m × k] · B[k × n]` on `path`: the hand-written AVX-512 kernel below, the pulp
+/// kernel of [`crate::vector`] (AVX2+FMA, NEON), or [`gemm_portable`] (the scalar path, and any path this
+/// CPU lacks).
+///
+/// # Safety
+/// All pointers valid for the elements the strides address.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub(crate) unsafe fn gemm(
+    path: SimdPath,
+    accumulate: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: *const f32,
+    a_rs: usize,
+    a_cs: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if path == SimdPath::Avx512 && path.is_supported() {
+        return avx512::gemm(accumulate, m, n, k, a, a_rs, a_cs, b, ldb, c, ldc);
+    }
+    if vector::gemm(path, accumulate, m, n, k, a, a_rs, a_cs, b, ldb, c, ldc).is_none() {
+        gemm_portable(accumulate, m, n, k, a, a_rs, a_cs, b, ldb, c, ldc)
+    }
 }
 
-/// Whether the AVX-512 kernels can run on this CPU (checked once) and are not switched off by
-/// [`force_portable`].
+/// In place `x = 2^(x · mul - sub)` on `path`; returns the sum.
 #[inline]
-pub(crate) fn has_avx512() -> bool {
-    if PORTABLE_ONLY.load(std::sync::atomic::Ordering::Relaxed) {
-        return false;
-    }
+pub(crate) fn exp2_row(path: SimdPath, x: &mut [f32], mul: f32, sub: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma"))
+    if path == SimdPath::Avx512 && path.is_supported() && x.len().is_multiple_of(16) {
+        // SAFETY: the features were detected and the length checked.
+        return unsafe { avx512::exp2_row(x, mul, sub) };
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+    if let Some(s) = vector::exp2_row(path, x, mul, sub) {
+        return s;
+    }
+    let mut s = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v * mul - sub).exp2();
+        s += *v;
+    }
+    s
+}
+
+/// The maximum of `x` on `path` (-inf when all are -inf, NaN when any is NaN).
+#[inline]
+pub(crate) fn max_row(path: SimdPath, x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if path == SimdPath::Avx512 && path.is_supported() && x.len().is_multiple_of(16) {
+        // SAFETY: the features were detected and the length checked.
+        return unsafe { avx512::max_row(x) };
+    }
+    if let Some(m) = vector::max_row(path, x) {
+        return m;
+    }
+    // Not `f32::max`, which drops NaN: a NaN score must reach the softmax.
+    x.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m || v.is_nan() { v } else { m })
+}
+
+/// In place `ds = p ∘ (ds - delta)` on `path` (equal lengths).
+#[inline]
+pub(crate) fn ds_row(path: SimdPath, ds: &mut [f32], p: &[f32], delta: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if path == SimdPath::Avx512 && path.is_supported() && ds.len() == p.len() && ds.len().is_multiple_of(16) {
+        // SAFETY: the features were detected and the lengths checked.
+        return unsafe { avx512::ds_row(ds, p, delta) };
+    }
+    if vector::ds_row(path, ds, p, delta).is_some() {
+        return;
+    }
+    for (d, &pv) in ds.iter_mut().zip(p) {
+        *d = pv * (*d - delta);
+    }
+}
+
+/// In place `x *= a` on `path`.
+#[inline]
+pub(crate) fn scale_row(path: SimdPath, x: &mut [f32], a: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if path == SimdPath::Avx512 && path.is_supported() {
+        // SAFETY: the features were detected.
+        return unsafe { avx512::scale_row(x, a) };
+    }
+    if vector::scale_row(path, x, a).is_some() {
+        return;
+    }
+    for v in x.iter_mut() {
+        *v *= a;
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
-    //! f32 kernels with AVX-512F intrinsics. Callers must have checked [`super::has_avx512`].
+    //! f32 kernels with AVX-512F intrinsics. Callers must have checked that the CPU runs
+    //! [`SimdPath::Avx512`](autosp_core::simd::SimdPath::Avx512).
     use std::arch::x86_64::*;
 
     use super::{MR, NV};
@@ -307,6 +383,8 @@ pub(crate) mod avx512 {
 
 #[cfg(test)]
 mod tests {
+    use autosp_core::simd::supported_paths;
+
     use super::*;
 
     fn lcg(seed: &mut u64) -> f32 {
@@ -314,59 +392,101 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
-    /// The AVX-512 gemm equals the portable one, accumulating or not, (to f32 rounding: the sums run in the same order, but FMA
-    /// rounds once where the portable code may round twice) for every block shape and tail.
+    /// The vector paths this CPU runs (the scalar path is the reference they are compared with).
+    fn vector_paths() -> Vec<SimdPath> {
+        supported_paths().into_iter().filter(|&p| p != SimdPath::Scalar).collect()
+    }
+
+    /// Every vector path's gemm equals the portable one, accumulating or not, for every block shape and tail
+    /// (to f32 rounding: the sums over k run in the same order, but FMA rounds once where the portable code
+    /// may round twice, hence 1e-5 · (1 + |x|) with |entries| <= 1 and k <= 64).
     #[test]
-    #[cfg(target_arch = "x86_64")]
-    fn avx512_gemm_matches_portable() {
-        if !has_avx512() {
-            return;
-        }
+    fn vector_gemm_matches_portable() {
         let mut seed = 7;
-        let shapes = [(1, 1, 1), (7, 17, 5), (13, 64, 64), (64, 80, 33), (6, 128, 9), (5, 200, 3)];
-        for (&(m, n, k), accumulate) in shapes.iter().flat_map(|s| [(s, true), (s, false)]) {
-            for &(a_rs, a_cs) in &[(k, 1), (1, m)] {
-                let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
-                let ldb = n + 3;
-                let b: Vec<f32> = (0..k * ldb).map(|_| lcg(&mut seed)).collect();
-                let c0: Vec<f32> = (0..m * n).map(|_| lcg(&mut seed)).collect();
-                let mut c1 = c0.clone();
-                // Without accumulation C's old contents (here NaN) must not matter.
-                let mut c2 = if accumulate { c0.clone() } else { vec![f32::NAN; m * n] };
-                unsafe {
-                    gemm_portable(accumulate, m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, c1.as_mut_ptr(), n);
-                    avx512::gemm(accumulate, m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, c2.as_mut_ptr(), n);
-                }
-                for (x, y) in c1.iter().zip(&c2) {
-                    assert!((x - y).abs() <= 1e-5 * (1.0 + x.abs()), "m={m} n={n} k={k}: {x} vs {y}");
+        let shapes = [(1, 1, 1), (7, 17, 5), (13, 64, 64), (64, 80, 33), (6, 128, 9), (5, 200, 3), (9, 23, 4)];
+        for path in vector_paths() {
+            for (&(m, n, k), accumulate) in shapes.iter().flat_map(|s| [(s, true), (s, false)]) {
+                for &(a_rs, a_cs) in &[(k, 1), (1, m)] {
+                    let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+                    let ldb = n + 3;
+                    let b: Vec<f32> = (0..k * ldb).map(|_| lcg(&mut seed)).collect();
+                    let c0: Vec<f32> = (0..m * n).map(|_| lcg(&mut seed)).collect();
+                    let mut c1 = c0.clone();
+                    // Without accumulation C's old contents (here NaN) must not matter.
+                    let mut c2 = if accumulate { c0.clone() } else { vec![f32::NAN; m * n] };
+                    unsafe {
+                        gemm_portable(accumulate, m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, c1.as_mut_ptr(), n);
+                        gemm(path, accumulate, m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, c2.as_mut_ptr(), n);
+                    }
+                    for (x, y) in c1.iter().zip(&c2) {
+                        assert!((x - y).abs() <= 1e-5 * (1.0 + x.abs()), "{path} m={m} n={n} k={k}: {x} vs {y}");
+                    }
                 }
             }
         }
     }
 
-    /// The vectorised exp2 is within 2e-7 relative of f64's, exactly 0 for -inf and very negative input, and
-    /// NaN for NaN.
+    /// Every vector path's exp2 is within 2e-7 relative of f64's (the polynomial's 1.9e-9 plus f32 rounding
+    /// of the argument and result), exactly 0 for -inf and very negative input, NaN for NaN; the row sum
+    /// matches; lengths that are not a multiple of the vector take the scalar tail.
     #[test]
-    #[cfg(target_arch = "x86_64")]
-    fn avx512_exp2_is_accurate() {
-        if !has_avx512() {
-            return;
+    fn vector_exp2_is_accurate() {
+        for path in vector_paths() {
+            let mut xs: Vec<f32> = (0..4096).map(|i| -100.0 + i as f32 * 0.0271).collect();
+            xs.extend([f32::NEG_INFINITY, -1e30, -300.0, -126.0, 0.0, -0.5, 0.5, 3.0, f32::NAN, -7.25, -2.0]);
+            let mut ys = xs.clone();
+            let sum = exp2_row(path, &mut ys, 1.0, 0.0);
+            let mut want_sum = 0.0f64;
+            for (&x, &y) in xs.iter().zip(&ys) {
+                let want = (x as f64).exp2();
+                if x.is_nan() {
+                    assert!(y.is_nan(), "{path}: 2^NaN must be NaN, got {y}");
+                    continue;
+                }
+                want_sum += want;
+                if x < -150.0 {
+                    assert_eq!(y, 0.0, "{path}: 2^{x}");
+                } else if want > 1e-37 {
+                    assert!(((y as f64) - want).abs() <= 2e-7 * want, "{path}: 2^{x}: {y} vs {want}");
+                }
+            }
+            assert!(sum.is_nan(), "{path}: a NaN element makes the sum NaN");
+            // Without the NaN: the sum to f32 accumulation error (4k terms, relative 1e-5).
+            let mut zs: Vec<f32> = xs.iter().copied().filter(|x| !x.is_nan()).collect();
+            let s = exp2_row(path, &mut zs, 1.0, 0.0) as f64;
+            assert!((s - want_sum).abs() <= 1e-5 * want_sum, "{path}: sum {s} vs {want_sum}");
+            // mul and sub: 2^(x · 0.5 - 1).
+            let mut w = vec![2.0f32; 35];
+            exp2_row(path, &mut w, 0.5, 1.0);
+            assert!(w.iter().all(|&v| (v - 1.0).abs() <= 2e-7), "{path}: {w:?}");
         }
-        let mut xs: Vec<f32> = (0..4096).map(|i| -100.0 + i as f32 * 0.0271).collect();
-        xs.extend([f32::NEG_INFINITY, -1e30, -300.0, 0.0, -0.5, 0.5, f32::NAN]);
-        while !xs.len().is_multiple_of(16) {
-            xs.push(0.25);
-        }
-        let mut ys = xs.clone();
-        unsafe { avx512::exp2_row(&mut ys, 1.0, 0.0) };
-        for (&x, &y) in xs.iter().zip(&ys) {
-            let want = (x as f64).exp2();
-            if x.is_nan() {
-                assert!(y.is_nan(), "2^NaN must be NaN, got {y}");
-            } else if x < -150.0 {
-                assert_eq!(y, 0.0, "2^{x}");
-            } else if want > 1e-37 {
-                assert!(((y as f64) - want).abs() <= 2e-7 * want, "2^{x}: {y} vs {want}");
+    }
+
+    /// Every vector path's max, ds and scale rows equal the portable formulas exactly (no rounding
+    /// differs: max is exact, ds and scale do the same operations), including NaN and -inf rows and tails.
+    #[test]
+    fn vector_rows_match_portable() {
+        let mut seed = 3;
+        for path in vector_paths() {
+            for len in [1, 7, 16, 64, 67] {
+                let x: Vec<f32> = (0..len).map(|_| lcg(&mut seed) * 10.0).collect();
+                let want = x.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+                assert_eq!(max_row(path, &x), want, "{path} len {len}");
+                assert_eq!(max_row(path, &vec![f32::NEG_INFINITY; len]), f32::NEG_INFINITY, "{path}");
+                for at in [0, len / 2, len - 1] {
+                    let mut y = x.clone();
+                    y[at] = f32::NAN;
+                    assert!(max_row(path, &y).is_nan(), "{path} len {len}: NaN at {at}");
+                }
+                let p: Vec<f32> = (0..len).map(|_| lcg(&mut seed)).collect();
+                let (mut d1, mut d2) = (x.clone(), x.clone());
+                ds_row(path, &mut d1, &p, 0.375);
+                ds_row(SimdPath::Scalar, &mut d2, &p, 0.375);
+                assert_eq!(d1, d2, "{path} ds len {len}");
+                let (mut s1, mut s2) = (x.clone(), x.clone());
+                scale_row(path, &mut s1, -1.5);
+                scale_row(SimdPath::Scalar, &mut s2, -1.5);
+                assert_eq!(s1, s2, "{path} scale len {len}");
             }
         }
     }

@@ -26,16 +26,19 @@
 //!   Backward is FlashAttention-2's from the saved `o` and `lse`; each task owns its outputs (dK/dV rows of its
 //!   key tiles, summed over the GQA group in order; its own dQ partials) and the dQ partials are summed in a
 //!   fixed order, so two runs give the same bits whatever the scheduling or thread count.
-//! - The tile products run through one register-blocked micro-kernel (`microkernel.rs`): AVX-512 with a
-//!   6 × 64 block of C in 24 registers when the CPU has it (detected at run time), a portable loop otherwise
-//!   and for f64. Measured against calling the `gemm` crate (0.19, candle's) per tile, one thread,
-//!   L1-resident 64 × 64 × 64 f32 tiles, best of 20 × 500 calls: this kernel ~240 GFLOP/s (near the Zen 5
-//!   core's FMA peak), `gemm::gemm` ~115 GFLOP/s (its packing and dispatch dominate at this size).
-//!   Every head_dim that is a multiple of 16 (64 and 128 in particular) runs in whole vectors; others use
-//!   masked tail vectors. The exponential is a vectorised `exp2` (degree-6 polynomial + `vscalefps`, about
-//!   1 ulp).
+//! - The tile products run through one register-blocked micro-kernel (`microkernel.rs`) on the vector path
+//!   in force ([`crate::simd`]: `AUTOSP_SIMD`, else the best the CPU has, detected at run time): AVX-512 with
+//!   a 6 × 64 block of C in 24 registers (hand-written intrinsics), AVX2+FMA with a 6 × 16 block in 12
+//!   registers and NEON with 8 × 12 in 24 (one generic source over `pulp`, `crate::vector`), a portable
+//!   loop for the scalar path and for f64. Measured against calling the `gemm` crate (0.19, candle's) per
+//!   tile, one thread, L1-resident 64 × 64 × 64 f32 tiles, best of 20 × 500 calls: the AVX-512 kernel ~240
+//!   GFLOP/s (near the Zen 5 core's FMA peak), `gemm::gemm` ~115 GFLOP/s (its packing and dispatch dominate
+//!   at this size). Every head_dim that is a multiple of 16 (64 and 128 in particular) runs in whole vectors;
+//!   others use masked tail vectors (AVX-512) or scalar tail columns (pulp paths). The exponential is a
+//!   vectorised `exp2` (degree-6 polynomial, then `vscalefps` on AVX-512 or the exponent bits on the pulp
+//!   paths; about 1 ulp).
 //! - NaN propagates: a NaN in a query (key) row makes that row (every row that sees that key) NaN in `o` and
-//!   `lse`, on the AVX-512 and the portable kernels alike (`tests/flash_nan.rs`).
+//!   `lse`, on every vector path and the scalar one alike (`tests/flash_nan.rs`).
 //! - Speed (2-core Zen 5, batch 1, 8 heads, head_dim 64, causal, f32, both cores free): forward+backward
 //!   0.71 s at N = 8192 (PyTorch SDPA, the reference: 0.88 s) and 0.21 s at N = 4096 (0.24 s);
 //!   forward 0.21 s (0.25 s) and 0.063 s (0.069 s). 150 – 180 GFLOP per CPU-second with the FLOP
@@ -58,7 +61,7 @@ mod cuda_plan;
 mod device;
 mod forward;
 mod geometry;
-mod microkernel;
+pub(crate) mod microkernel;
 mod real;
 
 use autosp_core::ops::attention::{AttentionDims, AttentionSpec};
@@ -193,14 +196,6 @@ pub mod counted {
         let ((dq, dk, dv), n) = backward_with_fill(q, k, v, o, lse, d_o, d_lse, spec, false)?;
         Ok((dq, dk, dv, n))
     }
-}
-
-/// Test hook: `true` makes every later flash call in this process run the portable kernels even on a CPU
-/// with AVX-512 (`false` restores the choice by CPU), so a test can compare the two paths. Process-wide:
-/// use it only in a test binary whose other tests do not mind. Not part of the stable API.
-#[doc(hidden)]
-pub fn force_portable_kernels(on: bool) {
-    microkernel::force_portable(on);
 }
 
 const FWD: &str = "flash_attention_forward";

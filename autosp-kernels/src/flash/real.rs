@@ -1,6 +1,8 @@
 //! The float types the flash kernels compute in (f32, f64) and the tile operations each provides: f32 runs
-//! the AVX-512 micro-kernels when the CPU has them, f64 (the finite-difference-grade test path) the portable
-//! ones.
+//! the micro-kernels of the vector path in force ([`autosp_core::simd::simd_path`]: AVX-512, AVX2+FMA,
+//! NEON or scalar), f64 (the finite-difference-grade test path) the portable ones.
+
+use autosp_core::simd::simd_path;
 
 use super::microkernel;
 
@@ -135,56 +137,22 @@ impl Real for f32 {
         c: *mut Self,
         ldc: usize,
     ) {
-        #[cfg(target_arch = "x86_64")]
-        if microkernel::has_avx512() {
-            return microkernel::avx512::gemm(accumulate, m, n, k, a, a_rs, a_cs, b, ldb, c, ldc);
-        }
-        microkernel::gemm_portable(accumulate, m, n, k, a, a_rs, a_cs, b, ldb, c, ldc)
+        microkernel::gemm(simd_path(), accumulate, m, n, k, a, a_rs, a_cs, b, ldb, c, ldc)
     }
 
     fn exp2_row(x: &mut [Self], mul: Self, sub: Self) -> Self {
-        #[cfg(target_arch = "x86_64")]
-        if microkernel::has_avx512() && x.len().is_multiple_of(16) {
-            // SAFETY: the features were detected and the length checked.
-            return unsafe { microkernel::avx512::exp2_row(x, mul, sub) };
-        }
-        let mut s = 0.0;
-        for v in x.iter_mut() {
-            *v = (*v * mul - sub).exp2();
-            s += *v;
-        }
-        s
+        microkernel::exp2_row(simd_path(), x, mul, sub)
     }
 
     fn max_row(x: &[Self]) -> Self {
-        #[cfg(target_arch = "x86_64")]
-        if microkernel::has_avx512() && x.len().is_multiple_of(16) {
-            // SAFETY: the features were detected and the length checked.
-            return unsafe { microkernel::avx512::max_row(x) };
-        }
-        // Not `f32::max`, which drops NaN: a NaN score must reach the softmax.
-        x.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m || v.is_nan() { v } else { m })
+        microkernel::max_row(simd_path(), x)
     }
 
     fn ds_row(ds: &mut [Self], p: &[Self], delta: Self) {
-        #[cfg(target_arch = "x86_64")]
-        if microkernel::has_avx512() && ds.len() == p.len() && ds.len().is_multiple_of(16) {
-            // SAFETY: the features were detected and the lengths checked.
-            return unsafe { microkernel::avx512::ds_row(ds, p, delta) };
-        }
-        for (d, &pv) in ds.iter_mut().zip(p) {
-            *d = pv * (*d - delta);
-        }
+        microkernel::ds_row(simd_path(), ds, p, delta)
     }
 
     fn scale_row(x: &mut [Self], a: Self) {
-        #[cfg(target_arch = "x86_64")]
-        if microkernel::has_avx512() {
-            // SAFETY: the features were detected.
-            return unsafe { microkernel::avx512::scale_row(x, a) };
-        }
-        for v in x.iter_mut() {
-            *v *= a;
-        }
+        microkernel::scale_row(simd_path(), x, a)
     }
 }
