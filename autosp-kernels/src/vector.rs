@@ -21,6 +21,15 @@ const EXP2_C: [f32; 7] = [1.533_757_7e-4, 1.339_986e-3, 9.618_519e-3, 5.550_329e
 /// 1.5·2^23: adding it rounds an f32 in [-2^22, 2^22] to an integer held in the low mantissa bits.
 const ROUND_MAGIC: f32 = 12_582_912.0;
 
+/// `p · 2^n` lane-wise, where `t = n + ROUND_MAGIC` came from the rounding trick (so the integer `n` is
+/// `bits(t) - bits(ROUND_MAGIC)`): `n` is shifted into the exponent field and added to `p`'s bits.
+#[inline(always)]
+fn times_pow2<S: Simd>(s: S, p: S::f32s, t: S::f32s) -> S::f32s {
+    let n = s.sub_u32s(s.transmute_u32s_f32s(t), s.splat_u32s(ROUND_MAGIC.to_bits()));
+    let e = s.wrapping_dyn_shl_u32s(n, s.splat_u32s(23));
+    s.transmute_f32s_u32s(s.add_u32s(s.transmute_u32s_f32s(p), e))
+}
+
 /// `2^x` lane-wise (see the module doc).
 #[inline(always)]
 pub(crate) fn exp2_v<S: Simd>(s: S, x: S::f32s) -> S::f32s {
@@ -32,10 +41,7 @@ pub(crate) fn exp2_v<S: Simd>(s: S, x: S::f32s) -> S::f32s {
     for &c in &EXP2_C[1..] {
         p = s.mul_add_f32s(p, f, s.splat_f32s(c));
     }
-    // The integer n is bits(t) - bits(MAGIC); shifted into the exponent field and added to p's bits.
-    let ni = s.sub_u32s(s.transmute_u32s_f32s(t), s.splat_u32s(ROUND_MAGIC.to_bits()));
-    let e = s.wrapping_dyn_shl_u32s(ni, s.splat_u32s(23));
-    let r = s.transmute_f32s_u32s(s.add_u32s(s.transmute_u32s_f32s(p), e));
+    let r = times_pow2(s, p, t);
     let r = s.select_f32s(s.less_than_f32s(x, s.splat_f32s(-125.0)), s.splat_f32s(0.0), r);
     // NaN compares unequal to itself: it passes through.
     s.select_f32s(s.equal_f32s(x, x), r, x)
@@ -350,9 +356,7 @@ pub(crate) fn exp_v<S: Simd>(s: S, x: S::f32s) -> S::f32s {
     for &c in &C[1..] {
         p = s.mul_add_f32s(p, r, s.splat_f32s(c));
     }
-    let ni = s.sub_u32s(s.transmute_u32s_f32s(t), s.splat_u32s(ROUND_MAGIC.to_bits()));
-    let e = s.wrapping_dyn_shl_u32s(ni, s.splat_u32s(23));
-    let y = s.transmute_f32s_u32s(s.add_u32s(s.transmute_u32s_f32s(p), e));
+    let y = times_pow2(s, p, t);
     let y = s.select_f32s(s.less_than_f32s(x, s.splat_f32s(-86.6)), s.splat_f32s(0.0), y);
     s.select_f32s(s.equal_f32s(x, x), y, x)
 }
