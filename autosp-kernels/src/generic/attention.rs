@@ -9,34 +9,44 @@
 //! `h / (heads / kv_heads)`.
 //!
 //! How it works:
-//! - Tiles of `block` query rows × `block` keys ([`block_for`] the device by default). Repeated K/V are never materialised:
-//!   a query block of the `group = heads / kv_heads` query heads of each kv head is stacked into
-//!   `[batch, kv_heads, group · rows, head_dim]`, so one batched matmul per tile covers every batch, kv head
-//!   and group member against K, V in `[batch, kv_heads, k_len, head_dim]` (copied heads-major once).
-//! - Forward: key blocks in order with the online softmax of ALGORITHMS.md (running max m, sum l, output
-//!   accumulator). m starts at the dtype's lowest finite value rather than -inf, so `exp(S - m)` never sees
-//!   `-inf - (-inf)`: a hidden score gives exactly 0, and a row that sees no key keeps `l = 0`, which gives
-//!   `lse = m + ln 0 = -inf` and `o = 0 / max(l, tiny) = 0`.
-//! - Backward (FlashAttention-2): per tile `P = exp(S - lse)` recomputed from the saved LSE (a row with
+//! - Query blocks of `block` rows ([`block_for`] the device by default); each computes the keys its rows see
+//!   ([`AttentionSpec`]'s causal mask and sliding window `max_distance` at the absolute positions
+//!   `q_offset + i`, `k_offset + j`), in chunks of at most [`KEY_BLOCKS`] · `block` keys: the keys every row
+//!   of the block sees without a mask, the keys only some rows see (the causal diagonal, the window's two
+//!   edges) in chunks with a band bias added. Keys no row of the block sees are never computed, and the rows
+//!   that see no key at all (a prefix before the first key, a suffix past the last key's window) are not
+//!   computed either: lse = -inf, o = 0, and zero gradients.
+//! - Repeated K/V are never materialised: a query block of the `group = heads / kv_heads` query heads of
+//!   each kv head is stacked into `[batch, kv_heads, group · rows, head_dim]`, so one batched matmul per
+//!   chunk covers every batch, kv head and group member against K, V in `[batch, kv_heads, k_len, head_dim]`
+//!   (copied heads-major once).
+//! - Forward: the chunks of a block in order with the online softmax of ALGORITHMS.md (running max m,
+//!   accumulator rescaled by exp(m - m')); `P [V, 1]` gives `P V` and the row sums in one product. The mask
+//!   bias is the lowest finite value, not -inf: exp of it is 0 all the same, and a row that sees no key of
+//!   one chunk stays finite (its garbage gets weight exp(lowest - m) = 0 once a later chunk shows it a key,
+//!   and every computed row sees a key in some chunk).
+//! - Backward (FlashAttention-2): per chunk `P = exp(S - lse)` recomputed from the saved LSE (a row with
 //!   `lse = -inf` uses the largest finite value, so its P is 0 and its gradients are 0, never NaN),
 //!   `dV += Pᵀ dO`, `dS = P ∘ (dP - D + d_lse)` with `dP = dO Vᵀ` and `D = rowsum(dO ∘ O)`, `dQ += dS K`,
-//!   `dK += dSᵀ Q` (the stacked rows sum the GQA group into its kv head). The per-row subtractions ride in the
-//!   tile products: `[Q, -lse] [K, 1]ᵀ = S - lse` and `[dO, -(D - d_lse)] [V, 1]ᵀ = dP - D + d_lse`. Q is
-//!   scaled once per block, so `dK` needs no further scaling and `dQ` is scaled once.
-//! - Masks: under a causal mask the key blocks after a query block's last visible key are never computed;
-//!   a tile whose every row sees every key needs no mask; the others add a 0 / -inf bias `[rows, cols]`,
-//!   built once per (rows, cols, diagonal shift) from the spec's positions (`q_offset`, `k_offset`).
+//!   `dK += dSᵀ Q` (the stacked rows sum the GQA group into its kv head); dK and dV are summed in key cells
+//!   of `block` keys, in query-block order. The per-row subtractions ride in the chunk products:
+//!   `[Q, -lse] [K, 1]ᵀ = S - lse` and `[dO, -(D - d_lse)] [V, 1]ᵀ = dP - D + d_lse`. Q is scaled once per
+//!   block, so `dK` needs no further scaling and `dQ` is scaled once.
 //! - Memory: O(N · head_dim) per call (the heads-major K and V, the outputs, one accumulator per block) plus
-//!   a few `[batch, heads, block, block]` tiles; never an N × N tensor.
+//!   a few `[batch, heads, block, KEY_BLOCKS · block]` chunks; never an N × N tensor.
 //! - Precision: f32 (f64 for f64 inputs); bf16/f16 blocks are converted to f32 as they are read and the
 //!   results converted back to the input dtype; the LSE stays f32 (f64).
-//! - Block size: 512 on the CPU, 1024 on a GPU. Each tile costs about a dozen candle ops (each a kernel launch
-//!   on a GPU; on the CPU a pass over the tile, a fresh allocation and a round of candle's thread pool):
-//!   large tiles amortise the launches and keep the matmuls large. Measured on the CPU (2-core Zen 5, shared;
-//!   N = 8192, 8 heads, head_dim 64, causal, f32, forward + backward, docs/BENCHMARKS.md "Generic attention
-//!   (CPU)"): 3.9 s at 512, 5.6 s at 256, 7.1 s at 1024 with both threads; with one thread 256 was a little
-//!   faster than 512 (4.6 s vs 5.2 s), the thread pool's synchronisation per op being what larger tiles save.
-//!   The GPU size is not measured yet.
+//! - Block size: 256 query rows × 1024 keys per chunk on the CPU, 1024 × 4096 on a GPU. Each chunk costs
+//!   about a dozen candle ops (a kernel launch each on a GPU; on the CPU a pass over the chunk, a fresh
+//!   allocation and a round of candle's thread pool). On the CPU (2-core Zen 5, shared, one thread, N = 4096
+//!   causal, three interleaved runs; docs/BENCHMARKS.md "Generic attention (CPU)") forward + backward took
+//!   1.53 – 1.55 CPU-s at 256 × 1024, 1.61 – 1.92 at 512 × 1024 and 1.82 – 1.97 with the 512 × 512 tiles
+//!   before; at N = 8192 the work was the same as before (4.17 vs 4.13 CPU-s). Chunks above 32 MiB (glibc's
+//!   largest mmap threshold) come back from the OS as fresh pages each time: at 512 × 4096 page clearing
+//!   and faults took about a fifth of the time. candle-nn's fused `softmax_last_dim` was tried and lost
+//!   (forward 1.85 vs 1.4 CPU-s, one thread, N = 8192): its pass costs about what max, sub and exp cost
+//!   apart (the scalar `expf` is most of either), and the LSE then needs two more row reductions. The GPU
+//!   sizes are not measured yet.
 //!
 use std::collections::HashMap;
 use std::ops::Range;
@@ -356,11 +366,12 @@ impl Tiles {
     /// the keys cover in part gets them padded with zeros).
     fn add_to_cells(&self, cells: &mut [Option<Tensor>], j0: usize, x: Tensor) -> Result<()> {
         let len = x.dim(2)?;
-        for c in j0 / self.block..(j0 + len).div_ceil(self.block) {
+        let first = j0 / self.block;
+        for (c, acc) in cells.iter_mut().enumerate().take((j0 + len).div_ceil(self.block)).skip(first) {
             let cell = self.cell(c);
             let (a, e) = (cell.start.max(j0), cell.end.min(j0 + len));
             let part = x.narrow(2, a - j0, e - a)?.pad_with_zeros(2, a - cell.start, cell.end - e)?;
-            add_to(&mut cells[c], part)?;
+            add_to(acc, part)?;
         }
         Ok(())
     }
