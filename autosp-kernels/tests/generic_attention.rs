@@ -14,7 +14,7 @@
 
 mod common;
 
-use autosp_core::ops::attention::AttentionSpec;
+use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
 use autosp_kernels::generic::attention::{
     attention_backward, attention_backward_with_block, attention_forward, attention_forward_with_block,
 };
@@ -203,4 +203,94 @@ fn bad_inputs_are_typed_errors() {
     let short = lse.narrow(2, 0, 3).unwrap();
     let e = attention_backward(&x.q, &x.k, &x.v, &o, &short, &x.d_o, None, &c.spec).unwrap_err();
     assert!(matches!(e, Error::Shape { name: "lse", .. }), "{e}");
+}
+
+/// Sliding windows (`max_distance`), causal and not, with offsets, GQA/MQA, q_len != k_len, rows that see no
+/// key, windows narrower and wider than a block and than the sequence: generic vs the naive reference
+/// (`naive_attention_forward/backward`, which materialises the scores and applies `AttentionSpec::visible`;
+/// the CPU flash kernel is not the reference here). Tolerances: f32 1e-5 and f64 1e-10 as above (the naive
+/// reference also accumulates in the compute dtype, in yet another order).
+#[test]
+fn sliding_windows_match_the_naive_reference() {
+    let c = |b, nq, nk, h, hkv, d, causal, qo, ko, w| Case {
+        b,
+        nq,
+        nk,
+        h,
+        hkv,
+        d,
+        spec: spec(causal, qo, ko).with_max_distance(w),
+    };
+    let cases = [
+        c(1, 70, 70, 2, 2, 16, true, 0, 0, 5), // causal, window < block: one masked band per block
+        c(1, 70, 70, 2, 2, 16, true, 0, 0, 20), // causal, window > block: full chunks between the edges
+        c(1, 70, 70, 2, 2, 16, false, 0, 0, 9), // not causal: a band on both sides of the diagonal
+        c(2, 50, 37, 4, 2, 24, false, 0, 0, 13), // GQA, q_len != k_len: the last rows past every key's window
+        c(1, 48, 48, 4, 1, 16, true, 0, 0, 1), // MQA, window 1: each row sees itself and the row before
+        c(1, 40, 30, 4, 2, 16, true, 9, 25, 11), // rows before the keys and rows whose window ends before them
+        c(1, 32, 64, 2, 2, 16, true, 96, 32, 40), // Ring: a later chunk, the window cuts into the keys
+        c(1, 32, 64, 2, 2, 16, true, 96, 32, 20), // Ring: the window ends before these keys: no row sees one
+        c(1, 20, 45, 2, 1, 16, false, 25, 0, 30), // not causal with offsets: the window reaches past the queries
+        c(1, 33, 33, 2, 2, 16, true, 0, 0, 1000), // a window wider than everything: plain causal
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-10)] {
+            let x = inputs(c, 1000 + 10 * i as u64, dtype);
+            for block in [Some(BLOCK), Some(7), None] {
+                let what = |name: &str| format!("{name} {dtype:?} block {block:?} {c:?}");
+                let (o_ref, lse_ref) = naive_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
+                let (o, lse) = match block {
+                    Some(bl) => attention_forward_with_block(&x.q, &x.k, &x.v, &c.spec, bl),
+                    None => attention_forward(&x.q, &x.k, &x.v, &c.spec),
+                }
+                .unwrap();
+                assert_close(&what("o"), &o, &o_ref, tol);
+                assert_close(&what("lse"), &lse, &lse_ref, tol);
+                for d_lse in [None, Some(&x.d_lse)] {
+                    let want =
+                        naive_attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, Some(&x.d_o), d_lse, &c.spec)
+                            .unwrap();
+                    let got = match block {
+                        Some(bl) => attention_backward_with_block(
+                            &x.q, &x.k, &x.v, &o_ref, &lse_ref, &x.d_o, d_lse, &c.spec, bl,
+                        ),
+                        None => attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, &x.d_o, d_lse, &c.spec),
+                    }
+                    .unwrap();
+                    let tag = if d_lse.is_some() { " with d_lse" } else { "" };
+                    assert_close(&what(&format!("dq{tag}")), &got.0, &want.0, tol);
+                    assert_close(&what(&format!("dk{tag}")), &got.1, &want.1, tol);
+                    assert_close(&what(&format!("dv{tag}")), &got.2, &want.2, tol);
+                }
+            }
+        }
+    }
+}
+
+/// A window computes only the keys near each query: with a window the result must not change when the keys
+/// outside every row's window are replaced (by NaN here, which would poison any product that read them).
+#[test]
+fn keys_outside_the_window_are_never_read() {
+    let c = Case { b: 1, nq: 96, nk: 96, h: 2, hkv: 2, d: 16, spec: spec(true, 0, 0).with_max_distance(10) };
+    let x = inputs(&c, 4242, DType::F32);
+    let (o, lse) = attention_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
+    // Query rows 80..96 see keys 70..96 only; keep the queries 80.. and NaN the keys before 70.
+    let (q_tail, do_tail) = (x.q.narrow(1, 80, 16).unwrap(), x.d_o.narrow(1, 80, 16).unwrap());
+    let poison = |t: &Tensor| {
+        let nan = Tensor::full(f32::NAN, (1, 70, 2, 16), t.device()).unwrap();
+        Tensor::cat(&[&nan, &t.narrow(1, 70, 26).unwrap()], 1).unwrap()
+    };
+    let tail = AttentionSpec { q_offset: 80, ..c.spec };
+    let (kp, vp) = (poison(&x.k), poison(&x.v));
+    let (o_t, lse_t) = attention_forward_with_block(&q_tail, &kp, &vp, &tail, BLOCK).unwrap();
+    assert_close("o of the last rows", &o_t, &o.narrow(1, 80, 16).unwrap(), 1e-6);
+    assert_close("lse of the last rows", &lse_t, &lse.narrow(2, 80, 16).unwrap(), 1e-6);
+    let (o_tail, lse_tail) = (o.narrow(1, 80, 16).unwrap(), lse.narrow(2, 80, 16).unwrap());
+    let (dq, dk, dv) =
+        attention_backward_with_block(&q_tail, &kp, &vp, &o_tail, &lse_tail, &do_tail, None, &tail, BLOCK).unwrap();
+    for (name, t) in [("dq", &dq), ("dk", &dk), ("dv", &dv)] {
+        assert!(values(t).iter().all(|v| v.is_finite()), "{name} read a key outside the window");
+    }
+    // The keys no row sees get exactly 0.
+    assert!(values(&dk.narrow(1, 0, 70).unwrap()).iter().all(|&v| v == 0.0));
 }

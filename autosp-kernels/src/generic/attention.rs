@@ -9,36 +9,47 @@
 //! `h / (heads / kv_heads)`.
 //!
 //! How it works:
-//! - Tiles of `block` query rows × `block` keys ([`block_for`] the device by default). Repeated K/V are never materialised:
-//!   a query block of the `group = heads / kv_heads` query heads of each kv head is stacked into
-//!   `[batch, kv_heads, group · rows, head_dim]`, so one batched matmul per tile covers every batch, kv head
-//!   and group member against K, V in `[batch, kv_heads, k_len, head_dim]` (copied heads-major once).
-//! - Forward: key blocks in order with the online softmax of ALGORITHMS.md (running max m, sum l, output
-//!   accumulator). m starts at the dtype's lowest finite value rather than -inf, so `exp(S - m)` never sees
-//!   `-inf - (-inf)`: a hidden score gives exactly 0, and a row that sees no key keeps `l = 0`, which gives
-//!   `lse = m + ln 0 = -inf` and `o = 0 / max(l, tiny) = 0`.
-//! - Backward (FlashAttention-2): per tile `P = exp(S - lse)` recomputed from the saved LSE (a row with
+//! - Query blocks of `block` rows ([`block_for`] the device by default); each computes the keys its rows see
+//!   ([`AttentionSpec`]'s causal mask and sliding window `max_distance` at the absolute positions
+//!   `q_offset + i`, `k_offset + j`), in chunks of at most [`KEY_BLOCKS`] · `block` keys: the keys every row
+//!   of the block sees without a mask, the keys only some rows see (the causal diagonal, the window's two
+//!   edges) in chunks with a band bias added. Keys no row of the block sees are never computed, and the rows
+//!   that see no key at all (a prefix before the first key, a suffix past the last key's window) are not
+//!   computed either: lse = -inf, o = 0, and zero gradients.
+//! - Repeated K/V are never materialised: a query block of the `group = heads / kv_heads` query heads of
+//!   each kv head is stacked into `[batch, kv_heads, group · rows, head_dim]`, so one batched matmul per
+//!   chunk covers every batch, kv head and group member against K, V in `[batch, kv_heads, k_len, head_dim]`
+//!   (copied heads-major once).
+//! - Forward: the chunks of a block in order with the online softmax of ALGORITHMS.md (running max m,
+//!   accumulator rescaled by exp(m - m')); `P [V, 1]` gives `P V` and the row sums in one product. The mask
+//!   bias is the lowest finite value, not -inf: exp of it is 0 all the same, and a row that sees no key of
+//!   one chunk stays finite (its garbage gets weight exp(lowest - m) = 0 once a later chunk shows it a key,
+//!   and every computed row sees a key in some chunk).
+//! - Backward (FlashAttention-2): per chunk `P = exp(S - lse)` recomputed from the saved LSE (a row with
 //!   `lse = -inf` uses the largest finite value, so its P is 0 and its gradients are 0, never NaN),
 //!   `dV += Pᵀ dO`, `dS = P ∘ (dP - D + d_lse)` with `dP = dO Vᵀ` and `D = rowsum(dO ∘ O)`, `dQ += dS K`,
-//!   `dK += dSᵀ Q` (the stacked rows sum the GQA group into its kv head). The per-row subtractions ride in the
-//!   tile products: `[Q, -lse] [K, 1]ᵀ = S - lse` and `[dO, -(D - d_lse)] [V, 1]ᵀ = dP - D + d_lse`. Q is
-//!   scaled once per block, so `dK` needs no further scaling and `dQ` is scaled once.
-//! - Masks: under a causal mask the key blocks after a query block's last visible key are never computed;
-//!   a tile whose every row sees every key needs no mask; the others add a 0 / -inf bias `[rows, cols]`,
-//!   built once per (rows, cols, diagonal shift) from the spec's positions (`q_offset`, `k_offset`).
+//!   `dK += dSᵀ Q` (the stacked rows sum the GQA group into its kv head); dK and dV are summed in key cells
+//!   of `block` keys, in query-block order. The per-row subtractions ride in the chunk products:
+//!   `[Q, -lse] [K, 1]ᵀ = S - lse` and `[dO, -(D - d_lse)] [V, 1]ᵀ = dP - D + d_lse`. Q is scaled once per
+//!   block, so `dK` needs no further scaling and `dQ` is scaled once.
 //! - Memory: O(N · head_dim) per call (the heads-major K and V, the outputs, one accumulator per block) plus
-//!   a few `[batch, heads, block, block]` tiles; never an N × N tensor.
+//!   a few `[batch, heads, block, KEY_BLOCKS · block]` chunks; never an N × N tensor.
 //! - Precision: f32 (f64 for f64 inputs); bf16/f16 blocks are converted to f32 as they are read and the
 //!   results converted back to the input dtype; the LSE stays f32 (f64).
-//! - Block size: 512 on the CPU, 1024 on a GPU. Each tile costs about a dozen candle ops (each a kernel launch
-//!   on a GPU; on the CPU a pass over the tile, a fresh allocation and a round of candle's thread pool):
-//!   large tiles amortise the launches and keep the matmuls large. Measured on the CPU (2-core Zen 5, shared;
-//!   N = 8192, 8 heads, head_dim 64, causal, f32, forward + backward, docs/BENCHMARKS.md "Generic attention
-//!   (CPU)"): 3.9 s at 512, 5.6 s at 256, 7.1 s at 1024 with both threads; with one thread 256 was a little
-//!   faster than 512 (4.6 s vs 5.2 s), the thread pool's synchronisation per op being what larger tiles save.
-//!   The GPU size is not measured yet.
+//! - Block size: 256 query rows × 1024 keys per chunk on the CPU, 1024 × 4096 on a GPU. Each chunk costs
+//!   about a dozen candle ops (a kernel launch each on a GPU; on the CPU a pass over the chunk, a fresh
+//!   allocation and a round of candle's thread pool). On the CPU (2-core Zen 5, shared, one thread, N = 4096
+//!   causal, three interleaved runs; docs/BENCHMARKS.md "Generic attention (CPU)") forward + backward took
+//!   1.53 – 1.55 CPU-s at 256 × 1024, 1.61 – 1.92 at 512 × 1024 and 1.82 – 1.97 with the 512 × 512 tiles
+//!   before; at N = 8192 the work was the same as before (4.17 vs 4.13 CPU-s). Chunks above 32 MiB (glibc's
+//!   largest mmap threshold) come back from the OS as fresh pages each time: at 512 × 4096 page clearing
+//!   and faults took about a fifth of the time. candle-nn's fused `softmax_last_dim` was tried and lost
+//!   (forward 1.85 vs 1.4 CPU-s, one thread, N = 8192): its pass costs about what max, sub and exp cost
+//!   apart (the scalar `expf` is most of either), and the LSE then needs two more row reductions. The GPU
+//!   sizes are not measured yet.
 //!
 use std::collections::HashMap;
+use std::ops::Range;
 
 use autosp_core::ops::attention::{AttentionDims, AttentionSpec};
 use candle_core::{DType, Device, Tensor, D};
@@ -47,12 +58,12 @@ use crate::flash::{check, check_backward, compute_dtype};
 use crate::running_sum::add_to;
 use crate::Result;
 
-/// Query rows and keys per tile on the CPU (see the module doc for the measurements behind it).
-pub const BLOCK_CPU: usize = 512;
-/// Query rows and keys per tile on a GPU (CUDA, Metal): larger tiles, fewer kernel launches.
+/// Query rows per block on the CPU (see the module doc for the measurements behind it).
+pub const BLOCK_CPU: usize = 256;
+/// Query rows per block on a GPU (CUDA, Metal): larger blocks, fewer kernel launches.
 pub const BLOCK_GPU: usize = 1024;
 
-/// The tile size [`attention_forward`] / [`attention_backward`] use on `device`.
+/// The query block [`attention_forward`] / [`attention_backward`] use on `device`.
 pub fn block_for(device: &Device) -> usize {
     if device.is_cpu() {
         BLOCK_CPU
@@ -60,6 +71,10 @@ pub fn block_for(device: &Device) -> usize {
         BLOCK_GPU
     }
 }
+
+/// Keys per chunk, in query blocks: a query block computes its keys in chunks of `KEY_BLOCKS · block`
+/// (see the module doc for the measurements behind it).
+pub const KEY_BLOCKS: usize = 4;
 
 const FWD: &str = "generic::attention_forward";
 const BWD: &str = "generic::attention_backward";
@@ -72,8 +87,8 @@ pub fn attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpe
     attention_forward_with_block(q, k, v, spec, block_for(q.device()))
 }
 
-/// [`attention_forward`] with `block` query rows and keys per tile (at least 1), so that tests run many
-/// tiles, diagonal tiles and skipped tiles on small shapes. Not part of the stable API.
+/// [`attention_forward`] with `block` query rows per block (at least 1; the key chunks are a multiple of
+/// it), so that tests run many blocks, masked and merged chunks on small shapes. Not part of the stable API.
 #[doc(hidden)]
 pub fn attention_forward_with_block(
     q: &Tensor,
@@ -86,52 +101,59 @@ pub fn attention_forward_with_block(
     let cd = compute_dtype(FWD, q.dtype())?;
     let t = Tiles::new(dims, *spec, block, cd, q.device());
     let (b, h, d) = (dims.batch, dims.heads, dims.head_dim);
-    if q.elem_count() == 0 || k.elem_count() == 0 {
-        // No query, or no key to see: every row is a row that sees no key.
+    let seeing = t.rows_that_see_keys();
+    if seeing.is_empty() {
+        // No query, no key, or no query that sees a key: lse -inf and o 0 everywhere.
         let o = Tensor::zeros(q.shape(), q.dtype(), q.device())?;
         return Ok((o, t.full((b, h, dims.q_len), f64::NEG_INFINITY)?));
     }
     let (kh, vh) = (heads_major(k, cd)?, heads_major(v, cd)?);
-    let lowest = t.full((), if cd == DType::F64 { f64::MIN } else { f32::MIN as f64 })?;
-    let tiny = t.full((), if cd == DType::F64 { f64::MIN_POSITIVE } else { f32::MIN_POSITIVE as f64 })?;
+    // V with a column of ones, `[b, kv_heads, nk, d + 1]`: P [V, 1] gives P V and the row sums of P in one
+    // product.
+    let vh1 = Tensor::cat(&[&vh, &t.full((b, dims.kv_heads, dims.k_len, 1), 1.0)?], 3)?;
+    drop(vh);
+    let lowest = t.full((), -t.max_finite())?;
     let mut masks = Masks::default();
     let (mut o_blocks, mut lse_blocks) = (Vec::new(), Vec::new());
-    for (i0, rows) in t.query_blocks() {
-        let key_blocks = t.key_blocks(i0, rows);
-        if key_blocks == 0 {
+    // The rows before and after `seeing` see no key.
+    let blind = |rows: usize, o_blocks: &mut Vec<Tensor>, lse_blocks: &mut Vec<Tensor>| -> Result<()> {
+        if rows > 0 {
             o_blocks.push(Tensor::zeros((b, h, rows, d), cd, q.device())?);
             lse_blocks.push(t.full((b, h, rows), f64::NEG_INFINITY)?);
-            continue;
         }
+        Ok(())
+    };
+    blind(seeing.start, &mut o_blocks, &mut lse_blocks)?;
+    for (i0, rows) in t.query_blocks(seeing.clone()) {
         let qb = t.stacked(q, i0, rows, Some(t.scale))?;
-        // (m, l, acc): running max and sum `[b, kv_heads, group·rows, 1]`, output `[.., group·rows, d]`.
-        let mut state: Option<(Tensor, Tensor, Tensor)> = None;
-        for jb in 0..key_blocks {
-            let (j0, cols) = t.key_block(jb);
-            let (kb, vb) = (kh.narrow(2, j0, cols)?, vh.narrow(2, j0, cols)?);
-            let s = masks.apply(&t, qb.matmul(&kb.t()?)?, i0, rows, j0, cols)?;
-            let tile_max = s.max_keepdim(D::Minus1)?;
+        // Running max m `[b, kv_heads, group·rows, 1]` and accumulator [P V, rowsum P] `[.., d + 1]`.
+        let mut state: Option<(Tensor, Tensor)> = None;
+        for c in t.chunks(i0, rows) {
+            let s = qb.matmul(&kh.narrow(2, c.j0, c.len)?.t()?)?;
+            let s = if c.masked { masks.apply(&t, s, i0, rows, c.j0, c.len)? } else { s };
+            let chunk_max = s.max_keepdim(D::Minus1)?;
+            let vc = vh1.narrow(2, c.j0, c.len)?;
             state = Some(match state.take() {
                 None => {
-                    let m = tile_max.broadcast_maximum(&lowest)?;
-                    let p = s.broadcast_sub(&m)?.exp()?;
-                    (m, p.sum_keepdim(D::Minus1)?, p.matmul(&vb)?)
+                    let m = chunk_max.broadcast_maximum(&lowest)?;
+                    let acc = s.broadcast_sub(&m)?.exp()?.matmul(&vc)?;
+                    (m, acc)
                 }
-                Some((m, l, acc)) => {
-                    let m_new = m.maximum(&tile_max)?;
+                Some((m, acc)) => {
+                    let m_new = m.maximum(&chunk_max)?;
                     let alpha = (m - &m_new)?.exp()?;
-                    let p = s.broadcast_sub(&m_new)?.exp()?;
-                    let l = ((l * &alpha)? + p.sum_keepdim(D::Minus1)?)?;
-                    let acc = (acc.broadcast_mul(&alpha)? + p.matmul(&vb)?)?;
-                    (m_new, l, acc)
+                    let acc = (acc.broadcast_mul(&alpha)? + s.broadcast_sub(&m_new)?.exp()?.matmul(&vc)?)?;
+                    (m_new, acc)
                 }
             });
         }
-        let (m, l, acc) = state.expect("key_blocks > 0: at least one tile ran");
-        let o = acc.broadcast_div(&l.broadcast_maximum(&tiny)?)?;
-        o_blocks.push(o.reshape((b, h, rows, d))?);
+        let (m, acc) = state.expect("a row that sees a key has at least one chunk");
+        // Every row here sees a key, so its sum l >= 1 (the max's own term).
+        let l = acc.narrow(3, d, 1)?;
+        o_blocks.push(acc.narrow(3, 0, d)?.broadcast_div(&l)?.reshape((b, h, rows, d))?);
         lse_blocks.push((m + l.log()?)?.reshape((b, h, rows))?);
     }
+    blind(dims.q_len - seeing.end, &mut o_blocks, &mut lse_blocks)?;
     let o = seq_major(&Tensor::cat(&o_blocks, 2)?, q.dtype())?;
     Ok((o, Tensor::cat(&lse_blocks, 2)?))
 }
@@ -155,8 +177,8 @@ pub fn attention_backward(
     attention_backward_with_block(q, k, v, o, lse, d_o, d_lse, spec, block_for(q.device()))
 }
 
-/// [`attention_backward`] with `block` query rows and keys per tile (at least 1), for tests. Not part of
-/// the stable API.
+/// [`attention_backward`] with `block` query rows per block (at least 1), for tests. Not part of the stable
+/// API.
 #[doc(hidden)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_with_block(
@@ -174,7 +196,8 @@ pub fn attention_backward_with_block(
     check_backward(q, o, lse, d_o, d_lse, &dims)?;
     let cd = compute_dtype(BWD, q.dtype())?;
     let t = Tiles::new(dims, *spec, block, cd, q.device());
-    if q.elem_count() == 0 || k.elem_count() == 0 {
+    let seeing = t.rows_that_see_keys();
+    if seeing.is_empty() {
         return Ok((q.zeros_like()?, k.zeros_like()?, v.zeros_like()?));
     }
     let (b, h, hkv, d) = (dims.batch, dims.heads, dims.kv_heads, dims.head_dim);
@@ -184,8 +207,8 @@ pub fn attention_backward_with_block(
     let ones = t.full((b, hkv, dims.k_len, 1), 1.0)?;
     let (kh1, vh1) = (Tensor::cat(&[&kh, &ones], 3)?, Tensor::cat(&[&vh, &ones], 3)?);
     drop(ones);
-    // Per row `[b, h, nq]`: the LSE, with the largest finite value for rows that see no key (their P is then
-    // exp(S - MAX) = 0; -inf would meet a 0 in the tile product), and D - d_lse with D = rowsum(dO ∘ O).
+    // Per row `[b, h, nq]`: the LSE, with the largest finite value where it is -inf (a row that saw no key
+    // elsewhere; its P is then exp(S - MAX) = 0, never NaN), and D - d_lse with D = rowsum(dO ∘ O).
     let lse = lse.to_dtype(cd)?;
     let lse = lse.eq(f64::NEG_INFINITY)?.where_cond(&t.full(lse.shape(), t.max_finite())?, &lse)?;
     let delta = (d_o.to_dtype(cd)? * o.to_dtype(cd)?)?.sum(D::Minus1)?.transpose(1, 2)?;
@@ -193,57 +216,68 @@ pub fn attention_backward_with_block(
         Some(d_lse) => (delta - d_lse.to_dtype(cd)?)?,
         None => delta.contiguous()?,
     };
-    let n_key_blocks = dims.k_len.div_ceil(t.block);
-    let (mut dk_blocks, mut dv_blocks) = (vec![None; n_key_blocks], vec![None; n_key_blocks]);
+    // dK and dV in key cells of `block` keys, summed over the query blocks in order.
+    let (mut dk_cells, mut dv_cells) = (t.cells(), t.cells());
     let mut masks = Masks::default();
     let mut dq_blocks = Vec::new();
-    for (i0, rows) in t.query_blocks() {
-        let key_blocks = t.key_blocks(i0, rows);
-        let mut dq = None;
-        if key_blocks > 0 {
-            let qb = t.stacked(q, i0, rows, Some(t.scale))?;
-            let dob = t.stacked(d_o, i0, rows, None)?;
-            let minus_per_row = |x: &Tensor| -> Result<Tensor> {
-                Ok(x.narrow(2, i0, rows)?.neg()?.reshape((b, hkv, t.group() * rows, 1))?)
-            };
-            let qb1 = Tensor::cat(&[&qb, &minus_per_row(&lse)?], 3)?;
-            let dob1 = Tensor::cat(&[&dob, &minus_per_row(&delta)?], 3)?;
-            for jb in 0..key_blocks {
-                let (j0, cols) = t.key_block(jb);
-                let s = masks.apply(&t, qb1.matmul(&kh1.narrow(2, j0, cols)?.t()?)?, i0, rows, j0, cols)?;
-                let p = s.exp()?;
-                add_to(&mut dv_blocks[jb], p.t()?.matmul(&dob)?)?;
-                let ds = (p * dob1.matmul(&vh1.narrow(2, j0, cols)?.t()?)?)?;
-                let kb = kh.narrow(2, j0, cols)?;
-                add_to(&mut dq, ds.matmul(&kb)?)?;
-                add_to(&mut dk_blocks[jb], ds.t()?.matmul(&qb)?)?;
-            }
-        }
-        dq_blocks.push(match dq {
-            Some(dq) => (dq * t.scale)?.reshape((b, h, rows, d))?,
-            None => Tensor::zeros((b, h, rows, d), cd, q.device())?,
-        });
+    let zero_rows = |rows: usize| Tensor::zeros((b, h, rows, d), cd, q.device());
+    if seeing.start > 0 {
+        dq_blocks.push(zero_rows(seeing.start)?);
     }
-    let key_side = |blocks: Vec<Option<Tensor>>, dtype: DType| -> Result<Tensor> {
-        let blocks = blocks
+    for (i0, rows) in t.query_blocks(seeing.clone()) {
+        let qb = t.stacked(q, i0, rows, Some(t.scale))?;
+        let dob = t.stacked(d_o, i0, rows, None)?;
+        let minus_per_row = |x: &Tensor| -> Result<Tensor> {
+            Ok(x.narrow(2, i0, rows)?.neg()?.reshape((b, hkv, t.group() * rows, 1))?)
+        };
+        let qb1 = Tensor::cat(&[&qb, &minus_per_row(&lse)?], 3)?;
+        let dob1 = Tensor::cat(&[&dob, &minus_per_row(&delta)?], 3)?;
+        let mut dq = None;
+        for c in t.chunks(i0, rows) {
+            let s = qb1.matmul(&kh1.narrow(2, c.j0, c.len)?.t()?)?;
+            let s = if c.masked { masks.apply(&t, s, i0, rows, c.j0, c.len)? } else { s };
+            let p = s.exp()?;
+            t.add_to_cells(&mut dv_cells, c.j0, p.t()?.matmul(&dob)?)?;
+            let ds = (p * dob1.matmul(&vh1.narrow(2, c.j0, c.len)?.t()?)?)?;
+            add_to(&mut dq, ds.matmul(&kh.narrow(2, c.j0, c.len)?)?)?;
+            t.add_to_cells(&mut dk_cells, c.j0, ds.t()?.matmul(&qb)?)?;
+        }
+        let dq = dq.expect("a row that sees a key has at least one chunk");
+        dq_blocks.push((dq * t.scale)?.reshape((b, h, rows, d))?);
+    }
+    if seeing.end < dims.q_len {
+        dq_blocks.push(zero_rows(dims.q_len - seeing.end)?);
+    }
+    let key_side = |cells: Vec<Option<Tensor>>, dtype: DType| -> Result<Tensor> {
+        let cells = cells
             .into_iter()
             .enumerate()
-            .map(|(jb, x)| match x {
+            .map(|(c, x)| match x {
                 Some(x) => Ok(x),
-                None => Ok(Tensor::zeros((b, hkv, t.key_block(jb).1, d), cd, q.device())?),
+                None => Ok(Tensor::zeros((b, hkv, t.cell(c).len(), d), cd, q.device())?),
             })
             .collect::<Result<Vec<_>>>()?;
-        seq_major(&Tensor::cat(&blocks, 2)?, dtype)
+        seq_major(&Tensor::cat(&cells, 2)?, dtype)
     };
     let dq = seq_major(&Tensor::cat(&dq_blocks, 2)?, q.dtype())?;
-    Ok((dq, key_side(dk_blocks, k.dtype())?, key_side(dv_blocks, v.dtype())?))
+    Ok((dq, key_side(dk_cells, k.dtype())?, key_side(dv_cells, v.dtype())?))
 }
 
-/// The tiling of one call: dimensions, mask, block size, compute dtype and device.
+/// A run of keys `j0..j0 + len` that a query block computes at once; `masked` when some row of the block does
+/// not see every key of it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Chunk {
+    j0: usize,
+    len: usize,
+    masked: bool,
+}
+
+/// The blocking of one call: dimensions, mask, block size, compute dtype and device.
 struct Tiles {
     dims: AttentionDims,
     spec: AttentionSpec,
     block: usize,
+    key_chunk: usize,
     cd: DType,
     device: Device,
     scale: f64,
@@ -252,37 +286,94 @@ struct Tiles {
 impl Tiles {
     fn new(dims: AttentionDims, spec: AttentionSpec, block: usize, cd: DType, device: &Device) -> Self {
         let scale = spec.scale_for(dims.head_dim);
-        Self { dims, spec, block: block.max(1), cd, device: device.clone(), scale }
+        let block = block.max(1);
+        let key_chunk = block * KEY_BLOCKS;
+        Self { dims, spec, block, key_chunk, cd, device: device.clone(), scale }
     }
 
     fn group(&self) -> usize {
         self.dims.group()
     }
 
-    /// `(first row, rows)` of each query block.
-    fn query_blocks(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        (0..self.dims.q_len).step_by(self.block).map(|i0| (i0, self.block.min(self.dims.q_len - i0)))
-    }
-
-    /// `(first key, keys)` of key block `jb`.
-    fn key_block(&self, jb: usize) -> (usize, usize) {
-        let j0 = jb * self.block;
-        (j0, self.block.min(self.dims.k_len - j0))
-    }
-
-    /// How many keys (a prefix) query row `i` sees.
-    fn visible_keys(&self, i: usize) -> usize {
+    /// The keys query row `i` sees, `lo..hi` (empty when it sees none): the causal mask and the window of
+    /// the spec at the rows' and keys' absolute positions. Both ends never decrease with `i`.
+    fn visible_keys(&self, i: usize) -> Range<usize> {
+        let (nk, ko) = (self.dims.k_len, self.spec.k_offset);
+        let qp = self.spec.q_offset + i;
+        let mut hi = nk;
+        let mut lo = 0;
         if self.spec.causal {
-            (self.spec.q_offset + i + 1).saturating_sub(self.spec.k_offset).min(self.dims.k_len)
-        } else {
-            self.dims.k_len
+            hi = hi.min((qp + 1).saturating_sub(ko));
+        }
+        if let Some(w) = self.spec.max_distance {
+            hi = hi.min(qp.saturating_add(w).saturating_add(1).saturating_sub(ko));
+            lo = qp.saturating_sub(w).saturating_sub(ko).min(nk);
+        }
+        lo..hi
+    }
+
+    /// The query rows that see at least one key: one run (the rows before see no key yet, the rows after
+    /// are past every key's window), empty when none does.
+    fn rows_that_see_keys(&self) -> Range<usize> {
+        let nq = self.dims.q_len;
+        let first = (0..nq).find(|&i| !self.visible_keys(i).is_empty());
+        match first {
+            None => 0..0,
+            Some(first) => first..(first..nq).find(|&i| self.visible_keys(i).is_empty()).unwrap_or(nq),
         }
     }
 
-    /// The key blocks the query block `i0..i0 + rows` computes: those up to its last row's last visible key
-    /// (0: no row of the block sees a key).
-    fn key_blocks(&self, i0: usize, rows: usize) -> usize {
-        self.visible_keys(i0 + rows - 1).div_ceil(self.block)
+    /// `(first row, rows)` of each query block of `rows`.
+    fn query_blocks(&self, rows: Range<usize>) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let end = rows.end;
+        rows.step_by(self.block).map(move |i0| (i0, self.block.min(end - i0)))
+    }
+
+    /// The key chunks of query block `i0..i0 + rows` (every row of which sees a key): the keys every row
+    /// sees in chunks of at most `key_chunk` without a mask, the keys only some rows see (the causal
+    /// diagonal, the window's edges) in masked chunks; the keys no row sees are never computed.
+    fn chunks(&self, i0: usize, rows: usize) -> Vec<Chunk> {
+        let (first, last) = (self.visible_keys(i0), self.visible_keys(i0 + rows - 1));
+        // Every row sees first.end.. up to last.start.. : the keys last.start..first.end (when not empty).
+        let all = last.start..first.end;
+        let mut cuts = vec![first.start, last.end];
+        if !all.is_empty() {
+            cuts.extend([all.start, all.end]);
+        }
+        cuts.sort_unstable();
+        cuts.dedup();
+        let mut chunks = Vec::new();
+        for w in cuts.windows(2) {
+            let masked = all.is_empty() || w[0] < all.start || w[1] > all.end;
+            for j0 in (w[0]..w[1]).step_by(self.key_chunk) {
+                chunks.push(Chunk { j0, len: self.key_chunk.min(w[1] - j0), masked });
+            }
+        }
+        chunks
+    }
+
+    /// Empty accumulators, one per key cell of `block` keys.
+    fn cells(&self) -> Vec<Option<Tensor>> {
+        vec![None; self.dims.k_len.div_ceil(self.block)]
+    }
+
+    /// The keys of cell `c`.
+    fn cell(&self, c: usize) -> Range<usize> {
+        c * self.block..(c * self.block + self.block).min(self.dims.k_len)
+    }
+
+    /// Adds `x: [b, kv_heads, len, d]`, the rows of keys `j0..j0 + len`, to the cells they fall in (a cell
+    /// the keys cover in part gets them padded with zeros).
+    fn add_to_cells(&self, cells: &mut [Option<Tensor>], j0: usize, x: Tensor) -> Result<()> {
+        let len = x.dim(2)?;
+        let first = j0 / self.block;
+        for (c, acc) in cells.iter_mut().enumerate().take((j0 + len).div_ceil(self.block)).skip(first) {
+            let cell = self.cell(c);
+            let (a, e) = (cell.start.max(j0), cell.end.min(j0 + len));
+            let part = x.narrow(2, a - j0, e - a)?.pad_with_zeros(2, a - cell.start, cell.end - e)?;
+            add_to(acc, part)?;
+        }
+        Ok(())
     }
 
     /// A tensor of `shape` filled with `value` in the compute dtype on the call's device (made in f32 unless
@@ -327,26 +418,36 @@ fn seq_major(x: &Tensor, dtype: DType) -> Result<Tensor> {
     Ok(x.transpose(1, 2)?.to_dtype(dtype)?.contiguous()?)
 }
 
-/// The causal masks of one call: a 0 / -inf bias `[rows, cols]` per (rows, cols, diagonal shift), built
-/// on the device the first time a tile needs it.
+/// The masks of one call: a bias `[rows, cols]` (0 where the key is visible, the lowest finite value where
+/// it is not) per (rows, cols, visible band), built on the device the first time a chunk needs it.
 #[derive(Default)]
 struct Masks {
-    bias: HashMap<(usize, usize, i64), Tensor>,
+    bias: HashMap<(usize, usize, i64, i64), Tensor>,
 }
 
 impl Masks {
     /// The scores `s: [b, kv_heads, group · rows, cols]` of query rows from `i0` against keys from `j0`,
-    /// with the entries the spec hides set to -inf (`s` itself when the tile hides nothing).
+    /// with the entries the spec hides pushed to the lowest finite value: exp of it is 0 like exp(-inf),
+    /// and a row that sees no key of the chunk stays finite (its softmax is then uniform, its lse about the
+    /// lowest value: weight 0 in the merge), where -inf would give NaN.
     fn apply(&mut self, t: &Tiles, s: Tensor, i0: usize, rows: usize, j0: usize, cols: usize) -> Result<Tensor> {
-        if t.visible_keys(i0) >= j0 + cols {
-            return Ok(s);
+        // Row i0 + r sees key j0 + c iff lo <= c - r < hi (the spec's mask, in the chunk's coordinates);
+        // clamped to the differences that occur, -rows..cols, the bounds stay exact in f32.
+        let shift = (t.spec.q_offset + i0) as i128 - (t.spec.k_offset + j0) as i128;
+        let mut hi = i128::MAX;
+        let mut lo = i128::MIN;
+        if t.spec.causal {
+            hi = shift + 1;
         }
-        // Query row i0 + r sees key j0 + c iff c - r <= shift; clamped, the shift stays exact in f32.
-        let shift = (t.spec.q_offset + i0) as i64 - (t.spec.k_offset + j0) as i64;
-        let shift = shift.clamp(-(rows as i64), cols as i64);
-        let bias = match self.bias.entry((rows, cols, shift)) {
+        if let Some(w) = t.spec.max_distance {
+            hi = hi.min(shift + w as i128 + 1);
+            lo = shift - w as i128;
+        }
+        let clamp = |x: i128| x.clamp(-(rows as i128), cols as i128) as i64;
+        let (lo, hi) = (clamp(lo), clamp(hi));
+        let bias = match self.bias.entry((rows, cols, lo, hi)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(causal_bias(t, rows, cols, shift)?),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(band_bias(t, rows, cols, lo, hi)?),
         };
         let (b, hkv, group_rows, _) = s.dims4()?;
         Ok(s.reshape((b, hkv, group_rows / rows, rows, cols))?
@@ -355,10 +456,14 @@ impl Masks {
     }
 }
 
-/// `[rows, cols]`: 0 where `c - r <= shift` (the key is visible), -inf elsewhere, in the compute dtype.
-fn causal_bias(t: &Tiles, rows: usize, cols: usize, shift: i64) -> Result<Tensor> {
+/// `[rows, cols]`: 0 where `lo <= c - r < hi` (the key is visible), the lowest finite value elsewhere, in the
+/// compute dtype.
+fn band_bias(t: &Tiles, rows: usize, cols: usize, lo: i64, hi: i64) -> Result<Tensor> {
     let r = Tensor::arange(0f32, rows as f32, &t.device)?.reshape((rows, 1))?;
     let c = Tensor::arange(0f32, cols as f32, &t.device)?.reshape((1, cols))?;
-    let hidden = c.broadcast_sub(&r)?.gt(shift as f64)?;
-    Ok(hidden.where_cond(&t.full((rows, cols), f64::NEG_INFINITY)?, &t.full((rows, cols), 0.0)?)?)
+    let diff = c.broadcast_sub(&r)?;
+    let lowest = t.full((rows, cols), -t.max_finite())?;
+    let zeros = t.full((rows, cols), 0.0)?;
+    let below = diff.lt(lo as f64)?.where_cond(&lowest, &zeros)?;
+    Ok(diff.ge(hi as f64)?.where_cond(&lowest, &below)?)
 }
