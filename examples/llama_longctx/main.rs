@@ -2,7 +2,8 @@
 //!
 //! With no arguments it makes (once, cached) a tiny random Llama in the HF layout, compiles it for 2 thread
 //! ranks with sequence-aware checkpointing, fine-tunes it on synthetic passkey retrieval, and prints the loss
-//! per step, tokens/s, memory per rank, passkey accuracy before and after, and where the checkpoint went.
+//! per step, then a summary table: loss first and last, passkey accuracy before and after, tokens/s, memory
+//! per rank, and where the checkpoint went.
 //! With options it fine-tunes a local, hub or GGUF checkpoint on your data (`--help`).
 //!
 //! ```text
@@ -16,9 +17,11 @@
 mod args;
 mod checkpoint;
 mod data;
+mod heldout;
 mod interrupt;
 mod model;
 mod progress;
+mod summary;
 mod train;
 
 use std::process::ExitCode;
