@@ -223,8 +223,11 @@ mod tests {
         chart(&svg, "loss", ("step", "loss"), &d.loss, &[]).unwrap();
         let text = std::fs::read_to_string(&svg).unwrap();
         assert!(text.starts_with("<svg") && text.contains("run1 training") && text.contains("run1 held-out"));
-        // Two series, each a polyline through its points.
-        assert_eq!(text.matches("<polyline").count(), 2 + 2, "two curves and two legend marks:\n{text}");
+        // Each series is a 2-pixel polyline through its points (and a 2-pixel legend mark; the axes and ticks
+        // are 1-pixel polylines), with a circle at every point.
+        let thick = text.lines().filter(|l| l.starts_with("<polyline") && l.contains(r#"stroke-width="2""#)).count();
+        assert_eq!(thick, 2 + 2, "two curves and two legend marks:\n{text}");
+        assert_eq!(text.matches("<circle").count(), 2 + 2, "one circle per point:\n{text}");
     }
 
     #[test]
