@@ -53,8 +53,9 @@ export AUTOSP_CACHE="$OUT/cache" HF_HUB_OFFLINE=1
 compare() { # compare METRICS_A METRICS_B TOLERANCE WHAT
   python3 - "$1" "$2" "$3" "$4" <<'PY'
 import json, sys
-a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
-b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
+# Step lines only (the file ends with a summary line).
+a = [j["loss"] for j in map(json.loads, open(sys.argv[1])) if "loss" in j]
+b = [j["loss"] for j in map(json.loads, open(sys.argv[2])) if "loss" in j]
 tol, what = float(sys.argv[3]), sys.argv[4]
 worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
 ok = len(a) == len(b) and worst <= tol
@@ -78,6 +79,6 @@ done
 "$bin/bench_attention" --device cuda --kernel generic,flash-attn --dtype bf16 --causal --n 16384 --head-dim 64,128 \
   --repeats 3 --naive-max-gib 0 | tee "$OUT/bench_attention_cuda.jsonl" || status=1
 "$bin/llama_longctx" --no-progress --device cuda --seq-len 8192 --curriculum none --steps 6 --warmup 1 --save "$OUT/tput" \
-  --metrics "$OUT/tput_8k.jsonl" | grep -E "throughput|tape peak|loss:" | tee -a "$OUT/summary.txt" || status=1
+  --metrics "$OUT/tput_8k.jsonl" | grep -E "throughput|tape peak|training loss" | tee -a "$OUT/summary.txt" || status=1
 log "done, status $status"
 exit $status

@@ -67,16 +67,25 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// The `--metrics` file's losses, in step order.
+/// The `--metrics` file's training losses, in step order (its held-out and summary lines left out).
 fn losses(metrics: &Path) -> Vec<(u64, f64)> {
     std::fs::read_to_string(metrics)
         .unwrap()
         .lines()
-        .map(|l| {
+        .filter_map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+            Some((v["step"].as_u64()?, v.get("loss")?.as_f64().unwrap()))
         })
         .collect()
+}
+
+/// The `--metrics` file's summary object (its last line).
+fn metrics_summary(metrics: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(metrics).unwrap();
+    let last = text.lines().last().unwrap_or_else(|| panic!("{} is empty", metrics.display()));
+    let v: serde_json::Value = serde_json::from_str(last).unwrap();
+    assert!(v["summary"].is_object(), "the last --metrics line is not the summary: {last}");
+    v["summary"].clone()
 }
 
 fn tensors(path: &Path) -> HashMap<String, Tensor> {
@@ -118,6 +127,13 @@ fn quick_default_run_trains_and_saves_a_loadable_checkpoint() {
     );
     let ckpt = save.join("step-12");
     assert!(out.contains(s(&ckpt)), "the report must say where the checkpoint went:\n{out}");
+    // The summary table's first and last loss are the metrics' first and last step's, and it names the
+    // checkpoint; the metrics file ends with the same summary as JSON.
+    let sum = metrics_summary(&metrics);
+    assert_eq!((sum["loss_first"].as_f64().unwrap(), sum["loss_last"].as_f64().unwrap()), (l[0].1, l[11].1));
+    assert_eq!(sum["checkpoint"], s(&ckpt));
+    let row = format!("| training loss      | {:.4} (step 1) -> {:.4} (step 12)", l[0].1, l[11].1);
+    assert!(out.contains("== llama_longctx summary ==") && out.contains(&row), "{row}\n{out}");
     let model = LlamaModel::load(s(&ckpt), DType::F32).unwrap();
     assert_eq!(model.config.num_hidden_layers, 2);
     for f in ["optimizer.safetensors", "trainer_state.json"] {
@@ -288,6 +304,45 @@ fn eval_tokens_and_dump_grads_agree_between_sp1_and_sp2() {
         // Relative to the tensor's largest element, DESIGN.md's Ring tolerance 1e-5 * P.
         assert!(d <= 2e-5 * scale, "{name}: sp1 vs sp2 gradients differ by {d} (max {scale})");
     }
+}
+
+#[test]
+fn eval_data_is_scored_before_and_after_and_the_checkpoint_scores_the_same() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let ids: Vec<String> = (0..700u32).map(|i| ((i * 53 + 7) % 128).to_string()).collect();
+    let f = t.join("heldout.txt");
+    std::fs::write(&f, ids.join(" ")).unwrap();
+    let (save, metrics) = (t.join("run"), t.join("m.jsonl"));
+    let eval_data = format!("ids:{}", s(&f));
+    let args =
+        ["--quick", "--eval-data", &eval_data, "--eval-every", "6", "--save", s(&save), "--metrics", s(&metrics)];
+    let out = run_ok(t, &args);
+    // Scored at steps 0, 6 and 12 (the end), each a metrics line; the summary holds the first and the last.
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let evals: Vec<(u64, f64)> = text
+        .lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            Some((v["step"].as_u64()?, v.get("eval_loss")?.as_f64().unwrap()))
+        })
+        .collect();
+    assert_eq!(evals.iter().map(|e| e.0).collect::<Vec<_>>(), vec![0, 6, 12], "{text}");
+    let sum = metrics_summary(&metrics);
+    assert_eq!(sum["eval"]["before"].as_f64().unwrap(), evals[0].1);
+    assert_eq!(sum["eval"]["after"].as_f64().unwrap(), evals[2].1);
+    assert_eq!(sum["eval"]["tokens"], 512, "the first --seq-len (512) tokens are scored");
+    assert!(out.contains("held-out loss before training") && out.contains("| held-out loss "), "{out}");
+    // The ids scored were written out; scoring them on the saved checkpoint gives the run's last held-out
+    // loss (the same forward pass on the same weights: equal to the last bit).
+    let written = save.join("heldout-ids.txt");
+    let kept: Vec<&str> = ids[..512].iter().map(String::as_str).collect();
+    assert_eq!(std::fs::read_to_string(&written).unwrap().split_whitespace().collect::<Vec<_>>(), kept);
+    let ckpt = save.join("step-12");
+    let again = run_ok(t, &["--model", s(&ckpt), "--eval-tokens", s(&written)]);
+    let line = again.lines().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON line:\n{again}"));
+    let loss = serde_json::from_str::<serde_json::Value>(line).unwrap()["eval_loss"].as_f64().unwrap();
+    assert_eq!(loss, evals[2].1, "the checkpoint's loss on heldout-ids.txt vs the run's held-out loss after");
 }
 
 #[test]
@@ -701,10 +756,11 @@ fn a_second_run_saving_into_the_same_directory_is_refused() {
     assert!(e.contains("not a checkpoint") && e.contains(&newest), "{e}");
 }
 
-/// `(right, total)` of the summary's `needles accuracy ... after X% (right/total answers`.
+/// `(right, total)` after training, from the summary table's row
+/// `| needles accuracy | B% (r/t answers, ...) -> A% (right/total answers, ...); chance ... |`.
 fn needles_after(out: &str) -> (usize, usize) {
-    let line = out.lines().find(|l| l.starts_with("needles accuracy")).unwrap_or_else(|| panic!("{out}"));
-    let after = line.split("after ").nth(1).unwrap_or_else(|| panic!("{line}"));
+    let line = out.lines().find(|l| l.starts_with("| needles accuracy")).unwrap_or_else(|| panic!("{out}"));
+    let after = line.split("-> ").nth(1).unwrap_or_else(|| panic!("{line}"));
     let frac = after.split('(').nth(1).and_then(|r| r.split(' ').next()).unwrap_or_else(|| panic!("{line}"));
     let (a, b) = frac.split_once('/').unwrap_or_else(|| panic!("{line}"));
     (a.parse().unwrap(), b.parse().unwrap())

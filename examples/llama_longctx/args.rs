@@ -121,6 +121,16 @@ pub struct Args {
     #[arg(long)]
     pub eval_tokens: Option<PathBuf>,
 
+    /// Held-out data scored before training, every --eval-every steps and after (mean next-token loss,
+    /// forward only): a text or JSONL file (tokenised like --data) or `ids:FILE`; its first --seq-len tokens
+    /// are scored as one sequence. The ids scored are written to `heldout-ids.txt` in the --save directory.
+    #[arg(long)]
+    pub eval_data: Option<String>,
+
+    /// With --eval-data: also score it every N steps (0: only before and after training).
+    #[arg(long, default_value_t = 0)]
+    pub eval_every: usize,
+
     /// Write the gradients of the first step's mean token loss (before clipping), with HF parameter names,
     /// as safetensors to FILE.
     #[arg(long)]

@@ -3,8 +3,8 @@
 //! With no arguments it makes (once, cached) a tiny random Llama in the HF layout, compiles it for 2 thread
 //! ranks with sequence-aware checkpointing, trains it on synthetic multi-needle retrieval across the shards
 //! (`task.rs`: every answer sits thousands of tokens before its question, on the other rank), and prints the
-//! loss per step, tokens/s, memory per rank, the retrieval accuracy before, during and after, and where the
-//! checkpoint went.
+//! loss per step and the accuracy during the curriculum, then a summary table: loss first and last, retrieval
+//! accuracy before and after, tokens/s, memory per rank, and where the checkpoint went.
 //! With options it fine-tunes a local, hub or GGUF checkpoint on your data (`--help`).
 //!
 //! ```text
@@ -18,9 +18,11 @@
 mod args;
 mod checkpoint;
 mod data;
+mod heldout;
 mod interrupt;
 mod model;
 mod progress;
+mod summary;
 mod task;
 mod train;
 

@@ -22,8 +22,10 @@ use candle_core::{DType, Device, Tensor};
 use crate::args::{Args, DataSource};
 use crate::checkpoint::{self, TrainerState};
 use crate::data::{self, Passkey, PasskeyVocab, Sample, Stream};
+use crate::heldout::HeldOut;
 use crate::model;
 use crate::progress::Progress;
+use crate::summary::{Accuracy, EvalLoss, Score, Summary};
 use crate::task::{self, Curriculum, Needles};
 
 /// Everything the ranks share, read and checked before they start.
@@ -48,6 +50,8 @@ pub struct Job {
     /// Sequence lengths over the steps (`--data needles`; otherwise every step at --seq-len).
     pub curriculum: Curriculum,
     pub eval_ids: Option<Vec<u32>>,
+    /// `--eval-data`: held-out tokens scored before, during and after training.
+    pub heldout: Option<HeldOut>,
     pub resume: Option<(PathBuf, TrainerState)>,
     /// What a resumed run changes (`--steps 4 -> 8`), accepted with --allow-changes; printed by rank 0.
     pub resume_changes: Vec<String>,
@@ -211,6 +215,16 @@ impl Job {
             }
             None => None,
         };
+        let heldout = match &args.eval_data {
+            Some(spec) => Some(HeldOut::load(
+                spec,
+                args.seq_len,
+                vocab,
+                loaded.tokenizer.as_ref(),
+                loaded.model.config.eos_token_id,
+            )?),
+            None => None,
+        };
         let save_root = match (&args.save, &resume) {
             (Some(d), _) => d.clone(),
             (None, Some((dir, _))) => dir.parent().map(PathBuf::from).unwrap_or_else(|| PathBuf::from(".")),
@@ -229,6 +243,7 @@ impl Job {
             probes,
             curriculum,
             eval_ids,
+            heldout,
             resume,
             resume_changes,
             save_root,
@@ -372,9 +387,9 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
     }
     if let Some(ids) = &job.eval_ids {
         let n = ids.len();
-        let out = c.train_step(&Tensor::from_vec(ids.clone(), (1, n), &Device::Cpu)?, None)?;
+        let (loss, targets) = c.eval_loss(&Tensor::from_vec(ids.clone(), (1, n), &Device::Cpu)?, None)?;
         let line = serde_json::json!({
-            "eval_loss": out.loss, "tokens": n, "targets": out.valid_tokens, "sp": job.p, "model": job.source,
+            "eval_loss": loss, "tokens": n, "targets": targets, "sp": job.p, "model": job.source,
         });
         say(&line.to_string());
         return Ok(Ended::Done);
@@ -449,6 +464,23 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
     let sched = schedule(a);
 
     let before = if job.probes.is_empty() { None } else { Some(answer_accuracy(&c, &job.probes)?) };
+    let eval_before = match &job.heldout {
+        Some(h) => {
+            let (loss, n) = h.evaluate(&c)?;
+            if rank0 {
+                let ids = job.save_root.join("heldout-ids.txt");
+                h.write_ids(&ids)?;
+                say(&format!(
+                    "held-out loss before training: {loss:.4} ({} tokens, {n} next-token targets, of {}; ids in {})",
+                    h.ids.len(),
+                    h.source,
+                    ids.display()
+                ));
+            }
+            Some(loss)
+        }
+        None => None,
+    };
     let mut metrics = match (&a.metrics, rank0) {
         (Some(f), true) => Some(
             std::fs::OpenOptions::new()
@@ -478,6 +510,9 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         checkpoint::save(&job.save_root, c.model(), opt, &params, &state, job.tokenizer_json.as_deref())
     };
 
+    if let (Some(m), Some(loss)) = (metrics.as_mut(), eval_before) {
+        writeln!(m, "{}", serde_json::json!({ "step": step, "eval_loss": loss }))?;
+    }
     let mut bar = Progress::new(step, a.steps, rank0 && !a.no_progress);
     let (mut first_loss, mut last_loss) = (None, f64::NAN);
     let (mut tape_peaks, mut proc_peaks) = (vec![0f64; job.p], vec![0f64; job.p]);
@@ -625,6 +660,16 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
                 ));
             }
         }
+        if let Some(h) = job.heldout.as_ref().filter(|_| a.eval_every > 0 && step % a.eval_every == 0 && step < a.steps)
+        {
+            let (loss, _) = h.evaluate(&c)?;
+            if rank0 {
+                bar.println(&format!("step {step:>4}/{} held-out loss {loss:.4}", a.steps));
+                if let Some(m) = metrics.as_mut() {
+                    writeln!(m, "{}", serde_json::json!({ "step": step, "eval_loss": loss }))?;
+                }
+            }
+        }
         if a.save_every > 0 && step % a.save_every == 0 && step < a.steps {
             if rank0 {
                 let dir = save(&c, &opt, step, drawn, &stream)?;
@@ -648,58 +693,54 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
     }
 
     let after = if job.probes.is_empty() { None } else { Some(answer_accuracy(&c, &job.probes)?) };
+    let eval_after = match &job.heldout {
+        Some(h) => Some(h.evaluate(&c)?),
+        None => None,
+    };
     if rank0 {
         let dir = save(&c, &opt, step, drawn, &stream)?;
-        println!("== llama_longctx summary ==");
-        if skipped > 0 {
-            println!("skipped {skipped} step(s) with a non-finite loss or gradient norm (--skip-nonfinite)");
+        if let (Some(m), Some((loss, _))) = (metrics.as_mut(), eval_after) {
+            writeln!(m, "{}", serde_json::json!({ "step": step, "eval_loss": loss }))?;
         }
-        if let Some(f) = first_loss {
-            println!("loss: step {} {f:.4} -> step {step} {last_loss:.4}", first_step + 1);
-            println!(
-                "throughput: {:.0} tokens/s over {} steps ({tokens} tokens in {seconds:.1} s; CPU kernels on the {} \
-                 vector path)",
-                tokens as f64 / seconds,
-                step - first_step,
-                autosp::kernels::simd::simd_path()
-            );
-        }
-        let tape: Vec<String> = tape_peaks.iter().map(|b| format!("{:.1}", mib(*b))).collect();
-        let proc: Vec<String> = proc_peaks.iter().map(|b| format!("{:.1}", mib(*b))).collect();
-        println!("tape peak per rank: [{}] MiB", tape.join(", "));
-        if job.threads {
-            println!("process heap peak: {} MiB (one process holds all {} thread ranks)", proc[0], job.p);
-        } else {
-            println!("process heap peak per rank: [{}] MiB", proc.join(", "));
-        }
-        if let (Some(b), Some(f)) = (before, after) {
-            let pct = |x: (usize, usize, usize)| 100.0 * x.0 as f64 / x.1.max(1) as f64;
-            let (task, unit, whole, chance) = match job.stream {
-                Stream::Needles(_) => {
-                    ("needles", "answers", "samples all right", format!("; chance {:.1}%", 100.0 / task::VALUES as f64))
+        // Teacher-forced: each answer token predicted with the true tokens before it.
+        let (what, unit, whole, chance) = match job.stream {
+            Stream::Needles(_) => ("needles", "answers", "samples all right", Some(1.0 / task::VALUES as f64)),
+            _ => ("passkey", "answer tokens", "whole keys", None),
+        };
+        let score = |x: (usize, usize, usize)| Score {
+            right: x.0,
+            total: x.1,
+            unit: unit.into(),
+            note: format!("{}/{} {whole} of {} tokens", x.2, job.probes.len(), a.seq_len),
+        };
+        let summary = Summary {
+            first_step,
+            last_step: step,
+            loss: first_loss.map(|f| (f, last_loss)),
+            eval: match (&job.heldout, eval_before, eval_after) {
+                (Some(h), Some(before), Some((after, _))) => {
+                    Some(EvalLoss { before, after, tokens: h.ids.len(), source: h.source.clone() })
                 }
-                _ => ("passkey", "tokens", "whole keys", String::new()),
-            };
-            println!(
-                "{task} accuracy (teacher-forced: each answer token predicted with the true tokens before it) on {} \
-                 held-out samples of {} tokens: before {:.1}% ({}/{} {unit}, {} {whole}), after {:.1}% ({}/{} {unit}, \
-                 {} {whole}){chance}",
-                job.probes.len(),
-                a.seq_len,
-                pct(b),
-                b.0,
-                b.1,
-                b.2,
-                pct(f),
-                f.0,
-                f.1,
-                f.2
-            );
+                _ => None,
+            },
+            accuracy: before.zip(after).map(|(b, f)| Accuracy {
+                what: what.into(),
+                chance,
+                before: score(b),
+                after: score(f),
+            }),
+            throughput: (tokens > 0).then_some((tokens, seconds)),
+            vector_path: c.device().is_cpu().then(|| autosp::kernels::simd::simd_path().name()),
+            tape_peak: tape_peaks,
+            heap_peak: proc_peaks,
+            threads: job.threads,
+            skipped,
+            checkpoint: dir,
+        };
+        print!("{}", summary.table());
+        if let Some(m) = metrics.as_mut() {
+            writeln!(m, "{}", summary.to_json())?;
         }
-        println!(
-            "checkpoint: {} (HF layout: config.json + model.safetensors; optimizer and trainer state beside)",
-            dir.display()
-        );
     }
     Ok(Ended::Done)
 }

@@ -1,6 +1,7 @@
 //! Running a compiled model: shifting labels before sharding, padding to the layout's multiple, taking this
 //! rank's shard, the global loss (sum of token losses over the all-reduced valid count) and the all-reduced
-//! parameter gradients; and forward-only logits gathered back into sequence order. Inputs are checked on the
+//! parameter gradients; forward-only evaluation loss; and forward-only logits gathered back into sequence
+//! order. Inputs are checked on the
 //! whole batch, which every rank holds, before sharding: a bad batch fails on every rank at once, with the
 //! same error and before any collective, instead of on the one rank whose shard holds the bad id.
 
@@ -110,6 +111,18 @@ fn pad_ids(ids: &Tensor, n_pad: usize) -> Result<Tensor, CompileError> {
     Ok(Tensor::cat(&[ids, pad], 1)?)
 }
 
+/// One rank's part of a batch (see `Compiled::local_batch`).
+struct LocalBatch {
+    /// `[b, n_pad / P]` u32.
+    ids_local: Tensor,
+    /// The sequence positions of `ids_local`'s columns.
+    positions: Vec<usize>,
+    /// `[b * n_pad / P]`, shifted, -100 where ignored.
+    targets_local: Tensor,
+    /// Valid targets over all ranks (> 0).
+    total: f64,
+}
+
 impl<M: CausalLm> Compiled<M> {
     /// One training step on `ids: [b, n]` (u32; every rank passes the whole batch), with optional `labels`
     /// (`[b, n]`, -100 ignored; default: the ids). Returns the global loss and the all-reduced gradients;
@@ -127,24 +140,7 @@ impl<M: CausalLm> Compiled<M> {
         policy: CheckpointPolicy,
         trace: bool,
     ) -> Result<StepOutput, CompileError> {
-        check_batch(ids, labels, self.model.dims().vocab, 2)?;
-        let (_, n) = ids.dims2()?;
-        let n_pad = self.padded_len(n);
-        let device = self.device();
-        let (ids, labels) = (ids.to_device(&device)?, labels.map(|l| l.to_device(&device)).transpose()?);
-        let (ids, targets) = shift_and_pad(&ids, labels.as_ref(), n_pad)?;
-        let positions = self.positions(n_pad, self.group.rank())?;
-        let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
-        let ids_local = ids.index_select(&index, 1)?;
-        let targets_local = targets.index_select(&index, 1)?.flatten_all()?;
-
-        let local_count = ops::cross_entropy::count_valid(&targets_local)?;
-        let counts = Tensor::new(&[local_count as f64], ids.device())?;
-        let total = self.group.all_reduce(&counts, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
-        if total == 0.0 {
-            return Err(CompileError::Input("every target is ignored (-100): nothing to train on".into()));
-        }
-
+        let LocalBatch { ids_local, positions, targets_local, total } = self.local_batch(ids, labels)?;
         let tape = Tape::new(policy);
         if trace {
             tape.trace_memory();
@@ -163,6 +159,44 @@ impl<M: CausalLm> Compiled<M> {
         autosp_core::alloc::phase("step", "gradient all-reduce");
         let grads = self.reduce_grads(local)?;
         Ok(StepOutput { loss, valid_tokens: total as usize, grads, after_forward, peak_bytes, memory_trace })
+    }
+
+    /// Forward only: the global mean token loss of `ids: [b, n]` (u32; every rank passes the whole batch)
+    /// against `labels` (`[b, n]`, -100 ignored; default: the ids), with the same shifting, sharding and
+    /// reduction as [`train_step`](Self::train_step) (the same loss up to the order of floating-point sums:
+    /// a recording tape may run the MLP chunked) but nothing recorded, no backward and no gradients:
+    /// held-out evaluation at long context costs one forward pass. Returns `(mean loss, valid target tokens)`, the same on every rank.
+    pub fn eval_loss(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<(f64, usize), CompileError> {
+        let LocalBatch { ids_local, positions, targets_local, total } = self.local_batch(ids, labels)?;
+        let tape = Tape::inference();
+        let (sum, _) = self.model.loss(&tape, &ids_local, &positions, &targets_local)?;
+        let local = ops::scale(&tape, &sum, 1.0 / total)?.tensor().to_dtype(DType::F64)?.reshape(1)?;
+        let loss = self.group.all_reduce(&local, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        Ok((loss, total as usize))
+    }
+
+    /// This rank's shard of a checked batch: `ids: [b, n]` and optional `labels: [b, n]` -> the local ids
+    /// `[b, n_pad / P]`, their positions, the local shifted targets `[b * n_pad / P]` and the number of valid
+    /// targets over all ranks (collective; an error on every rank when none is valid).
+    fn local_batch(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<LocalBatch, CompileError> {
+        check_batch(ids, labels, self.model.dims().vocab, 2)?;
+        let (_, n) = ids.dims2()?;
+        let n_pad = self.padded_len(n);
+        let device = self.device();
+        let (ids, labels) = (ids.to_device(&device)?, labels.map(|l| l.to_device(&device)).transpose()?);
+        let (ids, targets) = shift_and_pad(&ids, labels.as_ref(), n_pad)?;
+        let positions = self.positions(n_pad, self.group.rank())?;
+        let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
+        let ids_local = ids.index_select(&index, 1)?;
+        let targets_local = targets.index_select(&index, 1)?.flatten_all()?;
+
+        let local_count = ops::cross_entropy::count_valid(&targets_local)?;
+        let counts = Tensor::new(&[local_count as f64], ids.device())?;
+        let total = self.group.all_reduce(&counts, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        if total == 0.0 {
+            return Err(CompileError::Input("every target is ignored (-100): nothing to train on".into()));
+        }
+        Ok(LocalBatch { ids_local, positions, targets_local, total })
     }
 
     /// Sums every parameter's gradient over the group in its reduction dtype ([`reduce_dtype`]: f32 for
