@@ -711,7 +711,7 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
             right: x.0,
             total: x.1,
             unit: unit.into(),
-            note: format!("{}/{} {whole} of {} tokens", x.2, job.probes.len(), a.seq_len),
+            note: format!("{}/{} {whole}", x.2, job.probes.len()),
         };
         let summary = Summary {
             first_step,
