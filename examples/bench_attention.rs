@@ -39,6 +39,7 @@
 //! `--threads` sets RAYON_NUM_THREADS before anything starts, so both our kernels and candle's CPU ops
 //! (which size their pools from that variable) use that many threads.
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -215,6 +216,9 @@ fn window_pair_fraction(n: usize, spec: &AttentionSpec) -> f64 {
     kept / all
 }
 
+/// A run's (head_dim, n, kernel prefix, vector path).
+type RunKey = (usize, usize, &'static str, SimdPath);
+
 fn main() -> Result<()> {
     let args = Args::parse();
     if let Some(t) = args.threads {
@@ -252,8 +256,7 @@ fn main() -> Result<()> {
         }
     }
     // The unwindowed times per (head_dim, n, kernel prefix, vector path): (forward, forward + backward).
-    let mut no_window: std::collections::HashMap<(usize, usize, &str, SimdPath), (f64, Option<f64>)> =
-        Default::default();
+    let mut no_window: HashMap<RunKey, (f64, Option<f64>)> = HashMap::new();
     for (d, n, window) in runs {
         let spec = AttentionSpec { causal: args.causal, scale: None, q_offset: 0, k_offset: 0, max_distance: window };
         let q = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
@@ -278,8 +281,8 @@ fn main() -> Result<()> {
                 "scores_bytes_per_head": 4 * n * n,
                 "simd": simd_path.name(),
             });
-            let mut fwd_times = std::collections::HashMap::new();
-            let mut fwd_bwd_times = std::collections::HashMap::new();
+            let mut fwd_times = HashMap::new();
+            let mut fwd_bwd_times = HashMap::new();
             for &kernel in &kernels {
                 let p = kernel.prefix();
                 let has_backward = kernel != Kernel::FlashAttn;
