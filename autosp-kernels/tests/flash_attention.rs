@@ -5,11 +5,11 @@
 
 mod common;
 
-use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
+use autosp_core::ops::attention::{naive_attention_forward, AttentionSpec};
 use autosp_kernels::flash::poisoned;
 use autosp_kernels::{flash_attention_backward, flash_attention_forward, Error};
 use candle_core::{DType, Device, Tensor};
-use common::{inputs, random, spec, values, Case};
+use common::{assert_close, check_against_naive, inputs, random, spec, values, Case};
 
 /// The shapes every numerical check runs (tiles are 64 × 64, so 70, 100, 131, 150 cut tiles).
 fn cases() -> Vec<Case> {
@@ -28,50 +28,13 @@ fn cases() -> Vec<Case> {
     ]
 }
 
-/// Asserts `|got - want| <= tol · max(1, max |want|)` elementwise (equal infinities pass), and that `got`
-/// holds no NaN.
-fn assert_close(what: &str, c: &Case, got: &Tensor, want: &Tensor, tol: f64) {
-    assert_eq!(got.dims(), want.dims(), "{what} shape, {c:?}");
-    let (g, w) = (values(got), values(want));
-    let scale = w.iter().filter(|x| x.is_finite()).fold(1f64, |m, x| m.max(x.abs()));
-    for (i, (&a, &b)) in g.iter().zip(&w).enumerate() {
-        assert!(!a.is_nan(), "{what}[{i}] is NaN (poison not overwritten?), {c:?}");
-        if a == b {
-            continue;
-        }
-        assert!((a - b).abs() <= tol * scale, "{what}[{i}]: got {a}, want {b} (tol {tol} x {scale}), {c:?}");
-    }
-}
-
-/// Forward and backward (with and without d_lse) against the naive reference, through the poisoned entry
-/// points, so a NaN in any output means an element was never written.
-fn check_against_naive(dtype: DType, tol: f64, seed0: u64) {
-    for (n, c) in cases().iter().enumerate() {
-        let x = inputs(c, seed0 + 10 * n as u64, dtype);
-        let (o, lse) = poisoned::flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
-        let (o_ref, lse_ref) = naive_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
-        assert_eq!(o.dtype(), dtype);
-        assert_eq!(lse.dtype(), if dtype == DType::F64 { DType::F64 } else { DType::F32 });
-        assert_close("o", c, &o, &o_ref, tol);
-        assert_close("lse", c, &lse, &lse_ref, tol);
-        for d_lse in [None, Some(&x.d_lse)] {
-            let got = poisoned::flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, d_lse, &c.spec).unwrap();
-            let want =
-                naive_attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, Some(&x.d_o), d_lse, &c.spec).unwrap();
-            assert_close("dq", c, &got.0, &want.0, tol);
-            assert_close("dk", c, &got.1, &want.1, tol);
-            assert_close("dv", c, &got.2, &want.2, tol);
-        }
-    }
-}
-
 /// f64: both sides compute in f64 and differ only in summation order (tiles, the online rescaling) and in
 /// exp2(x·log2 e) against exp(x): a few ulp per step over sums of at most a few hundred terms of size
 /// ~1..100 gives errors near 1e-13; 1e-10 relative to the largest value leaves a wide margin and still
 /// catches any wrong term (which would be ~1e-2 or more).
 #[test]
 fn f64_matches_naive() {
-    check_against_naive(DType::F64, 1e-10, 1000);
+    check_against_naive(&cases(), DType::F64, 1e-10, 1000);
 }
 
 /// f32: the naive reference runs in f32 too; two different f32 summation orders over up to 256 keys and
@@ -80,7 +43,7 @@ fn f64_matches_naive() {
 /// passes every time and still catches a wrong term.
 #[test]
 fn f32_matches_naive() {
-    check_against_naive(DType::F32, 2e-5, 2000);
+    check_against_naive(&cases(), DType::F32, 2e-5, 2000);
 }
 
 /// bf16 inputs compute in f32 and return bf16: they match the f32 kernel on the same (bf16-rounded) inputs

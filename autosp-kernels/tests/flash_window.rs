@@ -7,10 +7,10 @@
 
 mod common;
 
-use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
+use autosp_core::ops::attention::AttentionSpec;
 use autosp_kernels::flash::{counted, poisoned};
-use candle_core::{DType, Tensor};
-use common::{inputs, spec, values, Case};
+use candle_core::DType;
+use common::{check_against_naive, inputs, spec, values, Case};
 
 fn windowed(causal: bool, q_offset: usize, k_offset: usize, w: usize) -> AttentionSpec {
     spec(causal, q_offset, k_offset).with_max_distance(w)
@@ -32,53 +32,18 @@ fn cases() -> Vec<Case> {
     ]
 }
 
-/// Asserts `|got - want| <= tol · max(1, max |want|)` elementwise (equal infinities pass), and that `got`
-/// holds no NaN.
-fn assert_close(what: &str, c: &Case, got: &Tensor, want: &Tensor, tol: f64) {
-    assert_eq!(got.dims(), want.dims(), "{what} shape, {c:?}");
-    let (g, w) = (values(got), values(want));
-    let scale = w.iter().filter(|x| x.is_finite()).fold(1f64, |m, x| m.max(x.abs()));
-    for (i, (&a, &b)) in g.iter().zip(&w).enumerate() {
-        assert!(!a.is_nan(), "{what}[{i}] is NaN (poison not overwritten?), {c:?}");
-        if a == b {
-            continue;
-        }
-        assert!((a - b).abs() <= tol * scale, "{what}[{i}]: got {a}, want {b} (tol {tol} x {scale}), {c:?}");
-    }
-}
-
-/// Forward and backward (with and without d_lse) against the naive reference, through the poisoned entry
-/// points, so a NaN in any output means an element was never written.
-fn check_against_naive(dtype: DType, tol: f64, seed0: u64) {
-    for (n, c) in cases().iter().enumerate() {
-        let x = inputs(c, seed0 + 10 * n as u64, dtype);
-        let (o, lse) = poisoned::flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
-        let (o_ref, lse_ref) = naive_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
-        assert_close("o", c, &o, &o_ref, tol);
-        assert_close("lse", c, &lse, &lse_ref, tol);
-        for d_lse in [None, Some(&x.d_lse)] {
-            let got = poisoned::flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, d_lse, &c.spec).unwrap();
-            let want =
-                naive_attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, Some(&x.d_o), d_lse, &c.spec).unwrap();
-            assert_close("dq", c, &got.0, &want.0, tol);
-            assert_close("dk", c, &got.1, &want.1, tol);
-            assert_close("dv", c, &got.2, &want.2, tol);
-        }
-    }
-}
-
 /// f64: the tolerance of `flash_attention.rs` (summation order and exp2 against exp: errors near 1e-13;
 /// 1e-10 relative to the largest value still catches any wrong or missing term, ~1e-2 or more).
 #[test]
 fn f64_windows_match_naive() {
-    check_against_naive(DType::F64, 1e-10, 3000);
+    check_against_naive(&cases(), DType::F64, 1e-10, 3000);
 }
 
 /// f32: the tolerance of `flash_attention.rs` (two f32 summation orders and a 1-ulp exp2, ~1e-6 relative;
 /// 2e-5 relative to the largest value passes every time and still catches a wrong term).
 #[test]
 fn f32_windows_match_naive() {
-    check_against_naive(DType::F32, 2e-5, 4000);
+    check_against_naive(&cases(), DType::F32, 2e-5, 4000);
 }
 
 /// Rows whose window holds no key get lse = -inf, o = 0 and zero dq; keys in no row's window get zero dk/dv.
