@@ -225,7 +225,7 @@ mod tests {
             "3.5000 -> 3.0000 (-0.5000; 8191 tokens of heldout.txt)",
             "| passkey accuracy ",
             "5.0% (2/40 answer tokens, 0/8 whole keys) -> 25.0% (10/40)",
-            "2048 tokens/s (32768 tokens in 16.0 s over 4 steps)",
+            "2048 tokens/s (32768 tokens in 16.0 s over 4 steps; CPU kernels on the avx2 vector path)",
             "[2.0, 3.0] MiB",
             "100.0 MiB (one process holds all 2 thread ranks)",
             "runs/x/step-4",
