@@ -288,3 +288,38 @@ fn keys_outside_the_window_are_never_read() {
     // The keys no row sees get exactly 0.
     assert!(values(&dk.narrow(1, 0, 70).unwrap()).iter().all(|&v| v == 0.0));
 }
+
+/// The generic forward first bounds each row's scores by `|q_i| · max_j |k_j|` and takes the online pass
+/// only when that bound is too loose for f32. Here one key of each kv head has a large norm along a feature
+/// every query has 0 in, so its scores are 0 while it inflates every row's bound by `norm · |q_i| · scale`
+/// (|q_i| about 2.3 here, scale 1/4): about 15 above the largest score (the bounded pass, its terms around
+/// e^-15), about 60 (still bounded: terms around e^-60 ≈ 1e-26, a row sum far above the 40 · 2^-100 floor)
+/// and about 1400 (every term underflows to 0: the online pass must take over). Each must match the CPU
+/// kernel within the f32 tolerance of the other tests.
+#[test]
+fn loose_score_bounds_keep_f32_precision_or_fall_back() {
+    let c = Case { b: 1, nq: 40, nk: 40, h: 4, hkv: 2, d: 16, spec: spec(true, 0, 0) };
+    for big in [25f32, 100.0, 2500.0] {
+        let x = inputs(&c, 7, DType::F32);
+        let mut keep = vec![1f32; c.d];
+        keep[0] = 0.0;
+        let keep = Tensor::new(keep.as_slice(), x.q.device()).unwrap();
+        let q = x.q.broadcast_mul(&keep).unwrap();
+        let mut first = vec![0f32; c.hkv * c.d];
+        for hk in 0..c.hkv {
+            first[hk * c.d] = big;
+        }
+        let first = Tensor::from_vec(first, (1, 1, c.hkv, c.d), q.device()).unwrap();
+        let k = Tensor::cat(&[&first, &x.k.narrow(1, 1, c.nk - 1).unwrap()], 1).unwrap();
+        let (o_ref, lse_ref) = flash_attention_forward(&q, &k, &x.v, &c.spec).unwrap();
+        for block in [Some(BLOCK), None] {
+            let (o, lse) = match block {
+                Some(bl) => attention_forward_with_block(&q, &k, &x.v, &c.spec, bl),
+                None => attention_forward(&q, &k, &x.v, &c.spec),
+            }
+            .unwrap();
+            assert_close(&format!("o, key norm {big}, block {block:?}"), &o, &o_ref, 1e-5);
+            assert_close(&format!("lse, key norm {big}, block {block:?}"), &lse, &lse_ref, 1e-5);
+        }
+    }
+}

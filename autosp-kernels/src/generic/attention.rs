@@ -20,11 +20,15 @@
 //!   each kv head is stacked into `[batch, kv_heads, group · rows, head_dim]`, so one batched matmul per
 //!   chunk covers every batch, kv head and group member against K, V in `[batch, kv_heads, k_len, head_dim]`
 //!   (copied heads-major once).
-//! - Forward: the chunks of a block in order with the online softmax of ALGORITHMS.md (running max m,
-//!   accumulator rescaled by exp(m - m')); `P [V, 1]` gives `P V` and the row sums in one product. The mask
-//!   bias is the lowest finite value, not -inf: exp of it is 0 all the same, and a row that sees no key of
-//!   one chunk stays finite (its garbage gets weight exp(lowest - m) = 0 once a later chunk shows it a key,
-//!   and every computed row sees a key in some chunk).
+//! - Forward: each row's scores are bounded first, `c_i = |q_i| · max_j |k_j| >= q_i · k_j` (Cauchy–Schwarz),
+//!   and the chunks of a block give `P = exp([Q, -c] [K, 1]ᵀ)` in one product and `P [V, 1]` (P V and the
+//!   row sums l) in another: no row max, no subtraction pass, no rescaling; `lse = c + ln l`. When a bound is
+//!   so far above its row's scores that l falls below `k_len · 2^-100` (f32; the row's terms would near the
+//!   subnormals), the block takes the online softmax of ALGORITHMS.md instead (running max m, accumulator
+//!   rescaled by exp(m - m')). There the mask bias is the lowest finite value, not -inf: exp of it is 0 all
+//!   the same, and a row that sees no key of one chunk stays finite (its garbage gets weight
+//!   exp(lowest - m) = 0 once a later chunk shows it a key, and every computed row sees a key in some
+//!   chunk). The bound saved about a sixth of the forward's time on the CPU (docs/BENCHMARKS.md).
 //! - Backward (FlashAttention-2): per chunk `P = exp(S - lse)` recomputed from the saved LSE (a row with
 //!   `lse = -inf` uses the largest finite value, so its P is 0 and its gradients are 0, never NaN),
 //!   `dV += Pᵀ dO`, `dS = P ∘ (dP - D + d_lse)` with `dP = dO Vᵀ` and `D = rowsum(dO ∘ O)`, `dQ += dS K`,
@@ -108,11 +112,13 @@ pub fn attention_forward_with_block(
         return Ok((o, t.full((b, h, dims.q_len), f64::NEG_INFINITY)?));
     }
     let (kh, vh) = (heads_major(k, cd)?, heads_major(v, cd)?);
-    // V with a column of ones, `[b, kv_heads, nk, d + 1]`: P [V, 1] gives P V and the row sums of P in one
-    // product.
-    let vh1 = Tensor::cat(&[&vh, &t.full((b, dims.kv_heads, dims.k_len, 1), 1.0)?], 3)?;
-    drop(vh);
-    let lowest = t.full((), -t.max_finite())?;
+    // The largest key norm of each kv head, `[b, kv_heads, 1, 1]`, for the bound of the bounded pass.
+    let key_norm = kh.sqr()?.sum_keepdim(3)?.sqrt()?.max_keepdim(2)?;
+    // K and V with a column of ones, `[b, kv_heads, nk, d + 1]`: against a query block with a column -c the
+    // chunk product gives S - c, and P [V, 1] gives P V and the row sums of P in one product.
+    let ones = t.full((b, dims.kv_heads, dims.k_len, 1), 1.0)?;
+    let (kh1, vh1) = (Tensor::cat(&[&kh, &ones], 3)?, Tensor::cat(&[&vh, &ones], 3)?);
+    drop((kh, vh, ones));
     let mut masks = Masks::default();
     let (mut o_blocks, mut lse_blocks) = (Vec::new(), Vec::new());
     // The rows before and after `seeing` see no key.
@@ -126,13 +132,75 @@ pub fn attention_forward_with_block(
     blind(seeing.start, &mut o_blocks, &mut lse_blocks)?;
     for (i0, rows) in t.query_blocks(seeing.clone()) {
         let qb = t.stacked(q, i0, rows, Some(t.scale))?;
-        // Running max m `[b, kv_heads, group·rows, 1]` and accumulator [P V, rowsum P] `[.., d + 1]`.
+        let block = Block { qb: &qb, i0, rows, kh1: &kh1, vh1: &vh1 };
+        // (c, [P V, l]) with P = exp(S - c): o = P V / l and lse = c + ln l.
+        let (shift, acc) = match block.bounded(&t, &key_norm, &mut masks)? {
+            Some(r) => r,
+            None => block.online(&t, &mut masks)?,
+        };
+        let l = acc.narrow(3, d, 1)?;
+        o_blocks.push(acc.narrow(3, 0, d)?.broadcast_div(&l)?.reshape((b, h, rows, d))?);
+        lse_blocks.push((shift + l.log()?)?.reshape((b, h, rows))?);
+    }
+    blind(dims.q_len - seeing.end, &mut o_blocks, &mut lse_blocks)?;
+    let o = seq_major(&Tensor::cat(&o_blocks, 2)?, q.dtype())?;
+    Ok((o, Tensor::cat(&lse_blocks, 2)?))
+}
+
+/// One query block of the forward against the keys it sees: the stacked, scaled rows `qb: [b, kv_heads,
+/// group · rows, d]` of query rows `i0..i0 + rows`, and K, V with their column of ones.
+struct Block<'a> {
+    qb: &'a Tensor,
+    i0: usize,
+    rows: usize,
+    kh1: &'a Tensor,
+    vh1: &'a Tensor,
+}
+
+impl Block<'_> {
+    /// `P [V, 1]` summed over the block's chunks, with `P = exp([Q, -c] [K, 1]ᵀ + mask)` for the per-row
+    /// column `c: [b, kv_heads, group · rows, 1]`.
+    fn accumulate(&self, t: &Tiles, c: &Tensor, masks: &mut Masks) -> Result<Tensor> {
+        let qc = Tensor::cat(&[self.qb, &c.neg()?], 3)?;
+        let mut acc = None;
+        for ch in t.chunks(self.i0, self.rows) {
+            let s = qc.matmul(&self.kh1.narrow(2, ch.j0, ch.len)?.t()?)?;
+            let s = if ch.masked { masks.apply(t, s, self.i0, self.rows, ch.j0, ch.len)? } else { s };
+            add_to(&mut acc, s.exp()?.matmul(&self.vh1.narrow(2, ch.j0, ch.len)?)?)?;
+        }
+        Ok(acc.expect("a row that sees a key has at least one chunk"))
+    }
+
+    /// The bounded pass: one product per chunk and no running max. Each row's `c` is an upper bound of its
+    /// scores, `|q_i| · max_j |k_j| >= q_i · k_j` (Cauchy–Schwarz; `key_norm: [b, kv_heads, 1, 1]` is the
+    /// largest key norm of each kv head), so exp never overflows. Returns `None` when a row's sum
+    /// `l = sum_j exp(s_ij - c_i)` is below [`Tiles::min_bounded_sum`] (or not finite): the bound was so far
+    /// above the row's largest score that its terms would lose precision in the subnormal range; the caller
+    /// then takes the online pass. Otherwise the largest term is at least `l / k_len`, a normal number, and
+    /// the result has the online pass's precision.
+    fn bounded(&self, t: &Tiles, key_norm: &Tensor, masks: &mut Masks) -> Result<Option<(Tensor, Tensor)>> {
+        let bound = self.qb.sqr()?.sum_keepdim(3)?.sqrt()?.broadcast_mul(key_norm)?;
+        let acc = self.accumulate(t, &bound, masks)?;
+        let l = acc.narrow(3, t.dims.head_dim, 1)?;
+        // `ge` is false for NaN, so a NaN sum also falls back.
+        let all_normal = l.ge(t.min_bounded_sum())?.flatten_all()?.min(0)?.to_scalar::<u8>()? == 1;
+        Ok(all_normal.then_some((bound, acc)))
+    }
+
+    /// The online pass (ALGORITHMS.md): per chunk the row max m, the accumulator rescaled by exp(m - m').
+    /// The mask bias is the lowest finite value, not -inf: exp of it is 0 all the same, and a row that sees
+    /// no key of one chunk stays finite (its garbage gets weight exp(lowest - m) = 0 once a later chunk
+    /// shows it a key, and every computed row sees a key in some chunk).
+    fn online(&self, t: &Tiles, masks: &mut Masks) -> Result<(Tensor, Tensor)> {
+        // [Q, 0] [K, 1]ᵀ = S.
+        let qb0 = Tensor::cat(&[self.qb, &self.qb.narrow(3, 0, 1)?.zeros_like()?], 3)?;
+        let lowest = t.full((), -t.max_finite())?;
         let mut state: Option<(Tensor, Tensor)> = None;
-        for c in t.chunks(i0, rows) {
-            let s = qb.matmul(&kh.narrow(2, c.j0, c.len)?.t()?)?;
-            let s = if c.masked { masks.apply(&t, s, i0, rows, c.j0, c.len)? } else { s };
+        for ch in t.chunks(self.i0, self.rows) {
+            let s = qb0.matmul(&self.kh1.narrow(2, ch.j0, ch.len)?.t()?)?;
+            let s = if ch.masked { masks.apply(t, s, self.i0, self.rows, ch.j0, ch.len)? } else { s };
             let chunk_max = s.max_keepdim(D::Minus1)?;
-            let vc = vh1.narrow(2, c.j0, c.len)?;
+            let vc = self.vh1.narrow(2, ch.j0, ch.len)?;
             state = Some(match state.take() {
                 None => {
                     let m = chunk_max.broadcast_maximum(&lowest)?;
@@ -147,15 +215,8 @@ pub fn attention_forward_with_block(
                 }
             });
         }
-        let (m, acc) = state.expect("a row that sees a key has at least one chunk");
-        // Every row here sees a key, so its sum l >= 1 (the max's own term).
-        let l = acc.narrow(3, d, 1)?;
-        o_blocks.push(acc.narrow(3, 0, d)?.broadcast_div(&l)?.reshape((b, h, rows, d))?);
-        lse_blocks.push((m + l.log()?)?.reshape((b, h, rows))?);
+        Ok(state.expect("a row that sees a key has at least one chunk"))
     }
-    blind(dims.q_len - seeing.end, &mut o_blocks, &mut lse_blocks)?;
-    let o = seq_major(&Tensor::cat(&o_blocks, 2)?, q.dtype())?;
-    Ok((o, Tensor::cat(&lse_blocks, 2)?))
 }
 
 /// Attention backward on any device, from the forward's saved `o: [batch, q_len, heads, head_dim]` and
@@ -383,6 +444,14 @@ impl Tiles {
             DType::F64 => Tensor::full(value, shape, &self.device)?,
             _ => Tensor::full(value as f32, shape, &self.device)?,
         })
+    }
+
+    /// The smallest row sum the bounded forward pass accepts: `k_len · 2^-100` in f32 (`k_len · 2^-1000`
+    /// in f64), so that the row's largest term, at least `l / k_len`, is 2^-100 or more, far above the
+    /// subnormals (2^-126; 2^-1022 in f64).
+    fn min_bounded_sum(&self) -> f64 {
+        let floor = if self.cd == DType::F64 { 2f64.powi(-1000) } else { 2f64.powi(-100) };
+        self.dims.k_len as f64 * floor
     }
 
     /// The largest finite value of the compute dtype.
