@@ -24,8 +24,9 @@
 //!   and the chunks of a block give `P = exp([Q, -c] [K, 1]ᵀ)` in one product and `P [V, 1]` (P V and the
 //!   row sums l) in another: no row max, no subtraction pass, no rescaling; `lse = c + ln l`. When a bound is
 //!   so far above its row's scores that l falls below `k_len · 2^-100` (f32; the row's terms would near the
-//!   subnormals), the block takes the online softmax of ALGORITHMS.md instead (running max m, accumulator
-//!   rescaled by exp(m - m')). There the mask bias is the lowest finite value, not -inf: exp of it is 0 all
+//!   subnormals), the block is done again with the online softmax of ALGORITHMS.md (running max m,
+//!   accumulator rescaled by exp(m - m')); the blocks' flags are read back together, one device
+//!   synchronisation per call. There the mask bias is the lowest finite value, not -inf: exp of it is 0 all
 //!   the same, and a row that sees no key of one chunk stays finite (its garbage gets weight
 //!   exp(lowest - m) = 0 once a later chunk shows it a key, and every computed row sees a key in some
 //!   chunk). The bound saved about a sixth of the forward's time on the CPU (docs/BENCHMARKS.md).
@@ -130,13 +131,28 @@ pub fn attention_forward_with_block(
         Ok(())
     };
     blind(seeing.start, &mut o_blocks, &mut lse_blocks)?;
-    for (i0, rows) in t.query_blocks(seeing.clone()) {
-        let qb = t.stacked(q, i0, rows, Some(t.scale))?;
-        let block = Block { qb: &qb, i0, rows, kh1: &kh1, vh1: &vh1 };
+    // Every block takes the bounded pass; its flags are read back once, after all of them (one device
+    // synchronisation per call), and the blocks whose bound was too loose are done again by the online pass.
+    let blocks: Vec<(usize, usize)> = t.query_blocks(seeing.clone()).collect();
+    let block_at = |i0: usize, rows: usize| -> Result<(Tensor, usize, usize)> {
+        Ok((t.stacked(q, i0, rows, Some(t.scale))?, i0, rows))
+    };
+    let mut done = Vec::with_capacity(blocks.len());
+    let mut flags = Vec::with_capacity(blocks.len());
+    for &(i0, rows) in &blocks {
+        let (qb, i0, rows) = block_at(i0, rows)?;
+        let (shift, acc, ok) = Block { qb: &qb, i0, rows, kh1: &kh1, vh1: &vh1 }.bounded(&t, &key_norm, &mut masks)?;
+        done.push((shift, acc));
+        flags.push(ok);
+    }
+    let flags = Tensor::cat(&flags, 0)?.to_vec1::<u8>()?;
+    for (((shift, acc), &(i0, rows)), ok) in done.into_iter().zip(&blocks).zip(flags) {
         // (c, [P V, l]) with P = exp(S - c): o = P V / l and lse = c + ln l.
-        let (shift, acc) = match block.bounded(&t, &key_norm, &mut masks)? {
-            Some(r) => r,
-            None => block.online(&t, &mut masks)?,
+        let (shift, acc) = if ok == 1 {
+            (shift, acc)
+        } else {
+            let (qb, i0, rows) = block_at(i0, rows)?;
+            Block { qb: &qb, i0, rows, kh1: &kh1, vh1: &vh1 }.online(&t, &mut masks)?
         };
         let l = acc.narrow(3, d, 1)?;
         o_blocks.push(acc.narrow(3, 0, d)?.broadcast_div(&l)?.reshape((b, h, rows, d))?);
@@ -173,18 +189,18 @@ impl Block<'_> {
 
     /// The bounded pass: one product per chunk and no running max. Each row's `c` is an upper bound of its
     /// scores, `|q_i| · max_j |k_j| >= q_i · k_j` (Cauchy–Schwarz; `key_norm: [b, kv_heads, 1, 1]` is the
-    /// largest key norm of each kv head), so exp never overflows. Returns `None` when a row's sum
-    /// `l = sum_j exp(s_ij - c_i)` is below [`Tiles::min_bounded_sum`] (or not finite): the bound was so far
-    /// above the row's largest score that its terms would lose precision in the subnormal range; the caller
-    /// then takes the online pass. Otherwise the largest term is at least `l / k_len`, a normal number, and
-    /// the result has the online pass's precision.
-    fn bounded(&self, t: &Tiles, key_norm: &Tensor, masks: &mut Masks) -> Result<Option<(Tensor, Tensor)>> {
+    /// largest key norm of each kv head), so exp never overflows. Returns `(c, [P V, l], ok)`; `ok: [1]` (u8,
+    /// on the device) is 0 when a row's sum `l = sum_j exp(s_ij - c_i)` is below [`Tiles::min_bounded_sum`]
+    /// (or not a number): the bound was so far above the row's largest score that its terms would lose
+    /// precision near the subnormals, and the block must take the online pass. Otherwise the largest term is
+    /// at least `l / k_len`, a normal number, and the result has the online pass's precision.
+    fn bounded(&self, t: &Tiles, key_norm: &Tensor, masks: &mut Masks) -> Result<(Tensor, Tensor, Tensor)> {
         let bound = self.qb.sqr()?.sum_keepdim(3)?.sqrt()?.broadcast_mul(key_norm)?;
         let acc = self.accumulate(t, &bound, masks)?;
         let l = acc.narrow(3, t.dims.head_dim, 1)?;
         // `ge` is false for NaN, so a NaN sum also falls back.
-        let all_normal = l.ge(t.min_bounded_sum())?.flatten_all()?.min(0)?.to_scalar::<u8>()? == 1;
-        Ok(all_normal.then_some((bound, acc)))
+        let ok = l.ge(t.min_bounded_sum())?.flatten_all()?.min_keepdim(0)?;
+        Ok((bound, acc, ok))
     }
 
     /// The online pass (ALGORITHMS.md): per chunk the row max m, the accumulator rescaled by exp(m - m').
