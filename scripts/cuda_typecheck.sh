@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Type-checks the CUDA code on a machine with no GPU and no CUDA toolkit: `cargo clippy -D warnings` (which is
-# `cargo check` plus lints) of the whole workspace, all targets, with `--features cuda,nccl` (and `mpi,cuda,nccl` when OpenMPI's headers are
-# installed). It compiles the `cfg(feature = "cuda" / "nccl")` code (the NCCL back end, the CUDA tests, the device
-# selection, llama_longctx's NCCL-over-MPI path) but never links nor runs it: no libcuda is needed, and nothing here
-# says the code works on a GPU (scripts/gpu_check.sh does that). `flash-attn` is not checked (its build clones
-# CUTLASS and compiles for an hour).
+# `cargo check` plus lints) of the whole workspace, all targets, with `--features cuda,nccl` (and `mpi,cuda,nccl`
+# when OpenMPI's headers are installed). It compiles the `cfg(feature = "cuda" / "nccl")` code (the NCCL back end,
+# the CUDA tests, the device selection, llama_longctx's NCCL-over-MPI path) but never links nor runs it: no libcuda
+# is needed, and passing says nothing of whether the code works on a GPU (scripts/gpu_check.sh checks that).
+# `flash-attn` is not checked (its build clones CUTLASS and compiles for an hour).
 #
 # What the build scripts need: candle-kernels compiles its .cu files with nvcc (to PTX, and a static library for
 # its MoE kernels), so nvcc and the CUDA headers come from NVIDIA's wheels on PyPI, pinned, installed once into
-# $CUDA_PIP (default $CARGO_TARGET_DIR/cuda-pip, else target/cuda-pip; delete it to reinstall). cudarc's bindings are pre-generated: it only needs
-# the CUDA version, given by CUDARC_CUDA_VERSION (the wheels' 13.2). CUDA_COMPUTE_CAP=90 (H100/H200) stands in
-# for the GPU that nvidia-smi would report.
+# $CUDA_PIP (default: cuda-pip under $CARGO_TARGET_DIR, else under target/; delete it to reinstall). cudarc's
+# bindings are pre-generated: it only needs the CUDA version, given by CUDARC_CUDA_VERSION (the wheels' 13.2).
+# CUDA_COMPUTE_CAP=90 (H100/H200) stands in for the GPU that nvidia-smi would report. Needs network to PyPI (the
+# first time) and to crates.io (or the crates already fetched).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
