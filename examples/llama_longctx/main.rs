@@ -14,9 +14,13 @@
 //! cargo build --release --features mpi --example llama_longctx
 //! mpirun -np 4 target/release/examples/llama_longctx --launcher mpi --seq-len 8192
 //! ```
+//!
+//! Under `--launcher mpi` with a CUDA device, a build with `nccl` runs the collectives over NCCL (bootstrapped
+//! over MPI, one GPU per process; `collectives.rs`), type-checked only: it has not run on GPUs.
 
 mod args;
 mod checkpoint;
+mod collectives;
 mod data;
 mod heldout;
 mod interrupt;
@@ -137,8 +141,19 @@ fn run_mpi_rank(args: Args, pg: &std::sync::Arc<dyn autosp::core::comm::ProcessG
         pg.barrier()?;
         made?;
     }
-    let job = Job::prepare(args, size, false).map_err(|e| e.context(format!("rank {rank}")))?;
-    train::run_rank(pg.clone(), &job).map_err(|e| e.context(format!("rank {rank}")))
+    let mut job = Job::prepare(args, size, false).map_err(|e| e.context(format!("rank {rank}")))?;
+    // Each process takes its node-local rank's GPU (plain `cuda`), before the NCCL group that needs it.
+    let device = job
+        .args
+        .device_spec()
+        .open(Some((autosp::device::local_rank(rank), size)))
+        .map_err(|e| anyhow::Error::from(e).context(format!("rank {rank}")))?;
+    // NCCL carries the collectives of CUDA tensors in a build with `nccl`; otherwise MPI, through the host.
+    let (group, carrier) =
+        collectives::over_mpi(pg, &device, TIMEOUT).map_err(|e| e.context(format!("rank {rank}")))?;
+    job.device = Some(device);
+    job.carrier = carrier;
+    train::run_rank(group, &job).map_err(|e| e.context(format!("rank {rank}")))
 }
 
 #[cfg(not(feature = "mpi"))]

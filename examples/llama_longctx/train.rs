@@ -21,6 +21,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::args::{Args, DataSource};
 use crate::checkpoint::{self, TrainerState};
+use crate::collectives::Carrier;
 use crate::data::{self, Passkey, PasskeyVocab, Sample, Stream};
 use crate::heldout::HeldOut;
 use crate::model;
@@ -57,8 +58,11 @@ pub struct Job {
     pub resume_changes: Vec<String>,
     pub save_root: PathBuf,
     pub micro: usize,
-    /// The device of thread ranks (`None` with one process per rank: each opens its own).
+    /// The device of this process's ranks: thread ranks share it; with one process per rank, `run_mpi_rank`
+    /// opens the process's own after `prepare` (`None` until then; `run_rank` then opens it).
     pub device: Option<Device>,
+    /// The back end that carries the collectives (thread ranks, MPI, or NCCL over MPI), for the report.
+    pub carrier: Carrier,
 }
 
 /// How a rank's run ended.
@@ -249,6 +253,7 @@ impl Job {
             save_root,
             micro,
             device,
+            carrier: if threads { Carrier::Threads } else { Carrier::Mpi },
             args,
         })
     }
@@ -425,6 +430,7 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         job.micro,
         a.data
     ));
+    say(&job.carrier.describe(&device));
     if let Some(w) = c.max_attention_distance() {
         say(&format!(
             "attention window (--max-attention-distance {w}): each token sees only the {} tokens at most {w} \

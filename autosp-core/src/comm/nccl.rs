@@ -193,8 +193,10 @@ impl RawComm {
     /// `ncclCommSplit` with this rank's `color` and `key` (a collective of the whole communicator).
     fn split(&self, color: usize, key: usize) -> std::result::Result<RawComm, String> {
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `self.comm` is a live communicator; a null config means "inherit the parent's".
-        unsafe { result::comm_split(self.comm, color as i32, key as i32, &mut comm, std::ptr::null_mut()) }
+        // SAFETY: `self.comm` is a live communicator; a null config means "inherit the parent's". (cudarc's
+        // `result::comm_split` exists only in its CUDA 12.2-12.5 builds; the binding is in every one.)
+        unsafe { sys::ncclCommSplit(self.comm, color as i32, key as i32, &mut comm, std::ptr::null_mut()) }
+            .result()
             .map_err(|e| format!("ncclCommSplit failed: {:?}", e.0))?;
         if comm.is_null() {
             return Err("ncclCommSplit gave this rank no communicator".to_string());
