@@ -70,12 +70,7 @@ pub trait Real:
 
     /// `out[i] = e^(x[i] - m)`; returns their sum (equal lengths).
     fn exp_row_on(_path: SimdPath, out: &mut [Self], x: &[Self], m: Self) -> Self {
-        let mut sum = Self::ZERO;
-        for (o, &v) in out.iter_mut().zip(x) {
-            *o = (v - m).exp();
-            sum += *o;
-        }
-        sum
+        exp_row_ref(out, x, m)
     }
 
     /// RoPE on one row's halves (all of one length): `y1 = x1 c - x2 s`, `y2 = x2 c + x1 s`; with `inverse`
@@ -132,17 +127,7 @@ impl Real for f32 {
         vector::exp_sum_row(path, x, m).unwrap_or_else(|| exp_sum_ref(x, m))
     }
     fn exp_row_on(path: SimdPath, out: &mut [Self], x: &[Self], m: Self) -> Self {
-        match vector::exp_row(path, out, x, m) {
-            Some(sum) => sum,
-            None => {
-                let mut sum = 0.0;
-                for (o, &v) in out.iter_mut().zip(x) {
-                    *o = (v - m).exp();
-                    sum += *o;
-                }
-                sum
-            }
-        }
+        vector::exp_row(path, out, x, m).unwrap_or_else(|| exp_row_ref(out, x, m))
     }
     fn rotate_on(
         path: SimdPath,
@@ -216,6 +201,16 @@ fn exp_sum_ref<T: Real>(x: &[T], m: T) -> T {
         }
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + s
+}
+
+/// `out[i] = e^(x[i] - m)` and their sum, scalar (the reference of [`Real::exp_row_on`]).
+fn exp_row_ref<T: Real>(out: &mut [T], x: &[T], m: T) -> T {
+    let mut sum = T::ZERO;
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = (v - m).exp();
+        sum += *o;
+    }
+    sum
 }
 
 /// The scalar RoPE of one row's halves (the reference of [`Real::rotate_on`]).

@@ -134,26 +134,20 @@ pub fn attention_forward_with_block(
     // Every block takes the bounded pass; its flags are read back once, after all of them (one device
     // synchronisation per call), and the blocks whose bound was too loose are done again by the online pass.
     let blocks: Vec<(usize, usize)> = t.query_blocks(seeing.clone()).collect();
-    let block_at = |i0: usize, rows: usize| -> Result<(Tensor, usize, usize)> {
-        Ok((t.stacked(q, i0, rows, Some(t.scale))?, i0, rows))
+    let block = |i0: usize, rows: usize| -> Result<Block> {
+        Ok(Block { qb: t.stacked(q, i0, rows, Some(t.scale))?, i0, rows, kh1: &kh1, vh1: &vh1 })
     };
     let mut done = Vec::with_capacity(blocks.len());
     let mut flags = Vec::with_capacity(blocks.len());
     for &(i0, rows) in &blocks {
-        let (qb, i0, rows) = block_at(i0, rows)?;
-        let (shift, acc, ok) = Block { qb: &qb, i0, rows, kh1: &kh1, vh1: &vh1 }.bounded(&t, &key_norm, &mut masks)?;
+        let (shift, acc, ok) = block(i0, rows)?.bounded(&t, &key_norm, &mut masks)?;
         done.push((shift, acc));
         flags.push(ok);
     }
     let flags = Tensor::cat(&flags, 0)?.to_vec1::<u8>()?;
     for (((shift, acc), &(i0, rows)), ok) in done.into_iter().zip(&blocks).zip(flags) {
         // (c, [P V, l]) with P = exp(S - c): o = P V / l and lse = c + ln l.
-        let (shift, acc) = if ok == 1 {
-            (shift, acc)
-        } else {
-            let (qb, i0, rows) = block_at(i0, rows)?;
-            Block { qb: &qb, i0, rows, kh1: &kh1, vh1: &vh1 }.online(&t, &mut masks)?
-        };
+        let (shift, acc) = if ok == 1 { (shift, acc) } else { block(i0, rows)?.online(&t, &mut masks)? };
         let l = acc.narrow(3, d, 1)?;
         o_blocks.push(acc.narrow(3, 0, d)?.broadcast_div(&l)?.reshape((b, h, rows, d))?);
         lse_blocks.push((shift + l.log()?)?.reshape((b, h, rows))?);
@@ -166,7 +160,7 @@ pub fn attention_forward_with_block(
 /// One query block of the forward against the keys it sees: the stacked, scaled rows `qb: [b, kv_heads,
 /// group · rows, d]` of query rows `i0..i0 + rows`, and K, V with their column of ones.
 struct Block<'a> {
-    qb: &'a Tensor,
+    qb: Tensor,
     i0: usize,
     rows: usize,
     kh1: &'a Tensor,
@@ -177,11 +171,10 @@ impl Block<'_> {
     /// `P [V, 1]` summed over the block's chunks, with `P = exp([Q, -c] [K, 1]ᵀ + mask)` for the per-row
     /// column `c: [b, kv_heads, group · rows, 1]`.
     fn accumulate(&self, t: &Tiles, c: &Tensor, masks: &mut Masks) -> Result<Tensor> {
-        let qc = Tensor::cat(&[self.qb, &c.neg()?], 3)?;
+        let qc = Tensor::cat(&[&self.qb, &c.neg()?], 3)?;
         let mut acc = None;
         for ch in t.chunks(self.i0, self.rows) {
-            let s = qc.matmul(&self.kh1.narrow(2, ch.j0, ch.len)?.t()?)?;
-            let s = if ch.masked { masks.apply(t, s, self.i0, self.rows, ch.j0, ch.len)? } else { s };
+            let s = t.chunk_scores(&qc, self.kh1, self.i0, self.rows, ch, masks)?;
             add_to(&mut acc, s.exp()?.matmul(&self.vh1.narrow(2, ch.j0, ch.len)?)?)?;
         }
         Ok(acc.expect("a row that sees a key has at least one chunk"))
@@ -209,12 +202,11 @@ impl Block<'_> {
     /// shows it a key, and every computed row sees a key in some chunk).
     fn online(&self, t: &Tiles, masks: &mut Masks) -> Result<(Tensor, Tensor)> {
         // [Q, 0] [K, 1]ᵀ = S.
-        let qb0 = Tensor::cat(&[self.qb, &self.qb.narrow(3, 0, 1)?.zeros_like()?], 3)?;
+        let qb0 = Tensor::cat(&[&self.qb, &self.qb.narrow(3, 0, 1)?.zeros_like()?], 3)?;
         let lowest = t.full((), -t.max_finite())?;
         let mut state: Option<(Tensor, Tensor)> = None;
         for ch in t.chunks(self.i0, self.rows) {
-            let s = qb0.matmul(&self.kh1.narrow(2, ch.j0, ch.len)?.t()?)?;
-            let s = if ch.masked { masks.apply(t, s, self.i0, self.rows, ch.j0, ch.len)? } else { s };
+            let s = t.chunk_scores(&qb0, self.kh1, self.i0, self.rows, ch, masks)?;
             let chunk_max = s.max_keepdim(D::Minus1)?;
             let vc = self.vh1.narrow(2, ch.j0, ch.len)?;
             state = Some(match state.take() {
@@ -311,9 +303,7 @@ pub fn attention_backward_with_block(
         let dob1 = Tensor::cat(&[&dob, &minus_per_row(&delta)?], 3)?;
         let mut dq = None;
         for c in t.chunks(i0, rows) {
-            let s = qb1.matmul(&kh1.narrow(2, c.j0, c.len)?.t()?)?;
-            let s = if c.masked { masks.apply(&t, s, i0, rows, c.j0, c.len)? } else { s };
-            let p = s.exp()?;
+            let p = t.chunk_scores(&qb1, &kh1, i0, rows, c, &mut masks)?.exp()?;
             t.add_to_cells(&mut dv_cells, c.j0, p.t()?.matmul(&dob)?)?;
             let ds = (p * dob1.matmul(&vh1.narrow(2, c.j0, c.len)?.t()?)?)?;
             add_to(&mut dq, ds.matmul(&kh.narrow(2, c.j0, c.len)?)?)?;
@@ -427,6 +417,26 @@ impl Tiles {
             }
         }
         chunks
+    }
+
+    /// `x [K, 1]ᵀ` for the keys of chunk `ch` (`x: [b, kv_heads, group · rows, d + 1]`, the stacked query
+    /// rows `i0..i0 + rows` with a per-row column; `kh1: [b, kv_heads, nk, d + 1]`, K with a column of ones),
+    /// with the entries the spec hides pushed to the lowest finite value when the chunk is masked.
+    fn chunk_scores(
+        &self,
+        x: &Tensor,
+        kh1: &Tensor,
+        i0: usize,
+        rows: usize,
+        ch: Chunk,
+        masks: &mut Masks,
+    ) -> Result<Tensor> {
+        let s = x.matmul(&kh1.narrow(2, ch.j0, ch.len)?.t()?)?;
+        if ch.masked {
+            masks.apply(self, s, i0, rows, ch.j0, ch.len)
+        } else {
+            Ok(s)
+        }
     }
 
     /// Empty accumulators, one per key cell of `block` keys.
