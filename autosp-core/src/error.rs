@@ -16,6 +16,10 @@ pub enum Error {
     #[error("{op}: {msg}")]
     InvalidArgument { op: &'static str, msg: String },
 
+    /// A dtype the op does not compute in (see [`crate::precision::Precision`]).
+    #[error("{op}: dtype {dtype:?} is not supported; use f32, f64, bf16 or f16")]
+    UnsupportedDType { op: &'static str, dtype: candle_core::DType },
+
     /// `backward` ran before on this tape without retaining the graph, so its saved tensors are gone.
     #[error(
         "backward was already run on this tape and its saved tensors were released; \

@@ -21,8 +21,9 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
-use autosp::core::optim::{needs_master, AdamW};
+use autosp::core::optim::AdamW;
 use autosp::core::Param;
+use autosp::core::Precision;
 use autosp::models::{save_model, LlamaModel, SaveOptions};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
@@ -565,7 +566,7 @@ pub fn restore_optimizer(dir: &Path, opt: &mut AdamW, params: &[Param], step: u6
                     w.dims()
                 );
             }
-            if needs_master(w.dtype()) {
+            if Precision::float(w.dtype()).needs_master() {
                 opt.set_master(p, &master)?;
             } else {
                 p.set(master.to_dtype(w.dtype())?)?;

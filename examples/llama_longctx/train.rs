@@ -11,10 +11,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use autosp::core::comm::{ProcessGroup, ReduceOp};
-use autosp::core::optim::{
-    clip_to_norm, global_norm, master_dtype, needs_master, AdamW, AdamWConfig, LrSchedule, Optimizer,
-};
-use autosp::core::{Gradients, Param};
+use autosp::core::optim::{clip_to_norm, global_norm, AdamW, AdamWConfig, LrSchedule, Optimizer};
+use autosp::core::{Gradients, Param, Precision};
 use autosp::models::LlamaModel;
 use autosp::{compile, CompileConfig, Compiled};
 use candle_core::{DType, Device, Tensor};
@@ -169,7 +167,7 @@ impl Job {
             (None, Some(m)) => m.clone(),
             (None, None) => model::tiny_model(args.seed)?.display().to_string(),
         };
-        let loaded = model::load(&source, master_dtype(dtype))?;
+        let loaded = model::load(&source, Precision::float(dtype).master())?;
         let vocab = loaded.model.config.vocab_size;
         let mut probes = Vec::new();
         let stream = match DataSource::parse(&args.data) {
@@ -424,7 +422,11 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
         c.resolved().reason,
         a.checkpoint,
         job.dtype.as_str(),
-        if needs_master(job.dtype) { " (f32 master weights, moments, loss and gradient all-reduce)" } else { "" },
+        if Precision::float(job.dtype).needs_master() {
+            " (f32 master weights, moments, loss and gradient all-reduce)"
+        } else {
+            ""
+        },
         a.seq_len,
         c.padded_len(a.seq_len) / job.p,
         job.micro,
@@ -446,7 +448,7 @@ pub fn run_rank(pg: Arc<dyn ProcessGroup>, job: &Job) -> Result<Ended> {
 
     let params: Vec<Param> = c.params();
     let mut opt = AdamW::new(AdamWConfig::default())?;
-    if needs_master(job.dtype) {
+    if Precision::float(job.dtype).needs_master() {
         // The masters start from the loaded weights (f32), not from their bf16/f16 rounding.
         for p in &params {
             let w = base.get(p.name()).with_context(|| format!("the loaded model has no `{}`", p.name()))?;

@@ -4,11 +4,11 @@
 
 use autosp_core::comm::all_reduce_bytes;
 use autosp_core::module::visit_mut;
-use autosp_core::{CausalLm, CheckpointPolicy};
+use autosp_core::{CausalLm, CheckpointPolicy, Precision};
 use candle_core::{DType, Device, Tensor};
 
 use super::config::Strategy;
-use super::step::{grad_buckets, reduce_dtype, StepOutput, GRAD_BUCKET_ELEMS};
+use super::step::{grad_buckets, StepOutput, GRAD_BUCKET_ELEMS};
 use super::strategy::comm_bytes_per_layer_step;
 use super::{CompileError, Compiled};
 
@@ -289,7 +289,7 @@ impl<M: CausalLm> Compiled<M> {
         // Activations travel in the compute dtype, the LSE, Ring's dK/dV accumulators and the gradients in f32
         // (f64 for f64); the step runs at the padded length.
         let elem = self.dtype.size_in_bytes();
-        let acc_elem = reduce_dtype(self.dtype).size_in_bytes();
+        let acc_elem = Precision::float(self.dtype).reduce().size_in_bytes();
         let n_pad = self.padded_len(n);
         let attn_comm: f64 = if p > 1 {
             policies.iter().map(|&pol| comm_bytes_per_layer_step(s, &d, n_pad, p, pol, elem, acc_elem)).sum()
@@ -303,7 +303,7 @@ impl<M: CausalLm> Compiled<M> {
             let params = autosp_core::module::all_params(&self.model);
             let buckets = grad_buckets(&params, GRAD_BUCKET_ELEMS).into_iter().map(|bucket| {
                 let elems: usize = bucket.iter().map(|x| x.tensor().elem_count()).sum();
-                let size = reduce_dtype(bucket[0].tensor().dtype()).size_in_bytes();
+                let size = Precision::float(bucket[0].tensor().dtype()).reduce().size_in_bytes();
                 all_reduce_bytes(elems, p, rank, size)
             });
             buckets.sum::<u64>() + 2 * all_reduce_bytes(1, p, rank, DType::F64.size_in_bytes())
@@ -348,7 +348,7 @@ impl<M: CausalLm> Compiled<M> {
         out.push_str(&format!(
             "compute dtype: {}; LSE, loss, gradient all-reduce, master weights and optimizer moments: {}\n",
             self.dtype.as_str(),
-            reduce_dtype(self.dtype).as_str()
+            Precision::float(self.dtype).reduce().as_str()
         ));
         let blocks: Vec<String> = plan.policies.iter().enumerate().map(|(i, p)| format!("{i}: {p:?}")).collect();
         out.push_str(&format!("policy per block: {}\n", blocks.join(", ")));

@@ -8,7 +8,7 @@
 use autosp_core::comm::ReduceOp;
 use autosp_core::module::all_params;
 use autosp_core::ops::{self, IGNORE_INDEX};
-use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Param, Tape};
+use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Param, Precision, Tape};
 use autosp_kernels::sp::layout::gather_unshard;
 use candle_core::{DType, Tensor};
 
@@ -199,7 +199,7 @@ impl<M: CausalLm> Compiled<M> {
         Ok(LocalBatch { ids_local, positions, targets_local, total })
     }
 
-    /// Sums every parameter's gradient over the group in its reduction dtype ([`reduce_dtype`]: f32 for
+    /// Sums every parameter's gradient over the group in its reduction dtype ([`Precision::reduce`]: f32 for
     /// bf16/f16/f32 parameters, f64 for f64): parameters in model order, grouped by reduction dtype into
     /// buckets of at most [`GRAD_BUCKET_ELEMS`] elements (a larger parameter is a bucket of its own), one
     /// all-reduce per bucket. `local` is consumed bucket by bucket (each gradient converted to f32 as its
@@ -211,7 +211,7 @@ impl<M: CausalLm> Compiled<M> {
             let mut out = Gradients::new();
             for p in &params {
                 if let Some(g) = local.remove(p) {
-                    out.insert(p, g.to_dtype(reduce_dtype(g.dtype()))?);
+                    out.insert(p, g.to_dtype(Precision::float(g.dtype()).reduce())?);
                 }
             }
             return Ok(out);
@@ -221,7 +221,7 @@ impl<M: CausalLm> Compiled<M> {
             let mut flat = Vec::with_capacity(bucket.len());
             for p in &bucket {
                 let t = p.tensor();
-                let dtype = reduce_dtype(t.dtype());
+                let dtype = Precision::float(t.dtype()).reduce();
                 flat.push(match local.remove(p) {
                     Some(g) => g.to_dtype(dtype)?.flatten_all()?,
                     None => Tensor::zeros(t.elem_count(), dtype, t.device())?,
@@ -318,17 +318,11 @@ impl<M: CausalLm> Compiled<M> {
 /// Elements per gradient all-reduce bucket (16 MiB of f32).
 pub(crate) const GRAD_BUCKET_ELEMS: usize = 1 << 22;
 
-/// The dtype a gradient of a `param` dtype is all-reduced and handed to the optimiser in: f32 for bf16,
-/// f16 and f32 parameters, f64 for f64 ones (the optimiser's master/moment dtype).
-pub fn reduce_dtype(param: DType) -> DType {
-    autosp_core::ops::attention::accum_dtype(param)
-}
-
 /// `params` (in model order) split into all-reduce buckets: one reduction dtype per bucket, consecutive
 /// parameters while the bucket stays within `limit` elements. Every rank builds the same buckets from the
 /// same model, so the collectives match.
 pub(crate) fn grad_buckets(params: &[Param], limit: usize) -> Vec<Vec<&Param>> {
-    let dtype_of = |p: &Param| reduce_dtype(p.tensor().dtype());
+    let dtype_of = |p: &Param| Precision::float(p.tensor().dtype()).reduce();
     let mut dtypes: Vec<DType> = params.iter().map(dtype_of).collect();
     dtypes.sort_by_key(|d| d.as_str());
     dtypes.dedup();

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Tensor, D};
 
-use super::attention::accum_dtype;
+use crate::precision::Precision;
 use crate::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
 
 /// The label that marks a position with no target.
@@ -62,7 +62,7 @@ impl Op for CrossEntropy {
                 ),
             });
         }
-        let x = logits.to_dtype(accum_dtype(logits.dtype()))?;
+        let x = logits.to_dtype(Precision::float(logits.dtype()).accumulate())?;
         let (valid, index) = valid_and_index(targets, x.dtype())?;
         let picked = x.gather(&index, 1)?;
         let loss = ((row_lse(&x)? - picked)? * valid)?.sum_all()?;
@@ -74,7 +74,7 @@ impl Op for CrossEntropy {
     fn backward(&self, s: &SavedTensors<'_>, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
         let Some(g) = &g[0] else { return Ok(vec![None, None]) };
         let (logits, targets) = (s.input(0)?, s.input(1)?);
-        let x = logits.to_dtype(accum_dtype(logits.dtype()))?;
+        let x = logits.to_dtype(Precision::float(logits.dtype()).accumulate())?;
         let (valid, index) = valid_and_index(targets, x.dtype())?;
         let p = x.broadcast_sub(&row_lse(&x)?)?.exp()?;
         let onehot = p.zeros_like()?.scatter_add(&index, &valid.ones_like()?, 1)?;

@@ -3,7 +3,7 @@
 
 use candle_core::Tensor;
 
-use super::attention::accum_dtype;
+use crate::precision::Precision;
 use crate::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
 
 /// `table[ids]`: `ids: [..]` (u32 or i64), `table: [vocab, hidden]` -> `[.., hidden]`.
@@ -41,7 +41,7 @@ impl Op for Embedding {
         let table = s.input_shape(1);
         let hidden = table.dims()[1];
         // Sums over repeated ids in the accumulation dtype, rounded once to the gradient's dtype at the end.
-        let acc = accum_dtype(g.dtype());
+        let acc = Precision::float(g.dtype()).accumulate();
         let g2 = g.reshape((ids.elem_count(), hidden))?.to_dtype(acc)?.contiguous()?;
         let dt = Tensor::zeros(table, acc, g.device())?.index_add(&ids, &g2, 0)?.to_dtype(g.dtype())?;
         Ok(vec![None, Some(dt)])

@@ -2,7 +2,7 @@
 
 use candle_core::{Tensor, D};
 
-use super::attention::accum_dtype;
+use crate::precision::Precision;
 use crate::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
 
 /// RMSNorm with weight: `x: [.., d]`, `w: [d]`.
@@ -13,7 +13,7 @@ pub struct RmsNorm {
 
 /// `(x_hat, r)`: the normalised input and the reciprocal RMS per row, in the accumulation dtype.
 fn normalise(x: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
-    let xf = x.to_dtype(accum_dtype(x.dtype()))?;
+    let xf = x.to_dtype(Precision::float(x.dtype()).accumulate())?;
     let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
     Ok((xf.broadcast_mul(&r)?, r))
 }

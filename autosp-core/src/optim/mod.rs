@@ -5,7 +5,7 @@ pub mod clip;
 pub mod schedule;
 pub mod sgd;
 
-pub use adamw::{master_dtype, needs_master, AdamW, AdamWConfig};
+pub use adamw::{AdamW, AdamWConfig};
 pub use clip::{clip_grad_norm, clip_to_norm, global_norm};
 pub use schedule::LrSchedule;
 pub use sgd::Sgd;

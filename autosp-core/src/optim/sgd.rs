@@ -6,9 +6,8 @@ use std::collections::HashMap;
 
 use candle_core::Tensor;
 
-use super::adamw::needs_master;
 use super::Optimizer;
-use crate::ops::attention::accum_dtype;
+use crate::precision::Precision;
 use crate::{Error, Gradients, Param, ParamId, Result};
 
 /// SGD state: momentum buffers, and the f32 master weights of bf16/f16 parameters.
@@ -42,10 +41,11 @@ impl Optimizer for Sgd {
         for p in super::distinct(params) {
             let Some(g) = grads.get(p) else { continue };
             let w = p.tensor();
-            let half = needs_master(w.dtype());
+            let precision = Precision::float(w.dtype());
+            let half = precision.needs_master();
             let wf = match self.masters.remove(&p.id()) {
                 Some(master) => master,
-                None => w.to_dtype(accum_dtype(w.dtype()))?,
+                None => w.to_dtype(precision.master())?,
             };
             let mut d = g.to_dtype(wf.dtype())?;
             if self.weight_decay > 0.0 {

@@ -3,14 +3,24 @@
 //! parameter also gets an f32 master copy of its weights in the optimiser state; every step updates the
 //! master in f32 and writes the master rounded to the parameter's dtype into the [`Param`], so the small
 //! updates that bf16 would round away accumulate in the master. f32/f64 parameters have no copy.
+//!
+//! The update runs through the kernel dispatch ([`crate::dispatch`]): the in-place CPU kernel (`cpu.rs`) for
+//! CPU tensors, the candle-op kernel (`generic.rs`) elsewhere or when the generic kernels are forced; the
+//! dtypes come from [`Precision`].
+
+mod coefficients;
+mod cpu;
+mod generic;
 
 use std::collections::HashMap;
 
-use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Tensor};
+use candle_core::Tensor;
 
 use super::Optimizer;
-use crate::ops::attention::accum_dtype;
+use crate::dispatch::{select, Route};
+use crate::precision::Precision;
 use crate::{Error, Gradients, Param, ParamId, Result};
+use coefficients::Coefficients;
 
 /// AdamW hyper-parameters (PyTorch's defaults but weight decay).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -35,18 +45,6 @@ pub struct AdamW {
     step: u64,
     moments: HashMap<ParamId, (Tensor, Tensor)>,
     masters: HashMap<ParamId, Tensor>,
-}
-
-/// The dtype of the master weights and moments of a parameter of `dtype`: f32 for bf16, f16 and f32, f64
-/// for f64.
-pub fn master_dtype(dtype: DType) -> DType {
-    accum_dtype(dtype)
-}
-
-/// Whether a parameter of `dtype` gets an f32 master copy (bf16 and f16 do; f32 and f64 are their own
-/// master).
-pub fn needs_master(dtype: DType) -> bool {
-    master_dtype(dtype) != dtype
 }
 
 impl AdamW {
@@ -97,7 +95,8 @@ impl AdamW {
     /// f32/f64 parameters (they have no master: restore the parameter itself) and on a shape mismatch.
     pub fn set_master(&mut self, p: &Param, master: &Tensor) -> Result<()> {
         let w = p.tensor();
-        if !needs_master(w.dtype()) {
+        let precision = Precision::float(w.dtype());
+        if !precision.needs_master() {
             return Err(Error::Optimizer {
                 msg: format!(
                     "parameter `{}` is {:?} and has no master copy: set the parameter's own weights instead",
@@ -116,7 +115,7 @@ impl AdamW {
                 ),
             });
         }
-        let master = master.to_dtype(accum_dtype(w.dtype()))?.to_device(w.device())?.copy()?;
+        let master = master.to_dtype(precision.master())?.to_device(w.device())?.copy()?;
         p.set(master.to_dtype(w.dtype())?)?;
         self.masters.insert(p.id(), master);
         Ok(())
@@ -149,271 +148,35 @@ impl Optimizer for AdamW {
                     ),
                 });
             }
-            let acc = accum_dtype(w.dtype());
-            let gf = g.to_dtype(acc)?;
+            let precision = Precision::float(w.dtype());
+            let gf = g.to_dtype(precision.master())?;
             let (m, v) = match self.moments.remove(&p.id()) {
                 Some(mv) => mv,
                 None => (gf.zeros_like()?, gf.zeros_like()?),
             };
-            let (m, v) = if needs_master(w.dtype()) {
+            let route = select(&w);
+            let (m, v) = if precision.needs_master() {
                 // Mixed precision: the update runs on the f32 master; the parameter gets it rounded.
                 let master = match self.masters.remove(&p.id()) {
                     Some(master) => master,
-                    None => w.to_dtype(acc)?,
+                    None => w.to_dtype(precision.master())?,
                 };
-                let (master, m, v) = if w.device().is_cpu() {
-                    update_master_in_place(master, &gf, m, v, &k)?
-                } else {
-                    update_with_tensor_ops(&master, &gf, m, v, &k)?
+                let (master, m, v) = match route {
+                    Route::Cpu => cpu::update_master(master, &gf, m, v, &k)?,
+                    Route::Generic => generic::update(&master, &gf, m, v, &k)?,
                 };
                 p.set(master.to_dtype(w.dtype())?)?;
                 self.masters.insert(p.id(), master);
                 (m, v)
             } else {
-                let (new, m, v) = if w.device().is_cpu() {
-                    update_in_place(&w, &gf, m, v, &k)?
-                } else {
-                    update_with_tensor_ops(&w, &gf, m, v, &k)?
+                let (new, m, v) = match route {
+                    Route::Cpu => cpu::update(&w, &gf, m, v, &k)?,
+                    Route::Generic => generic::update(&w, &gf, m, v, &k)?,
                 };
                 p.set(new)?;
                 (m, v)
             };
             self.moments.insert(p.id(), (m, v));
-        }
-        Ok(())
-    }
-}
-
-/// One step's scalars.
-#[derive(Clone, Copy, Debug)]
-struct Coefficients {
-    beta1: f64,
-    beta2: f64,
-    /// Bias corrections `1 - beta^t`.
-    bc1: f64,
-    bc2: f64,
-    eps: f64,
-    lr: f64,
-    /// `1 - lr * weight_decay`.
-    decay: f64,
-}
-
-/// The update on any device with candle ops: `(new weights, m, v)`. Allocates several weight-sized
-/// temporaries; the CPU path below allocates one.
-fn update_with_tensor_ops(
-    wf: &Tensor,
-    gf: &Tensor,
-    m: Tensor,
-    v: Tensor,
-    k: &Coefficients,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let m = ((m * k.beta1)? + (gf * (1.0 - k.beta1))?)?;
-    let v = ((v * k.beta2)? + (gf.sqr()? * (1.0 - k.beta2))?)?;
-    let update = ((&m / k.bc1)? / ((&v / k.bc2)?.sqrt()? + k.eps)?)?;
-    let new = ((wf * k.decay)? - (update * k.lr)?)?;
-    Ok((new, m, v))
-}
-
-/// The update on the CPU: the moments (owned by the optimiser) are updated in place and the new weights are
-/// written into one fresh copy, element by element in the same arithmetic as [`update_with_tensor_ops`]
-/// (bit for bit: tested).
-/// Peak extra memory: one weight-sized tensor (the update of a 16M-parameter embedding would otherwise hold
-/// about six such temporaries at once).
-fn update_in_place(
-    wf: &Tensor,
-    gf: &Tensor,
-    m: Tensor,
-    v: Tensor,
-    k: &Coefficients,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    update_master_in_place(wf.copy()?, gf, m, v, k)
-}
-
-/// [`update_in_place`] on the optimiser's own f32 master copy: the master itself is updated, no copy.
-fn update_master_in_place(
-    master: Tensor,
-    gf: &Tensor,
-    m: Tensor,
-    v: Tensor,
-    k: &Coefficients,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let gf = gf.contiguous()?;
-    m.inplace_op2(&gf, &Moment { beta: k.beta1, square: false })?;
-    v.inplace_op2(&gf, &Moment { beta: k.beta2, square: true })?;
-    master.inplace_op3(&m, &v, &Weights(*k))?;
-    Ok((master, m, v))
-}
-
-/// The element range of a contiguous layout.
-fn range(l: &Layout, what: &str) -> candle_core::Result<std::ops::Range<usize>> {
-    let (a, b) =
-        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("adamw: {what} must be contiguous")))?;
-    Ok(a..b)
-}
-
-/// The moment dtypes (f32, f64): candle's arithmetic plus a square root, and the vector versions of the two
-/// loops on the vector path in force ([`crate::simd`]; f32 only, `false` when they did not run).
-trait MomentFloat: candle_core::WithDType {
-    fn root(self) -> Self;
-
-    /// [`Moment::run`]'s loop on a vector path; `false` (nothing done) when there is none.
-    fn moment_simd(_m: &mut [Self], _g: &[Self], _b: Self, _one_b: Self, _square: bool) -> bool {
-        false
-    }
-
-    /// [`Weights::run`]'s loop on a vector path, `c = [1/bc1, 1/bc2, eps, lr, decay]`; `false` (nothing
-    /// done) when there is none.
-    fn weights_simd(_w: &mut [Self], _m: &[Self], _v: &[Self], _c: [Self; 5]) -> bool {
-        false
-    }
-}
-
-impl MomentFloat for f32 {
-    fn root(self) -> Self {
-        self.sqrt()
-    }
-    fn moment_simd(m: &mut [f32], g: &[f32], b: f32, one_b: f32, square: bool) -> bool {
-        crate::simd::vectorize(crate::simd::simd_path(), MomentF32 { m, g, b, one_b, square }).is_some()
-    }
-    fn weights_simd(w: &mut [f32], m: &[f32], v: &[f32], c: [f32; 5]) -> bool {
-        crate::simd::vectorize(crate::simd::simd_path(), WeightsF32 { w, m, v, c }).is_some()
-    }
-}
-
-impl MomentFloat for f64 {
-    fn root(self) -> Self {
-        self.sqrt()
-    }
-}
-
-/// `m <- beta m + (1 - beta) g` (or with `g^2` for the second moment), in place.
-struct Moment {
-    beta: f64,
-    square: bool,
-}
-
-impl Moment {
-    fn run<T: MomentFloat>(&self, m: &mut [T], g: &[T]) {
-        let (b, one_b) = (T::from_f64(self.beta), T::from_f64(1.0 - self.beta));
-        if T::moment_simd(m, g, b, one_b, self.square) {
-            return;
-        }
-        for (m, &g) in m.iter_mut().zip(g) {
-            let g = if self.square { g * g } else { g };
-            *m = *m * b + g * one_b;
-        }
-    }
-}
-
-/// [`Moment`] on f32 with pulp (AVX2+FMA, NEON): the scalar arithmetic lane by lane, unfused, so the bits
-/// are the scalar loop's.
-struct MomentF32<'a> {
-    m: &'a mut [f32],
-    g: &'a [f32],
-    b: f32,
-    one_b: f32,
-    square: bool,
-}
-
-impl pulp::WithSimd for MomentF32<'_> {
-    type Output = ();
-    #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, s: S) {
-        let MomentF32 { m, g, b, one_b, square } = self;
-        let ((mh, mt), (gh, gt)) = (S::as_mut_simd_f32s(m), S::as_simd_f32s(g));
-        let (bv, obv) = (s.splat_f32s(b), s.splat_f32s(one_b));
-        for (m, &g) in mh.iter_mut().zip(gh) {
-            let g = if square { s.mul_f32s(g, g) } else { g };
-            *m = s.add_f32s(s.mul_f32s(*m, bv), s.mul_f32s(g, obv));
-        }
-        for (m, &g) in mt.iter_mut().zip(gt) {
-            let g = if square { g * g } else { g };
-            *m = *m * b + g * one_b;
-        }
-    }
-}
-
-impl InplaceOp2 for Moment {
-    fn name(&self) -> &'static str {
-        "adamw_moment"
-    }
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
-        let (r1, r2) = (range(l1, "moment")?, range(l2, "gradient")?);
-        match (s1, s2) {
-            (CpuStorage::F32(m), CpuStorage::F32(g)) => self.run(&mut m[r1], &g[r2]),
-            (CpuStorage::F64(m), CpuStorage::F64(g)) => self.run(&mut m[r1], &g[r2]),
-            _ => candle_core::bail!("adamw: moment and gradient must both be f32 or both f64"),
-        }
-        Ok(())
-    }
-}
-
-/// `w <- decay w - lr (m / bc1) / (sqrt(v / bc2) + eps)`, in place on a fresh copy of the weights.
-struct Weights(Coefficients);
-
-impl Weights {
-    fn run<T: MomentFloat>(&self, w: &mut [T], m: &[T], v: &[T]) {
-        let k = &self.0;
-        let f = T::from_f64;
-        // candle's `tensor / scalar` multiplies by the reciprocal: the same here, for the same bits.
-        let (ibc1, ibc2, eps, lr, decay) = (f(1.0 / k.bc1), f(1.0 / k.bc2), f(k.eps), f(k.lr), f(k.decay));
-        if T::weights_simd(w, m, v, [ibc1, ibc2, eps, lr, decay]) {
-            return;
-        }
-        for ((w, &m), &v) in w.iter_mut().zip(m).zip(v) {
-            let update = (m * ibc1) / ((v * ibc2).root() + eps);
-            *w = *w * decay - update * lr;
-        }
-    }
-}
-
-/// [`Weights`] on f32 with pulp (AVX2+FMA, NEON): the scalar arithmetic lane by lane (IEEE division and
-/// square root, no fused multiply-add), so the bits are the scalar loop's and candle's. `c` holds
-/// `[1/bc1, 1/bc2, eps, lr, decay]`.
-struct WeightsF32<'a> {
-    w: &'a mut [f32],
-    m: &'a [f32],
-    v: &'a [f32],
-    c: [f32; 5],
-}
-
-impl pulp::WithSimd for WeightsF32<'_> {
-    type Output = ();
-    #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, s: S) {
-        let WeightsF32 { w, m, v, c } = self;
-        let ((wh, wt), (mh, mt), (vh, vt)) = (S::as_mut_simd_f32s(w), S::as_simd_f32s(m), S::as_simd_f32s(v));
-        let [ibc1, ibc2, eps, lr, decay] = c.map(|x| s.splat_f32s(x));
-        for ((w, &m), &v) in wh.iter_mut().zip(mh).zip(vh) {
-            let update = s.div_f32s(s.mul_f32s(m, ibc1), s.add_f32s(s.sqrt_f32s(s.mul_f32s(v, ibc2)), eps));
-            *w = s.sub_f32s(s.mul_f32s(*w, decay), s.mul_f32s(update, lr));
-        }
-        let [ibc1, ibc2, eps, lr, decay] = c;
-        for ((w, &m), &v) in wt.iter_mut().zip(mt).zip(vt) {
-            let update = (m * ibc1) / ((v * ibc2).sqrt() + eps);
-            *w = *w * decay - update * lr;
-        }
-    }
-}
-
-impl InplaceOp3 for Weights {
-    fn name(&self) -> &'static str {
-        "adamw_weights"
-    }
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<()> {
-        let (r1, r2, r3) = (range(l1, "weights")?, range(l2, "m")?, range(l3, "v")?);
-        match (s1, s2, s3) {
-            (CpuStorage::F32(w), CpuStorage::F32(m), CpuStorage::F32(v)) => self.run(&mut w[r1], &m[r2], &v[r3]),
-            (CpuStorage::F64(w), CpuStorage::F64(m), CpuStorage::F64(v)) => self.run(&mut w[r1], &m[r2], &v[r3]),
-            _ => candle_core::bail!("adamw: weights and moments must all be f32 or all f64"),
         }
         Ok(())
     }
@@ -439,8 +202,8 @@ mod tests {
         for dtype in [DType::F32, DType::F64] {
             let t = |seed| probe(&[7, 33], seed, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
             let (w, g, m, v) = (t(1), t(2), t(3), t(4).sqr().unwrap());
-            let a = update_with_tensor_ops(&w, &g, m.copy().unwrap(), v.copy().unwrap(), &k).unwrap();
-            let b = update_in_place(&w, &g, m.copy().unwrap(), v.copy().unwrap(), &k).unwrap();
+            let a = generic::update(&w, &g, m.copy().unwrap(), v.copy().unwrap(), &k).unwrap();
+            let b = cpu::update(&w, &g, m.copy().unwrap(), v.copy().unwrap(), &k).unwrap();
             for (x, y) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
                 let d = x.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
                 let e = y.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
@@ -451,37 +214,6 @@ mod tests {
                 w.to_dtype(DType::F64).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap(),
                 t(1).to_dtype(DType::F64).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
             );
-        }
-    }
-
-    /// The f32 vector loops on every vector path this CPU has equal the scalar loops bit for bit (the same
-    /// unfused IEEE operations per element), lengths with a tail shorter than a vector included.
-    #[test]
-    fn vector_paths_equal_the_scalar_loops_bit_for_bit() {
-        let n = 203;
-        let f = |k: usize| -> Vec<f32> { (0..n).map(|i| ((i * 37 + k * 11) % 101) as f32 / 50.0 - 1.0).collect() };
-        let (g, m0, v0, w0) = (f(0), f(1), f(2).iter().map(|x| x * x).collect::<Vec<_>>(), f(3));
-        let c = [1.0 / 0.271f32, 1.0 / 0.002997, 1e-8, 1e-3, 1.0 - 1e-5];
-        for path in crate::simd::supported_paths().into_iter().filter(|&p| p != crate::simd::SimdPath::Scalar) {
-            for square in [false, true] {
-                let (mut a, mut b) = (m0.clone(), m0.clone());
-                assert!(
-                    crate::simd::vectorize(path, MomentF32 { m: &mut a, g: &g, b: 0.9, one_b: 0.1, square }).is_some()
-                );
-                for (m, &g) in b.iter_mut().zip(&g) {
-                    let g = if square { g * g } else { g };
-                    *m = *m * 0.9 + g * 0.1;
-                }
-                assert_eq!(a, b, "{path}: moment, square {square}");
-            }
-            let (mut a, mut b) = (w0.clone(), w0.clone());
-            assert!(crate::simd::vectorize(path, WeightsF32 { w: &mut a, m: &m0, v: &v0, c }).is_some());
-            let [ibc1, ibc2, eps, lr, decay] = c;
-            for ((w, &m), &v) in b.iter_mut().zip(&m0).zip(&v0) {
-                let update = (m * ibc1) / ((v * ibc2).sqrt() + eps);
-                *w = *w * decay - update * lr;
-            }
-            assert_eq!(a, b, "{path}: weights");
         }
     }
 
@@ -499,8 +231,8 @@ mod tests {
         let k = Coefficients { beta1: 0.9, beta2: 0.999, bc1: 0.1, bc2: 0.001, eps: 1e-8, lr: 1e-3, decay: 1.0 - 1e-5 };
         let t = |seed| p32(&[5, 19], seed);
         let (w, g, m, v) = (t(1), t(2), t(3), t(4).sqr().unwrap());
-        let a = update_with_tensor_ops(&w, &g, m.copy().unwrap(), v.copy().unwrap(), &k).unwrap();
-        let b = update_master_in_place(w.copy().unwrap(), &g, m.copy().unwrap(), v.copy().unwrap(), &k).unwrap();
+        let a = generic::update(&w, &g, m.copy().unwrap(), v.copy().unwrap(), &k).unwrap();
+        let b = cpu::update_master(w.copy().unwrap(), &g, m.copy().unwrap(), v.copy().unwrap(), &k).unwrap();
         for (x, y) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
             assert_eq!(f64s(x), f64s(y));
         }
@@ -542,6 +274,32 @@ mod tests {
             let moved = f64s(&(master - &start).unwrap());
             assert!(moved.iter().all(|d| d.abs() > 1e-4), "the test needs visible movement: {moved:?}");
             assert!(opt_f32.master(&q).is_none(), "f32 parameters are their own master");
+        }
+    }
+
+    /// `AUTOSP_KERNELS=generic` reaches the optimiser: a step under the forced generic kernels gives the CPU
+    /// kernel's bits (f32, and bf16 with its master).
+    #[test]
+    fn the_generic_update_runs_through_the_dispatch_and_matches_the_cpu_one() {
+        use crate::dispatch::{generic_calls, with_kernels, Kernels};
+        for dtype in [DType::F32, DType::BF16] {
+            let run = |kernels: Kernels| {
+                let p = Param::new("w", p32(&[6, 9], 31).to_dtype(dtype).unwrap());
+                let mut opt = AdamW::new(AdamWConfig::default()).unwrap();
+                with_kernels(kernels, || {
+                    for s in 0..3 {
+                        let mut grads = Gradients::new();
+                        grads.insert(&p, p32(&[6, 9], 40 + s));
+                        opt.step(std::slice::from_ref(&p), &grads, 1e-2).unwrap();
+                    }
+                });
+                let (m, v) = opt.moments(&p).unwrap();
+                (f64s(&p.tensor()), f64s(m), f64s(v), opt.master(&p).map(f64s))
+            };
+            let before = generic_calls();
+            let generic = run(Kernels::Generic);
+            assert!(generic_calls() >= before + 3, "the forced steps must select the generic kernel");
+            assert_eq!(run(Kernels::Auto), generic, "{dtype:?}");
         }
     }
 
