@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 
+use super::collective::{Collective, ReduceOp};
 use super::error::{ErrCtx, Result};
 use super::groups;
-use super::process_group::{Collective, PendingRecv, ProcessGroup, ReduceOp};
+use super::process_group::{PendingRecv, ProcessGroup};
 use super::reduce::{chunk_sizes, reduce_in_rank_order};
 use super::stamp::Stamp;
 use super::stats::{tensor_bytes, CommStats, StatsCounter};

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use super::process_group::Collective;
+use super::collective::Collective;
 
 /// Result of a communication call.
 pub type Result<T, E = CommError> = std::result::Result<T, E>;

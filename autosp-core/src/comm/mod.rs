@@ -54,6 +54,7 @@
 //! A call counts once it passed this rank's own argument checks, before any waiting, so a call that then
 //! fails (timeout, mismatch) is still counted.
 
+pub mod collective;
 pub mod communicator;
 pub mod error;
 pub mod groups;
@@ -72,6 +73,7 @@ pub mod threads;
 pub mod transport;
 pub mod wire;
 
+pub use collective::{Collective, ReduceOp};
 pub use communicator::Communicator;
 pub use error::{CommError, Departure, PeerCall, Result};
 pub use groups::{contiguous_groups, strided_groups};
@@ -79,7 +81,7 @@ pub use groups::{contiguous_groups, strided_groups};
 pub use mpi::{MpiGroup, MpiTransport};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclGroup, NcclId, NcclTransport};
-pub use process_group::{Collective, PendingRecv, ProcessGroup, ReduceOp, DEFAULT_TIMEOUT};
+pub use process_group::{PendingRecv, ProcessGroup, DEFAULT_TIMEOUT};
 pub use schedule::{pairwise_schedule, PairStep};
 pub use stamp::Stamp;
 pub use stats::{all_reduce_bytes, tensor_bytes, CommStats};

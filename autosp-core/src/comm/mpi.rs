@@ -43,9 +43,10 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator as _, Destination as _, Equivalence as _, Source as _};
 use mpi::Threading;
 
+use super::collective::Collective;
 use super::communicator::Communicator;
 use super::error::{CommError, ErrCtx, Result};
-use super::process_group::{nanos, Collective, PendingRecv};
+use super::process_group::{nanos, PendingRecv};
 use super::stamp::{check_message, check_round, PairCounter, Stamp};
 use super::transport::Transport;
 use super::wire;

@@ -61,10 +61,11 @@ use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{Device, Storage, Tensor};
 use cudarc::nccl::{result, sys};
 
+use super::collective::Collective;
 use super::communicator::Communicator;
 use super::error::{CommError, ErrCtx, Result};
 use super::nccl_header::{decode_header, encode_header, HEADER_WORDS};
-use super::process_group::{nanos, Collective, PendingRecv, ProcessGroup};
+use super::process_group::{nanos, PendingRecv, ProcessGroup};
 use super::schedule::pairwise_schedule;
 use super::stamp::{check_message, check_round, PairCounter, Stamp};
 use super::transport::Transport;

@@ -1,5 +1,5 @@
-//! The `ProcessGroup` trait every back end implements, and the small types its calls share
-//! (`ReduceOp`, `Collective`, the default timeout).
+//! The `ProcessGroup` trait every back end implements, and the default timeout. The kinds of call and the
+//! reduction ops it takes are in `collective.rs`.
 
 use std::fmt;
 use std::sync::Arc;
@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use candle_core::Tensor;
 
+use super::collective::ReduceOp;
 use super::error::Result;
 use super::stats::CommStats;
 
@@ -17,70 +18,6 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 pub(crate) fn nanos(d: Duration) -> u64 {
     const YEAR_NS: u64 = 365 * 24 * 3600 * 1_000_000_000;
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).min(YEAR_NS)
-}
-
-/// How `all_reduce` and `reduce_scatter` combine the ranks' values, element by element.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
-    /// Sum in rank order 0, 1, ..., P-1 (bf16/f16 are accumulated in f32 and rounded once at the end).
-    Sum,
-    /// Element-wise maximum.
-    Max,
-}
-
-/// The kinds of call a group counts and names in its errors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Collective {
-    AllReduce,
-    AllGather,
-    ReduceScatter,
-    AllToAll,
-    Send,
-    Recv,
-    SendRecv,
-    Barrier,
-    Split,
-}
-
-impl Collective {
-    /// Every kind, in the order `CommStats` stores them.
-    pub const ALL: [Collective; 9] = [
-        Collective::AllReduce,
-        Collective::AllGather,
-        Collective::ReduceScatter,
-        Collective::AllToAll,
-        Collective::Send,
-        Collective::Recv,
-        Collective::SendRecv,
-        Collective::Barrier,
-        Collective::Split,
-    ];
-
-    /// Position of this kind in `Collective::ALL`.
-    pub fn index(self) -> usize {
-        self as usize
-    }
-
-    /// The method name, e.g. `"all_reduce"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Collective::AllReduce => "all_reduce",
-            Collective::AllGather => "all_gather",
-            Collective::ReduceScatter => "reduce_scatter",
-            Collective::AllToAll => "all_to_all",
-            Collective::Send => "send",
-            Collective::Recv => "recv",
-            Collective::SendRecv => "send_recv",
-            Collective::Barrier => "barrier",
-            Collective::Split => "split",
-        }
-    }
-}
-
-impl fmt::Display for Collective {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 /// A ring step in flight (see [`ProcessGroup::start_send_recv`]).

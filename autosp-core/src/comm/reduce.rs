@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use super::process_group::ReduceOp;
+use super::collective::ReduceOp;
 
 /// `parts[0] op parts[1] op ... op parts[P-1]`, left to right. `parts`: same shape and dtype, at least one.
 /// bf16 and f16 are accumulated in f32 and rounded once at the end; other dtypes in their own type.

@@ -13,8 +13,8 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use super::collective::Collective;
 use super::error::{CommError, ErrCtx, PeerCall, Result};
-use super::process_group::Collective;
 
 /// The operation and sequence number a message belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::process_group::Collective;
+use super::collective::Collective;
 
 const KINDS: usize = Collective::ALL.len();
 

@@ -22,9 +22,10 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 
+use super::collective::Collective;
 use super::communicator::Communicator;
 use super::error::{CommError, Departure, ErrCtx, Result};
-use super::process_group::{nanos, Collective, PendingRecv, ProcessGroup};
+use super::process_group::{nanos, PendingRecv, ProcessGroup};
 use super::stamp::{check_message, check_round, PairCounter, Stamp};
 use super::transport::Transport;
 
