@@ -2,8 +2,8 @@
 //! that materialises the scores, in the same run. Prints one JSON line per sequence length.
 //!
 //! `--kernel` takes a comma-separated list: `cpu` (the fast CPU kernel), `generic` (the device-generic
-//! attention, `autosp_kernels::generic::attention`, candle tensor ops), `flash-attn` (the inference output,
-//! `flash_attention_output`: candle-flash-attn on CUDA in a build with feature `flash-attn` when its kernel
+//! attention, `autosp_kernels::attention`'s generic kernel, candle tensor ops), `flash-attn` (the inference output,
+//! `attention_output`: candle-flash-attn on CUDA in a build with feature `flash-attn` when its kernel
 //! takes the inputs, forward only); `both` is `cpu,generic`. With two of them the line adds their ratios
 //! (`generic_over_cpu_fwd`, `generic_over_cpu_fwd_bwd`, `generic_over_flash_attn_fwd`: generic time / the
 //! other's). `--device cuda` runs everything on the GPU (times after a device synchronize).
@@ -45,9 +45,9 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
 use autosp_core::TrackingAllocator;
-use autosp_kernels::generic::attention::{attention_backward_with_block, attention_forward_with_block, block_for};
+use autosp_kernels::attention::{block_for, generic_backward_with_block, generic_forward_with_block};
 use autosp_kernels::simd::{self, SimdPath};
-use autosp_kernels::{flash_attention_backward, flash_attention_forward, flash_attention_output};
+use autosp_kernels::{attention_backward, attention_forward, attention_output};
 use candle_core::{Device, Tensor};
 use clap::Parser;
 
@@ -121,8 +121,8 @@ impl Kernel {
     fn name(self) -> &'static str {
         match self {
             Kernel::Cpu => "flash_attention_cpu",
-            Kernel::Generic(_) => "flash_attention_generic",
-            Kernel::FlashAttn => "flash_attention_output",
+            Kernel::Generic(_) => "attention_generic",
+            Kernel::FlashAttn => "flash_attn_output",
         }
     }
 
@@ -139,10 +139,10 @@ impl Kernel {
     /// The forward; `None` for the output-only kernel.
     fn forward(self, q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<Option<(Tensor, Tensor)>> {
         Ok(match self {
-            Kernel::Cpu => Some(flash_attention_forward(q, k, v, spec)?),
-            Kernel::Generic(block) => Some(attention_forward_with_block(q, k, v, spec, block)?),
+            Kernel::Cpu => Some(attention_forward(q, k, v, spec)?),
+            Kernel::Generic(block) => Some(generic_forward_with_block(q, k, v, spec, block)?),
             Kernel::FlashAttn => {
-                flash_attention_output(q, k, v, spec)?;
+                attention_output(q, k, v, spec)?;
                 None
             }
         })
@@ -151,8 +151,8 @@ impl Kernel {
     fn forward_backward(self, q: &Tensor, k: &Tensor, v: &Tensor, d_o: &Tensor, spec: &AttentionSpec) -> Result<()> {
         let Some((o, lse)) = self.forward(q, k, v, spec)? else { bail!("{} has no backward", self.name()) };
         match self {
-            Kernel::Cpu => flash_attention_backward(q, k, v, &o, &lse, d_o, None, spec)?,
-            Kernel::Generic(block) => attention_backward_with_block(q, k, v, &o, &lse, d_o, None, spec, block)?,
+            Kernel::Cpu => attention_backward(q, k, v, &o, &lse, d_o, None, spec)?,
+            Kernel::Generic(block) => generic_backward_with_block(q, k, v, &o, &lse, d_o, None, spec, block)?,
             Kernel::FlashAttn => unreachable!("forward returned None"),
         };
         Ok(())

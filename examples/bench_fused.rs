@@ -5,8 +5,8 @@
 //!
 //! `cargo run --release --example bench_fused -- --rows 8192 --dim 1376 --head-dim 64 --repeats 7`
 //!
-//! `--kernel generic` instead times each device-generic op (`autosp::kernels::generic`, candle tensor ops) against
-//! the fast CPU kernel it mirrors, as plain functions without a tape, on the CPU: RMSNorm, RoPE, SwiGLU, the
+//! `--kernel generic` instead times each device-generic kernel (candle tensor ops, forced with `with_kernels`)
+//! against the fast CPU kernel it mirrors, as plain functions without a tape, on the CPU: RMSNorm, RoPE, SwiGLU, the
 //! chunked linear + cross-entropy and the Ring LSE merge; one JSON line per op with both medians and the ratio
 //! `generic / cpu` (forward, and backward where there is one).
 
@@ -15,7 +15,7 @@ use std::time::Instant;
 use autosp::core::gradcheck::probe;
 use autosp::core::ops::{self, rope::default_inv_freq};
 use autosp::core::{CheckpointPolicy, Result, Tape, Value};
-use autosp::kernels::fused;
+use autosp::kernels::{rms_norm, rope, swiglu, with_kernels, Kernels};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 
@@ -118,9 +118,13 @@ fn report_generic(op: &str, shape: &[usize], cpu: (f64, Option<f64>), generic: (
     println!("{line}");
 }
 
+/// `f` with the device-generic kernels forced on this thread.
+fn generic<R>(f: impl FnOnce() -> R) -> R {
+    with_kernels(Kernels::Generic, f)
+}
+
 /// `--kernel generic`: each device-generic op against the fast CPU kernel, plain functions, f32.
 fn bench_generic(a: &Args) -> anyhow::Result<()> {
-    use autosp::kernels::generic;
     if autosp::kernels::kernels() != autosp::kernels::Kernels::Auto {
         anyhow::bail!("--kernel generic compares with the fast CPU kernels: unset AUTOSP_KERNELS");
     }
@@ -132,23 +136,23 @@ fn bench_generic(a: &Args) -> anyhow::Result<()> {
 
     let (x, w, g) = (f32s(&[m, d], 1)?, (f32s(&[d], 2)? + 1.0)?, f32s(&[m, d], 3)?);
     let cpu = both(
-        time(r, || fused::rms_norm_forward(&x, &w, EPS).map(|_| ()))?,
-        time(r, || fused::rms_norm_backward(&x, &w, &g, EPS, None).map(|_| ()))?,
+        time(r, || rms_norm::rms_norm_forward(&x, &w, EPS).map(|_| ()))?,
+        time(r, || rms_norm::rms_norm_backward(&x, &w, &g, EPS, None).map(|_| ()))?,
     );
     let gen = both(
-        time(r, || generic::rms_norm::rms_norm_forward(&x, &w, EPS).map(|_| ()))?,
-        time(r, || generic::rms_norm::rms_norm_backward(&x, &w, &g, EPS, None).map(|_| ()))?,
+        time(r, || generic(|| rms_norm::rms_norm_forward(&x, &w, EPS)).map(|_| ()))?,
+        time(r, || generic(|| rms_norm::rms_norm_backward(&x, &w, &g, EPS, None)).map(|_| ()))?,
     );
     report_generic("rms_norm", &[m, d], cpu, gen);
 
     let (gate, up) = ((f32s(&[m, d], 4)? * 3.0)?, f32s(&[m, d], 5)?);
     let cpu = both(
-        time(r, || fused::swiglu_forward(&gate, &up).map(|_| ()))?,
-        time(r, || fused::swiglu_backward(&gate, &up, &g).map(|_| ()))?,
+        time(r, || swiglu::swiglu_forward(&gate, &up).map(|_| ()))?,
+        time(r, || swiglu::swiglu_backward(&gate, &up, &g).map(|_| ()))?,
     );
     let gen = both(
-        time(r, || generic::swiglu::swiglu_forward(&gate, &up).map(|_| ()))?,
-        time(r, || generic::swiglu::swiglu_backward(&gate, &up, &g).map(|_| ()))?,
+        time(r, || generic(|| swiglu::swiglu_forward(&gate, &up)).map(|_| ()))?,
+        time(r, || generic(|| swiglu::swiglu_backward(&gate, &up, &g)).map(|_| ()))?,
     );
     report_generic("swiglu", &[m, d], cpu, gen);
 
@@ -157,12 +161,12 @@ fn bench_generic(a: &Args) -> anyhow::Result<()> {
     let pos: Vec<usize> = (0..m).collect();
     let (cos, sin) = ops::rope_tables(&pos, &default_inv_freq(hd, 10000.0), DType::F32, &dev)?;
     let cpu = both(
-        time(r, || fused::rope_forward(&xr, &cos, &sin).map(|_| ()))?,
-        time(r, || fused::rope_backward(&xr, &cos, &sin).map(|_| ()))?,
+        time(r, || rope::rope_forward(&xr, &cos, &sin).map(|_| ()))?,
+        time(r, || rope::rope_backward(&xr, &cos, &sin).map(|_| ()))?,
     );
     let gen = both(
-        time(r, || generic::rope::rope_forward(&xr, &cos, &sin).map(|_| ()))?,
-        time(r, || generic::rope::rope_backward(&xr, &cos, &sin).map(|_| ()))?,
+        time(r, || generic(|| rope::rope_forward(&xr, &cos, &sin)).map(|_| ()))?,
+        time(r, || generic(|| rope::rope_backward(&xr, &cos, &sin)).map(|_| ()))?,
     );
     report_generic("rope", &[1, m, h, hd], cpu, gen);
 
@@ -172,16 +176,16 @@ fn bench_generic(a: &Args) -> anyhow::Result<()> {
     let head = f32s(&[vocab, ld], 8)?;
     let ids: Vec<i64> = (0..lm).map(|i| if i % 10 == 3 { -100 } else { ((i * 7919) % vocab) as i64 }).collect();
     let tg = Tensor::new(ids, &dev)?;
-    let ce = autosp::kernels::chunked_loss::chunked_cross_entropy_forward;
-    let ce_b = autosp::kernels::chunked_loss::chunked_cross_entropy_backward;
+    let ce = autosp::kernels::chunked_cross_entropy_forward;
+    let ce_b = autosp::kernels::chunked_cross_entropy_backward;
     let cpu = both(
         time(r, || ce(&hidden, &head, &tg, chunk).map(|_| ()))?,
         time(r, || ce_b(&hidden, &head, &tg, chunk, 1.0).map(|_| ()))?,
     );
     let gen = both(
-        time(r, || generic::cross_entropy::chunked_cross_entropy_forward(&hidden, &head, &tg, chunk).map(|_| ()))?,
+        time(r, || generic(|| autosp::kernels::chunked_cross_entropy_forward(&hidden, &head, &tg, chunk)).map(|_| ()))?,
         time(r, || {
-            generic::cross_entropy::chunked_cross_entropy_backward(&hidden, &head, &tg, chunk, 1.0).map(|_| ())
+            generic(|| autosp::kernels::chunked_cross_entropy_backward(&hidden, &head, &tg, chunk, 1.0)).map(|_| ())
         })?,
     );
     report_generic("chunked_cross_entropy", &[lm, ld, vocab, chunk], cpu, gen);
@@ -190,13 +194,13 @@ fn bench_generic(a: &Args) -> anyhow::Result<()> {
     let (oa, ob) = (f32s(&[1, m, h, hd], 9)?, f32s(&[1, m, h, hd], 10)?);
     let (la, lb) = ((f32s(&[1, h, m], 11)? * 3.0)?, (f32s(&[1, h, m], 12)? * 3.0)?);
     let merge_cpu = || -> Result<()> {
-        let mut run = autosp::kernels::sp::merge::RunningAttention::new(&oa, &la)?;
+        let mut run = autosp::kernels::RunningAttention::new(&oa, &la)?;
         run.merge(&ob, &lb)?;
         Ok(())
     };
     // (The running state's construction is a no-op here: o and lse are f32 already.)
     let cpu = (time(r, merge_cpu)?, None);
-    let gen = (time(r, || Ok(generic::merge::merge_attention(&oa, &la, &ob, &lb).map(|_| ())?))?, None);
+    let gen = (time(r, || generic(merge_cpu))?, None);
     report_generic("ring_lse_merge", &[1, m, h, hd], cpu, gen);
     Ok(())
 }
@@ -218,13 +222,13 @@ fn main() -> anyhow::Result<()> {
     let w = (f32s(&[d], 2)? + 1.0)?;
     const EPS: f64 = 1e-5;
     let eps = EPS;
-    let f = bench(&|t, v| fused::rms_norm(t, &v[0], &v[1], EPS), &[x.clone(), w.clone()], 2, r)?;
+    let f = bench(&|t, v| rms_norm::rms_norm(t, &v[0], &v[1], EPS), &[x.clone(), w.clone()], 2, r)?;
     let u = bench(&|t, v| ops::rms_norm(t, &v[0], &v[1], EPS), &[x.clone(), w.clone()], 2, r)?;
     report("rms_norm", &[m, d], 2 * el, 3 * el, f, u);
     let g = f32s(&[m, d], 3)?;
-    let recip = fused::rms_norm_recip(&x, eps)?;
-    let recompute = time(r, || fused::rms_norm_backward(&x, &w, &g, eps, None).map(|_| ()))?;
-    let saved = time(r, || fused::rms_norm_backward(&x, &w, &g, eps, Some(&recip)).map(|_| ()))?;
+    let recip = rms_norm::rms_norm_recip(&x, eps)?;
+    let recompute = time(r, || rms_norm::rms_norm_backward(&x, &w, &g, eps, None).map(|_| ()))?;
+    let saved = time(r, || rms_norm::rms_norm_backward(&x, &w, &g, eps, Some(&recip)).map(|_| ()))?;
     println!(
         "{}",
         serde_json::json!({"bench": "rms_norm_backward", "shape": [m, d],
@@ -234,7 +238,7 @@ fn main() -> anyhow::Result<()> {
     // SwiGLU: forward reads gate and up, writes y; backward reads gate, up, g, writes two gradients.
     let gate = (f32s(&[m, d], 4)? * 3.0)?;
     let up = f32s(&[m, d], 5)?;
-    let f = bench(&|t, v| fused::swiglu(t, &v[0], &v[1]), &[gate.clone(), up.clone()], 2, r)?;
+    let f = bench(&|t, v| swiglu::swiglu(t, &v[0], &v[1]), &[gate.clone(), up.clone()], 2, r)?;
     let u = bench(&|t, v| ops::mul(t, &ops::silu(t, &v[0])?, &v[1]), &[gate, up], 2, r)?;
     report("swiglu", &[m, d], 3 * el, 5 * el, f, u);
 
@@ -244,7 +248,7 @@ fn main() -> anyhow::Result<()> {
     let pos: Vec<usize> = (0..m).collect();
     let (cos, sin) = ops::rope_tables(&pos, &default_inv_freq(a.head_dim, 10000.0), DType::F32, &dev)?;
     let rb = m * h * a.head_dim * 4;
-    let f = bench(&|t, v| fused::rope(t, &v[0], &v[1], &v[2]), &[x.clone(), cos.clone(), sin.clone()], 1, r)?;
+    let f = bench(&|t, v| rope::rope(t, &v[0], &v[1], &v[2]), &[x.clone(), cos.clone(), sin.clone()], 1, r)?;
     let u = bench(&|t, v| ops::rope(t, &v[0], &v[1], &v[2]), &[x, cos, sin], 1, r)?;
     report("rope", &[1, m, h, a.head_dim], 2 * rb, 2 * rb, f, u);
     Ok(())

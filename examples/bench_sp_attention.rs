@@ -15,7 +15,7 @@ use autosp::core::comm::{run_ranks, ProcessGroup};
 use autosp::core::ops::{self, attention::AttentionSpec};
 use autosp::core::{Attention, CheckpointPolicy, Tape};
 use autosp::kernels::sp::{shard, SeqLayout};
-use autosp::kernels::{FlashAttention, HybridAttention, RingAttention, RingLayout, UlyssesAttention};
+use autosp::kernels::{HybridAttention, LocalAttention, RingAttention, RingLayout, UlyssesAttention};
 use candle_core::Tensor;
 use clap::Parser;
 
@@ -88,8 +88,8 @@ fn main() -> anyhow::Result<()> {
     };
     let spec = if a.full { AttentionSpec::full() } else { AttentionSpec::causal() };
     let ring_layout = if a.full { RingLayout::Contiguous } else { RingLayout::Zigzag };
-    step(&FlashAttention, &full, &spec)?;
-    let single = median((0..a.reps).map(|_| step(&FlashAttention, &full, &spec)).collect::<anyhow::Result<_>>()?);
+    step(&LocalAttention, &full, &spec)?;
+    let single = median((0..a.reps).map(|_| step(&LocalAttention, &full, &spec)).collect::<anyhow::Result<_>>()?);
     for &p in &a.p {
         let mut strategies = vec![Strategy::Ulysses, Strategy::Ring];
         if p >= 4 && p % 2 == 0 {
@@ -99,7 +99,7 @@ fn main() -> anyhow::Result<()> {
             let results = run_ranks(p, Duration::from_secs(600), |world| -> anyhow::Result<(f64, u64, u64)> {
                 let (attn, groups): (Arc<dyn Attention>, Vec<Arc<dyn ProcessGroup>>) = match strategy {
                     Strategy::Ulysses => {
-                        (Arc::new(UlyssesAttention::new(world.clone(), Arc::new(FlashAttention))), vec![world.clone()])
+                        (Arc::new(UlyssesAttention::new(world.clone(), Arc::new(LocalAttention))), vec![world.clone()])
                     }
                     Strategy::Ring => (Arc::new(RingAttention::new(world.clone(), ring_layout)), vec![world.clone()]),
                     Strategy::Hybrid(u) => {

@@ -15,7 +15,7 @@ use crate::{CheckpointPolicy, Op, Param, Result, Tape, Value};
 /// An attention implementation. `q: [b, nq, h, d]`, `k, v: [b, nk, h_kv, d]` -> `(o: [b, nq, h, d],
 /// lse: [b, h, nq])`. Sequence-parallel implementations receive the local shard and return the local shard.
 pub trait Attention: std::fmt::Debug + Send + Sync {
-    /// A short description for `explain()`, e.g. `ulysses(p=4) > flash`.
+    /// A short description for `explain()`, e.g. `ulysses(p=4) > local`.
     fn describe(&self) -> String;
 
     /// Attention over the given queries, keys and values.

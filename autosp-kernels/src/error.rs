@@ -19,8 +19,8 @@ pub enum Error {
     /// The head dimension is outside what the kernel supports.
     #[error(
         "{op}: head_dim {head_dim} (q has shape {q_shape:?}) is outside 1..={max}, the head dimensions this kernel \
-         takes; split larger heads, or call `flash_attention_forward`/`_backward`, which route head dimensions \
-         the CPU kernel does not take to the device-generic kernel"
+         takes; call `attention_forward`/`_backward`, which route head dimensions the CPU kernel does not take to \
+         the device-generic kernel"
     )]
     HeadDim { op: &'static str, head_dim: usize, max: usize, q_shape: Vec<usize> },
 
@@ -28,15 +28,11 @@ pub enum Error {
     #[error("{op}: {name} has dtype {got:?} but q has dtype {want:?}; convert them to one dtype first")]
     DTypeMismatch { op: &'static str, name: &'static str, got: DType, want: DType },
 
-    /// A dtype the kernel does not compute in.
-    #[error("{op}: dtype {dtype:?} is not supported; use f32, f64, bf16 or f16")]
-    UnsupportedDType { op: &'static str, dtype: DType },
-
-    /// A tensor handed straight to the fast CPU kernel (the `flash::poisoned` test hooks) is not on the CPU.
-    /// The public functions never raise it: they send such tensors to the device-generic kernel.
+    /// A tensor handed straight to a CPU kernel (the `attention::kernels` test hooks) is not on the CPU.
+    /// The doors never raise it: they send such tensors to the device-generic kernels.
     #[error(
-        "{op}: {name} is on {device}; the CPU flash kernel needs CPU tensors: call `flash_attention_forward` / \
-         `flash_attention_backward`, which run the device-generic kernel on other devices"
+        "{op}: {name} is on {device}; the CPU kernels need CPU tensors: call the op's public function (e.g. \
+         `attention_forward`), which runs the device-generic kernel on other devices"
     )]
     NotCpu { op: &'static str, name: &'static str, device: String },
 

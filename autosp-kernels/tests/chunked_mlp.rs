@@ -8,8 +8,8 @@
 use autosp_core::gradcheck::{check_gradients, probe};
 use autosp_core::ops;
 use autosp_core::{CheckpointPolicy, Error, MemoryStats, Param, Tape};
-use autosp_kernels::chunked_mlp::{chunked_mlp, chunked_mlp_backward, chunked_mlp_forward};
-use autosp_kernels::fused::swiglu;
+use autosp_kernels::mlp::{chunked_mlp, chunked_mlp_backward, chunked_mlp_forward};
+use autosp_kernels::swiglu::swiglu;
 use candle_core::{DType, Device, Tensor};
 
 fn rand(shape: &[usize], seed: u64, dtype: DType) -> Tensor {

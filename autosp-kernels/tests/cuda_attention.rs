@@ -1,5 +1,5 @@
 //! CUDA attention (feature `cuda`, on a machine with a CUDA GPU of compute capability >= 8.0): the inference
-//! output (`flash_attention_output`: candle-flash-attn with feature `flash-attn`, the generic kernel without)
+//! output (`attention_output`: candle-flash-attn with feature `flash-attn`, the generic kernel without)
 //! against the CPU flash kernel on the same bf16 inputs (widened to f32 on the
 //! CPU), for causal and full attention, MHA and GQA, and KV-cache decoding (one query after a prefix); and the
 //! device-generic kernel, which serves the LSE, the backward and whatever candle-flash-attn does not take on
@@ -16,7 +16,7 @@
 
 use autosp_core::gradcheck::probe;
 use autosp_core::ops::AttentionSpec;
-use autosp_kernels::{flash_attention_backward, flash_attention_forward, flash_attention_output};
+use autosp_kernels::{attention_backward, attention_forward, attention_output};
 use candle_core::{DType, Device, Tensor};
 
 fn bf16(shape: &[usize], seed: u64) -> Tensor {
@@ -45,9 +45,9 @@ fn cuda_output_matches_the_cpu_kernel() {
         let (q, k, v) =
             (bf16(&[1, nq, h, d], seed), bf16(&[1, nk, hkv, d], seed + 1), bf16(&[1, nk, hkv, d], seed + 2));
         let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-        let (want, _) = flash_attention_forward(&f32s(&q), &f32s(&k), &f32s(&v), &spec).unwrap();
+        let (want, _) = attention_forward(&f32s(&q), &f32s(&k), &f32s(&v), &spec).unwrap();
         let on = |t: &Tensor| t.to_device(&gpu).unwrap();
-        let got = flash_attention_output(&on(&q), &on(&k), &on(&v), &spec).unwrap();
+        let got = attention_output(&on(&q), &on(&k), &on(&v), &spec).unwrap();
         assert_eq!(got.dims(), want.dims());
         assert_eq!(got.dtype(), DType::BF16);
         let e = rel(&got.to_device(&Device::Cpu).unwrap(), &want);
@@ -74,24 +74,16 @@ fn generic_kernel_on_cuda_matches_the_cpu_kernel() {
             let (q, k, v) = (t(&[1, nq, h, d], seed), t(&[1, nk, hkv, d], seed + 1), t(&[1, nk, hkv, d], seed + 2));
             let d_o = t(&[1, nq, h, d], seed + 3);
             let d_lse = probe(&[1, h, nq], seed + 4, &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
-            let (o, lse) = flash_attention_forward(&q, &k, &v, &spec).unwrap();
-            let want = flash_attention_backward(&q, &k, &v, &o, &lse, &d_o, Some(&d_lse), &spec).unwrap();
+            let (o, lse) = attention_forward(&q, &k, &v, &spec).unwrap();
+            let want = attention_backward(&q, &k, &v, &o, &lse, &d_o, Some(&d_lse), &spec).unwrap();
 
             let on = |t: &Tensor| t.to_device(&gpu).unwrap();
             let back = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
-            let (go, glse) = flash_attention_forward(&on(&q), &on(&k), &on(&v), &spec).unwrap();
+            let (go, glse) = attention_forward(&on(&q), &on(&k), &on(&v), &spec).unwrap();
             assert!(go.device().is_cuda() && go.dtype() == dtype && glse.dtype() == DType::F32);
-            let got = flash_attention_backward(
-                &on(&q),
-                &on(&k),
-                &on(&v),
-                &on(&o),
-                &on(&lse),
-                &on(&d_o),
-                Some(&on(&d_lse)),
-                &spec,
-            )
-            .unwrap();
+            let got =
+                attention_backward(&on(&q), &on(&k), &on(&v), &on(&o), &on(&lse), &on(&d_o), Some(&on(&d_lse)), &spec)
+                    .unwrap();
             let check = |name: &str, g: &Tensor, w: &Tensor| {
                 let e = rel(&back(g), w);
                 assert!(e <= tol, "{dtype:?} case {i}: {name} off by {e} of the largest element (tolerance {tol})");
@@ -102,7 +94,7 @@ fn generic_kernel_on_cuda_matches_the_cpu_kernel() {
             check("dk", &got.1, &want.1);
             check("dv", &got.2, &want.2);
             if dtype == DType::F32 {
-                let out = flash_attention_output(&on(&q), &on(&k), &on(&v), &spec).unwrap();
+                let out = attention_output(&on(&q), &on(&k), &on(&v), &spec).unwrap();
                 check("f32 output", &out, &o);
             }
         }

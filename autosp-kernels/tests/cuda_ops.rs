@@ -13,9 +13,9 @@
 
 use autosp_core::gradcheck::probe;
 use autosp_core::ops::rope::{default_inv_freq, rope_tables};
-use autosp_kernels::chunked_mlp::{chunked_mlp_backward, chunked_mlp_forward};
-use autosp_kernels::sp::merge::RunningAttention;
-use autosp_kernels::{chunked_cross_entropy_backward, chunked_cross_entropy_forward, fused};
+use autosp_kernels::merge::RunningAttention;
+use autosp_kernels::mlp::{chunked_mlp_backward, chunked_mlp_forward};
+use autosp_kernels::{chunked_cross_entropy_backward, chunked_cross_entropy_forward, rms_norm, rope, swiglu};
 use candle_core::{DType, Device, Tensor};
 
 fn gpu() -> Device {
@@ -59,10 +59,10 @@ fn norm_rope_swiglu_on_cuda_equal_the_cpu_kernels() {
             rand(&[64], 2, dtype).affine(0.5, 1.0).unwrap(),
             rand(&[3, 50, 64], 3, dtype),
         );
-        let y = fused::rms_norm_forward(&x, &w, 1e-5).unwrap();
-        check("rms_norm forward", &fused::rms_norm_forward(&on(&x, &dev), &on(&w, &dev), 1e-5).unwrap(), &y, dtype);
-        let (dx, dw) = fused::rms_norm_backward(&x, &w, &g, 1e-5, None).unwrap();
-        let (gdx, gdw) = fused::rms_norm_backward(&on(&x, &dev), &on(&w, &dev), &on(&g, &dev), 1e-5, None).unwrap();
+        let y = rms_norm::rms_norm_forward(&x, &w, 1e-5).unwrap();
+        check("rms_norm forward", &rms_norm::rms_norm_forward(&on(&x, &dev), &on(&w, &dev), 1e-5).unwrap(), &y, dtype);
+        let (dx, dw) = rms_norm::rms_norm_backward(&x, &w, &g, 1e-5, None).unwrap();
+        let (gdx, gdw) = rms_norm::rms_norm_backward(&on(&x, &dev), &on(&w, &dev), &on(&g, &dev), 1e-5, None).unwrap();
         check("rms_norm dx", &gdx, &dx, dtype);
         check("rms_norm dw", &gdw, &dw, dtype);
 
@@ -70,17 +70,12 @@ fn norm_rope_swiglu_on_cuda_equal_the_cpu_kernels() {
         let positions: Vec<usize> = (5..5 + n).collect();
         let (cos, sin) = rope_tables(&positions, &default_inv_freq(d, 10000.0), dtype, &Device::Cpu).unwrap();
         let x = rand(&[b, n, h, d], 4, dtype);
-        let y = fused::rope_forward(&x, &cos, &sin).unwrap();
-        check(
-            "rope forward",
-            &fused::rope_forward(&on(&x, &dev), &on(&cos, &dev), &on(&sin, &dev)).unwrap(),
-            &y,
-            dtype,
-        );
-        let dy = fused::rope_backward(&x, &cos, &sin).unwrap();
+        let y = rope::rope_forward(&x, &cos, &sin).unwrap();
+        check("rope forward", &rope::rope_forward(&on(&x, &dev), &on(&cos, &dev), &on(&sin, &dev)).unwrap(), &y, dtype);
+        let dy = rope::rope_backward(&x, &cos, &sin).unwrap();
         check(
             "rope backward",
-            &fused::rope_backward(&on(&x, &dev), &on(&cos, &dev), &on(&sin, &dev)).unwrap(),
+            &rope::rope_backward(&on(&x, &dev), &on(&cos, &dev), &on(&sin, &dev)).unwrap(),
             &dy,
             dtype,
         );
@@ -88,12 +83,12 @@ fn norm_rope_swiglu_on_cuda_equal_the_cpu_kernels() {
         let (gate, up, g) = (rand(&[70, 96], 5, dtype), rand(&[70, 96], 6, dtype), rand(&[70, 96], 7, dtype));
         check(
             "swiglu forward",
-            &fused::swiglu_forward(&on(&gate, &dev), &on(&up, &dev)).unwrap(),
-            &fused::swiglu_forward(&gate, &up).unwrap(),
+            &swiglu::swiglu_forward(&on(&gate, &dev), &on(&up, &dev)).unwrap(),
+            &swiglu::swiglu_forward(&gate, &up).unwrap(),
             dtype,
         );
-        let (dg, du) = fused::swiglu_backward(&gate, &up, &g).unwrap();
-        let (gdg, gdu) = fused::swiglu_backward(&on(&gate, &dev), &on(&up, &dev), &on(&g, &dev)).unwrap();
+        let (dg, du) = swiglu::swiglu_backward(&gate, &up, &g).unwrap();
+        let (gdg, gdu) = swiglu::swiglu_backward(&on(&gate, &dev), &on(&up, &dev), &on(&g, &dev)).unwrap();
         check("swiglu d_gate", &gdg, &dg, dtype);
         check("swiglu d_up", &gdu, &du, dtype);
     }

@@ -6,8 +6,8 @@
 mod common;
 
 use autosp_core::ops::attention::{naive_attention_forward, AttentionSpec};
-use autosp_kernels::flash::poisoned;
-use autosp_kernels::{flash_attention_backward, flash_attention_forward, Error};
+use autosp_kernels::attention::poisoned;
+use autosp_kernels::{attention_backward, attention_forward, Error};
 use candle_core::{DType, Device, Tensor};
 use common::{assert_close, check_against_naive, inputs, random, spec, values, Case};
 
@@ -52,15 +52,15 @@ fn f32_matches_naive() {
 fn bf16_inputs_accumulate_in_f32() {
     let c = Case { b: 1, nq: 90, nk: 90, h: 2, hkv: 1, d: 64, spec: spec(true, 0, 0) };
     let x = inputs(&c, 77, DType::BF16);
-    let (o, lse) = flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
+    let (o, lse) = attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
     assert_eq!((o.dtype(), lse.dtype()), (DType::BF16, DType::F32));
     let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-    let (o32, lse32) = flash_attention_forward(&f(&x.q), &f(&x.k), &f(&x.v), &c.spec).unwrap();
+    let (o32, lse32) = attention_forward(&f(&x.q), &f(&x.k), &f(&x.v), &c.spec).unwrap();
     assert_close("o bf16", &c, &o, &o32, 1.0 / 256.0);
     assert_close("lse bf16", &c, &lse, &lse32, 1e-6);
-    let (dq, dk, dv) = flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, None, &c.spec).unwrap();
+    let (dq, dk, dv) = attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, None, &c.spec).unwrap();
     assert_eq!(dq.dtype(), DType::BF16);
-    let want = flash_attention_backward(&f(&x.q), &f(&x.k), &f(&x.v), &f(&o), &lse, &f(&x.d_o), None, &c.spec).unwrap();
+    let want = attention_backward(&f(&x.q), &f(&x.k), &f(&x.v), &f(&o), &lse, &f(&x.d_o), None, &c.spec).unwrap();
     assert_close("dq bf16", &c, &dq, &want.0, 1.0 / 128.0);
     assert_close("dk bf16", &c, &dk, &want.1, 1.0 / 128.0);
     assert_close("dv bf16", &c, &dv, &want.2, 1.0 / 128.0);
@@ -72,11 +72,10 @@ fn bf16_inputs_accumulate_in_f32() {
 fn rows_that_see_no_key() {
     let c = Case { b: 1, nq: 70, nk: 70, h: 2, hkv: 2, d: 64, spec: spec(true, 0, 100) };
     let x = inputs(&c, 5, DType::F32);
-    let (o, lse) = poisoned::flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
+    let (o, lse) = poisoned::cpu_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
     assert!(values(&lse).iter().all(|&l| l == f64::NEG_INFINITY));
     assert!(values(&o).iter().all(|&v| v == 0.0));
-    let (dq, dk, dv) =
-        poisoned::flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &c.spec).unwrap();
+    let (dq, dk, dv) = poisoned::cpu_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &c.spec).unwrap();
     for t in [&dq, &dk, &dv] {
         assert!(values(t).iter().all(|&v| v == 0.0));
     }
@@ -89,8 +88,8 @@ fn two_runs_give_identical_bits() {
     let c = Case { b: 1, nq: 300, nk: 300, h: 4, hkv: 2, d: 64, spec: spec(true, 0, 0) };
     let x = inputs(&c, 9, DType::F32);
     let run = || {
-        let (o, lse) = flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
-        let (dq, dk, dv) = flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, None, &c.spec).unwrap();
+        let (o, lse) = attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
+        let (dq, dk, dv) = attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, None, &c.spec).unwrap();
         [o, lse, dq, dk, dv].map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
     };
     let first = run();
@@ -115,8 +114,8 @@ fn non_contiguous_inputs() {
     let strided = |t: &Tensor| t.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
     let (qs, ks, vs) = (strided(&x.q), strided(&x.k), strided(&x.v));
     assert!(!qs.is_contiguous());
-    let (o1, l1) = flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
-    let (o2, l2) = flash_attention_forward(&qs, &ks, &vs, &c.spec).unwrap();
+    let (o1, l1) = attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
+    let (o2, l2) = attention_forward(&qs, &ks, &vs, &c.spec).unwrap();
     assert_eq!(values(&o1), values(&o2));
     assert_eq!(values(&l1), values(&l2));
 }
@@ -129,49 +128,49 @@ fn bad_inputs_are_typed_errors() {
     let msg = |e: &Error| e.to_string();
 
     // Heads not divisible by kv heads.
-    let e = flash_attention_forward(&t(&[1, 8, 6, 16]), &t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 16]), &s).unwrap_err();
+    let e = attention_forward(&t(&[1, 8, 6, 16]), &t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 16]), &s).unwrap_err();
     assert!(matches!(&e, Error::Core(c) if matches!(**c, autosp_core::Error::ShapeMismatch { .. })), "{e}");
     assert!(msg(&e).contains("[1, 8, 6, 16]") && msg(&e).contains("[1, 8, 4, 16]"), "{e}");
 
     // Mismatched k and v.
-    let e = flash_attention_forward(&t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 16]), &t(&[1, 8, 2, 16]), &s).unwrap_err();
+    let e = attention_forward(&t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 16]), &t(&[1, 8, 2, 16]), &s).unwrap_err();
     assert!(matches!(&e, Error::Core(c) if matches!(**c, autosp_core::Error::ShapeMismatch { .. })), "{e}");
 
     // Mismatched head_dim of q and k.
-    let e = flash_attention_forward(&t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 32]), &t(&[1, 8, 4, 32]), &s).unwrap_err();
+    let e = attention_forward(&t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 32]), &t(&[1, 8, 4, 32]), &s).unwrap_err();
     assert!(msg(&e).contains("[1, 8, 4, 16]") && msg(&e).contains("[1, 8, 4, 32]"), "{e}");
 
     // Wrong rank.
-    let e = flash_attention_forward(&t(&[8, 4, 16]), &t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 16]), &s).unwrap_err();
+    let e = attention_forward(&t(&[8, 4, 16]), &t(&[1, 8, 4, 16]), &t(&[1, 8, 4, 16]), &s).unwrap_err();
     assert!(matches!(&e, Error::Core(c) if matches!(**c, autosp_core::Error::InvalidArgument { .. })), "{e}");
     assert!(msg(&e).contains("[8, 4, 16]"), "{e}");
 
     // head_dim over the CPU kernel's limit: the kernel itself refuses it; the public function sends it to the
     // device-generic kernel, which takes any head_dim (checked against the naive attention, 1e-5 of 1).
     let big = random(&[1, 5, 2, 320], 77, DType::F32);
-    let e = poisoned::flash_attention_forward(&big, &big, &big, &s).unwrap_err();
+    let e = poisoned::cpu_forward(&big, &big, &big, &s).unwrap_err();
     assert!(matches!(e, Error::HeadDim { head_dim: 320, max: 256, .. }), "{e}");
     assert!(msg(&e).contains("[1, 5, 2, 320]"), "{e}");
     let c = Case { b: 1, nq: 5, nk: 5, h: 2, hkv: 2, d: 320, spec: s };
-    let (o, lse) = flash_attention_forward(&big, &big, &big, &s).unwrap();
+    let (o, lse) = attention_forward(&big, &big, &big, &s).unwrap();
     let (o_ref, lse_ref) = naive_attention_forward(&big, &big, &big, &s).unwrap();
     assert_close("o, head_dim 320", &c, &o, &o_ref, 1e-5);
     assert_close("lse, head_dim 320", &c, &lse, &lse_ref, 1e-5);
-    let e = flash_attention_forward(&t(&[1, 2, 1, 0]), &t(&[1, 2, 1, 0]), &t(&[1, 2, 1, 0]), &s).unwrap_err();
+    let e = attention_forward(&t(&[1, 2, 1, 0]), &t(&[1, 2, 1, 0]), &t(&[1, 2, 1, 0]), &s).unwrap_err();
     assert!(matches!(e, Error::HeadDim { head_dim: 0, .. }), "{e}");
 
     // Mixed dtypes.
     let q = t(&[1, 8, 4, 16]);
     let k64 = q.to_dtype(DType::F64).unwrap();
-    let e = flash_attention_forward(&q, &k64, &k64, &s).unwrap_err();
+    let e = attention_forward(&q, &k64, &k64, &s).unwrap_err();
     assert!(matches!(e, Error::DTypeMismatch { name: "k", .. }), "{e}");
 
     // Backward: lse of the wrong shape.
-    let (o, lse) = flash_attention_forward(&q, &q, &q, &s).unwrap();
-    let e = flash_attention_backward(&q, &q, &q, &o, &lse.t().unwrap(), &o, None, &s).unwrap_err();
+    let (o, lse) = attention_forward(&q, &q, &q, &s).unwrap();
+    let e = attention_backward(&q, &q, &q, &o, &lse.t().unwrap(), &o, None, &s).unwrap_err();
     assert!(matches!(e, Error::Shape { name: "lse", .. }), "{e}");
     assert!(msg(&e).contains("[1, 4, 8]"), "{e}");
-    let e = flash_attention_backward(&q, &q, &q, &o, &lse, &t(&[1, 8, 4, 8]), None, &s).unwrap_err();
+    let e = attention_backward(&q, &q, &q, &o, &lse, &t(&[1, 8, 4, 8]), None, &s).unwrap_err();
     assert!(matches!(e, Error::Shape { name: "d_o", .. }), "{e}");
 }
 
@@ -181,18 +180,18 @@ fn empty_sequences() {
     let s = AttentionSpec::full();
     let q = random(&[2, 5, 4, 16], 1, DType::F32);
     let kv = Tensor::zeros((2, 0, 2, 16), DType::F32, &Device::Cpu).unwrap();
-    let (o, lse) = poisoned::flash_attention_forward(&q, &kv, &kv, &s).unwrap();
+    let (o, lse) = poisoned::cpu_forward(&q, &kv, &kv, &s).unwrap();
     assert_eq!((o.dims(), lse.dims()), (q.dims(), &[2, 4, 5][..]));
     assert!(values(&o).iter().all(|&x| x == 0.0));
     assert!(values(&lse).iter().all(|&x| x == f64::NEG_INFINITY));
-    let (dq, dk, dv) = poisoned::flash_attention_backward(&q, &kv, &kv, &o, &lse, &q, None, &s).unwrap();
+    let (dq, dk, dv) = poisoned::cpu_backward(&q, &kv, &kv, &o, &lse, &q, None, &s).unwrap();
     assert!(values(&dq).iter().all(|&x| x == 0.0));
     assert_eq!((dk.dims(), dv.dims()), (kv.dims(), kv.dims()));
 
     let q0 = Tensor::zeros((2, 0, 4, 16), DType::F32, &Device::Cpu).unwrap();
     let k = random(&[2, 7, 2, 16], 2, DType::F32);
-    let (o, lse) = poisoned::flash_attention_forward(&q0, &k, &k, &s).unwrap();
+    let (o, lse) = poisoned::cpu_forward(&q0, &k, &k, &s).unwrap();
     assert_eq!((o.dims(), lse.dims()), (q0.dims(), &[2, 4, 0][..]));
-    let (_, dk, dv) = poisoned::flash_attention_backward(&q0, &k, &k, &o, &lse, &q0, None, &s).unwrap();
+    let (_, dk, dv) = poisoned::cpu_backward(&q0, &k, &k, &o, &lse, &q0, None, &s).unwrap();
     assert!(values(&dk).iter().chain(&values(&dv)).all(|&x| x == 0.0));
 }

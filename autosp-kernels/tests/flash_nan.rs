@@ -4,7 +4,7 @@
 //! the process-wide path (`autosp_kernels::simd::set_simd`).
 
 use autosp_core::ops::attention::AttentionSpec;
-use autosp_kernels::flash_attention_forward;
+use autosp_kernels::attention_forward;
 use autosp_kernels::simd::{set_simd, supported_paths};
 use candle_core::{Device, Tensor};
 
@@ -35,7 +35,7 @@ fn attend(q_nan: Option<(usize, usize)>, k_nan: Option<usize>) -> (Vec<Vec<Vec<f
         k[key * HKV * D + 3] = f32::NAN;
     }
     let t = |x: Vec<f32>, h: usize| Tensor::from_vec(x, (1, N, h, D), &Device::Cpu).unwrap();
-    let (o, lse) = flash_attention_forward(&t(q, H), &t(k, HKV), &t(v, HKV), &AttentionSpec::causal()).unwrap();
+    let (o, lse) = attention_forward(&t(q, H), &t(k, HKV), &t(v, HKV), &AttentionSpec::causal()).unwrap();
     (o.squeeze(0).unwrap().to_vec3().unwrap(), lse.squeeze(0).unwrap().to_vec2().unwrap())
 }
 

@@ -8,7 +8,7 @@
 mod common;
 
 use autosp_core::ops::attention::AttentionSpec;
-use autosp_kernels::flash::poisoned;
+use autosp_kernels::attention::poisoned;
 use autosp_kernels::simd::{set_simd, supported_paths, SimdPath};
 use candle_core::{DType, Tensor};
 use common::{inputs, spec, values, Case};
@@ -16,11 +16,10 @@ use common::{inputs, spec, values, Case};
 /// `(o, lse, [dq, dk, dv] without d_lse, [dq, dk, dv] with d_lse)` on the path in force.
 fn run(c: &Case, seed: u64) -> Vec<Tensor> {
     let x = inputs(c, seed, DType::F32);
-    let (o, lse) = poisoned::flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
+    let (o, lse) = poisoned::cpu_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
     let mut out = vec![o.clone(), lse.clone()];
     for d_lse in [None, Some(&x.d_lse)] {
-        let (dq, dk, dv) =
-            poisoned::flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, d_lse, &c.spec).unwrap();
+        let (dq, dk, dv) = poisoned::cpu_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, d_lse, &c.spec).unwrap();
         out.extend([dq, dk, dv]);
     }
     out

@@ -4,7 +4,7 @@
 use autosp_core::gradcheck::{check_gradients, probe};
 use autosp_core::ops::{self, AttentionSpec};
 use autosp_core::{CheckpointPolicy, Tape};
-use autosp_kernels::flash_attention;
+use autosp_kernels::attention::attention;
 use candle_core::Device;
 
 #[test]
@@ -23,7 +23,7 @@ fn flash_op_gradients_match_finite_differences_and_naive() {
         ];
         check_gradients(
             |t, v| {
-                let (o, lse) = flash_attention(t, &v[0], &v[1], &v[2], spec)?;
+                let (o, lse) = attention(t, &v[0], &v[1], &v[2], spec)?;
                 Ok(vec![o, lse])
             },
             &inputs,
@@ -40,7 +40,7 @@ fn flash_op_gradients_match_finite_differences_and_naive() {
             let (o, _) = if naive {
                 ops::naive_attention(&tape, &v[0], &v[1], &v[2], spec).unwrap()
             } else {
-                flash_attention(&tape, &v[0], &v[1], &v[2], spec).unwrap()
+                attention(&tape, &v[0], &v[1], &v[2], spec).unwrap()
             };
             let seed = probe(o.dims(), 99, &Device::Cpu).unwrap();
             tape.backward_with_grad(&o, &seed, false).unwrap();

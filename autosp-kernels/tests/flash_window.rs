@@ -8,7 +8,7 @@
 mod common;
 
 use autosp_core::ops::attention::AttentionSpec;
-use autosp_kernels::flash::{counted, poisoned};
+use autosp_kernels::attention::{counted, poisoned};
 use candle_core::DType;
 use common::{check_against_naive, inputs, spec, values, Case};
 
@@ -52,10 +52,9 @@ fn rows_whose_window_holds_no_key() {
     // Query positions 0..70 against keys at 100..170 with w = 40: rows 0..60 see nothing, keys 110.. none.
     let c = Case { b: 1, nq: 70, nk: 70, h: 2, hkv: 1, d: 32, spec: windowed(false, 0, 100, 40) };
     let x = inputs(&c, 17, DType::F64);
-    let (o, lse) = poisoned::flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
+    let (o, lse) = poisoned::cpu_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
     let (lse_v, o_v) = (values(&lse), values(&o));
-    let (dq, dk, dv) =
-        poisoned::flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &c.spec).unwrap();
+    let (dq, dk, dv) = poisoned::cpu_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &c.spec).unwrap();
     let (dq_v, dk_v, dv_v) = (values(&dq), values(&dk), values(&dv));
     let row = 2 * 32; // elements per query row (h · d); per key row h_kv · d = 32
     for hi in 0..2 {
@@ -109,9 +108,8 @@ fn hidden_tiles_are_never_computed() {
     ]);
     for c in &all {
         let x = inputs(c, 5, DType::F32);
-        let (o, lse, fwd) = counted::flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
-        let (_, _, _, bwd) =
-            counted::flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, None, &c.spec).unwrap();
+        let (o, lse, fwd) = counted::cpu_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
+        let (_, _, _, bwd) = counted::cpu_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, None, &c.spec).unwrap();
         let want = visible_tile_pairs(c);
         assert_eq!(fwd, want, "forward tile products, {c:?}");
         assert_eq!(bwd, want, "backward tile products, {c:?}");
@@ -131,9 +129,8 @@ fn a_window_that_hides_nothing_gives_the_same_bits() {
         let c = Case { b: 1, nq: 150, nk: 200, h: 4, hkv: 2, d: 32, spec: spec(causal, qo, ko) };
         let x = inputs(&c, 23, DType::F32);
         let run = |s: &AttentionSpec| {
-            let (o, lse) = poisoned::flash_attention_forward(&x.q, &x.k, &x.v, s).unwrap();
-            let (dq, dk, dv) =
-                poisoned::flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), s).unwrap();
+            let (o, lse) = poisoned::cpu_forward(&x.q, &x.k, &x.v, s).unwrap();
+            let (dq, dk, dv) = poisoned::cpu_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), s).unwrap();
             [o, lse, dq, dk, dv].map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
         };
         let plain = run(&c.spec);

@@ -10,7 +10,7 @@
 use autosp_core::gradcheck::{check_gradients, probe};
 use autosp_core::ops::{self, rope::default_inv_freq};
 use autosp_core::{CheckpointPolicy, Error, Result, Tape, Value};
-use autosp_kernels::fused;
+use autosp_kernels::{rms_norm, rope, swiglu};
 use candle_core::{DType, Device, Tensor};
 
 const F32_TOL: f64 = 1e-6;
@@ -69,7 +69,7 @@ fn tol(dtype: DType) -> f64 {
 const EPS: f64 = 1e-5;
 
 fn rms_fused(t: &Tape, v: &[Value]) -> Result<Value> {
-    fused::rms_norm(t, &v[0], &v[1], EPS)
+    rms_norm::rms_norm(t, &v[0], &v[1], EPS)
 }
 fn rms_unfused(t: &Tape, v: &[Value]) -> Result<Value> {
     ops::rms_norm(t, &v[0], &v[1], EPS)
@@ -90,10 +90,10 @@ fn rms_norm_saved_recip_gives_the_same_backward() {
     let x = rand(&[64, 40], 3, DType::F32);
     let w = rand(&[40], 4, DType::F32);
     let g = rand(&[64, 40], 5, DType::F32);
-    let r = fused::rms_norm_recip(&x, EPS).unwrap();
+    let r = rms_norm::rms_norm_recip(&x, EPS).unwrap();
     assert_eq!(r.dims(), &[64]);
-    let (dx1, dw1) = fused::rms_norm_backward(&x, &w, &g, EPS, None).unwrap();
-    let (dx2, dw2) = fused::rms_norm_backward(&x, &w, &g, EPS, Some(&r)).unwrap();
+    let (dx1, dw1) = rms_norm::rms_norm_backward(&x, &w, &g, EPS, None).unwrap();
+    let (dx2, dw2) = rms_norm::rms_norm_backward(&x, &w, &g, EPS, Some(&r)).unwrap();
     assert_eq!(rel_diff(&dx1, &dx2), 0.0);
     assert_eq!(rel_diff(&dw1, &dw2), 0.0);
 }
@@ -107,7 +107,7 @@ fn rms_norm_passes_gradcheck() {
 }
 
 fn swiglu_fused(t: &Tape, v: &[Value]) -> Result<Value> {
-    fused::swiglu(t, &v[0], &v[1])
+    swiglu::swiglu(t, &v[0], &v[1])
 }
 fn swiglu_unfused(t: &Tape, v: &[Value]) -> Result<Value> {
     ops::mul(t, &ops::silu(t, &v[0])?, &v[1])
@@ -136,7 +136,7 @@ fn tables(n: usize, d: usize, offset: usize, dtype: DType) -> (Tensor, Tensor) {
 }
 
 fn rope_fused(t: &Tape, v: &[Value]) -> Result<Value> {
-    fused::rope(t, &v[0], &v[1], &v[2])
+    rope::rope(t, &v[0], &v[1], &v[2])
 }
 fn rope_unfused(t: &Tape, v: &[Value]) -> Result<Value> {
     ops::rope(t, &v[0], &v[1], &v[2])
@@ -170,7 +170,7 @@ fn rope_reads_strided_views_without_a_copy_and_matches_core() {
     assert!(!bhnd.is_contiguous());
     let (cos, sin) = tables(n, d, 0, DType::F32);
     for x in [q, k, bhnd] {
-        let fused_y = fused::rope_forward(&x, &cos, &sin).unwrap();
+        let fused_y = rope::rope_forward(&x, &cos, &sin).unwrap();
         let tape = Tape::inference();
         let core_y = ops::rope(
             &tape,
@@ -186,11 +186,11 @@ fn rope_reads_strided_views_without_a_copy_and_matches_core() {
     let tape = Tape::new(CheckpointPolicy::None);
     let leaf = tape.leaf(qkv.contiguous().unwrap());
     let qv = ops::narrow(&tape, &leaf, 2, 0, h).unwrap();
-    let y = fused::rope(&tape, &qv, &tape.constant(cos.clone()), &tape.constant(sin.clone())).unwrap();
+    let y = rope::rope(&tape, &qv, &tape.constant(cos.clone()), &tape.constant(sin.clone())).unwrap();
     let seed = rand(y.dims(), 15, DType::F32);
     tape.backward_with_grad(&y, &seed, false).unwrap();
     let g = tape.grad(&leaf).unwrap().unwrap();
-    let want = fused::rope_backward(&seed, &cos, &sin).unwrap();
+    let want = rope::rope_backward(&seed, &cos, &sin).unwrap();
     assert!(rel_diff(&g.narrow(2, 0, h).unwrap(), &want) <= F32_TOL);
     assert_eq!(g.narrow(2, h, 2 * kv).unwrap().abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
 }
@@ -207,13 +207,13 @@ fn bf16_inputs_compute_in_f32() {
     // bf16 keeps 8 bits of mantissa: the fused result, rounded once to bf16, is within 2^-7 of the f32 one.
     let x = rand(&[16, 64], 17, DType::F32);
     let w = rand(&[64], 18, DType::F32);
-    let y32 = fused::rms_norm_forward(&x, &w, EPS).unwrap();
+    let y32 = rms_norm::rms_norm_forward(&x, &w, EPS).unwrap();
     let y16 =
-        fused::rms_norm_forward(&x.to_dtype(DType::BF16).unwrap(), &w.to_dtype(DType::BF16).unwrap(), EPS).unwrap();
+        rms_norm::rms_norm_forward(&x.to_dtype(DType::BF16).unwrap(), &w.to_dtype(DType::BF16).unwrap(), EPS).unwrap();
     assert_eq!(y16.dtype(), DType::BF16);
     assert!(rel_diff(&y16, &y32) < 2f64.powi(-6));
-    let s = fused::swiglu_forward(&x.to_dtype(DType::BF16).unwrap(), &x.to_dtype(DType::BF16).unwrap()).unwrap();
-    assert!(rel_diff(&s, &fused::swiglu_forward(&x, &x).unwrap()) < 2f64.powi(-6));
+    let s = swiglu::swiglu_forward(&x.to_dtype(DType::BF16).unwrap(), &x.to_dtype(DType::BF16).unwrap()).unwrap();
+    assert!(rel_diff(&s, &swiglu::swiglu_forward(&x, &x).unwrap()) < 2f64.powi(-6));
 }
 
 #[test]
@@ -233,26 +233,30 @@ fn bf16_and_f16_inputs_compute_in_f32_and_round_once() {
         let (x, w, g) = (narrow(&[6, 24], 31), narrow(&[24], 32), narrow(&[6, 24], 33));
         same(
             "rms_norm",
-            &fused::rms_norm_forward(&x, &w, EPS).unwrap(),
-            &fused::rms_norm_forward(&wide(&x), &wide(&w), EPS).unwrap(),
+            &rms_norm::rms_norm_forward(&x, &w, EPS).unwrap(),
+            &rms_norm::rms_norm_forward(&wide(&x), &wide(&w), EPS).unwrap(),
         );
-        let (dx, dw) = fused::rms_norm_backward(&x, &w, &g, EPS, None).unwrap();
-        let (dx32, dw32) = fused::rms_norm_backward(&wide(&x), &wide(&w), &wide(&g), EPS, None).unwrap();
+        let (dx, dw) = rms_norm::rms_norm_backward(&x, &w, &g, EPS, None).unwrap();
+        let (dx32, dw32) = rms_norm::rms_norm_backward(&wide(&x), &wide(&w), &wide(&g), EPS, None).unwrap();
         same("rms_norm dx", &dx, &dx32);
         same("rms_norm dw", &dw, &dw32);
         let (a, u) = (narrow(&[6, 24], 34).affine(4.0, 0.0).unwrap(), narrow(&[6, 24], 35));
-        same("swiglu", &fused::swiglu_forward(&a, &u).unwrap(), &fused::swiglu_forward(&wide(&a), &wide(&u)).unwrap());
-        let (da, du) = fused::swiglu_backward(&a, &u, &g).unwrap();
-        let (da32, du32) = fused::swiglu_backward(&wide(&a), &wide(&u), &wide(&g)).unwrap();
+        same(
+            "swiglu",
+            &swiglu::swiglu_forward(&a, &u).unwrap(),
+            &swiglu::swiglu_forward(&wide(&a), &wide(&u)).unwrap(),
+        );
+        let (da, du) = swiglu::swiglu_backward(&a, &u, &g).unwrap();
+        let (da32, du32) = swiglu::swiglu_backward(&wide(&a), &wide(&u), &wide(&g)).unwrap();
         same("swiglu d_gate", &da, &da32);
         same("swiglu d_up", &du, &du32);
         let (q, cos, sin) = (narrow(&[2, 5, 3, 8], 36), cos32.to_dtype(dtype).unwrap(), sin32.to_dtype(dtype).unwrap());
         let (cw, sw) = (wide(&cos), wide(&sin));
-        same("rope", &fused::rope_forward(&q, &cos, &sin).unwrap(), &fused::rope_forward(&wide(&q), &cw, &sw).unwrap());
+        same("rope", &rope::rope_forward(&q, &cos, &sin).unwrap(), &rope::rope_forward(&wide(&q), &cw, &sw).unwrap());
         same(
             "rope backward",
-            &fused::rope_backward(&q, &cos, &sin).unwrap(),
-            &fused::rope_backward(&wide(&q), &cw, &sw).unwrap(),
+            &rope::rope_backward(&q, &cos, &sin).unwrap(),
+            &rope::rope_backward(&wide(&q), &cw, &sw).unwrap(),
         );
     }
 }
@@ -267,27 +271,27 @@ fn shape_error<T: std::fmt::Debug>(r: Result<T>) -> String {
 #[test]
 fn bad_shapes_are_typed_errors_naming_the_shapes() {
     let x = rand(&[4, 6], 19, DType::F32);
-    let msg = shape_error(fused::rms_norm_forward(&x, &rand(&[5], 20, DType::F32), EPS));
+    let msg = shape_error(rms_norm::rms_norm_forward(&x, &rand(&[5], 20, DType::F32), EPS));
     assert!(msg.contains("[4, 6]") && msg.contains("[5]"), "{msg}");
 
-    let msg = shape_error(fused::swiglu_forward(&x, &rand(&[4, 7], 21, DType::F32)));
+    let msg = shape_error(swiglu::swiglu_forward(&x, &rand(&[4, 7], 21, DType::F32)));
     assert!(msg.contains("[4, 6]") && msg.contains("[4, 7]"), "{msg}");
 
     let (cos, sin) = tables(5, 8, 0, DType::F32);
-    let msg = shape_error(fused::rope_forward(&rand(&[1, 4, 2, 8], 22, DType::F32), &cos, &sin));
+    let msg = shape_error(rope::rope_forward(&rand(&[1, 4, 2, 8], 22, DType::F32), &cos, &sin));
     assert!(msg.contains("[1, 4, 2, 8]") && msg.contains("[5, 4]"), "{msg}");
-    let msg = shape_error(fused::rope_forward(&rand(&[4, 2, 8], 23, DType::F32), &cos, &sin));
+    let msg = shape_error(rope::rope_forward(&rand(&[4, 2, 8], 23, DType::F32), &cos, &sin));
     assert!(msg.contains("[4, 2, 8]"), "{msg}");
 
     let tape = Tape::new(CheckpointPolicy::None);
     let xv = tape.leaf(x);
     assert!(matches!(
-        fused::rms_norm(&tape, &xv, &tape.constant(rand(&[6], 24, DType::F32)), -1.0),
+        rms_norm::rms_norm(&tape, &xv, &tape.constant(rand(&[6], 24, DType::F32)), -1.0),
         Err(Error::InvalidArgument { .. })
     ));
     assert!(matches!(
-        fused::rms_norm_forward(&rand(&[2, 2], 25, DType::U32), &rand(&[2], 26, DType::U32), EPS),
-        Err(Error::InvalidArgument { .. })
+        rms_norm::rms_norm_forward(&rand(&[2, 2], 25, DType::U32), &rand(&[2], 26, DType::U32), EPS),
+        Err(Error::UnsupportedDType { op: "rms_norm", dtype: DType::U32 })
     ));
 }
 
@@ -310,13 +314,13 @@ fn toy_block_grads(policy: CheckpointPolicy) -> Vec<Vec<f32>> {
     let (cos, sin) = (tape.constant(cos), tape.constant(sin));
     let out = tape
         .checkpoint("block", |t| {
-            let xn = fused::rms_norm(t, &x, &t.param(&nw), EPS)?;
+            let xn = rms_norm::rms_norm(t, &x, &t.param(&nw), EPS)?;
             let proj = ops::reshape(t, &ops::linear(t, &xn, &t.param(&qkv), None)?, (1, n, 3 * h, hd))?;
-            let q = fused::rope(t, &ops::narrow(t, &proj, 2, 0, h)?, &cos, &sin)?;
+            let q = rope::rope(t, &ops::narrow(t, &proj, 2, 0, h)?, &cos, &sin)?;
             let q = ops::reshape(t, &q, (n, h * hd))?;
             let g =
                 ops::add(t, &ops::linear(t, &xn, &t.param(&gate), None)?, &ops::linear(t, &q, &t.param(&gate), None)?)?;
-            fused::swiglu(t, &g, &ops::linear(t, &xn, &t.param(&up), None)?)
+            swiglu::swiglu(t, &g, &ops::linear(t, &xn, &t.param(&up), None)?)
         })
         .unwrap();
     let targets = Tensor::new(
@@ -353,7 +357,7 @@ fn weight_and_lm_head_gradients_do_not_depend_on_the_thread_count() {
     let run = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         pool.install(|| {
-            let (dx, dw) = fused::rms_norm_backward(&x, &w, &g, EPS, None).unwrap();
+            let (dx, dw) = rms_norm::rms_norm_backward(&x, &w, &g, EPS, None).unwrap();
             let (dh, dl) = autosp_kernels::chunked_cross_entropy_backward(&x, &lm, &tg, 128, 1.0).unwrap();
             [dx, dw, dh, dl].map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
         })

@@ -3,7 +3,7 @@
 //! and bf16; causal and not, MHA/GQA/MQA, q_len != k_len, the position offsets Ring's shards use, rows that
 //! see no key. The generic functions are called directly with small blocks (several tiles, diagonal tiles,
 //! skipped tiles, a query block that sees no key) and once with the default block; the CPU side is
-//! `flash_attention_forward/backward` under the default dispatch (this binary never forces the kernels); the
+//! `attention_forward/backward` under the default dispatch (this binary never forces the kernels); the
 //! sliding-window cases are held against the naive reference instead.
 //!
 //! "max relative error" is `max_i |x_i - y_i| / max_i |y_i|` (scale-relative), over the finite entries of y;
@@ -16,12 +16,20 @@
 mod common;
 
 use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
-use autosp_kernels::generic::attention::{
-    attention_backward, attention_backward_with_block, attention_forward, attention_forward_with_block,
-};
-use autosp_kernels::{flash_attention_backward, flash_attention_forward, Error};
+use autosp_kernels::attention::{generic_backward_with_block, generic_forward_with_block};
+use autosp_kernels::dispatch::generic_calls;
+use autosp_kernels::{attention_backward, attention_forward, with_kernels, Error, Kernels};
 use candle_core::{DType, Tensor};
 use common::{inputs, spec, values, Case};
+
+/// `f` with the device-generic kernels forced on this thread: `attention_forward` / `_backward` then run the
+/// generic kernel with its default block for the device.
+fn generic<R>(f: impl FnOnce() -> R) -> R {
+    let before = generic_calls();
+    let out = with_kernels(Kernels::Generic, f);
+    assert!(generic_calls() > before, "the forced call must select a generic kernel");
+    out
+}
 
 /// Tile size for the small shapes: 16 rows × 16 keys, so 70 rows are 5 blocks (the last partial).
 const BLOCK: usize = 16;
@@ -76,12 +84,12 @@ fn check_case(c: &Case, seed: u64, dtype: DType, tol: f64, block: Option<usize>,
     let x = inputs(c, seed, dtype);
     let what = |name: &str| format!("{name} {dtype:?} block {block:?} {reference:?} {c:?}");
     let (o_ref, lse_ref) = match reference {
-        Reference::CpuKernel => flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap(),
+        Reference::CpuKernel => attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap(),
         Reference::Naive => naive_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap(),
     };
     let (o, lse) = match block {
-        Some(bl) => attention_forward_with_block(&x.q, &x.k, &x.v, &c.spec, bl),
-        None => attention_forward(&x.q, &x.k, &x.v, &c.spec),
+        Some(bl) => generic_forward_with_block(&x.q, &x.k, &x.v, &c.spec, bl),
+        None => generic(|| attention_forward(&x.q, &x.k, &x.v, &c.spec)),
     }
     .unwrap();
     assert_close(&what("o"), &o, &o_ref, tol);
@@ -89,7 +97,7 @@ fn check_case(c: &Case, seed: u64, dtype: DType, tol: f64, block: Option<usize>,
     for d_lse in [None, Some(&x.d_lse)] {
         let want = match reference {
             Reference::CpuKernel => {
-                flash_attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, &x.d_o, d_lse, &c.spec).unwrap()
+                attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, &x.d_o, d_lse, &c.spec).unwrap()
             }
             Reference::Naive => {
                 naive_attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, Some(&x.d_o), d_lse, &c.spec).unwrap()
@@ -97,8 +105,8 @@ fn check_case(c: &Case, seed: u64, dtype: DType, tol: f64, block: Option<usize>,
         };
         // Both backwards read the reference's o and lse, so the comparison is of the backward alone.
         let got = match block {
-            Some(bl) => attention_backward_with_block(&x.q, &x.k, &x.v, &o_ref, &lse_ref, &x.d_o, d_lse, &c.spec, bl),
-            None => attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, &x.d_o, d_lse, &c.spec),
+            Some(bl) => generic_backward_with_block(&x.q, &x.k, &x.v, &o_ref, &lse_ref, &x.d_o, d_lse, &c.spec, bl),
+            None => generic(|| attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, &x.d_o, d_lse, &c.spec)),
         }
         .unwrap();
         let tag = if d_lse.is_some() { " with d_lse" } else { "" };
@@ -139,7 +147,7 @@ fn bf16_matches_the_cpu_kernel() {
     let cs = cases();
     for (i, c) in [cs[0], cs[1], cs[3]].iter().enumerate() {
         let x = inputs(c, 500 + i as u64, DType::BF16);
-        let (o, lse) = attention_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
+        let (o, lse) = generic_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
         assert_eq!((o.dtype(), lse.dtype()), (DType::BF16, DType::F32));
         check_case(c, 500 + i as u64, DType::BF16, 1.0 / 128.0, Some(BLOCK), Reference::CpuKernel);
     }
@@ -152,7 +160,7 @@ fn rows_that_see_no_key_give_minus_inf_zero_and_finite_gradients() {
     let c = cases()[3];
     let blind_rows = c.spec.k_offset - c.spec.q_offset;
     let x = inputs(&c, 900, DType::F32);
-    let (o, lse) = attention_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
+    let (o, lse) = generic_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
     let (lse_v, o_v) = (values(&lse), values(&o));
     for bh in 0..c.b * c.h {
         for i in 0..c.nq {
@@ -169,7 +177,7 @@ fn rows_that_see_no_key_give_minus_inf_zero_and_finite_gradients() {
         }
     }
     let (dq, dk, dv) =
-        attention_backward_with_block(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &c.spec, BLOCK).unwrap();
+        generic_backward_with_block(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &c.spec, BLOCK).unwrap();
     for (name, t) in [("dk", &dk), ("dv", &dv)] {
         assert!(values(t).iter().all(|x| x.is_finite()), "{name} has a non-finite entry");
     }
@@ -183,10 +191,10 @@ fn rows_that_see_no_key_give_minus_inf_zero_and_finite_gradients() {
     }
     // And when no query sees any key at all: every lse -inf, o and every gradient 0.
     let blind = AttentionSpec { causal: true, scale: None, q_offset: 0, k_offset: 100, max_distance: None };
-    let (o, lse) = attention_forward_with_block(&x.q, &x.k, &x.v, &blind, BLOCK).unwrap();
+    let (o, lse) = generic_forward_with_block(&x.q, &x.k, &x.v, &blind, BLOCK).unwrap();
     assert!(values(&lse).iter().all(|&l| l == f64::NEG_INFINITY));
     assert!(values(&o).iter().all(|&v| v == 0.0));
-    let grads = attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &blind).unwrap();
+    let grads = generic(|| attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &blind)).unwrap();
     for t in [&grads.0, &grads.1, &grads.2] {
         assert!(values(t).iter().all(|&v| v == 0.0));
     }
@@ -200,27 +208,28 @@ fn strided_inputs_give_the_same_result() {
     let strided = |t: &Tensor| t.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
     let (qs, ks, vs, dos) = (strided(&x.q), strided(&x.k), strided(&x.v), strided(&x.d_o));
     assert!(!qs.is_contiguous());
-    let (o1, l1) = attention_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
-    let (o2, l2) = attention_forward_with_block(&qs, &ks, &vs, &c.spec, BLOCK).unwrap();
+    let (o1, l1) = generic_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
+    let (o2, l2) = generic_forward_with_block(&qs, &ks, &vs, &c.spec, BLOCK).unwrap();
     assert_eq!((values(&o1), values(&l1)), (values(&o2), values(&l2)));
-    let g1 = attention_backward_with_block(&x.q, &x.k, &x.v, &o1, &l1, &x.d_o, None, &c.spec, BLOCK).unwrap();
-    let g2 = attention_backward_with_block(&qs, &ks, &vs, &strided(&o1), &l1, &dos, None, &c.spec, BLOCK).unwrap();
+    let g1 = generic_backward_with_block(&x.q, &x.k, &x.v, &o1, &l1, &x.d_o, None, &c.spec, BLOCK).unwrap();
+    let g2 = generic_backward_with_block(&qs, &ks, &vs, &strided(&o1), &l1, &dos, None, &c.spec, BLOCK).unwrap();
     for (a, b) in [(&g1.0, &g2.0), (&g1.1, &g2.1), (&g1.2, &g2.2)] {
         assert_eq!(values(a), values(b));
     }
 }
 
-/// Misuse is the same typed error as the CPU kernel's.
+/// Misuse is the same typed error whichever kernel would have run: the door checks before it routes.
 #[test]
 fn bad_inputs_are_typed_errors() {
     let c = cases()[0];
     let x = inputs(&c, 1, DType::F32);
     let k64 = x.k.to_dtype(DType::F64).unwrap();
-    let e = attention_forward(&x.q, &k64, &x.v, &c.spec).unwrap_err();
+    let e = with_kernels(Kernels::Generic, || attention_forward(&x.q, &k64, &x.v, &c.spec)).unwrap_err();
     assert!(matches!(e, Error::DTypeMismatch { name: "k", .. }), "{e}");
-    let (o, lse) = attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
+    let (o, lse) = generic(|| attention_forward(&x.q, &x.k, &x.v, &c.spec)).unwrap();
     let short = lse.narrow(2, 0, 3).unwrap();
-    let e = attention_backward(&x.q, &x.k, &x.v, &o, &short, &x.d_o, None, &c.spec).unwrap_err();
+    let e = with_kernels(Kernels::Generic, || attention_backward(&x.q, &x.k, &x.v, &o, &short, &x.d_o, None, &c.spec))
+        .unwrap_err();
     assert!(matches!(e, Error::Shape { name: "lse", .. }), "{e}");
 }
 
@@ -267,7 +276,7 @@ fn sliding_windows_match_the_naive_reference() {
 fn keys_outside_the_window_are_never_read() {
     let c = Case { b: 1, nq: 96, nk: 96, h: 2, hkv: 2, d: 16, spec: spec(true, 0, 0).with_max_distance(10) };
     let x = inputs(&c, 4242, DType::F32);
-    let (o, lse) = attention_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
+    let (o, lse) = generic_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
     // Query rows 80..96 see keys 70..96 only; keep the queries 80.. and NaN the keys before 70.
     let (q_tail, do_tail) = (x.q.narrow(1, 80, 16).unwrap(), x.d_o.narrow(1, 80, 16).unwrap());
     let poison = |t: &Tensor| {
@@ -276,12 +285,12 @@ fn keys_outside_the_window_are_never_read() {
     };
     let tail = AttentionSpec { q_offset: 80, ..c.spec };
     let (kp, vp) = (poison(&x.k), poison(&x.v));
-    let (o_t, lse_t) = attention_forward_with_block(&q_tail, &kp, &vp, &tail, BLOCK).unwrap();
+    let (o_t, lse_t) = generic_forward_with_block(&q_tail, &kp, &vp, &tail, BLOCK).unwrap();
     assert_close("o of the last rows", &o_t, &o.narrow(1, 80, 16).unwrap(), 1e-6);
     assert_close("lse of the last rows", &lse_t, &lse.narrow(2, 80, 16).unwrap(), 1e-6);
     let (o_tail, lse_tail) = (o.narrow(1, 80, 16).unwrap(), lse.narrow(2, 80, 16).unwrap());
     let (dq, dk, dv) =
-        attention_backward_with_block(&q_tail, &kp, &vp, &o_tail, &lse_tail, &do_tail, None, &tail, BLOCK).unwrap();
+        generic_backward_with_block(&q_tail, &kp, &vp, &o_tail, &lse_tail, &do_tail, None, &tail, BLOCK).unwrap();
     for (name, t) in [("dq", &dq), ("dk", &dk), ("dv", &dv)] {
         assert!(values(t).iter().all(|v| v.is_finite()), "{name} read a key outside the window");
     }
@@ -313,11 +322,11 @@ fn loose_score_bounds_keep_f32_precision_or_fall_back() {
         }
         let first = Tensor::from_vec(first, (1, 1, c.hkv, c.d), q.device()).unwrap();
         let k = Tensor::cat(&[&first, &x.k.narrow(1, 1, c.nk - 1).unwrap()], 1).unwrap();
-        let (o_ref, lse_ref) = flash_attention_forward(&q, &k, &x.v, &c.spec).unwrap();
+        let (o_ref, lse_ref) = attention_forward(&q, &k, &x.v, &c.spec).unwrap();
         for block in [Some(BLOCK), None] {
             let (o, lse) = match block {
-                Some(bl) => attention_forward_with_block(&q, &k, &x.v, &c.spec, bl),
-                None => attention_forward(&q, &k, &x.v, &c.spec),
+                Some(bl) => generic_forward_with_block(&q, &k, &x.v, &c.spec, bl),
+                None => generic(|| attention_forward(&q, &k, &x.v, &c.spec)),
             }
             .unwrap();
             assert_close(&format!("o, key norm {big}, block {block:?}"), &o, &o_ref, 1e-5);

@@ -18,7 +18,7 @@ use autosp_core::ops::rope::{default_inv_freq, rope_tables};
 use autosp_core::{Attention, CheckpointPolicy, Tape, Value};
 use autosp_kernels::sp::{shard, SeqLayout};
 use autosp_kernels::{
-    chunked_cross_entropy, chunked_mlp, fused, kernels, set_kernels, Kernels, RingAttention, RingLayout,
+    chunked_cross_entropy, chunked_mlp, kernels, rms_norm, rope, set_kernels, Kernels, RingAttention, RingLayout,
 };
 use candle_core::{DType, Device, Tensor};
 
@@ -59,9 +59,9 @@ fn block(dtype: DType) -> Vec<Tensor> {
     let positions: Vec<usize> = (0..n).collect();
     let (cos, sin) = rope_tables(&positions, &default_inv_freq(hd, 10000.0), dtype, &Device::Cpu).unwrap();
     let (cos, sin) = (tape.constant(cos), tape.constant(sin));
-    let y = fused::rms_norm(&tape, &x, &w_norm, 1e-5).unwrap();
+    let y = rms_norm::rms_norm(&tape, &x, &w_norm, 1e-5).unwrap();
     let heads = autosp_core::ops::reshape(&tape, &y, (b, n, h, hd)).unwrap();
-    let r = fused::rope(&tape, &heads, &cos, &sin).unwrap();
+    let r = rope::rope(&tape, &heads, &cos, &sin).unwrap();
     let r = autosp_core::ops::reshape(&tape, &r, (b * n, d)).unwrap();
     // 7 rows in chunks of 3: the last chunk is short.
     let m = chunked_mlp(&tape, &r, &wg, &wu, &wd, 3).unwrap();

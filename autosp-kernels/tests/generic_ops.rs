@@ -21,10 +21,29 @@
 
 use autosp_core::gradcheck::probe;
 use autosp_core::ops::rope::{default_inv_freq, rope_tables};
-use autosp_kernels::generic;
-use autosp_kernels::sp::merge::RunningAttention;
-use autosp_kernels::{chunked_cross_entropy_backward, chunked_cross_entropy_forward, fused};
+use autosp_kernels::dispatch::generic_calls;
+use autosp_kernels::merge::RunningAttention;
+use autosp_kernels::{chunked_cross_entropy_backward, chunked_cross_entropy_forward, with_kernels, Kernels};
+use autosp_kernels::{cross_entropy, rms_norm, rope, swiglu};
 use candle_core::{DType, Device, Tensor};
+
+/// `f` with the device-generic kernels forced on this thread: each op's door then runs its generic kernel on
+/// the CPU tensors, and the same call outside runs the CPU kernel.
+fn gen<R>(f: impl FnOnce() -> R) -> R {
+    let before = generic_calls();
+    let out = with_kernels(Kernels::Generic, f);
+    assert!(generic_calls() > before, "the forced call must select a generic kernel");
+    out
+}
+
+/// The generic LSE merge through its door: `(o_a, lse_a)` merged with `(o_b, lse_b)`, `o` in `o_a`'s dtype.
+fn generic_merge(o_a: &Tensor, lse_a: &Tensor, o_b: &Tensor, lse_b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    gen(|| {
+        let mut run = RunningAttention::new(o_a, lse_a)?;
+        run.merge(o_b, lse_b)?;
+        run.finish()
+    })
+}
 
 fn rand(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
     probe(shape, seed, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
@@ -77,23 +96,25 @@ fn rms_norm_generic_equals_cpu() {
             ("transposed", transposed(21, 37, 4, dtype), transposed(21, 37, 5, dtype)),
         ] {
             let what = |s: &str| format!("rms_norm {s} {name}");
-            let y = generic::rms_norm::rms_norm_forward(&x, &w, EPS).unwrap();
-            assert_close(&what("forward"), &y, &fused::rms_norm_forward(&x, &w, EPS).unwrap());
-            let r = generic::rms_norm::rms_norm_recip(&x, EPS).unwrap();
-            assert_close(&what("recip"), &r, &fused::rms_norm_recip(&x, EPS).unwrap());
-            let (dx, dw) = generic::rms_norm::rms_norm_backward(&x, &w, &g, EPS, None).unwrap();
-            let (cdx, cdw) = fused::rms_norm_backward(&x, &w, &g, EPS, None).unwrap();
+            let y = gen(|| rms_norm::rms_norm_forward(&x, &w, EPS)).unwrap();
+            assert_close(&what("forward"), &y, &rms_norm::rms_norm_forward(&x, &w, EPS).unwrap());
+            let r = gen(|| rms_norm::rms_norm_recip(&x, EPS)).unwrap();
+            assert_close(&what("recip"), &r, &rms_norm::rms_norm_recip(&x, EPS).unwrap());
+            let (dx, dw) = gen(|| rms_norm::rms_norm_backward(&x, &w, &g, EPS, None)).unwrap();
+            let (cdx, cdw) = rms_norm::rms_norm_backward(&x, &w, &g, EPS, None).unwrap();
             assert_close(&what("dx"), &dx, &cdx);
             assert_close(&what("dw"), &dw, &cdw);
             // With the saved reciprocals: the same gradients.
-            let (dx_r, dw_r) = generic::rms_norm::rms_norm_backward(&x, &w, &g, EPS, Some(&r)).unwrap();
+            let (dx_r, dw_r) = gen(|| rms_norm::rms_norm_backward(&x, &w, &g, EPS, Some(&r))).unwrap();
             assert_close(&what("dx (recip given)"), &dx_r, &cdx);
             assert_close(&what("dw (recip given)"), &dw_r, &cdw);
         }
     }
     // The same typed error for a bad weight.
     let x = rand(&[4, 8], 1, DType::F32);
-    let e = generic::rms_norm::rms_norm_forward(&x, &rand(&[7], 2, DType::F32), EPS).unwrap_err().to_string();
+    let e = with_kernels(Kernels::Generic, || rms_norm::rms_norm_forward(&x, &rand(&[7], 2, DType::F32), EPS))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("[4, 8]") && e.contains("[7]"), "{e}");
 }
 
@@ -117,11 +138,11 @@ fn rope_generic_equals_cpu() {
         for (name, x) in [("contiguous", rand(&[b, n, h, d], 10, dtype)), ("qkv view", view), ("transposed", tview)] {
             for (tables, c, s) in [("[n, d/2]", &cos, &sin), ("[b, n, d/2]", &cos_b, &sin_b)] {
                 let what = |p: &str| format!("rope {p} {name} tables {tables}");
-                let y = generic::rope::rope_forward(&x, c, s).unwrap();
+                let y = gen(|| rope::rope_forward(&x, c, s)).unwrap();
                 assert!(y.is_contiguous());
-                assert_close(&what("forward"), &y, &fused::rope_forward(&x, c, s).unwrap());
-                let dx = generic::rope::rope_backward(&x, c, s).unwrap();
-                assert_close(&what("backward"), &dx, &fused::rope_backward(&x, c, s).unwrap());
+                assert_close(&what("forward"), &y, &rope::rope_forward(&x, c, s).unwrap());
+                let dx = gen(|| rope::rope_backward(&x, c, s)).unwrap();
+                assert_close(&what("backward"), &dx, &rope::rope_backward(&x, c, s).unwrap());
             }
         }
     }
@@ -145,10 +166,10 @@ fn swiglu_generic_equals_cpu() {
                 transposed(6, 41, 25, dtype),
             ),
         ] {
-            let y = generic::swiglu::swiglu_forward(&a, &u).unwrap();
-            assert_close(&format!("swiglu forward {name}"), &y, &fused::swiglu_forward(&a, &u).unwrap());
-            let (da, du) = generic::swiglu::swiglu_backward(&a, &u, &g).unwrap();
-            let (cda, cdu) = fused::swiglu_backward(&a, &u, &g).unwrap();
+            let y = gen(|| swiglu::swiglu_forward(&a, &u)).unwrap();
+            assert_close(&format!("swiglu forward {name}"), &y, &swiglu::swiglu_forward(&a, &u).unwrap());
+            let (da, du) = gen(|| swiglu::swiglu_backward(&a, &u, &g)).unwrap();
+            let (cda, cdu) = swiglu::swiglu_backward(&a, &u, &g).unwrap();
             assert_close(&format!("swiglu d_gate {name}"), &da, &cda);
             assert_close(&format!("swiglu d_up {name}"), &du, &cdu);
         }
@@ -172,7 +193,7 @@ fn chunked_cross_entropy_generic_equals_cpu() {
         // hidden also as a non-contiguous view.
         let hidden_t = rand(&[d, m], 32, dtype).affine(2.0, 0.0).unwrap().t().unwrap();
         for (name, h) in [("contiguous", &hidden), ("transposed", &hidden_t)] {
-            let (loss, count) = generic::cross_entropy::chunked_cross_entropy_forward(h, &lm_head, &tg, chunk).unwrap();
+            let (loss, count) = gen(|| cross_entropy::chunked_cross_entropy_forward(h, &lm_head, &tg, chunk)).unwrap();
             let (closs, ccount) = chunked_cross_entropy_forward(h, &lm_head, &tg, chunk).unwrap();
             // The loss is a statistic: f32 (f64 for f64), never rounded to a narrow hidden dtype.
             let loss_dtype = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
@@ -182,7 +203,7 @@ fn chunked_cross_entropy_generic_equals_cpu() {
             assert_close(&format!("loss {name} {dtype:?}"), &loss, &closs);
             for grad in [1.0, -0.37] {
                 let (dh, dw) =
-                    generic::cross_entropy::chunked_cross_entropy_backward(h, &lm_head, &tg, chunk, grad).unwrap();
+                    gen(|| cross_entropy::chunked_cross_entropy_backward(h, &lm_head, &tg, chunk, grad)).unwrap();
                 let (cdh, cdw) = chunked_cross_entropy_backward(h, &lm_head, &tg, chunk, grad).unwrap();
                 assert_eq!((dh.dtype(), dw.dtype()), (dtype, dtype));
                 assert_close(&format!("d_hidden {name} grad {grad}"), &dh, &cdh);
@@ -193,12 +214,12 @@ fn chunked_cross_entropy_generic_equals_cpu() {
     // An ignored row contributes nothing: its d_hidden row is exactly 0.
     let hidden = rand(&[m, d], 30, DType::F32);
     let lm_head = rand(&[vocab, d], 31, DType::F32);
-    let (dh, _) = generic::cross_entropy::chunked_cross_entropy_backward(&hidden, &lm_head, &tg, chunk, 1.0).unwrap();
+    let (dh, _) = gen(|| cross_entropy::chunked_cross_entropy_backward(&hidden, &lm_head, &tg, chunk, 1.0)).unwrap();
     let row3 = dh.get(3).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
     assert_eq!(row3, 0.0);
     // u32 targets (none ignored) give the CPU kernel's results too.
     let tg_u32 = Tensor::new((0..m as u32).map(|i| (i * 5) % vocab as u32).collect::<Vec<_>>(), &Device::Cpu).unwrap();
-    let (l, c) = generic::cross_entropy::chunked_cross_entropy_forward(&hidden, &lm_head, &tg_u32, chunk).unwrap();
+    let (l, c) = gen(|| cross_entropy::chunked_cross_entropy_forward(&hidden, &lm_head, &tg_u32, chunk)).unwrap();
     let (cl, cc) = chunked_cross_entropy_forward(&hidden, &lm_head, &tg_u32, chunk).unwrap();
     assert_eq!((c, cc), (m, m));
     assert_close("loss (u32 targets)", &l, &cl);
@@ -206,7 +227,7 @@ fn chunked_cross_entropy_generic_equals_cpu() {
     let mut bad: Vec<i64> = (0..m as i64).map(|i| i % vocab as i64).collect();
     bad[7] = vocab as i64 + 4;
     let bad = Tensor::new(bad, &Device::Cpu).unwrap();
-    let e = generic::cross_entropy::chunked_cross_entropy_forward(&hidden, &lm_head, &bad, chunk).unwrap_err();
+    let e = gen(|| cross_entropy::chunked_cross_entropy_forward(&hidden, &lm_head, &bad, chunk)).unwrap_err();
     let e = e.to_string();
     assert!(e.contains(&format!("target {}", vocab + 4)) && e.contains(&format!("{vocab} classes")), "{e}");
 }
@@ -256,8 +277,7 @@ fn ring_merge_generic_equals_cpu_with_empty_rows() {
             let mut run = RunningAttention::new(&o_a, &lse_a).unwrap();
             run.merge(&o_b, &lse_b).unwrap();
             let (co, clse) = run.finish().unwrap();
-            let (go, glse) =
-                generic::merge::merge_attention(&o_a.to_dtype(acc).unwrap(), &lse_a, &o_b_t, &lse_b).unwrap();
+            let (go, glse) = generic_merge(&o_a.to_dtype(acc).unwrap(), &lse_a, &o_b_t, &lse_b).unwrap();
             assert_eq!((go.dtype(), glse.dtype()), (acc, acc));
             let what = format!("merge acc {acc:?} out {out:?}");
             assert_close(&format!("{what} o"), &go.to_dtype(out).unwrap(), &co);
@@ -290,7 +310,7 @@ fn ring_merge_generic_is_stable_far_apart_and_equal() {
         let mut run = RunningAttention::new(&o_a, &la).unwrap();
         run.merge(&o_b, &lb).unwrap();
         let (co, clse) = run.finish().unwrap();
-        let (go, glse) = generic::merge::merge_attention(&o_a, &la, &o_b, &lb).unwrap();
+        let (go, glse) = generic_merge(&o_a, &la, &o_b, &lb).unwrap();
         assert_close(&format!("stable merge o {acc:?}"), &go, &co);
         assert_close(&format!("stable merge lse {acc:?}"), &glse, &clse);
     }

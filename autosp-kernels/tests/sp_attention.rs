@@ -25,8 +25,8 @@ use autosp_core::{Attention, CheckpointPolicy, Tape};
 use autosp_kernels::sp::{shard, unshard, SeqLayout};
 use autosp_kernels::sp::{HeadChunks, UlyssesPlans};
 use autosp_kernels::{
-    flash_attention_backward, flash_attention_forward, FlashAttention, HybridAttention, RingAttention, RingLayout,
-    SpError, UlyssesAttention,
+    attention_backward, attention_forward, HybridAttention, LocalAttention, RingAttention, RingLayout, SpError,
+    UlyssesAttention,
 };
 use candle_core::{Device, Tensor};
 
@@ -127,7 +127,7 @@ fn layout_of(c: &Case) -> SeqLayout {
 fn rank_run(world: Arc<dyn ProcessGroup>, c: &Case, x: &Full) -> autosp_core::Result<RankOut> {
     let (attn, groups): (Arc<dyn Attention>, Vec<Arc<dyn ProcessGroup>>) = match c.strategy {
         Strategy::Ulysses => {
-            (Arc::new(UlyssesAttention::new(world.clone(), Arc::new(FlashAttention))), vec![world.clone()])
+            (Arc::new(UlyssesAttention::new(world.clone(), Arc::new(LocalAttention))), vec![world.clone()])
         }
         Strategy::Ring(layout) => (Arc::new(RingAttention::new(world.clone(), layout)), vec![world.clone()]),
         Strategy::Hybrid { u, layout } => {
@@ -227,8 +227,8 @@ fn check_stats(c: &Case, stats: &[(CommStats, CommStats)]) {
 fn run_case(c: Case) -> Vec<Tensor> {
     let x = inputs(&c);
     let sp = spec(&c);
-    let (o, lse) = flash_attention_forward(&x.q, &x.k, &x.v, &sp).unwrap();
-    let (dq, dk, dv) = flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &sp).unwrap();
+    let (o, lse) = attention_forward(&x.q, &x.k, &x.v, &sp).unwrap();
+    let (dq, dk, dv) = attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, Some(&x.d_lse), &sp).unwrap();
     let outs: Vec<RankOut> = run_ranks(c.p, TIMEOUT, |world| rank_run(world, &c, &x))
         .into_iter()
         .enumerate()
@@ -498,7 +498,7 @@ fn ulysses_rejects_heads_it_cannot_split() {
             let tape = Tape::new(CheckpointPolicy::None);
             let q = tape.leaf(data(&[1, 5, heads, 8], 1));
             let kv = tape.leaf(data(&[1, 5, kv_heads, 8], 2));
-            let attn = UlyssesAttention::new(world, Arc::new(FlashAttention));
+            let attn = UlyssesAttention::new(world, Arc::new(LocalAttention));
             attn.forward(&tape, &q, &kv, &kv, &AttentionSpec::causal()).map(|_| ()).unwrap_err()
         });
         for res in results {
@@ -520,7 +520,7 @@ fn unequal_shards_are_a_typed_error_that_says_to_pad() {
         let tape = Tape::new(CheckpointPolicy::None);
         let n = 6 - world.rank();
         let q = tape.leaf(data(&[1, n, 2, 8], 1));
-        let attn = UlyssesAttention::new(world, Arc::new(FlashAttention));
+        let attn = UlyssesAttention::new(world, Arc::new(LocalAttention));
         attn.forward(&tape, &q, &q, &q, &AttentionSpec::causal()).map(|_| ()).unwrap_err()
     });
     for res in results {

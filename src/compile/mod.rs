@@ -115,14 +115,14 @@ type BuiltAttention = (Arc<dyn Attention>, Vec<Arc<dyn ProcessGroup>>);
 
 fn build_attention(resolved: &Resolved, group: &Arc<dyn ProcessGroup>) -> Result<BuiltAttention, CompileError> {
     use autosp_kernels::sp::{HybridAttention, RingAttention, RingLayout, UlyssesAttention};
-    let flash: Arc<dyn Attention> = Arc::new(autosp_kernels::FlashAttention);
+    let local: Arc<dyn Attention> = Arc::new(autosp_kernels::LocalAttention);
     let ring_layout = match resolved.layout {
         SeqLayout::Contiguous => RingLayout::Contiguous,
         SeqLayout::Zigzag | SeqLayout::HybridZigzag { .. } => RingLayout::Zigzag,
     };
     Ok(match resolved.strategy {
-        _ if group.size() == 1 => (flash, Vec::new()),
-        Strategy::Ulysses => (Arc::new(UlyssesAttention::new(group.clone(), flash)), vec![group.clone()]),
+        _ if group.size() == 1 => (local, Vec::new()),
+        Strategy::Ulysses => (Arc::new(UlyssesAttention::new(group.clone(), local)), vec![group.clone()]),
         Strategy::Ring => (Arc::new(RingAttention::new(group.clone(), ring_layout)), vec![group.clone()]),
         Strategy::Hybrid { ulysses } => {
             let h = HybridAttention::new(group.as_ref(), ulysses, ring_layout)?;

@@ -4,16 +4,17 @@
 //!
 //! Layouts ([`RingLayout`]): `Contiguous` (rank r holds chunk r of P; for non-causal attention) and `Zigzag`
 //! (the sequence in 2P chunks, rank r holds `[c_r ; c_{2P-1-r}]`; for causal attention, equal work on every
-//! rank). The positions given to the flash kernel are the true global ones (plus the caller's `q_offset` /
+//! rank). The positions given to the attention kernel are the true global ones (plus the caller's `q_offset` /
 //! `k_offset`, which describe the start of the whole sequence); a (query chunk, key chunk) pair that the mask
-//! (causal cut, sliding window `max_distance`) hides entirely is skipped, a pair it does not touch runs
-//! unmasked, and a pair it cuts runs with the spec at the pair's true positions.
+//! hides entirely ([`AttentionSpec::block`] says [`Visibility::Hidden`]: a causal cut, a sliding window
+//! `max_distance`) is skipped, a pair it does not touch runs unmasked, and a pair it cuts runs with the spec
+//! at the pair's true positions.
 //!
 //! Forward: step s = 0 … P-1 computes against the block of rank `t = r - s (mod P)`; for s < P-1 the block
 //! (k and v packed in one tensor) goes on with one `send_recv(r+1, r-1)`, which runs on a helper thread while
 //! this step computes (`overlap`, the default; any back end whose group may be called from another thread).
 //!
-//! Backward (FlashAttention-2 per block, exact): every block's flash backward uses the FINAL o and lse of each
+//! Backward (FlashAttention-2 per block, exact): every block's attention backward uses the FINAL o and lse of each
 //! row (and the incoming d_lse, which adds `P ∘ d_lse` to dS), so the block contributions sum to the gradient
 //! of the whole row. dQ stays local, summed over the blocks in step order. The dK/dV accumulator of a block
 //! travels with it: step s computes on block t and adds to its accumulator, then one `send_recv` (after the
@@ -32,13 +33,13 @@
 use std::sync::Arc;
 
 use autosp_core::comm::ProcessGroup;
-use autosp_core::ops::attention::{apply_attention, AttentionSpec};
+use autosp_core::ops::attention::{apply_attention, AttentionSpec, Visibility};
 use autosp_core::{Attention, NodeKind, Op, SavedTensors, Saves, Tape, Value};
 use candle_core::{DType, Tensor};
 
 use super::error::SpError;
-use super::merge::RunningAttention;
-use crate::flash::{flash_attention_backward, flash_attention_forward};
+use crate::attention::{attention_backward, attention_forward};
+use crate::merge::RunningAttention;
 use crate::running_sum::add_to;
 
 /// Which chunks of the sequence each rank of the ring holds.
@@ -81,7 +82,7 @@ impl Attention for RingAttention {
             RingLayout::Contiguous => "contiguous",
             RingLayout::Zigzag => "zigzag",
         };
-        format!("ring(p={}, {layout}) > flash", self.group.size())
+        format!("ring(p={}, {layout}) > local", self.group.size())
     }
 
     fn forward(
@@ -121,7 +122,7 @@ struct Segment {
     pos: usize,
 }
 
-/// One flash call of a step: query rows, key rows (local), and the spec to run them with.
+/// One attention call of a step: query rows, key rows (local), and the spec to run them with.
 #[derive(Clone, Copy, Debug)]
 struct Call {
     q: (usize, usize),
@@ -142,7 +143,7 @@ impl RingAttentionOp {
         }
     }
 
-    /// The flash calls of the step where this rank's queries meet the block of rank `t`: (query segment, key
+    /// The attention calls of the step where this rank's queries meet the block of rank `t`: (query segment, key
     /// segment) pairs that the mask (causal cut, sliding window) hides entirely are skipped, pairs it does not
     /// touch are grouped and run unmasked, the others run with the spec at their true positions.
     fn calls(&self, t: usize, n: usize) -> Vec<Call> {
@@ -150,24 +151,20 @@ impl RingAttentionOp {
         let (qs, ks) = (self.segments(r, n), self.segments(t, n));
         let full = AttentionSpec { causal: false, q_offset: 0, k_offset: 0, max_distance: None, ..self.spec };
         let class = |a: &Segment, b: &Segment| pair_class(&self.spec, a, b);
-        if qs.iter().all(|a| ks.iter().all(|b| class(a, b) == 2)) {
+        if qs.iter().all(|a| ks.iter().all(|b| class(a, b) == Visibility::Full)) {
             return vec![Call { q: (0, n), k: (0, n), spec: full }];
         }
         let mut calls = Vec::new();
         for a in &qs {
-            if ks.iter().all(|b| class(a, b) == 2) {
+            if ks.iter().all(|b| class(a, b) == Visibility::Full) {
                 calls.push(Call { q: (a.start, a.len), k: (0, n), spec: full });
                 continue;
             }
             for b in &ks {
                 let spec = match class(a, b) {
-                    0 => continue,
-                    2 => full,
-                    _ => AttentionSpec {
-                        q_offset: self.spec.q_offset + a.pos,
-                        k_offset: self.spec.k_offset + b.pos,
-                        ..self.spec
-                    },
+                    Visibility::Hidden => continue,
+                    Visibility::Full => full,
+                    Visibility::Partial => self.spec.shifted(a.pos, b.pos),
                 };
                 calls.push(Call { q: (a.start, a.len), k: (b.start, b.len), spec });
             }
@@ -221,23 +218,9 @@ impl RingAttentionOp {
 }
 
 /// How much of key segment `b` query segment `a` sees under `spec` (whose offsets are those of the whole
-/// sequence): 0 none (skipped), 1 part (masked call), 2 all (unmasked call). Segments are non-empty.
-fn pair_class(spec: &AttentionSpec, a: &Segment, b: &Segment) -> u8 {
-    let (q0, k0) = (spec.q_offset + a.pos, spec.k_offset + b.pos);
-    let (q1, k1) = (q0 + a.len - 1, k0 + b.len - 1);
-    // Hidden: every key after every query (causal), or every key out of every query's window.
-    let window_hides = spec.max_distance.is_some_and(|w| k0 > q1.saturating_add(w) || q0 > k1.saturating_add(w));
-    if (spec.causal && k0 > q1) || window_hides {
-        return 0;
-    }
-    // Fully visible: every key at or before every query (causal), every pair within the window.
-    let causal_all = !spec.causal || k1 <= q0;
-    let window_all = spec.max_distance.is_none_or(|w| q1.abs_diff(k0).max(k1.abs_diff(q0)) <= w);
-    if causal_all && window_all {
-        2
-    } else {
-        1
-    }
+/// sequence): the spec's own answer for the pair at its true positions. Segments are non-empty.
+fn pair_class(spec: &AttentionSpec, a: &Segment, b: &Segment) -> Visibility {
+    spec.shifted(a.pos, b.pos).block(0..a.len, 0..b.len)
 }
 
 impl Op for RingAttentionOp {
@@ -266,7 +249,7 @@ impl Op for RingAttentionOp {
             let compute = |acc: &mut Vec<Option<RunningAttention>>| -> autosp_core::Result<()> {
                 let (kb, vb) = (block.narrow(0, 0, b)?, block.narrow(0, b, b)?);
                 for c in self.calls(t, n) {
-                    let (o, lse) = flash_attention_forward(
+                    let (o, lse) = attention_forward(
                         &q.narrow(1, c.q.0, c.q.1)?,
                         &kb.narrow(1, c.k.0, c.k.1)?,
                         &vb.narrow(1, c.k.0, c.k.1)?,
@@ -299,7 +282,7 @@ impl Op for RingAttentionOp {
             let (o, lse) = match run {
                 Some(run) => run.finish()?,
                 // No key of any block is visible to this segment (possible only when the caller's q_offset and
-                // k_offset differ): o = 0 and lse = -inf, as the flash kernel gives a row that sees no key.
+                // k_offset differ): o = 0 and lse = -inf, as the attention kernels give a row that sees no key.
                 None => {
                     let (h, d) = (q.dim(2)?, q.dim(3)?);
                     let lse_dtype = if q.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
@@ -342,7 +325,7 @@ impl Op for RingAttentionOp {
                 let mut dk_all: Option<(Tensor, Tensor)> = None;
                 for c in self.calls(t, n) {
                     let rows = |x: &Tensor, dim: usize| x.narrow(dim, c.q.0, c.q.1);
-                    let (dq_c, dk_c, dv_c) = flash_attention_backward(
+                    let (dq_c, dk_c, dv_c) = attention_backward(
                         &rows(q, 1)?,
                         &kb.narrow(1, c.k.0, c.k.1)?,
                         &vb.narrow(1, c.k.0, c.k.1)?,
@@ -421,8 +404,8 @@ mod tests {
     use super::*;
 
     /// The class of every (query segment, key segment) pair agrees with the spec's own `visible`, pair by pair:
-    /// 0 exactly when no pair is visible (the call is skipped), 2 exactly when every pair is (the call runs
-    /// unmasked). Exhaustive over small segments, causal or not, without and with windows, and offsets.
+    /// Hidden exactly when no pair is visible (the call is skipped), Full exactly when every pair is (the call
+    /// runs unmasked). Exhaustive over small segments, causal or not, without and with windows, and offsets.
     #[test]
     fn pair_classes_agree_with_the_mask() {
         let mut seen = [0usize; 3];
@@ -442,11 +425,11 @@ mod tests {
                         let pairs: Vec<bool> =
                             (0..qlen).flat_map(|i| (0..klen).map(move |j| (i, j))).map(|(i, j)| vis(i, j)).collect();
                         let want = if !pairs.iter().any(|&x| x) {
-                            0
+                            Visibility::Hidden
                         } else if pairs.iter().all(|&x| x) {
-                            2
+                            Visibility::Full
                         } else {
-                            1
+                            Visibility::Partial
                         };
                         assert_eq!(pair_class(&spec, &a, &b), want, "{spec:?} {a:?} {b:?}");
                         seen[want as usize] += 1;

@@ -6,7 +6,7 @@
 //! head when a rank has one kv head), so only one chunk's head-layout tensors and inner buffers are alive.
 //!
 //! Results: the forward gives the composed path's bits (`ulysses.rs`). The backward runs the inner op on
-//! fewer heads per call; heads are independent, but the flash kernel's key-tile split depends on the number
+//! fewer heads per call; heads are independent, but the CPU attention kernel's key-tile split depends on the number
 //! of kv heads in a call, so dq, dk, dv may differ from the composed path's in the last bits; with shared kv
 //! heads their gradients are also summed over the chunks. The tests hold both paths to the single-rank
 //! kernel's results at Ulysses's tolerance.
@@ -23,7 +23,7 @@ use autosp_core::{NodeKind, Op, SavedTensors, Saves};
 use candle_core::Tensor;
 
 use super::all_to_all::{exchange, exchange_back, return_pieces};
-use super::ulysses::{HeadChunks, UlyssesPlans};
+use super::ulysses_plan::{HeadChunks, UlyssesPlans};
 use crate::running_sum::add_to;
 
 /// Ulysses around an inner attention op: inputs `q: [b, n, h, d]`, `k, v: [b, n, h_kv, d]` (this rank's n =

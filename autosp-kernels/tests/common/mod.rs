@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
-use autosp_kernels::flash::poisoned;
+use autosp_kernels::attention::poisoned;
 use candle_core::{DType, Device, Tensor};
 
 /// One attention shape and mask.
@@ -82,14 +82,14 @@ pub fn assert_close(what: &str, c: &Case, got: &Tensor, want: &Tensor, tol: f64)
 pub fn check_against_naive(cases: &[Case], dtype: DType, tol: f64, seed0: u64) {
     for (n, c) in cases.iter().enumerate() {
         let x = inputs(c, seed0 + 10 * n as u64, dtype);
-        let (o, lse) = poisoned::flash_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
+        let (o, lse) = poisoned::cpu_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
         let (o_ref, lse_ref) = naive_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap();
         assert_eq!(o.dtype(), dtype);
         assert_eq!(lse.dtype(), if dtype == DType::F64 { DType::F64 } else { DType::F32 });
         assert_close("o", c, &o, &o_ref, tol);
         assert_close("lse", c, &lse, &lse_ref, tol);
         for d_lse in [None, Some(&x.d_lse)] {
-            let got = poisoned::flash_attention_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, d_lse, &c.spec).unwrap();
+            let got = poisoned::cpu_backward(&x.q, &x.k, &x.v, &o, &lse, &x.d_o, d_lse, &c.spec).unwrap();
             let want =
                 naive_attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, Some(&x.d_o), d_lse, &c.spec).unwrap();
             assert_close("dq", c, &got.0, &want.0, tol);

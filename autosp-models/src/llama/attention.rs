@@ -8,8 +8,8 @@ use autosp_core::module::Module;
 use autosp_core::nn::Linear;
 use autosp_core::ops::{self, AttentionSpec};
 use autosp_core::{AttentionSlot, Tape, Value};
-use autosp_kernels::fused::rope::rope;
-use autosp_kernels::FlashAttention;
+use autosp_kernels::rope::rope;
+use autosp_kernels::LocalAttention;
 
 use super::error::ModelResult;
 use super::kv_cache::LayerKv;
@@ -47,7 +47,7 @@ impl LlamaAttention {
         num_kv_heads: usize,
         head_dim: usize,
     ) -> Self {
-        let attention = AttentionSlot::new(Arc::new(FlashAttention));
+        let attention = AttentionSlot::new(Arc::new(LocalAttention));
         Self { q_proj, k_proj, v_proj, o_proj, num_heads, num_kv_heads, head_dim, attention }
     }
 

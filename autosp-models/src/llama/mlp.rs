@@ -6,8 +6,8 @@
 use autosp_core::module::Module;
 use autosp_core::nn::Linear;
 use autosp_core::{Tape, Value};
-use autosp_kernels::chunked_mlp::chunked_mlp;
-use autosp_kernels::fused::swiglu::swiglu;
+use autosp_kernels::mlp::chunked_mlp;
+use autosp_kernels::swiglu::swiglu;
 
 use super::error::ModelResult;
 

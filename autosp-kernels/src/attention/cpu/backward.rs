@@ -1,0 +1,270 @@
+//! Flash attention backward on host slices, FlashAttention-2 style from the saved output and LSE, and
+//! deterministic: one task per (batch, kv head, chunk of key tiles) owns the dK/dV rows of its key tiles
+//! (summing its GQA group's query heads in order) and a dQ buffer per query head of its group (chunk 0's is
+//! the dQ output itself, the others' are partials). The chunks run in waves sized to the thread count, and
+//! after each wave its partials are added to dQ in chunk order, so the partials take a wave's worth of dQs,
+//! not one per chunk. No float is ever added from two threads and every sum runs in chunk order, so the bits
+//! depend neither on the scheduling nor on the thread count.
+
+use rayon::prelude::*;
+
+use super::tiles::{pack_rows, Geometry, SharedOut, BC, BR};
+use crate::vector::Real;
+
+/// Tasks to aim for when batch × kv heads is small: the key tiles of a kv head are dealt round-robin to
+/// `ceil(TARGET_TASKS / (batch · kv_heads))` chunks (a function of the shapes only, never of the thread
+/// count), which also balances the causal work (early key tiles are seen by more queries).
+const TARGET_TASKS: usize = 8;
+
+/// The slices the backward pass reads: `q, do, o: [b, nq, h, d]`, `k, v: [b, nk, hkv, d]`, `lse: [b, h, nq]`
+/// (natural log), `d_lse: [b, h, nq]` when the LSE has an incoming gradient.
+pub(crate) struct BackwardInputs<'a, T> {
+    pub q: &'a [T],
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub o: &'a [T],
+    pub lse: &'a [T],
+    pub d_o: &'a [T],
+    pub d_lse: Option<&'a [T]>,
+}
+
+/// Backward pass: writes every element of `dq: [b, nq, h, d]`, `dk, dv: [b, nk, hkv, d]`. Returns the number
+/// of (query tile, key tile) products computed, summed over batch and query heads: only the query tiles that
+/// see a key tile (causal cut, sliding window) are visited.
+/// `fill` initialises the internal partial buffers (0 in use; NaN in the poison tests, which then show that
+/// every element is written before it is read).
+pub(crate) fn backward<T: Real>(
+    g: &Geometry,
+    x: &BackwardInputs<T>,
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+    fill: T,
+) -> usize {
+    let (d, nq) = (g.d, g.nq);
+    let nkt = g.k_tiles();
+    let chunks = TARGET_TASKS.div_ceil((g.b * g.hkv).max(1)).clamp(1, nkt.max(1));
+    let log2e = std::f64::consts::LOG2_E;
+
+    // Q and dO in contiguous rows once per query head (O(N·d) each; see `pack_rows` for why); the key tiles
+    // are packed by the one task that owns them.
+    let q_len = nq * d;
+    let mut qc = vec![fill; g.b * g.h * q_len];
+    let mut doc = vec![fill; g.b * g.h * q_len];
+    if q_len > 0 {
+        qc.par_chunks_mut(q_len).zip(doc.par_chunks_mut(q_len)).enumerate().for_each(|(bh, (qd, dod))| {
+            let base = g.q_base(bh / g.h, bh % g.h);
+            pack_rows(x.q, base, g.q_rs, d, qd);
+            pack_rows(x.d_o, base, g.q_rs, d, dod);
+        });
+    }
+
+    // Per row: lse in log2 units (+inf for a row that sees no key, so its P is 0), and D - d_lse.
+    let mut lse2 = vec![fill; g.b * g.h * nq];
+    let mut delta = vec![fill; g.b * g.h * nq];
+    if nq > 0 {
+        lse2.par_chunks_mut(nq).zip(delta.par_chunks_mut(nq)).enumerate().for_each(|(bh, (l2, dl))| {
+            let (bi, hi) = (bh / g.h, bh % g.h);
+            for i in 0..nq {
+                let lse = x.lse[bh * nq + i];
+                l2[i] = if lse == T::NEG_INF { T::from_f64(f64::INFINITY) } else { lse * T::from_f64(log2e) };
+                let at = g.q_base(bi, hi) + i * g.q_rs;
+                let mut dsum = T::ZERO;
+                for (&a, &b) in x.d_o[at..at + d].iter().zip(&x.o[at..at + d]) {
+                    dsum += a * b;
+                }
+                dl[i] = match x.d_lse {
+                    Some(dl) => dsum - dl[bh * nq + i],
+                    None => dsum,
+                };
+            }
+        });
+    }
+
+    // dK/dV go straight into the outputs, and so does chunk 0's dQ. The chunks run in waves of `wave`
+    // consecutive chunks (enough tasks per wave to keep every thread busy); a wave's chunks >= 1 write dQ
+    // partials (`[b, h, wave, nq, d]`: O(N·d) per slot), which are added to dQ in chunk order before the
+    // next wave reuses the slots. The sum order per element is c0 + c1 + c2 + … whatever the wave size, so
+    // the bits do not depend on the thread count; the partials' memory is `wave` dQs, not `chunks - 1`.
+    let wave = rayon::current_num_threads().div_ceil((g.b * g.hkv).max(1)).clamp(1, chunks);
+    let slots = if chunks == 1 { 0 } else { wave };
+    let mut dq_part = vec![fill; g.b * g.h * slots * nq * d];
+    let dq_dst = DqDst { out: SharedOut(dq.as_mut_ptr()), part: SharedOut(dq_part.as_mut_ptr()), slots };
+    let dk_out = SharedOut(dk.as_mut_ptr());
+    let dv_out = SharedOut(dv.as_mut_ptr());
+    let packs = Packed { qc: &qc, doc: &doc, lse2: &lse2, delta: &delta };
+    let dq_w = SharedOut(dq.as_mut_ptr());
+    let mut computed = 0;
+    for first in (0..chunks).step_by(wave) {
+        let in_wave = wave.min(chunks - first);
+        computed += (0..g.b * g.hkv * in_wave)
+            .into_par_iter()
+            .map(|i| {
+                let (bkh, ch) = (i / in_wave, first + i % in_wave);
+                // SAFETY: task (bi, kh, ch) alone writes the dQ rows (or the partial slot of chunk ch) of the
+                // query heads of kv head kh of batch bi, and the rows of the key tiles t ≡ ch (mod chunks) of
+                // that kv head in dk, dv; the waves run one after the other.
+                unsafe { key_chunk(g, x, &packs, bkh * chunks + ch, chunks, &dq_dst, &dk_out, &dv_out) }
+            })
+            .sum::<usize>();
+        if chunks == 1 {
+            return computed;
+        }
+        // Add this wave's partials (chunk 0 is already in place) in chunk order; scale after the last wave.
+        let last = first + in_wave == chunks;
+        let scale = T::from_f64(g.scale);
+        (0..g.b * g.h).into_par_iter().for_each(|bh| {
+            let (bi, hi) = (bh / g.h, bh % g.h);
+            for i in 0..nq {
+                // SAFETY: task bh alone writes the rows of head hi of batch bi.
+                let out = unsafe { dq_w.slice(g.q_base(bi, hi) + i * g.q_rs, d) };
+                for ch in first.max(1)..first + in_wave {
+                    let part = &dq_part[((bh * slots + ch % slots) * nq + i) * d..][..d];
+                    for (o, &p) in out.iter_mut().zip(part) {
+                        *o += p;
+                    }
+                }
+                if last {
+                    T::scale_row(g.path, out, scale);
+                }
+            }
+        });
+    }
+    computed
+}
+
+/// Where a task accumulates dQ: chunk 0 straight into the `[b, nq, h, d]` output (scaled by the task at the
+/// end when it is the only chunk), chunk `ch >= 1` into slot `ch % slots` of the `[b, h, slots, nq, d]`
+/// partials.
+struct DqDst<T> {
+    out: SharedOut<T>,
+    part: SharedOut<T>,
+    slots: usize,
+}
+
+impl<T> DqDst<T> {
+    /// The buffer, offset and row stride of head `bh = bi·h + hi`'s dQ rows for chunk `ch`.
+    fn rows(&self, g: &Geometry, bh: usize, ch: usize) -> (&SharedOut<T>, usize, usize) {
+        if ch == 0 {
+            (&self.out, g.q_base(bh / g.h, bh % g.h), g.q_rs)
+        } else {
+            (&self.part, (bh * self.slots + ch % self.slots) * g.nq * g.d, g.d)
+        }
+    }
+}
+
+/// The per-query-head operands of the backward pass: `qc, doc: [b, h, nq, d]`, and per query row `lse2` (LSE in log2 units, +inf for rows that see no key)
+/// and `delta` (`rowsum(dO ∘ O) - d_lse`), `[b, h, nq]`.
+struct Packed<'a, T> {
+    qc: &'a [T],
+    doc: &'a [T],
+    lse2: &'a [T],
+    delta: &'a [T],
+}
+
+/// One backward task: the key tiles `t ≡ ch (mod chunks)` of kv head `kh` of batch `bi`, each packed here
+/// (only this task reads it) and run against every query tile of every query head of its group that sees
+/// it (group heads in order, then query tiles). Returns the number of (query tile, key tile) products computed.
+///
+/// # Safety
+/// No other task writes this task's parts of `dq`, `dk_out`, `dv_out` (see [`backward`]).
+#[allow(clippy::too_many_arguments)]
+unsafe fn key_chunk<T: Real>(
+    g: &Geometry,
+    x: &BackwardInputs<T>,
+    pk: &Packed<T>,
+    idx: usize,
+    chunks: usize,
+    dq: &DqDst<T>,
+    dk_out: &SharedOut<T>,
+    dv_out: &SharedOut<T>,
+) -> usize {
+    let (d, nq, nk) = (g.d, g.nq, g.nk);
+    let mut computed = 0;
+    let ch = idx % chunks;
+    let bkh = idx / chunks;
+    let (bi, kh) = (bkh / g.hkv, bkh % g.hkv);
+    let c = T::from_f64(g.scale * std::f64::consts::LOG2_E);
+    let scale = T::from_f64(g.scale);
+    let heads: Vec<usize> = (0..g.group).map(|gi| bi * g.h + kh * g.group + gi).collect();
+    for &bh in &heads {
+        let (buf, base, rs) = dq.rows(g, bh, ch);
+        for i in 0..nq {
+            buf.slice(base + i * rs, d).fill(T::ZERO);
+        }
+    }
+
+    let mut p = [T::ZERO; BR * BC];
+    let mut ds = [T::ZERO; BR * BC];
+    let mut kt = vec![T::ZERO; d * BC];
+    let mut vt = vec![T::ZERO; d * BC];
+    let mut kc = vec![T::ZERO; BC * d];
+    let mut dk_acc = vec![T::ZERO; BC * d];
+    let mut dv_acc = vec![T::ZERO; BC * d];
+    for t in (ch..g.k_tiles()).step_by(chunks) {
+        let j0 = t * BC;
+        let cols = (nk - j0).min(BC);
+        dk_acc.fill(T::ZERO);
+        dv_acc.fill(T::ZERO);
+        let q_tiles = g.query_tiles_seeing(j0, cols);
+        if !q_tiles.is_empty() {
+            g.pack_tile_transposed(x.k, bi, kh, t, &mut kt);
+            g.pack_tile_transposed(x.v, bi, kh, t, &mut vt);
+            pack_rows(x.k, g.k_base(bi, kh) + j0 * g.k_rs, g.k_rs, d, &mut kc[..cols * d]);
+        }
+        let (ktp, vtp, kp) = (kt.as_ptr(), vt.as_ptr(), kc.as_ptr());
+        for &bh in &heads {
+            let qc = &pk.qc[bh * nq * d..][..nq * d];
+            let doc = &pk.doc[bh * nq * d..][..nq * d];
+            let lse2 = &pk.lse2[bh * nq..][..nq];
+            let delta = &pk.delta[bh * nq..][..nq];
+            let (dq_buf, dq_base, dq_rs) = dq.rows(g, bh, ch);
+            for qt in q_tiles.clone() {
+                computed += 1;
+                let i0 = qt * BR;
+                let rows = (nq - i0).min(BR);
+                let qp = qc.as_ptr().add(i0 * d);
+                let dop = doc.as_ptr().add(i0 * d);
+                let p = &mut p[..rows * BC];
+                let ds = &mut ds[..rows * BC];
+
+                // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
+                T::gemm(g.path, false, rows, BC, d, qp, d, 1, ktp, BC, p.as_mut_ptr(), BC);
+                if g.tile_needs_mask(i0, rows, j0) {
+                    g.mask_tile(p, rows, i0, j0);
+                }
+                for r in 0..rows {
+                    T::exp2_row(g.path, &mut p[r * BC..(r + 1) * BC], c, lse2[i0 + r]);
+                }
+                // dV += Pᵀ dO.
+                T::gemm(g.path, true, cols, d, rows, p.as_ptr(), 1, BC, dop, d, dv_acc.as_mut_ptr(), d);
+                // dP = dO Vᵀ, then dS = P ∘ (dP - D + d_lse).
+                T::gemm(g.path, false, rows, BC, d, dop, d, 1, vtp, BC, ds.as_mut_ptr(), BC);
+                for r in 0..rows {
+                    T::ds_row(g.path, &mut ds[r * BC..(r + 1) * BC], &p[r * BC..(r + 1) * BC], delta[i0 + r]);
+                }
+                // dQ += dS K (scaled at the end); dK += dSᵀ Q.
+                let dqp = dq_buf.slice(dq_base + i0 * dq_rs, 0).as_mut_ptr();
+                T::gemm(g.path, true, rows, d, cols, ds.as_ptr(), BC, 1, kp, d, dqp, dq_rs);
+                T::gemm(g.path, true, cols, d, rows, ds.as_ptr(), 1, BC, qp, d, dk_acc.as_mut_ptr(), d);
+            }
+        }
+        for cc in 0..cols {
+            let at = g.k_base(bi, kh) + (j0 + cc) * g.k_rs;
+            let (ok, ov) = (dk_out.slice(at, d), dv_out.slice(at, d));
+            for (o, &a) in ok.iter_mut().zip(&dk_acc[cc * d..(cc + 1) * d]) {
+                *o = a * scale;
+            }
+            ov.copy_from_slice(&dv_acc[cc * d..(cc + 1) * d]);
+        }
+    }
+    if chunks == 1 {
+        for &bh in &heads {
+            let (buf, base, rs) = dq.rows(g, bh, ch);
+            for i in 0..nq {
+                T::scale_row(g.path, buf.slice(base + i * rs, d), scale);
+            }
+        }
+    }
+    computed
+}
