@@ -1,18 +1,17 @@
 //! Combining the ranks' contributions element by element, always in rank order, so that whichever rank
 //! does the work the result has the same bits.
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 use super::collective::ReduceOp;
+use crate::precision::Precision;
 
 /// `parts[0] op parts[1] op ... op parts[P-1]`, left to right. `parts`: same shape and dtype, at least one.
-/// bf16 and f16 are accumulated in f32 and rounded once at the end; other dtypes in their own type.
+/// Floats accumulate in their reduction dtype ([`Precision::reduce`]: bf16 and f16 in f32, rounded once at the
+/// end); integers in their own type.
 pub(crate) fn reduce_in_rank_order(parts: &[Tensor], op: ReduceOp) -> Result<Tensor> {
     let dtype = parts[0].dtype();
-    let acc_dtype = match dtype {
-        DType::BF16 | DType::F16 => DType::F32,
-        d => d,
-    };
+    let acc_dtype = if dtype.is_float() { Precision::float(dtype).reduce() } else { dtype };
     let mut acc = parts[0].to_dtype(acc_dtype)?;
     for part in &parts[1..] {
         let part = part.to_dtype(acc_dtype)?;
@@ -32,7 +31,7 @@ pub(crate) fn chunk_sizes(n: usize, p: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{DType, Device};
 
     #[test]
     fn chunk_sizes_cover_n() {

@@ -34,8 +34,8 @@ use std::sync::Arc;
 
 use autosp_core::comm::ProcessGroup;
 use autosp_core::ops::attention::{apply_attention, AttentionSpec, Visibility};
-use autosp_core::{Attention, NodeKind, Op, SavedTensors, Saves, Tape, Value};
-use candle_core::{DType, Tensor};
+use autosp_core::{Attention, NodeKind, Op, Precision, SavedTensors, Saves, Tape, Value};
+use candle_core::Tensor;
 
 use super::error::SpError;
 use crate::attention::{attention_backward, attention_forward};
@@ -285,7 +285,7 @@ impl Op for RingAttentionOp {
                 // k_offset differ): o = 0 and lse = -inf, as the attention kernels give a row that sees no key.
                 None => {
                     let (h, d) = (q.dim(2)?, q.dim(3)?);
-                    let lse_dtype = if q.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+                    let lse_dtype = Precision::float(q.dtype()).accumulate();
                     (
                         Tensor::zeros((b, seg.len, h, d), q.dtype(), q.device())?,
                         Tensor::full(f64::NEG_INFINITY, (b, h, seg.len), q.device())?.to_dtype(lse_dtype)?,
@@ -308,7 +308,7 @@ impl Op for RingAttentionOp {
         let n = self.check(q, k, v)?;
         let (p, r) = (self.group.size(), self.group.rank());
         let b = k.dim(0)?;
-        let acc_dtype = if q.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+        let acc_dtype = Precision::float(q.dtype()).accumulate();
         let mut dq: Option<Tensor> = None;
         let mut block = Tensor::cat(&[k, v], 0)?;
         let mut dkv: Option<Tensor> = None;
