@@ -1,0 +1,387 @@
+//! Metrics: the per-step record ([`StepRecord`], a report line and a JSON object), the JSON-lines file they
+//! go to ([`MetricsLog`], `--metrics`), and the [`Summary`] a run ends with: training loss first and last,
+//! held-out loss and task accuracy before and after, throughput, peak memory per rank and where the checkpoint
+//! went, as a table and as one JSON object (the metrics file's last line).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+use super::error::{IoContext, Result};
+
+/// One optimizer step, as reported (rank 0 holds every rank's peaks).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepRecord {
+    /// The step just done (1-based).
+    pub step: usize,
+    /// Steps of the whole run.
+    pub steps: usize,
+    /// Its loss: the token-weighted mean over its micro-batches (global over the ranks).
+    pub loss: f64,
+    /// The learning rate it used.
+    pub lr: f64,
+    /// The gradients' global L2 norm before clipping.
+    pub grad_norm: f64,
+    /// Tokens per second of the step (all ranks' tokens: the step's sequence tokens).
+    pub tokens_per_s: f64,
+    /// Each rank's tape peak during the step, bytes.
+    pub tape_peak: Vec<u64>,
+    /// Each rank's process heap peak so far, bytes (0 without a tracking allocator).
+    pub heap_peak: Vec<u64>,
+    /// The largest heap peak of any rank over the run so far, bytes.
+    pub heap_peak_max: u64,
+}
+
+impl std::fmt::Display for StepRecord {
+    /// `step    3/12 loss 5.0851 lr 1.00e-2 grad-norm 4.458   17867 tok/s tape peak [0.9, 0.9] MiB process
+    /// peak 6.9 MiB`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let tape: Vec<String> = self.tape_peak.iter().map(|v| format!("{:.1}", mib(*v as f64))).collect();
+        write!(
+            f,
+            "step {:>4}/{} loss {:.4} lr {:.2e} grad-norm {:.3} {:>7.0} tok/s tape peak [{}] MiB process peak {:.1} MiB",
+            self.step,
+            self.steps,
+            self.loss,
+            self.lr,
+            self.grad_norm,
+            self.tokens_per_s,
+            tape.join(", "),
+            mib(self.heap_peak_max as f64)
+        )
+    }
+}
+
+impl StepRecord {
+    /// The metrics file's line: step, loss, lr, grad norm, tokens/s, peak bytes per rank.
+    pub fn to_json(&self) -> Value {
+        json!({
+            "step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+            "tokens_per_s": self.tokens_per_s, "tape_peak_bytes": self.tape_peak,
+            "process_peak_bytes": self.heap_peak,
+        })
+    }
+}
+
+/// A JSON-lines metrics file, appended to: one object per step ([`StepRecord::to_json`]), per skipped step
+/// (`{"step", "skipped"}`), per held-out evaluation (`{"step", "eval_loss"}`), and the summary last
+/// ([`Summary::to_json`]).
+#[derive(Debug)]
+pub struct MetricsLog {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl MetricsLog {
+    /// Opens `path` for appending (created if missing).
+    pub fn append(path: &Path) -> Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .io(|| format!("opening --metrics {}", path.display()))?;
+        Ok(Self { path: path.to_path_buf(), file })
+    }
+
+    /// Appends `line` (one JSON value, one line).
+    pub fn write(&mut self, line: &Value) -> Result<()> {
+        writeln!(self.file, "{line}").io(|| format!("writing --metrics {}", self.path.display()))
+    }
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Summary {
+    /// The step the run started from (0, or the resumed checkpoint's step).
+    pub first_step: usize,
+    /// The step it ended at.
+    pub last_step: usize,
+    /// Training loss of the first and of the last step this run took (none when it took no step).
+    pub loss: Option<(f64, f64)>,
+    /// Held-out loss before and after training (`--eval-data`).
+    pub eval: Option<EvalLoss>,
+    /// The task's accuracy before and after training, when the task has one.
+    pub accuracy: Option<Accuracy>,
+    /// Tokens trained on and the seconds the steps took (none when no step ran).
+    pub throughput: Option<(usize, f64)>,
+    /// The vector path the CPU kernels ran on (`avx512`, `avx2`, `neon`, `scalar`; `AUTOSP_SIMD`), none off the CPU.
+    pub vector_path: Option<&'static str>,
+    /// The tape's peak bytes on each rank.
+    pub tape_peak: Vec<f64>,
+    /// The process heap's peak bytes on each rank (thread ranks share one process: every entry is the same).
+    pub heap_peak: Vec<f64>,
+    /// Whether the ranks are threads of one process.
+    pub threads: bool,
+    /// Steps skipped for a non-finite loss or gradient norm (`--skip-nonfinite`).
+    pub skipped: usize,
+    /// The checkpoint written at the end.
+    pub checkpoint: PathBuf,
+}
+
+/// Mean token loss on held-out tokens, before and after training.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EvalLoss {
+    /// Before training (or at the resumed step).
+    pub before: f64,
+    /// After training.
+    pub after: f64,
+    /// Tokens in the held-out sequence (one fewer next-token targets are scored).
+    pub tokens: usize,
+    /// Where the tokens came from.
+    pub source: String,
+}
+
+/// A task's accuracy before and after training; the task fills it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Accuracy {
+    /// What is measured, e.g. `passkey` (the row reads `passkey accuracy`).
+    pub what: String,
+    /// Before training.
+    pub before: Score,
+    /// After training.
+    pub after: Score,
+    /// The accuracy of guessing, when the task has a known one (needles: 1 in 16).
+    pub chance: Option<f64>,
+}
+
+/// `right` of `total` `unit`s (e.g. answer tokens), with an optional note (e.g. `2/8 whole keys`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Score {
+    /// Right answers.
+    pub right: usize,
+    /// Answers.
+    pub total: usize,
+    /// What an answer is (`answer tokens`).
+    pub unit: String,
+    /// A note after the fraction (`1/8 whole keys`).
+    pub note: String,
+}
+
+impl Score {
+    /// `12.5% (5/40 answer tokens, 1/8 whole keys)`.
+    fn show(&self) -> String {
+        let pct = 100.0 * self.right as f64 / self.total.max(1) as f64;
+        let unit = if self.unit.is_empty() { String::new() } else { format!(" {}", self.unit) };
+        let note = if self.note.is_empty() { String::new() } else { format!(", {}", self.note) };
+        format!("{pct:.1}% ({}/{}{unit}{note})", self.right, self.total)
+    }
+}
+
+/// Bytes in MiB.
+pub(crate) fn mib(b: f64) -> f64 {
+    b / (1u64 << 20) as f64
+}
+
+fn mib_list(v: &[f64]) -> String {
+    let parts: Vec<String> = v.iter().map(|b| format!("{:.1}", mib(*b))).collect();
+    format!("[{}] MiB", parts.join(", "))
+}
+
+impl Summary {
+    /// The rows of the table: (what, value).
+    pub fn rows(&self) -> Vec<(String, String)> {
+        let mut rows = Vec::new();
+        if let Some((first, last)) = self.loss {
+            rows.push((
+                "training loss".to_string(),
+                format!("{first:.4} (step {}) -> {last:.4} (step {})", self.first_step + 1, self.last_step),
+            ));
+        }
+        if let Some(e) = &self.eval {
+            rows.push((
+                "held-out loss".to_string(),
+                format!(
+                    "{:.4} -> {:.4} ({:+.4}; {} tokens of {})",
+                    e.before,
+                    e.after,
+                    e.after - e.before,
+                    e.tokens,
+                    e.source
+                ),
+            ));
+        }
+        if let Some(a) = &self.accuracy {
+            let chance = a.chance.map(|c| format!("; chance {:.1}%", 100.0 * c)).unwrap_or_default();
+            rows.push((format!("{} accuracy", a.what), format!("{} -> {}{chance}", a.before.show(), a.after.show())));
+        }
+        if let Some((tokens, seconds)) = self.throughput {
+            rows.push((
+                "throughput".to_string(),
+                format!(
+                    "{:.0} tokens/s ({tokens} tokens in {seconds:.1} s over {} steps{})",
+                    tokens as f64 / seconds,
+                    self.last_step - self.first_step,
+                    self.vector_path.map(|p| format!("; CPU kernels on the {p} vector path")).unwrap_or_default()
+                ),
+            ));
+        }
+        rows.push(("tape peak per rank".to_string(), mib_list(&self.tape_peak)));
+        if self.threads {
+            let p = self.heap_peak.len();
+            let heap = self.heap_peak.first().copied().unwrap_or(0.0);
+            rows.push((
+                "process heap peak".to_string(),
+                format!("{:.1} MiB (one process holds all {p} thread ranks)", mib(heap)),
+            ));
+        } else {
+            rows.push(("process heap peak per rank".to_string(), mib_list(&self.heap_peak)));
+        }
+        if self.skipped > 0 {
+            rows.push(("skipped steps".to_string(), format!("{} (non-finite loss or gradient norm)", self.skipped)));
+        }
+        rows.push((
+            "checkpoint".to_string(),
+            format!("{} (HF layout; optimizer and trainer state beside)", self.checkpoint.display()),
+        ));
+        rows
+    }
+
+    /// The table as text: a title line (`== {name} summary ==`), then one `| what | value |` row per quantity,
+    /// columns aligned.
+    pub fn table(&self, name: &str) -> String {
+        let rows = self.rows();
+        let w = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0).max("what".len());
+        let v = rows.iter().map(|r| r.1.chars().count()).max().unwrap_or(0).max("value".len());
+        let mut out = format!("== {name} summary ==\n");
+        out.push_str(&format!("| {:<w$} | {:<v$} |\n", "what", "value"));
+        out.push_str(&format!("|{}|{}|\n", "-".repeat(w + 2), "-".repeat(v + 2)));
+        for (k, val) in &rows {
+            out.push_str(&format!("| {k:<w$} | {val:<v$} |\n"));
+        }
+        out
+    }
+
+    /// The summary as one JSON object (`{"summary": {...}}`), the last line of the `--metrics` file.
+    pub fn to_json(&self) -> Value {
+        let score = |s: &Score| json!({ "right": s.right, "total": s.total, "unit": s.unit, "note": s.note });
+        json!({ "summary": {
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "loss_first": self.loss.map(|l| l.0),
+            "loss_last": self.loss.map(|l| l.1),
+            "eval": self.eval.as_ref().map(|e| json!({
+                "before": e.before, "after": e.after, "tokens": e.tokens, "source": e.source,
+            })),
+            "accuracy": self.accuracy.as_ref().map(|a| json!({
+                "what": a.what, "before": score(&a.before), "after": score(&a.after),
+            })),
+            "tokens": self.throughput.map(|t| t.0),
+            "seconds": self.throughput.map(|t| t.1),
+            "tokens_per_s": self.throughput.map(|(t, s)| t as f64 / s),
+            "vector_path": self.vector_path,
+            "tape_peak_bytes": self.tape_peak.iter().map(|b| *b as u64).collect::<Vec<_>>(),
+            "process_peak_bytes": self.heap_peak.iter().map(|b| *b as u64).collect::<Vec<_>>(),
+            "skipped": self.skipped,
+            "checkpoint": self.checkpoint.display().to_string(),
+        }})
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn full() -> Summary {
+        Summary {
+            first_step: 0,
+            last_step: 4,
+            loss: Some((3.25, 2.5)),
+            eval: Some(EvalLoss { before: 3.5, after: 3.0, tokens: 8191, source: "heldout.txt".into() }),
+            accuracy: Some(Accuracy {
+                what: "passkey".into(),
+                before: Score { right: 2, total: 40, unit: "answer tokens".into(), note: "0/8 whole keys".into() },
+                after: Score { right: 10, total: 40, unit: String::new(), note: String::new() },
+                chance: Some(0.1),
+            }),
+            throughput: Some((32768, 16.0)),
+            vector_path: Some("avx2"),
+            tape_peak: vec![2.0 * (1 << 20) as f64, 3.0 * (1 << 20) as f64],
+            heap_peak: vec![(100u64 << 20) as f64; 2],
+            threads: true,
+            skipped: 0,
+            checkpoint: PathBuf::from("runs/x/step-4"),
+        }
+    }
+
+    #[test]
+    fn the_table_has_every_quantity_in_aligned_rows() {
+        let t = full().table("llama_longctx");
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines[0], "== llama_longctx summary ==");
+        // Every row (header, rule and 7 quantities) has the same width, so the columns line up.
+        assert_eq!(lines.len(), 1 + 2 + 7, "{t}");
+        let width = lines[1].chars().count();
+        assert!(lines[1..].iter().all(|l| l.chars().count() == width), "{t}");
+        for want in [
+            "| training loss ",
+            "3.2500 (step 1) -> 2.5000 (step 4)",
+            "3.5000 -> 3.0000 (-0.5000; 8191 tokens of heldout.txt)",
+            "| passkey accuracy ",
+            "5.0% (2/40 answer tokens, 0/8 whole keys) -> 25.0% (10/40)",
+            "2048 tokens/s (32768 tokens in 16.0 s over 4 steps; CPU kernels on the avx2 vector path)",
+            "[2.0, 3.0] MiB",
+            "100.0 MiB (one process holds all 2 thread ranks)",
+            "runs/x/step-4",
+        ] {
+            assert!(t.contains(want), "missing `{want}` in\n{t}");
+        }
+    }
+
+    #[test]
+    fn absent_quantities_have_no_row_and_mpi_ranks_list_their_heaps() {
+        let s = Summary {
+            first_step: 4,
+            last_step: 4,
+            threads: false,
+            heap_peak: vec![(1u64 << 20) as f64, (2u64 << 20) as f64],
+            tape_peak: vec![0.0, 0.0],
+            skipped: 1,
+            checkpoint: PathBuf::from("c"),
+            ..Summary::default()
+        };
+        let t = s.table("llama_longctx");
+        assert!(!t.contains("training loss") && !t.contains("held-out") && !t.contains("accuracy"), "{t}");
+        assert!(!t.contains("throughput"), "{t}");
+        assert!(t.contains("| process heap peak per rank | [1.0, 2.0] MiB"), "{t}");
+        assert!(t.contains("| skipped steps "), "{t}");
+    }
+
+    #[test]
+    fn the_json_carries_the_numbers() {
+        let j = full().to_json();
+        let s = &j["summary"];
+        assert_eq!(s["loss_first"], 3.25);
+        assert_eq!(s["loss_last"], 2.5);
+        assert_eq!(s["eval"]["after"], 3.0);
+        assert_eq!(s["accuracy"]["after"]["right"], 10);
+        assert_eq!(s["tokens_per_s"], 2048.0);
+        assert_eq!(s["tape_peak_bytes"][1], 3u64 << 20);
+        assert_eq!(s["checkpoint"], "runs/x/step-4");
+        assert!(Summary::default().to_json()["summary"]["loss_first"].is_null());
+    }
+
+    /// The step line, exactly as `llama_longctx` prints it, and its JSON.
+    #[test]
+    fn a_step_record_reads_as_the_step_line() {
+        let r = StepRecord {
+            step: 3,
+            steps: 12,
+            loss: 5.08512,
+            lr: 0.01,
+            grad_norm: 4.4581,
+            tokens_per_s: 17867.2,
+            tape_peak: vec![943_718, 943_718],
+            heap_peak: vec![7_235_174, 7_235_174],
+            heap_peak_max: 7_235_174,
+        };
+        assert_eq!(
+            r.to_string(),
+            "step    3/12 loss 5.0851 lr 1.00e-2 grad-norm 4.458   17867 tok/s tape peak [0.9, 0.9] MiB process peak \
+             6.9 MiB"
+        );
+        let j = r.to_json();
+        assert_eq!((j["step"].as_u64(), j["loss"].as_f64()), (Some(3), Some(5.08512)));
+        assert_eq!(j["tape_peak_bytes"][1], 943_718);
+    }
+}
