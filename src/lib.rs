@@ -10,6 +10,7 @@ pub mod capacity;
 pub mod compile;
 pub mod device;
 pub mod precision;
+#[warn(missing_docs)]
 pub mod train;
 
 pub use compile::{compile, Checkpointing, CompileConfig, CompileError, Compiled, Strategy};
