@@ -103,7 +103,7 @@ fn run_threads(args: Args) -> Result<Option<Ended>> {
     let p = args.sp.unwrap_or(2);
     let print = Mutex::new(printer(&args));
     let mut job = Job::prepare(args.options(), p, true)?;
-    job.heap = Some(&ALLOC);
+    (job.heap, job.name) = (Some(&ALLOC), "llama_longctx".into());
     // A rank that fails tells the others (they stop at once with the failed rank's error).
     let results = autosp::core::comm::run_ranks_fallible(p, TIMEOUT, |pg| {
         let mut observe = |e: Event| (print.lock().unwrap())(e);
@@ -167,7 +167,7 @@ fn run_mpi_rank(args: Args, pg: &std::sync::Arc<dyn autosp::core::comm::ProcessG
         made?;
     }
     let mut job = Job::prepare(args.options(), size, false).with_context(|| format!("rank {rank}"))?;
-    job.heap = Some(&ALLOC);
+    (job.heap, job.name) = (Some(&ALLOC), "llama_longctx".into());
     // Each process takes its node-local rank's GPU (plain `cuda`), before the NCCL group that needs it.
     let device = job.options.device_spec().open(Some((autosp::device::local_rank(rank), size)));
     let device = device.with_context(|| format!("rank {rank}"))?;

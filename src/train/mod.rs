@@ -79,7 +79,7 @@ mod launch;
 mod metrics;
 pub mod model;
 mod options;
-pub mod progress;
+mod progress;
 mod run;
 mod stream;
 pub mod synthetic;

@@ -72,6 +72,8 @@ pub struct Job {
     pub carrier: Carrier,
     /// The process's tracking allocator, for the heap peaks reported.
     pub heap: Option<&'static TrackingAllocator>,
+    /// The program's name, which starts the first line describing the run (`training` unless set).
+    pub name: String,
 }
 
 /// The kernel switches from the environment (`AUTOSP_KERNELS`, `AUTOSP_SIMD`), checked so that a typo or a
@@ -230,6 +232,7 @@ impl Job {
             device,
             carrier: if threads { Carrier::Threads } else { Carrier::Mpi },
             heap: None,
+            name: "training".into(),
             options,
         })
     }
@@ -393,7 +396,8 @@ impl Job {
         let (o, d) = (&self.options, &self.base.config);
         let mut lines = vec![
             format!(
-                "llama_longctx: model {} ({} layers, hidden {}, {} heads / {} kv heads, vocab {}) on {:?}",
+                "{}: model {} ({} layers, hidden {}, {} heads / {} kv heads, vocab {}) on {:?}",
+                self.name,
                 self.source,
                 d.num_hidden_layers,
                 d.hidden_size,
