@@ -3,9 +3,9 @@
 //! With no arguments it makes (once, cached) a tiny random Llama in the HF layout, compiles it for 2 thread
 //! ranks with sequence-aware checkpointing, trains it on synthetic multi-needle retrieval across the shards
 //! (`autosp::train::synthetic::Needles`: every answer sits thousands of tokens before its question, on the
-//! other rank), and prints the
-//! loss per step and the accuracy during the curriculum, then a summary table: loss first and last, retrieval
-//! accuracy before and after, tokens/s, memory per rank, and where the checkpoint went.
+//! other rank), and prints the loss per step and the accuracy during the curriculum, then a summary table:
+//! loss first and last, retrieval accuracy before and after, tokens/s, memory per rank, and where the
+//! checkpoint went.
 //! With options it fine-tunes a local, hub or GGUF checkpoint on your data (`--help`).
 //!
 //! ```text
