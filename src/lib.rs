@@ -10,6 +10,15 @@ pub mod capacity;
 pub mod compile;
 pub mod device;
 pub mod precision;
+#[warn(missing_docs)]
+pub mod train;
 
 pub use compile::{compile, Checkpointing, CompileConfig, CompileError, Compiled, Strategy};
 pub use device::{DeviceError, DeviceSpec};
+
+/// The heap of the library's unit-test binary, counted (the checkpoint hash must stream, not read whole files).
+#[cfg(test)]
+mod test_alloc {
+    #[global_allocator]
+    pub static ALLOC: autosp_core::TrackingAllocator = autosp_core::TrackingAllocator::new();
+}

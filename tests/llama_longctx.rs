@@ -1,4 +1,5 @@
-//! End-to-end tests of the `llama_longctx` example binary (built by `cargo test` with the examples): the quick
+//! End-to-end tests of the `llama_longctx` example binary (built by `cargo test` with the examples), a thin
+//! command line over `autosp::train`: the quick
 //! no-argument run trains (the loss falls) and writes a checkpoint that loads back; resuming is bit-exact;
 //! `--eval-tokens` and `--dump-grads` agree between `--sp 1` and `--sp 2`; Ctrl-C saves and exits cleanly;
 //! bad input (each command-line row of docs/RELIABILITY.md "Bad input") is a clear error that writes nothing;
@@ -18,18 +19,26 @@ fn binary() -> PathBuf {
     let dir = exe.parent().unwrap().parent().unwrap();
     let bin = dir.join("examples").join(format!("llama_longctx{}", std::env::consts::EXE_SUFFIX));
     assert!(bin.is_file(), "{} is missing: `cargo test` builds the examples", bin.display());
-    // `cargo test --test llama_longctx` alone does not rebuild examples: refuse to test a stale binary.
+    // `cargo test --test llama_longctx` alone does not rebuild examples: refuse to test a stale binary (the
+    // command line, and the trainer it runs).
     let built = std::fs::metadata(&bin).unwrap().modified().unwrap();
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples").join("llama_longctx");
-    for e in std::fs::read_dir(&src).unwrap() {
-        let p = e.unwrap().path();
-        let changed = std::fs::metadata(&p).unwrap().modified().unwrap();
-        assert!(
-            changed <= built,
-            "{} is newer than {}: run `cargo build --release --example llama_longctx` (or `cargo test -p autosp`)",
-            p.display(),
-            bin.display()
-        );
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut dirs = vec![root.join("examples").join("llama_longctx"), root.join("src").join("train")];
+    while let Some(dir) = dirs.pop() {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+                continue;
+            }
+            let changed = std::fs::metadata(&p).unwrap().modified().unwrap();
+            assert!(
+                changed <= built,
+                "{} is newer than {}: run `cargo build --release --example llama_longctx` (or `cargo test -p autosp`)",
+                p.display(),
+                bin.display()
+            );
+        }
     }
     bin
 }

@@ -1,9 +1,9 @@
-//! The command line of `llama_longctx` (clap), and the parsing of its option values: strategy,
-//! checkpointing (policy or byte budget), compute dtype, data source and launcher.
+//! The command line of `llama_longctx` (clap): one option per setting of [`RunOptions`], parsed by the
+//! library's parsers (strategy, checkpointing, window, dtype, device), plus the launcher and the display.
 
 use std::path::PathBuf;
 
-use autosp::core::CheckpointPolicy;
+use autosp::train::{parse_checkpointing, parse_max_attention_distance, parse_strategy, RunOptions};
 use autosp::{Checkpointing, Strategy};
 use candle_core::DType;
 use clap::Parser;
@@ -186,127 +186,37 @@ impl Args {
         self
     }
 
-    /// The device asked for, or the build's default.
-    pub fn device_spec(&self) -> autosp::DeviceSpec {
-        self.device.unwrap_or_else(autosp::DeviceSpec::default_for_build)
-    }
-
-    /// The compute dtype: `--dtype`, else the device's default (f32 on the CPU, bf16 on a GPU).
-    pub fn compute_dtype(&self) -> DType {
-        self.dtype.unwrap_or_else(|| autosp::precision::default_dtype(&self.device_spec()))
-    }
-
-    /// Micro-batches per optimizer step.
-    pub fn micro_batches(&self) -> Result<usize, String> {
-        match self.batch_tokens {
-            None => Ok(1),
-            Some(t) if t == 0 || t % self.seq_len != 0 => Err(format!(
-                "--batch-tokens {t} must be a positive multiple of --seq-len {} (each micro-batch is one sequence)",
-                self.seq_len
-            )),
-            Some(t) => Ok(t / self.seq_len),
-        }
-    }
-}
-
-/// `--max-attention-distance D`: a whole number of positions, 0 or more.
-pub fn parse_max_attention_distance(s: &str) -> Result<usize, String> {
-    s.trim().parse::<usize>().map_err(|_| {
-        format!(
-            "`{s}` is not a distance: give a whole number of tokens, 0 or more (0: each token sees only itself; \
-             leave the flag out for no window)"
-        )
-    })
-}
-
-/// `ulysses`, `ring`, `hybrid:U`, `auto`.
-pub fn parse_strategy(s: &str) -> Result<Strategy, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "ulysses" => Ok(Strategy::Ulysses),
-        "ring" => Ok(Strategy::Ring),
-        "auto" => Ok(Strategy::Auto),
-        other => match other.strip_prefix("hybrid:").map(str::parse::<usize>) {
-            Some(Ok(u)) if u >= 1 => Ok(Strategy::Hybrid { ulysses: u }),
-            _ => Err(format!("unknown strategy `{s}`: use ulysses, ring, hybrid:U (U = Ulysses degree) or auto")),
-        },
-    }
-}
-
-/// How `strategy` is spelled on the command line (the inverse of [`parse_strategy`]).
-pub fn strategy_flag(strategy: Strategy) -> String {
-    match strategy {
-        Strategy::Ulysses => "ulysses".into(),
-        Strategy::Ring => "ring".into(),
-        Strategy::Auto => "auto".into(),
-        Strategy::Hybrid { ulysses } => format!("hybrid:{ulysses}"),
-    }
-}
-
-/// How `checkpointing` is spelled on the command line (the inverse of [`parse_checkpointing`]).
-pub fn checkpoint_flag(checkpointing: Checkpointing) -> String {
-    match checkpointing {
-        Checkpointing::Policy(CheckpointPolicy::None) => "none".into(),
-        Checkpointing::Policy(CheckpointPolicy::Full) => "full".into(),
-        Checkpointing::Policy(CheckpointPolicy::SequenceAware) => "sequence-aware".into(),
-        Checkpointing::Budget(bytes) => bytes.to_string(),
-    }
-}
-
-/// `none`, `full`, `sequence-aware`, or a byte budget such as `268435456`, `256MiB`, `2G`.
-pub fn parse_checkpointing(s: &str) -> Result<Checkpointing, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "none" => return Ok(Checkpointing::Policy(CheckpointPolicy::None)),
-        "full" => return Ok(Checkpointing::Policy(CheckpointPolicy::Full)),
-        "sequence-aware" | "sequence_aware" | "sac" => {
-            return Ok(Checkpointing::Policy(CheckpointPolicy::SequenceAware))
-        }
-        _ => {}
-    }
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" => 1_000,
-        "m" | "mb" => 1_000_000,
-        "g" | "gb" => 1_000_000_000,
-        "kib" => 1 << 10,
-        "mib" => 1 << 20,
-        "gib" => 1 << 30,
-        _ => usize::MAX,
-    };
-    match num.parse::<usize>() {
-        Ok(n) if mult != usize::MAX && n > 0 => Ok(Checkpointing::Budget(n.saturating_mul(mult))),
-        _ => {
-            Err(format!("unknown checkpointing `{s}`: use none, full, sequence-aware, or a byte budget such as 512MiB"))
-        }
-    }
-}
-
-/// Where the training data comes from.
-#[derive(Clone, Debug, PartialEq)]
-pub enum DataSource {
-    /// Synthetic passkey retrieval.
-    Passkey,
-    /// Synthetic multi-needle retrieval across the shards (`task.rs`).
-    Needles,
-    /// Whitespace-separated token ids.
-    Ids(PathBuf),
-    /// A JSONL file with a "text" field, or plain text (decided by the extension `.jsonl`/`.json`).
-    Text(PathBuf),
-}
-
-impl DataSource {
-    /// Parses `--data`.
-    pub fn parse(s: &str) -> Self {
-        if s == "passkey" {
-            DataSource::Passkey
-        } else if s == "needles" {
-            DataSource::Needles
-        } else if let Some(f) = s.strip_prefix("ids:") {
-            DataSource::Ids(PathBuf::from(f))
-        } else {
-            DataSource::Text(PathBuf::from(s))
+    /// The run's settings.
+    pub fn options(&self) -> RunOptions {
+        let a = self.clone();
+        RunOptions {
+            model: a.model,
+            seq_len: a.seq_len,
+            strategy: a.strategy,
+            checkpoint: a.checkpoint,
+            dtype: a.dtype,
+            max_attention_distance: a.max_attention_distance,
+            steps: a.steps,
+            lr: a.lr,
+            warmup: a.warmup,
+            grad_clip: a.grad_clip,
+            batch_tokens: a.batch_tokens,
+            data: a.data,
+            curriculum: a.curriculum,
+            save: a.save,
+            save_every: a.save_every,
+            resume: a.resume,
+            allow_changes: a.allow_changes,
+            skip_nonfinite: a.skip_nonfinite,
+            eval_tokens: a.eval_tokens,
+            eval_data: a.eval_data,
+            eval_every: a.eval_every,
+            dump_grads: a.dump_grads,
+            seed: a.seed,
+            metrics: a.metrics,
+            explain: a.explain,
+            quick: a.quick,
+            device: a.device,
         }
     }
 }

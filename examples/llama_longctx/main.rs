@@ -2,9 +2,10 @@
 //!
 //! With no arguments it makes (once, cached) a tiny random Llama in the HF layout, compiles it for 2 thread
 //! ranks with sequence-aware checkpointing, trains it on synthetic multi-needle retrieval across the shards
-//! (`task.rs`: every answer sits thousands of tokens before its question, on the other rank), and prints the
-//! loss per step and the accuracy during the curriculum, then a summary table: loss first and last, retrieval
-//! accuracy before and after, tokens/s, memory per rank, and where the checkpoint went.
+//! (`autosp::train::synthetic::Needles`: every answer sits thousands of tokens before its question, on the
+//! other rank), and prints the loss per step and the accuracy during the curriculum, then a summary table:
+//! loss first and last, retrieval accuracy before and after, tokens/s, memory per rank, and where the
+//! checkpoint went.
 //! With options it fine-tunes a local, hub or GGUF checkpoint on your data (`--help`).
 //!
 //! ```text
@@ -16,29 +17,24 @@
 //! ```
 //!
 //! Under `--launcher mpi` with a CUDA device, a build with `nccl` runs the collectives over NCCL (bootstrapped
-//! over MPI, one GPU per process; `collectives.rs`), type-checked only: it has not run on GPUs.
+//! over MPI, one GPU per process; `autosp::train::over_mpi`), type-checked only: it has not run on GPUs.
+//!
+//! This file is the command line only: the run itself is `autosp::train::Job` (model, data, resume checks,
+//! compile, the training loop, checkpoints, the summary); here are the options (`args.rs`), the launch
+//! (thread ranks, or one process per rank under mpirun) and the printing of the run's reports.
 
 mod args;
-mod checkpoint;
-mod collectives;
-mod data;
-mod heldout;
-mod interrupt;
-mod model;
-mod progress;
-mod summary;
-mod task;
-mod train;
 
 use std::process::ExitCode;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use anyhow::Result;
 use autosp::core::TrackingAllocator;
+use autosp::train::{interrupt, Ended, Event, Job, Progress};
 use clap::{CommandFactory, FromArgMatches};
 
 use args::Args;
-use train::{Ended, Job};
 
 /// The process heap, counted (live and peak bytes) for the memory report.
 #[global_allocator]
@@ -62,9 +58,10 @@ fn main() -> ExitCode {
         _ => run_threads(args),
     };
     match result {
-        Ok(Ended::Done) => ExitCode::SUCCESS,
-        Ok(Ended::Interrupted) => ExitCode::from(INTERRUPTED),
-        Ok(Ended::Failed) => ExitCode::FAILURE,
+        Ok(Some(Ended::Done)) => ExitCode::SUCCESS,
+        Ok(Some(Ended::Interrupted)) => ExitCode::from(INTERRUPTED),
+        // Failed, and the error is already reported (one process per rank: said before the others were told).
+        Ok(None) => ExitCode::FAILURE,
         Err(e) => {
             report(&e);
             ExitCode::FAILURE
@@ -79,12 +76,39 @@ fn report(e: &anyhow::Error) {
     let _ = std::io::stderr().flush();
 }
 
+/// Prints rank 0's reports: lines on stdout (above the progress bar, unless --no-progress), warnings on
+/// stderr, and the summary table.
+fn printer(args: &Args) -> impl FnMut(Event) + Send {
+    let mut bar = Progress::new(args.steps, !args.no_progress);
+    move |event| match event {
+        Event::Step(r) => {
+            bar.println(&r.to_string());
+            bar.update(r.step, r.loss, r.tokens_per_s);
+        }
+        Event::Cleaned { .. } => eprintln!("llama_longctx: {event}"),
+        Event::Summary(s) => {
+            bar.finish();
+            print!("{}", s.table("llama_longctx"));
+        }
+        Event::Interrupted { .. } => {
+            bar.finish();
+            println!("{event}");
+        }
+        event => bar.println(&event.to_string()),
+    }
+}
+
 /// P ranks as threads of this process.
-fn run_threads(args: Args) -> Result<Ended> {
+fn run_threads(args: Args) -> Result<Option<Ended>> {
     let p = args.sp.unwrap_or(2);
-    let job = Job::prepare(args, p, true)?;
+    let print = Mutex::new(printer(&args));
+    let mut job = Job::prepare(args.options(), p, true)?;
+    (job.heap, job.name) = (Some(&ALLOC), "llama_longctx".into());
     // A rank that fails tells the others (they stop at once with the failed rank's error).
-    let results = autosp::core::comm::run_ranks_fallible(p, TIMEOUT, |pg| train::run_rank(pg, &job));
+    let results = autosp::core::comm::run_ranks_fallible(p, TIMEOUT, |pg| {
+        let mut observe = |e: Event| (print.lock().unwrap())(e);
+        job.run_rank(pg, &interrupt::requested, &mut observe).map_err(anyhow::Error::from)
+    });
     // Report the first rank's error (the others usually only saw it fail).
     let mut first_err = None;
     let mut ended = Ended::Done;
@@ -105,14 +129,14 @@ fn run_threads(args: Args) -> Result<Ended> {
     }
     match first_err {
         Some(e) => Err(e),
-        None => Ok(ended),
+        None => Ok(Some(ended)),
     }
 }
 
 /// One rank per process under mpirun; only rank 0 prints and saves. A rank that fails tells every other
 /// process (`ProcessGroup::abort`), so they all stop within moments with its error and exit non-zero.
 #[cfg(feature = "mpi")]
-fn run_mpi(args: Args) -> Result<Ended> {
+fn run_mpi(args: Args) -> Result<Option<Ended>> {
     use autosp::core::comm::{MpiGroup, ProcessGroup};
     use std::sync::Arc;
     let pg: Arc<dyn ProcessGroup> = Arc::new(MpiGroup::init(TIMEOUT)?);
@@ -121,14 +145,15 @@ fn run_mpi(args: Args) -> Result<Ended> {
             // Said before the others are told: once they exit, mpirun may end this process at any moment.
             report(&e);
             pg.abort(&format!("{e:#}"));
-            Ok(Ended::Failed)
+            Ok(None)
         }
-        ended => ended,
+        Ok(ended) => Ok(Some(ended)),
     }
 }
 
 #[cfg(feature = "mpi")]
 fn run_mpi_rank(args: Args, pg: &std::sync::Arc<dyn autosp::core::comm::ProcessGroup>) -> Result<Ended> {
+    use anyhow::Context;
     let (rank, size) = (pg.rank(), pg.size());
     if let Some(sp) = args.sp {
         if sp != size {
@@ -137,27 +162,25 @@ fn run_mpi_rank(args: Args, pg: &std::sync::Arc<dyn autosp::core::comm::ProcessG
     }
     // The default tiny model is made once, by rank 0, before the others read it.
     if args.model.is_none() && args.resume.is_none() {
-        let made = if rank == 0 { model::tiny_model(args.seed).map(|_| ()) } else { Ok(()) };
+        let made = if rank == 0 { autosp::train::model::tiny_model(args.seed).map(|_| ()) } else { Ok(()) };
         pg.barrier()?;
         made?;
     }
-    let mut job = Job::prepare(args, size, false).map_err(|e| e.context(format!("rank {rank}")))?;
+    let mut job = Job::prepare(args.options(), size, false).with_context(|| format!("rank {rank}"))?;
+    (job.heap, job.name) = (Some(&ALLOC), "llama_longctx".into());
     // Each process takes its node-local rank's GPU (plain `cuda`), before the NCCL group that needs it.
-    let device = job
-        .args
-        .device_spec()
-        .open(Some((autosp::device::local_rank(rank), size)))
-        .map_err(|e| anyhow::Error::from(e).context(format!("rank {rank}")))?;
+    let device = job.options.device_spec().open(Some((autosp::device::local_rank(rank), size)));
+    let device = device.with_context(|| format!("rank {rank}"))?;
     // NCCL carries the collectives of CUDA tensors in a build with `nccl`; otherwise MPI, through the host.
-    let (group, carrier) =
-        collectives::over_mpi(pg, &device, TIMEOUT).map_err(|e| e.context(format!("rank {rank}")))?;
+    let (group, carrier) = autosp::train::over_mpi(pg, &device, TIMEOUT).with_context(|| format!("rank {rank}"))?;
     job.device = Some(device);
     job.carrier = carrier;
-    train::run_rank(group, &job).map_err(|e| e.context(format!("rank {rank}")))
+    let mut print = printer(&args);
+    job.run_rank(group, &interrupt::requested, &mut print).with_context(|| format!("rank {rank}"))
 }
 
 #[cfg(not(feature = "mpi"))]
-fn run_mpi(_args: Args) -> Result<Ended> {
+fn run_mpi(_args: Args) -> Result<Option<Ended>> {
     anyhow::bail!(
         "--launcher mpi needs the MPI back end, which this binary was built without: build with \
          `cargo build --release --features mpi --example llama_longctx` and start it with \

@@ -1,12 +1,13 @@
-//! Which model to train and its tokenizer: `--model` (a directory, a hub id, a `.gguf` file), a checkpoint
+//! Which model to train and its tokenizer: a directory, a hub id or a `.gguf` file (`--model`), a checkpoint
 //! being resumed, or the default tiny random Llama, made once in the HF layout under the autosp cache.
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
-use autosp::models::{gguf_tokenizer, load_tokenizer, Tokenizer};
-use autosp::models::{random_weights, resolve_model, save_model, HubOptions, LlamaModel, SaveOptions, TinySpec};
+use autosp_models::{gguf_tokenizer, load_tokenizer, Tokenizer};
+use autosp_models::{random_weights, resolve_model, save_model, HubOptions, LlamaModel, SaveOptions, TinySpec};
 use candle_core::{DType, Device};
+
+use super::error::{IoContext, Result, TrainError};
 
 /// The autosp cache: `AUTOSP_CACHE`, else `$XDG_CACHE_HOME/autosp`, else `~/.cache/autosp`, else
 /// `target/autosp-cache`.
@@ -53,13 +54,16 @@ pub fn tiny_model(seed: u64) -> Result<PathBuf> {
     config.max_position_embeddings = 1 << 16;
     config.rope_theta = TINY_ROPE_THETA;
     let weights = random_weights(&config, seed, DType::F32, &Device::Cpu)?;
-    save_model(&dir, &config, &weights, &SaveOptions::default())
-        .with_context(|| format!("writing the tiny model into {}", dir.display()))?;
+    save_model(&dir, &config, &weights, &SaveOptions::default()).map_err(|e| TrainError::ModelFile {
+        what: format!("writing the tiny model into {}", dir.display()),
+        cause: Box::new(e.into()),
+    })?;
     Ok(dir)
 }
 
 /// The model as loaded (see [`load`] for its dtype), and its tokenizer file when it has one.
 pub struct Loaded {
+    /// The model.
     pub model: LlamaModel,
     /// The text of `tokenizer.json` (written into checkpoints), when the model has a tokenizer.
     pub tokenizer_json: Option<String>,
@@ -71,25 +75,33 @@ pub struct Loaded {
 /// dtype (f32), so that bf16/f16 training starts its f32 master weights from the checkpoint's own values;
 /// the ranks convert to the compute dtype.
 pub fn load(source: &str, dtype: DType) -> Result<Loaded> {
-    let model = LlamaModel::load(source, dtype).with_context(|| format!("loading the model `{source}`"))?;
+    let model = LlamaModel::load(source, dtype).map_err(|cause| TrainError::ModelFile {
+        what: format!("loading the model `{source}`"),
+        cause: Box::new(cause),
+    })?;
     let path = Path::new(source);
-    let (tokenizer_json, tokenizer) = if path.is_file()
-        && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-    {
-        match gguf_tokenizer(path) {
-            Ok(t) => {
-                (Some(t.to_string(false).map_err(|e| anyhow::anyhow!("serialising the GGUF tokenizer: {e}"))?), Some(t))
+    let (tokenizer_json, tokenizer) =
+        if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            match gguf_tokenizer(path) {
+                Ok(t) => {
+                    let text = t.to_string(false).map_err(|e| {
+                        TrainError::from(autosp_models::Error::Tokenizer {
+                            source_name: path.display().to_string(),
+                            message: format!("serialising the GGUF tokenizer: {e}"),
+                        })
+                    })?;
+                    (Some(text), Some(t))
+                }
+                Err(_) => (None, None),
             }
-            Err(_) => (None, None),
-        }
-    } else {
-        match resolve_model(source, &HubOptions::default())?.tokenizer {
-            Some(f) => {
-                let text = std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?;
-                (Some(text), Some(load_tokenizer(&f)?))
+        } else {
+            match resolve_model(source, &HubOptions::default())?.tokenizer {
+                Some(f) => {
+                    let text = std::fs::read_to_string(&f).io(|| format!("reading {}", f.display()))?;
+                    (Some(text), Some(load_tokenizer(&f)?))
+                }
+                None => (None, None),
             }
-            None => (None, None),
-        }
-    };
+        };
     Ok(Loaded { model, tokenizer_json, tokenizer })
 }

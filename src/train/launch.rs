@@ -1,4 +1,5 @@
-//! Which back end carries a run's collectives, and the line that says so.
+//! Launching ranks: which back end carries a run's collectives ([`Carrier`]) and the line that says so, and the
+//! group an MPI rank trains with (`over_mpi`, feature `mpi`: NCCL over MPI for CUDA in a build with `nccl`).
 //!
 //! - Thread ranks (`--launcher threads`): one process, the thread back end; the ranks share one device, and
 //!   tensors pass between them in memory without a copy (on a shared GPU they stay on it). NCCL is never used
@@ -15,6 +16,12 @@
 //! GPUs (README, "Building with CUDA").
 
 use candle_core::Device;
+#[cfg(feature = "mpi")]
+use {
+    super::error::Result,
+    autosp_core::comm::ProcessGroup,
+    std::{sync::Arc, time::Duration},
+};
 
 /// The back end that carries a rank's collectives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,7 +31,6 @@ pub enum Carrier {
     /// MPI, one process per rank; tensors through host memory.
     Mpi,
     /// NCCL, one GPU per process, bootstrapped over MPI.
-    #[cfg_attr(not(all(feature = "mpi", feature = "nccl")), allow(dead_code))]
     Nccl,
 }
 
@@ -60,25 +66,29 @@ impl Carrier {
 /// timeout: see `autosp-core/src/comm/nccl.rs`); `timeout` bounds every later NCCL call.
 #[cfg(feature = "mpi")]
 pub fn over_mpi(
-    mpi: &std::sync::Arc<dyn autosp::core::comm::ProcessGroup>,
+    mpi: &Arc<dyn ProcessGroup>,
     device: &Device,
-    timeout: std::time::Duration,
-) -> anyhow::Result<(std::sync::Arc<dyn autosp::core::comm::ProcessGroup>, Carrier)> {
+    timeout: Duration,
+) -> Result<(Arc<dyn ProcessGroup>, Carrier)> {
     #[cfg(feature = "nccl")]
     if device.is_cuda() {
-        use anyhow::Context;
-        use autosp::core::comm::{NcclGroup, NcclId};
+        use super::error::TrainError;
+        use autosp_core::comm::{NcclGroup, NcclId};
         let (rank, size) = (mpi.rank(), mpi.size());
-        let id = NcclId::share(&**mpi, 0).context("sharing the NCCL id over MPI")?;
-        let group = NcclGroup::init(device, rank, size, id, timeout).with_context(|| {
-            format!(
+        let id = NcclId::share(&**mpi, 0).map_err(|cause| TrainError::Comm {
+            what: "sharing the NCCL id over MPI".into(),
+            cause: Box::new(cause),
+        })?;
+        let group = NcclGroup::init(device, rank, size, id, timeout).map_err(|cause| TrainError::Comm {
+            what: format!(
                 "starting NCCL on {:?} for rank {rank} of {size}; NCCL needs one GPU per process: with more \
                  processes on a node than GPUs, start fewer per node, or use a build without `nccl` (MPI then \
                  carries the collectives through the host)",
                 device.location()
-            )
+            ),
+            cause: Box::new(cause),
         })?;
-        return Ok((std::sync::Arc::new(group), Carrier::Nccl));
+        return Ok((Arc::new(group), Carrier::Nccl));
     }
     let _ = (device, timeout);
     Ok((mpi.clone(), Carrier::Mpi))

@@ -1,4 +1,4 @@
-//! The default task, `--data needles`: multi-needle retrieval that only long context solves. Each sequence
+//! The needles task (`llama_longctx`'s default, `--data needles`): multi-needle retrieval that only long context solves. Each sequence
 //! draws one "needle" for each of C classes (one of the class's [`VALUES`] tokens), states the needles in
 //! its first eighth (the evidence; each needle many times, see [`copies`]) and asks for every class once, in
 //! another order, in the span from 5/8 to 3/4 of the sequence: a question token `Q_c`, then the answer, the
@@ -9,14 +9,17 @@
 //! far is at chance, 1 in [`VALUES`] (it can know the class from the question, not the member).
 //!
 //! Training scores the answer tokens only (the filler is noise by construction), and the curriculum
-//! ([`Curriculum`]) starts on short sequences, many per step, and doubles to `--seq-len` with the tokens per
+//! ([`Curriculum::default_for`]) starts on short sequences, many per step, and doubles to `--seq-len` with the tokens per
 //! step held constant: one attention head learns to match a question with its class's tokens quickly at
 //! short length, and the last stages teach it the sharper attention that thousands of distractors need.
 
-use anyhow::{bail, Result};
-use autosp::models::rng::SplitMix64 as Rng;
+use autosp_models::rng::SplitMix64 as Rng;
 
-use crate::data::Sample;
+use crate::train::error::{Result, TrainError};
+use crate::train::stream::Sample;
+use crate::train::Curriculum;
+use crate::Compiled;
+use autosp_models::LlamaModel;
 
 /// Needle classes, one needle and one question each per sequence.
 pub const CLASSES: usize = 6;
@@ -38,8 +41,11 @@ pub const MIN_LEN: usize = 256;
 /// VALUES ..`), the question tokens (class c: `questions.start + c`).
 #[derive(Clone, Debug)]
 pub struct Vocab {
+    /// Filler tokens.
     pub filler: std::ops::Range<u32>,
+    /// The classes' values.
     pub values: std::ops::Range<u32>,
+    /// The question tokens.
     pub questions: std::ops::Range<u32>,
 }
 
@@ -49,7 +55,9 @@ impl Vocab {
     pub fn new(vocab: usize) -> Result<Self> {
         let needed = CLASSES * VALUES + CLASSES + 3 + 16;
         if vocab < needed {
-            bail!("the needles task needs a vocabulary of at least {needed} tokens; the model has {vocab}");
+            return Err(TrainError::Config(format!(
+                "the needles task needs a vocabulary of at least {needed} tokens; the model has {vocab}"
+            )));
         }
         let values_start = (vocab - CLASSES * VALUES) as u32;
         let questions_start = values_start - CLASSES as u32;
@@ -65,6 +73,7 @@ impl Vocab {
 #[derive(Clone)]
 pub struct Needles {
     vocab: Vocab,
+    /// The random state (what a checkpoint saves).
     pub rng: Rng,
 }
 
@@ -103,10 +112,10 @@ impl Needles {
     /// The next sample of `n` tokens (advances the random state); its `answers` are the answer positions.
     pub fn sample(&mut self, n: usize) -> Result<Sample> {
         if n < MIN_LEN {
-            bail!(
+            return Err(TrainError::Config(format!(
                 "--seq-len {n} is too short for the needles task (its evidence and questions need room): use \
                  --seq-len {MIN_LEN} or more"
-            );
+            )));
         }
         let v = self.vocab.clone();
         let mut ids: Vec<u32> =
@@ -131,81 +140,63 @@ impl Needles {
         answers.sort_unstable();
         Ok(Sample { ids, answers })
     }
-}
 
-/// Sequence lengths over training: `stages` of (length, steps) first, then `--seq-len` for the remaining
-/// steps. Every step trains on `--seq-len` tokens (times the micro-batches): seq_len / length sequences of
-/// the stage's length.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Curriculum {
-    pub stages: Vec<(usize, usize)>,
-    pub seq_len: usize,
-}
-
-impl Curriculum {
-    /// The default of `--data needles` for `steps` steps at `seq_len`: lengths doubling from 256 to
-    /// seq_len / 2 take 90% of the steps (the first, where the skill is learned, 40%; the others share 50%),
-    /// and the last 10% run at seq_len. With seq_len <= 256, every step is at seq_len.
-    pub fn default_for(seq_len: usize, steps: usize) -> Self {
-        let mut lens = Vec::new();
-        let mut l = 256;
-        while l < seq_len && seq_len.is_multiple_of(l) {
-            lens.push(l);
-            l *= 2;
-        }
-        let short = steps * 9 / 10;
-        let first = if lens.len() > 1 { steps * 4 / 10 } else { short };
-        let rest = lens.len().saturating_sub(1).max(1);
-        let stages = lens
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| match i {
-                0 => (l, first),
-                _ => (l, (short - first) * i / rest - (short - first) * (i - 1) / rest),
-            })
-            .collect();
-        Self { stages, seq_len }
+    /// `n` held-out samples of `seq_len` tokens for a model vocabulary of `vocab` ids, from their own seed
+    /// (derived from `seed`, so they never meet the training samples' random state).
+    pub fn probes(vocab: usize, seed: u64, n: usize, seq_len: usize) -> Result<Vec<Sample>> {
+        let mut held_out = Needles::new(vocab, held_out_seed(seed))?;
+        (0..n).map(|_| held_out.sample(seq_len)).collect()
     }
 
-    /// Parses `--curriculum`: `none`, or `L1:S1,L2:S2,...` (S_i steps at L_i tokens, then --seq-len). Each
-    /// length must divide `seq_len` and be shorter than it.
-    pub fn parse(s: &str, seq_len: usize) -> Result<Self> {
-        let mut stages = Vec::new();
-        if s != "none" {
-            for part in s.split(',') {
-                let parsed =
-                    part.split_once(':').and_then(|(l, n)| Some((l.trim().parse().ok()?, n.trim().parse().ok()?)));
-                let Some((len, steps)) = parsed else {
-                    bail!("--curriculum `{s}`: `{part}` is not LENGTH:STEPS; give e.g. 256:60,1024:40 (or none)");
-                };
-                if len == 0 || len >= seq_len || !seq_len.is_multiple_of(len) {
-                    bail!("--curriculum `{s}`: length {len} must be shorter than --seq-len {seq_len} and divide it");
-                }
-                stages.push((len, steps));
+    /// What the task needs of the run, in one line: where the evidence and the questions sit at `seq_len`
+    /// (tokens, and the ranks holding them under `c`'s layout), the distance between them, chance, and the
+    /// curriculum of `steps` steps.
+    pub fn describe(
+        c: &Compiled<LlamaModel>,
+        seq_len: usize,
+        steps: usize,
+        curriculum: &Curriculum,
+        tokens_per_step: usize,
+    ) -> Result<String> {
+        let n_pad = c.padded_len(seq_len);
+        let (ev, qs) = (Needles::evidence(seq_len), Needles::questions(seq_len));
+        let (mut ev_ranks, mut q_ranks) = (Vec::new(), Vec::new());
+        for r in 0..c.group().size() {
+            let pos = c.positions(n_pad, r)?;
+            if pos.iter().any(|x| ev.contains(x)) {
+                ev_ranks.push(r.to_string());
+            }
+            if pos.iter().any(|x| qs.contains(x)) {
+                q_ranks.push(r.to_string());
             }
         }
-        Ok(Self { stages, seq_len })
+        let mut stages: Vec<String> = curriculum.stages.iter().map(|(l, s)| format!("{s} steps at {l}")).collect();
+        let short: usize = curriculum.stages.iter().map(|s| s.1).sum();
+        stages.push(format!("{} at {seq_len}", steps.saturating_sub(short)));
+        Ok(format!(
+            "task: needles. {} needles stated {} times each in tokens {}-{} (rank {}), asked for in tokens {}-{} \
+             (rank {}): every answer is {} to {} tokens before its question; chance {:.1}% (1 in {}). Loss on the \
+             answers only; curriculum: {} ({tokens_per_step} tokens per step)",
+            CLASSES,
+            copies(seq_len),
+            ev.start,
+            ev.end - 1,
+            ev_ranks.join(", "),
+            qs.start,
+            qs.end - 1,
+            q_ranks.join(", "),
+            Needles::min_distance(seq_len),
+            qs.end - 1 - ev.start,
+            100.0 / VALUES as f64,
+            VALUES,
+            stages.join(", ")
+        ))
     }
+}
 
-    /// How `--curriculum` spells it (`none` without stages).
-    pub fn flag(&self) -> String {
-        if self.stages.is_empty() {
-            return "none".into();
-        }
-        self.stages.iter().map(|(l, s)| format!("{l}:{s}")).collect::<Vec<_>>().join(",")
-    }
-
-    /// The sequence length of (0-based) `step`.
-    pub fn len_at(&self, step: usize) -> usize {
-        let mut end = 0;
-        for &(len, steps) in &self.stages {
-            end += steps;
-            if step < end {
-                return len;
-            }
-        }
-        self.seq_len
-    }
+/// The seed of held-out samples drawn for a run of data seed `seed`.
+pub(crate) fn held_out_seed(seed: u64) -> u64 {
+    seed.wrapping_add(0x00AB_5E11)
 }
 
 #[cfg(test)]
@@ -242,23 +233,5 @@ mod tests {
         }
         assert_eq!(Needles::min_distance(4096), 2049);
         assert!(g.sample(MIN_LEN - 1).is_err());
-    }
-
-    #[test]
-    fn the_default_curriculum_doubles_to_seq_len_and_parses_back() {
-        let c = Curriculum::default_for(4096, 200);
-        assert_eq!(c.stages, vec![(256, 80), (512, 33), (1024, 33), (2048, 34)]);
-        assert_eq!(
-            (c.len_at(0), c.len_at(79), c.len_at(80), c.len_at(179), c.len_at(180)),
-            (256, 256, 512, 2048, 4096)
-        );
-        assert_eq!(Curriculum::parse(&c.flag(), 4096).unwrap(), c);
-        assert_eq!(c.flag(), "256:80,512:33,1024:33,2048:34");
-        assert!(Curriculum::default_for(256, 10).stages.is_empty());
-        assert_eq!(Curriculum::default_for(512, 12).stages, vec![(256, 10)]);
-        assert!(Curriculum::parse("none", 512).unwrap().stages.is_empty());
-        for bad in ["300:5", "512:5", "256", "x:1"] {
-            assert!(Curriculum::parse(bad, 512).is_err(), "{bad}");
-        }
     }
 }

@@ -1,10 +1,94 @@
-//! The table a run ends with (rank 0): training loss first and last, held-out loss and task accuracy before
-//! and after, throughput, peak memory per rank and where the checkpoint went; and the same as one JSON
-//! object for the `--metrics` file.
+//! Metrics: the per-step record ([`StepRecord`], a report line and a JSON object), the JSON-lines file they
+//! go to ([`MetricsLog`], `--metrics`), and the [`Summary`] a run ends with: training loss first and last,
+//! held-out loss and task accuracy before and after, throughput, peak memory per rank and where the checkpoint
+//! went, as a table and as one JSON object (the metrics file's last line).
 
-use std::path::PathBuf;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
+
+use super::error::{IoContext, Result};
+
+/// One optimizer step, as reported (rank 0 holds every rank's peaks).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepRecord {
+    /// The step just done (1-based).
+    pub step: usize,
+    /// Steps of the whole run.
+    pub steps: usize,
+    /// Its loss: the token-weighted mean over its micro-batches (global over the ranks).
+    pub loss: f64,
+    /// The learning rate it used.
+    pub lr: f64,
+    /// The gradients' global L2 norm before clipping.
+    pub grad_norm: f64,
+    /// Tokens per second of the step (all ranks' tokens: the step's sequence tokens).
+    pub tokens_per_s: f64,
+    /// Each rank's tape peak during the step, bytes.
+    pub tape_peak: Vec<u64>,
+    /// Each rank's process heap peak so far, bytes (0 without a tracking allocator).
+    pub heap_peak: Vec<u64>,
+    /// The largest heap peak of any rank over the run so far, bytes.
+    pub heap_peak_max: u64,
+}
+
+impl std::fmt::Display for StepRecord {
+    /// `step    3/12 loss 5.0851 lr 1.00e-2 grad-norm 4.458   17867 tok/s tape peak [0.9, 0.9] MiB process
+    /// peak 6.9 MiB`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let tape: Vec<String> = self.tape_peak.iter().map(|v| format!("{:.1}", mib(*v as f64))).collect();
+        write!(
+            f,
+            "step {:>4}/{} loss {:.4} lr {:.2e} grad-norm {:.3} {:>7.0} tok/s tape peak [{}] MiB process peak {:.1} MiB",
+            self.step,
+            self.steps,
+            self.loss,
+            self.lr,
+            self.grad_norm,
+            self.tokens_per_s,
+            tape.join(", "),
+            mib(self.heap_peak_max as f64)
+        )
+    }
+}
+
+impl StepRecord {
+    /// The metrics file's line: step, loss, lr, grad norm, tokens/s, peak bytes per rank.
+    pub fn to_json(&self) -> Value {
+        json!({
+            "step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+            "tokens_per_s": self.tokens_per_s, "tape_peak_bytes": self.tape_peak,
+            "process_peak_bytes": self.heap_peak,
+        })
+    }
+}
+
+/// A JSON-lines metrics file, appended to: one object per step ([`StepRecord::to_json`]), per skipped step
+/// (`{"step", "skipped"}`), per held-out evaluation (`{"step", "eval_loss"}`), and the summary last
+/// ([`Summary::to_json`]).
+#[derive(Debug)]
+pub struct MetricsLog {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl MetricsLog {
+    /// Opens `path` for appending (created if missing).
+    pub fn append(path: &Path) -> Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .io(|| format!("opening --metrics {}", path.display()))?;
+        Ok(Self { path: path.to_path_buf(), file })
+    }
+
+    /// Appends `line` (one JSON value, one line).
+    pub fn write(&mut self, line: &Value) -> Result<()> {
+        writeln!(self.file, "{line}").io(|| format!("writing --metrics {}", self.path.display()))
+    }
+}
 
 /// What a finished run reports.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -38,7 +122,9 @@ pub struct Summary {
 /// Mean token loss on held-out tokens, before and after training.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EvalLoss {
+    /// Before training (or at the resumed step).
     pub before: f64,
+    /// After training.
     pub after: f64,
     /// Tokens in the held-out sequence (one fewer next-token targets are scored).
     pub tokens: usize,
@@ -51,7 +137,9 @@ pub struct EvalLoss {
 pub struct Accuracy {
     /// What is measured, e.g. `passkey` (the row reads `passkey accuracy`).
     pub what: String,
+    /// Before training.
     pub before: Score,
+    /// After training.
     pub after: Score,
     /// The accuracy of guessing, when the task has a known one (needles: 1 in 16).
     pub chance: Option<f64>,
@@ -60,9 +148,13 @@ pub struct Accuracy {
 /// `right` of `total` `unit`s (e.g. answer tokens), with an optional note (e.g. `2/8 whole keys`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Score {
+    /// Right answers.
     pub right: usize,
+    /// Answers.
     pub total: usize,
+    /// What an answer is (`answer tokens`).
     pub unit: String,
+    /// A note after the fraction (`1/8 whole keys`).
     pub note: String,
 }
 
@@ -76,7 +168,8 @@ impl Score {
     }
 }
 
-fn mib(b: f64) -> f64 {
+/// Bytes in MiB.
+pub(crate) fn mib(b: f64) -> f64 {
     b / (1u64 << 20) as f64
 }
 
@@ -144,12 +237,13 @@ impl Summary {
         rows
     }
 
-    /// The table as text: a title line, then one `| what | value |` row per quantity, columns aligned.
-    pub fn table(&self) -> String {
+    /// The table as text: a title line (`== {name} summary ==`), then one `| what | value |` row per quantity,
+    /// columns aligned.
+    pub fn table(&self, name: &str) -> String {
         let rows = self.rows();
         let w = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0).max("what".len());
         let v = rows.iter().map(|r| r.1.chars().count()).max().unwrap_or(0).max("value".len());
-        let mut out = String::from("== llama_longctx summary ==\n");
+        let mut out = format!("== {name} summary ==\n");
         out.push_str(&format!("| {:<w$} | {:<v$} |\n", "what", "value"));
         out.push_str(&format!("|{}|{}|\n", "-".repeat(w + 2), "-".repeat(v + 2)));
         for (k, val) in &rows {
@@ -212,7 +306,7 @@ mod tests {
 
     #[test]
     fn the_table_has_every_quantity_in_aligned_rows() {
-        let t = full().table();
+        let t = full().table("llama_longctx");
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines[0], "== llama_longctx summary ==");
         // Every row (header, rule and 7 quantities) has the same width, so the columns line up.
@@ -246,7 +340,7 @@ mod tests {
             checkpoint: PathBuf::from("c"),
             ..Summary::default()
         };
-        let t = s.table();
+        let t = s.table("llama_longctx");
         assert!(!t.contains("training loss") && !t.contains("held-out") && !t.contains("accuracy"), "{t}");
         assert!(!t.contains("throughput"), "{t}");
         assert!(t.contains("| process heap peak per rank | [1.0, 2.0] MiB"), "{t}");
@@ -265,5 +359,29 @@ mod tests {
         assert_eq!(s["tape_peak_bytes"][1], 3u64 << 20);
         assert_eq!(s["checkpoint"], "runs/x/step-4");
         assert!(Summary::default().to_json()["summary"]["loss_first"].is_null());
+    }
+
+    /// The step line, exactly as `llama_longctx` prints it, and its JSON.
+    #[test]
+    fn a_step_record_reads_as_the_step_line() {
+        let r = StepRecord {
+            step: 3,
+            steps: 12,
+            loss: 5.08512,
+            lr: 0.01,
+            grad_norm: 4.4581,
+            tokens_per_s: 17867.2,
+            tape_peak: vec![943_718, 943_718],
+            heap_peak: vec![7_235_174, 7_235_174],
+            heap_peak_max: 7_235_174,
+        };
+        assert_eq!(
+            r.to_string(),
+            "step    3/12 loss 5.0851 lr 1.00e-2 grad-norm 4.458   17867 tok/s tape peak [0.9, 0.9] MiB process peak \
+             6.9 MiB"
+        );
+        let j = r.to_json();
+        assert_eq!((j["step"].as_u64(), j["loss"].as_f64()), (Some(3), Some(5.08512)));
+        assert_eq!(j["tape_peak_bytes"][1], 943_718);
     }
 }

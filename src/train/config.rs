@@ -1,0 +1,135 @@
+//! [`TrainConfig`]: the settings of a training loop (sequence length, steps, learning-rate schedule,
+//! clipping, micro-batches, curriculum, the non-finite policy, when to evaluate and save, and where files
+//! go), with the defaults `llama_longctx` uses.
+
+use std::path::PathBuf;
+
+use autosp_core::optim::{AdamWConfig, LrSchedule};
+
+use super::curriculum::Curriculum;
+use super::error::{Result, TrainError};
+
+/// What to do with a step whose loss or gradient norm is NaN or infinite. Loss and gradients are
+/// all-reduced, so every rank sees the same values and decides alike.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NonFinite {
+    /// Stop with [`TrainError::NonFinite`], naming the newest checkpoint kept; nothing of the step is applied
+    /// or saved.
+    #[default]
+    Stop,
+    /// Skip the step (no update; reported as [`super::Event::Skipped`]) and go on.
+    Skip,
+}
+
+/// The settings of a training loop.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    /// Tokens per training sequence: each micro-batch is a `[seq_len / len, len]` batch of token ids, `len`
+    /// the curriculum's length of the step (`seq_len` without a curriculum).
+    pub seq_len: usize,
+    /// Optimizer steps of the whole run (a resumed run goes on to this step).
+    pub steps: usize,
+    /// Peak learning rate (AdamW): linear warm-up to it, then cosine decay to `lr / 10` at the last step.
+    pub lr: f64,
+    /// Warm-up steps (at most `steps`).
+    pub warmup: usize,
+    /// Clip the gradients' global L2 norm to this (0 turns clipping off).
+    pub grad_clip: f64,
+    /// Micro-batches per optimizer step; their gradients are accumulated as a token-weighted mean.
+    pub micro_batches: usize,
+    /// Sequence lengths before `seq_len` (shorter sequences, as many per micro-batch as fit in `seq_len`).
+    pub curriculum: Curriculum,
+    /// Non-finite loss or gradient norm: stop or skip.
+    pub nonfinite: NonFinite,
+    /// Save a checkpoint every N steps (0: only at the end, and when stopped). Needs `save_dir`.
+    pub save_every: usize,
+    /// Score the held-out tokens every N steps (0: never during training).
+    pub eval_every: usize,
+    /// AdamW's betas, epsilon and weight decay.
+    pub adamw: AdamWConfig,
+    /// What the data is, as checkpoints record it (a resume with other data is refused).
+    pub data: String,
+    /// The data's seed, as checkpoints record it.
+    pub seed: u64,
+    /// Where checkpoints go (`save_dir/step-N`); `None`: the trainer saves nothing by itself.
+    pub save_dir: Option<PathBuf>,
+    /// A JSON-lines file that rank 0 appends one line per step (and per evaluation) to.
+    pub metrics: Option<PathBuf>,
+    /// Write the first step's gradients (of the mean token loss, before clipping; HF names) as safetensors here.
+    pub dump_grads: Option<PathBuf>,
+}
+
+impl TrainConfig {
+    /// `steps` steps on sequences of `seq_len` tokens, with `llama_longctx`'s defaults: lr 1e-2, 10 warm-up
+    /// steps (at most `steps`), clipping at 1.0, one micro-batch, no curriculum, stop on non-finite, no
+    /// periodic saves or evaluations, AdamW's default betas, nothing written.
+    pub fn new(seq_len: usize, steps: usize) -> Self {
+        Self {
+            seq_len,
+            steps,
+            lr: 1e-2,
+            warmup: 10.min(steps),
+            grad_clip: 1.0,
+            micro_batches: 1,
+            curriculum: Curriculum::none(),
+            nonfinite: NonFinite::Stop,
+            save_every: 0,
+            eval_every: 0,
+            adamw: AdamWConfig::default(),
+            data: String::new(),
+            seed: 0,
+            save_dir: None,
+            metrics: None,
+            dump_grads: None,
+        }
+    }
+
+    /// Linear warm-up to `lr`, then cosine decay to `lr / 10` at the last step.
+    pub fn schedule(&self) -> LrSchedule {
+        LrSchedule::WarmupCosine {
+            peak: self.lr,
+            min_lr: self.lr / 10.0,
+            warmup: self.warmup.min(self.steps),
+            total: self.steps,
+        }
+    }
+
+    /// Tokens per optimizer step: `seq_len * micro_batches`.
+    pub fn tokens_per_step(&self) -> usize {
+        self.seq_len * self.micro_batches
+    }
+
+    /// Checks the settings against each other ([`TrainError::Config`] naming the fix).
+    pub fn validate(&self) -> Result<()> {
+        if self.seq_len < 2 {
+            return Err(TrainError::Config(format!(
+                "--seq-len {}: a training sequence needs at least 2 tokens (an input and its next token); give \
+                 --seq-len 2 or more",
+                self.seq_len
+            )));
+        }
+        if self.micro_batches == 0 {
+            return Err(TrainError::Config("micro_batches is 0: a step needs at least one micro-batch".into()));
+        }
+        self.curriculum.validate(self.seq_len)?;
+        self.schedule().validate().map_err(|e| TrainError::Config(format!("--lr / --warmup / --steps: {e}")))?;
+        if self.save_every > 0 && self.save_dir.is_none() {
+            return Err(TrainError::Config(format!(
+                "save_every is {} but there is no save_dir: give the directory checkpoints go to",
+                self.save_every
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Micro-batches per step for `batch_tokens` tokens per step (`--batch-tokens`; `None`: one sequence).
+pub fn micro_batches(batch_tokens: Option<usize>, seq_len: usize) -> Result<usize> {
+    match batch_tokens {
+        None => Ok(1),
+        Some(t) if t == 0 || t % seq_len != 0 => Err(TrainError::Config(format!(
+            "--batch-tokens {t} must be a positive multiple of --seq-len {seq_len} (each micro-batch is one sequence)"
+        ))),
+        Some(t) => Ok(t / seq_len),
+    }
+}

@@ -1,0 +1,212 @@
+//! [`RunOptions`]: the settings of a whole fine-tuning run ([`super::Job`]) as `llama_longctx`'s options
+//! give them, with its defaults; and the command-line spelling of the compile settings a run takes (strategy,
+//! checkpointing, attention window), parsed and printed back.
+
+use std::path::PathBuf;
+
+use autosp_core::CheckpointPolicy;
+use candle_core::DType;
+
+use crate::compile::{Checkpointing, Strategy};
+use crate::device::DeviceSpec;
+
+/// The settings of a fine-tuning run, one per `llama_longctx` option (see its `--help` for each); the
+/// defaults are the options' defaults.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// `--model`: a directory, a hub id `owner/name[@revision]` or a `.gguf` file; `None`: the tiny random Llama.
+    pub model: Option<String>,
+    /// `--seq-len`: tokens per training sequence.
+    pub seq_len: usize,
+    /// `--strategy`.
+    pub strategy: Strategy,
+    /// `--checkpoint`.
+    pub checkpoint: Checkpointing,
+    /// `--dtype`; `None`: the device's default ([`crate::precision::default_dtype`]).
+    pub dtype: Option<DType>,
+    /// `--max-attention-distance`.
+    pub max_attention_distance: Option<usize>,
+    /// `--steps`.
+    pub steps: usize,
+    /// `--lr`.
+    pub lr: f64,
+    /// `--warmup`.
+    pub warmup: usize,
+    /// `--grad-clip` (0: off).
+    pub grad_clip: f64,
+    /// `--batch-tokens`; `None`: one sequence per step.
+    pub batch_tokens: Option<usize>,
+    /// `--data`: `needles`, `passkey`, `ids:FILE`, or a text/JSONL file.
+    pub data: String,
+    /// `--curriculum` (needles only); `None`: [`super::Curriculum::default_for`].
+    pub curriculum: Option<String>,
+    /// `--save`; `None`: the --resume checkpoint's directory, else `runs/latest` under the autosp cache.
+    pub save: Option<PathBuf>,
+    /// `--save-every` (0: only at the end and when stopped).
+    pub save_every: usize,
+    /// `--resume`: a `.../step-N` checkpoint.
+    pub resume: Option<PathBuf>,
+    /// `--allow-changes`.
+    pub allow_changes: bool,
+    /// `--skip-nonfinite`.
+    pub skip_nonfinite: bool,
+    /// `--eval-tokens`: score these ids and stop.
+    pub eval_tokens: Option<PathBuf>,
+    /// `--eval-data`.
+    pub eval_data: Option<String>,
+    /// `--eval-every`.
+    pub eval_every: usize,
+    /// `--dump-grads`.
+    pub dump_grads: Option<PathBuf>,
+    /// `--seed`.
+    pub seed: u64,
+    /// `--metrics`.
+    pub metrics: Option<PathBuf>,
+    /// `--explain`: report the compiled plan and stop.
+    pub explain: bool,
+    /// `--quick`: fewer probes (the CLI also shortens the run).
+    pub quick: bool,
+    /// `--device`; `None`: [`DeviceSpec::default_for_build`].
+    pub device: Option<DeviceSpec>,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        Self {
+            model: None,
+            seq_len: 4096,
+            strategy: Strategy::Auto,
+            checkpoint: Checkpointing::Policy(CheckpointPolicy::SequenceAware),
+            dtype: None,
+            max_attention_distance: None,
+            steps: 200,
+            lr: 1e-2,
+            warmup: 10,
+            grad_clip: 1.0,
+            batch_tokens: None,
+            data: "needles".into(),
+            curriculum: None,
+            save: None,
+            save_every: 0,
+            resume: None,
+            allow_changes: false,
+            skip_nonfinite: false,
+            eval_tokens: None,
+            eval_data: None,
+            eval_every: 0,
+            dump_grads: None,
+            seed: 0,
+            metrics: None,
+            explain: false,
+            quick: false,
+            device: None,
+        }
+    }
+}
+
+impl RunOptions {
+    /// The device asked for, or the build's default.
+    pub fn device_spec(&self) -> DeviceSpec {
+        self.device.unwrap_or_else(DeviceSpec::default_for_build)
+    }
+
+    /// The compute dtype: `dtype`, else the device's default (f32 on the CPU, bf16 on a GPU).
+    pub fn compute_dtype(&self) -> DType {
+        self.dtype.unwrap_or_else(|| crate::precision::default_dtype(&self.device_spec()))
+    }
+}
+
+/// `--max-attention-distance D`: a whole number of positions, 0 or more.
+pub fn parse_max_attention_distance(s: &str) -> Result<usize, String> {
+    s.trim().parse::<usize>().map_err(|_| {
+        format!(
+            "`{s}` is not a distance: give a whole number of tokens, 0 or more (0: each token sees only itself; \
+             leave the flag out for no window)"
+        )
+    })
+}
+
+/// `ulysses`, `ring`, `hybrid:U`, `auto`.
+pub fn parse_strategy(s: &str) -> Result<Strategy, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "ulysses" => Ok(Strategy::Ulysses),
+        "ring" => Ok(Strategy::Ring),
+        "auto" => Ok(Strategy::Auto),
+        other => match other.strip_prefix("hybrid:").map(str::parse::<usize>) {
+            Some(Ok(u)) if u >= 1 => Ok(Strategy::Hybrid { ulysses: u }),
+            _ => Err(format!("unknown strategy `{s}`: use ulysses, ring, hybrid:U (U = Ulysses degree) or auto")),
+        },
+    }
+}
+
+/// How `strategy` is spelled on the command line (the inverse of [`parse_strategy`]).
+pub fn strategy_flag(strategy: Strategy) -> String {
+    match strategy {
+        Strategy::Ulysses => "ulysses".into(),
+        Strategy::Ring => "ring".into(),
+        Strategy::Auto => "auto".into(),
+        Strategy::Hybrid { ulysses } => format!("hybrid:{ulysses}"),
+    }
+}
+
+/// How `checkpointing` is spelled on the command line (the inverse of [`parse_checkpointing`]).
+pub fn checkpoint_flag(checkpointing: Checkpointing) -> String {
+    match checkpointing {
+        Checkpointing::Policy(CheckpointPolicy::None) => "none".into(),
+        Checkpointing::Policy(CheckpointPolicy::Full) => "full".into(),
+        Checkpointing::Policy(CheckpointPolicy::SequenceAware) => "sequence-aware".into(),
+        Checkpointing::Budget(bytes) => bytes.to_string(),
+    }
+}
+
+/// `none`, `full`, `sequence-aware`, or a byte budget such as `268435456`, `256MiB`, `2G`.
+pub fn parse_checkpointing(s: &str) -> Result<Checkpointing, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "none" => return Ok(Checkpointing::Policy(CheckpointPolicy::None)),
+        "full" => return Ok(Checkpointing::Policy(CheckpointPolicy::Full)),
+        "sequence-aware" | "sequence_aware" | "sac" => {
+            return Ok(Checkpointing::Policy(CheckpointPolicy::SequenceAware))
+        }
+        _ => {}
+    }
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "m" | "mb" => 1_000_000,
+        "g" | "gb" => 1_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        _ => usize::MAX,
+    };
+    match num.parse::<usize>() {
+        Ok(n) if mult != usize::MAX && n > 0 => Ok(Checkpointing::Budget(n.saturating_mul(mult))),
+        _ => {
+            Err(format!("unknown checkpointing `{s}`: use none, full, sequence-aware, or a byte budget such as 512MiB"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strategies_and_checkpointing_parse_and_print_back() {
+        for s in ["ulysses", "ring", "auto", "hybrid:2"] {
+            assert_eq!(strategy_flag(parse_strategy(s).unwrap()), s);
+        }
+        assert!(parse_strategy("hybrid:0").is_err() && parse_strategy("diagonal").is_err());
+        for s in ["none", "full", "sequence-aware", "1048576"] {
+            assert_eq!(checkpoint_flag(parse_checkpointing(s).unwrap()), s);
+        }
+        assert_eq!(parse_checkpointing("256MiB").unwrap(), Checkpointing::Budget(256 << 20));
+        assert_eq!(parse_checkpointing("2G").unwrap(), Checkpointing::Budget(2_000_000_000));
+        assert!(parse_checkpointing("0").is_err() && parse_checkpointing("12 parsecs").is_err());
+        assert_eq!(parse_max_attention_distance(" 16 "), Ok(16));
+        assert!(parse_max_attention_distance("-3").unwrap_err().contains("`-3` is not a distance"));
+    }
+}

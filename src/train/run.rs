@@ -1,0 +1,444 @@
+//! [`Job`]: a whole fine-tuning run from [`RunOptions`], what `llama_longctx` runs. [`Job::prepare`] reads and
+//! checks everything before any rank starts (the options, the model, the data, the held-out tokens, the
+//! checkpoint to resume and whether this run may continue it); [`Job::run_rank`] is one rank's run: compile,
+//! then either report the plan (`explain`) or score `eval_tokens` and stop, or take the save lock, describe
+//! the run, score the task's probes and the held-out tokens, train ([`Trainer`]), score again and end with a
+//! [`Summary`]. Reports go to the caller's observer on rank 0 as [`Event`]s.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use autosp_core::comm::ProcessGroup;
+use autosp_core::Precision;
+use autosp_core::TrackingAllocator;
+use autosp_models::LlamaModel;
+use candle_core::{DType, Device, Tensor};
+use serde_json::json;
+
+use super::checkpoint::{self, RunShape, SaveLock, TrainerState};
+use super::config::{micro_batches, NonFinite, TrainConfig};
+use super::curriculum::Curriculum;
+use super::data::{self, DataSource};
+use super::error::{Result, TrainError};
+use super::eval::{answer_accuracy, Answers, HeldOut};
+use super::events::Event;
+use super::launch::Carrier;
+use super::metrics::{Accuracy, EvalLoss, Score, Summary};
+use super::model;
+use super::options::{checkpoint_flag, strategy_flag, RunOptions};
+use super::stream::{Sample, Stream};
+use super::synthetic::{Needles, Passkey, PasskeyVocab, VALUES};
+use super::trainer::{Ended, Trainer};
+use crate::{compile, CompileConfig};
+
+/// Everything the ranks share, read and checked before they start.
+pub struct Job {
+    /// The options.
+    pub options: RunOptions,
+    /// Ranks.
+    pub p: usize,
+    /// Whether ranks are threads of this process (process memory is then shared).
+    pub threads: bool,
+    /// The compute dtype (`--dtype`, or the device's default).
+    pub dtype: DType,
+    /// The starting weights in the master dtype (f32; each rank builds its own copy in `dtype`, and under
+    /// bf16/f16 starts its optimizer's master weights from them).
+    pub base: LlamaModel,
+    /// Where the model came from (for the report).
+    pub source: String,
+    /// `tokenizer.json`'s text, written into every checkpoint.
+    pub tokenizer_json: Option<String>,
+    /// The training data.
+    pub stream: Stream,
+    /// Held-out samples for the accuracy probe (passkey and needles data only), at `seq_len`.
+    pub probes: Vec<Sample>,
+    /// The training loop's settings.
+    pub train: TrainConfig,
+    /// `--eval-tokens`: ids to score (then stop).
+    pub eval_ids: Option<Vec<u32>>,
+    /// `--eval-data`: held-out tokens scored before, during and after training.
+    pub heldout: Option<HeldOut>,
+    /// The checkpoint to resume and its state.
+    pub resume: Option<(PathBuf, TrainerState)>,
+    /// What a resumed run changes (`--steps 4 -> 8`), accepted with `allow_changes`.
+    pub resume_changes: Vec<String>,
+    /// The directory checkpoints go to.
+    pub save_root: PathBuf,
+    /// The device of this process's ranks: thread ranks share it; with one process per rank, the caller opens
+    /// the process's own after `prepare` (`None` until then; `run_rank` then opens it).
+    pub device: Option<Device>,
+    /// The back end that carries the collectives, for the report.
+    pub carrier: Carrier,
+    /// The process's tracking allocator, for the heap peaks reported.
+    pub heap: Option<&'static TrackingAllocator>,
+    /// The program's name, which starts the first line describing the run (`training` unless set).
+    pub name: String,
+}
+
+/// The kernel switches from the environment (`AUTOSP_KERNELS`, `AUTOSP_SIMD`), checked so that a typo or a
+/// vector path this CPU lacks fails before any rank starts.
+fn check_kernel_env() -> Result<()> {
+    crate::kernels::dispatch::kernels_from_env().map_err(TrainError::Config)?;
+    autosp_core::simd::simd_from_env().map_err(|e| TrainError::Config(e.to_string()))?;
+    Ok(())
+}
+
+impl Job {
+    /// Reads the model, the data and the checkpoint to resume for a run of `options` on `p` ranks (`threads`:
+    /// ranks are threads of this process sharing one device, which is opened here), checking them all before
+    /// anything runs. Writes nothing (but the default tiny model, made once in the cache).
+    pub fn prepare(options: RunOptions, p: usize, threads: bool) -> Result<Self> {
+        let o = &options;
+        if p == 0 {
+            return Err(TrainError::Config("--sp 0: there must be at least one rank; give --sp 1 or more".into()));
+        }
+        if o.seq_len < 2 {
+            return Err(TrainError::Config(format!(
+                "--seq-len {}: a training sequence needs at least 2 tokens (an input and its next token); give \
+                 --seq-len 2 or more",
+                o.seq_len
+            )));
+        }
+        if p > o.seq_len {
+            return Err(TrainError::Config(format!(
+                "--sp {p} is larger than --seq-len {}: every rank needs at least one token of the sequence; lower \
+                 --sp to at most {} or raise --seq-len",
+                o.seq_len, o.seq_len
+            )));
+        }
+        check_kernel_env()?;
+        // Thread ranks share one device handle (tensors pass between them as they are); one process per rank
+        // opens its own.
+        let device = if threads { Some(o.device_spec().open(None)?) } else { None };
+        let micro = micro_batches(o.batch_tokens, o.seq_len)?;
+        let dtype = o.compute_dtype();
+        let source_kind = DataSource::parse(&o.data);
+        let curriculum = match (&source_kind, &o.curriculum) {
+            (DataSource::Needles, Some(c)) => Curriculum::parse(c, o.seq_len)?,
+            (DataSource::Needles, None) => Curriculum::default_for(o.seq_len, o.steps),
+            (_, Some(_)) => {
+                return Err(TrainError::Config(
+                    "--curriculum works with --data needles only (the other data come in --seq-len sequences)".into(),
+                ))
+            }
+            (_, None) => Curriculum::none(),
+        };
+        let shape = RunShape {
+            seq_len: o.seq_len,
+            micro_batches: micro,
+            data_source: o.data.clone(),
+            seed: o.seed,
+            dtype,
+            steps: o.steps,
+            lr: o.lr,
+            warmup: o.warmup,
+            max_attention_distance: o.max_attention_distance,
+            curriculum: curriculum.flag(),
+        };
+        let (resume, resume_changes) = match &o.resume {
+            Some(dir) => {
+                let state = checkpoint::verify(dir)?;
+                let changes = state.resume_changes(&shape, dir, o.allow_changes)?;
+                (Some((dir.clone(), state)), changes)
+            }
+            None => (None, Vec::new()),
+        };
+        let source = match (&resume, &o.model) {
+            (Some((dir, _)), _) => dir.display().to_string(),
+            (None, Some(m)) => m.clone(),
+            (None, None) => model::tiny_model(o.seed)?.display().to_string(),
+        };
+        let loaded = model::load(&source, Precision::float(dtype).master())?;
+        let (vocab, eos) = (loaded.model.config.vocab_size, loaded.model.config.eos_token_id);
+        let mut probes = Vec::new();
+        let stream = match &source_kind {
+            DataSource::Needles => {
+                probes = Needles::probes(vocab, o.seed, if o.quick { 4 } else { 16 }, o.seq_len)?;
+                Stream::Needles(Needles::new(vocab, o.seed)?)
+            }
+            DataSource::Passkey => {
+                let pv = match &loaded.tokenizer {
+                    Some(t) => PasskeyVocab::Text(Box::new(t.clone())),
+                    None => PasskeyVocab::Ids { vocab },
+                };
+                probes = Passkey::probes(pv.clone(), o.seed, if o.quick { 4 } else { 8 }, o.seq_len)?;
+                Stream::Passkey(Passkey::new(pv, o.seq_len, o.seed)?)
+            }
+            DataSource::Ids(f) | DataSource::Text(f) => {
+                let who = format!("`{source}`");
+                let ids =
+                    source_kind.file_ids("--data", &who, vocab, loaded.tokenizer.as_ref(), eos)?.unwrap_or_default();
+                Stream::packed(data::pack(&ids, o.seq_len, &f.display().to_string())?)
+            }
+        };
+        let eval_ids = match &o.eval_tokens {
+            Some(f) => {
+                let ids = data::read_ids(f, vocab)?;
+                if ids.len() < 2 {
+                    return Err(TrainError::Data(format!(
+                        "--eval-tokens {}: needs at least 2 token ids, found {}",
+                        f.display(),
+                        ids.len()
+                    )));
+                }
+                Some(ids)
+            }
+            None => None,
+        };
+        let heldout = match &o.eval_data {
+            Some(spec) => Some(HeldOut::load(spec, o.seq_len, vocab, loaded.tokenizer.as_ref(), eos)?),
+            None => None,
+        };
+        let save_root = match (&o.save, &resume) {
+            (Some(d), _) => d.clone(),
+            (None, Some((dir, _))) => dir.parent().map(PathBuf::from).unwrap_or_else(|| PathBuf::from(".")),
+            (None, None) => model::cache_dir().join("runs").join("latest"),
+        };
+        let train = TrainConfig {
+            seq_len: o.seq_len,
+            steps: o.steps,
+            lr: o.lr,
+            warmup: o.warmup,
+            grad_clip: o.grad_clip,
+            micro_batches: micro,
+            curriculum,
+            nonfinite: if o.skip_nonfinite { NonFinite::Skip } else { NonFinite::Stop },
+            save_every: o.save_every,
+            eval_every: o.eval_every,
+            adamw: Default::default(),
+            data: o.data.clone(),
+            seed: o.seed,
+            save_dir: Some(save_root.clone()),
+            metrics: o.metrics.clone(),
+            dump_grads: o.dump_grads.clone(),
+        };
+        train.validate()?;
+        Ok(Job {
+            p,
+            threads,
+            dtype,
+            base: loaded.model,
+            source,
+            tokenizer_json: loaded.tokenizer_json,
+            stream,
+            probes,
+            train,
+            eval_ids,
+            heldout,
+            resume,
+            resume_changes,
+            save_root,
+            device,
+            carrier: if threads { Carrier::Threads } else { Carrier::Mpi },
+            heap: None,
+            name: "training".into(),
+            options,
+        })
+    }
+
+    /// One rank's whole run (every rank calls it with its group). `stop` is asked between steps
+    /// ([`Trainer::run`]); `observe` gets the reports on rank 0. Returns how the run ended.
+    pub fn run_rank(
+        &self,
+        pg: Arc<dyn ProcessGroup>,
+        stop: &dyn Fn() -> bool,
+        observe: &mut dyn FnMut(Event),
+    ) -> Result<Ended> {
+        let o = &self.options;
+        let rank0 = pg.rank() == 0;
+        let mut say = |line: String| {
+            if rank0 {
+                observe(Event::Info(line))
+            }
+        };
+        // Thread ranks share one device; one process per rank takes its node-local rank's GPU.
+        let device = match &self.device {
+            Some(d) => d.clone(),
+            None => o.device_spec().open(Some((crate::device::local_rank(pg.rank()), pg.size())))?,
+        };
+        // The loaded weights (master dtype, f32) on the device; the model computes in their `dtype` rounding.
+        let base = self
+            .base
+            .to_weights()
+            .into_iter()
+            .map(|(k, t)| Ok((k, t.to_device(&device)?)))
+            .collect::<Result<HashMap<String, Tensor>>>()?;
+        let weights = base
+            .iter()
+            .map(|(k, t)| Ok((k.clone(), t.to_dtype(self.dtype)?)))
+            .collect::<Result<HashMap<String, Tensor>>>()?;
+        let model = LlamaModel::from_weights(&self.base.config, weights)?;
+        let mut cfg = CompileConfig::new(pg.clone(), o.strategy, o.checkpoint)
+            .with_dtype(self.dtype)
+            .with_max_attention_distance(o.max_attention_distance);
+        cfg.seq_len = Some(o.seq_len);
+        let mut c = compile(model, cfg).map_err(|cause| TrainError::Compile {
+            settings: format!(
+                "--sp {} --strategy {} --checkpoint {} --seq-len {}",
+                self.p,
+                strategy_flag(o.strategy),
+                checkpoint_flag(o.checkpoint),
+                o.seq_len
+            ),
+            cause: Box::new(cause),
+        })?;
+        if o.explain {
+            say(c.explain(o.seq_len)?);
+            return Ok(Ended::Done);
+        }
+        if let Some(ids) = &self.eval_ids {
+            let n = ids.len();
+            let (loss, targets) = c.eval_loss(&Tensor::from_vec(ids.clone(), (1, n), &Device::Cpu)?, None)?;
+            say(json!({ "eval_loss": loss, "tokens": n, "targets": targets, "sp": self.p, "model": self.source })
+                .to_string());
+            return Ok(Ended::Done);
+        }
+
+        // One run at a time saves into a directory (rank 0 saves; it holds the lock until the run ends).
+        let _lock = if rank0 { Some(SaveLock::acquire(&self.save_root)?) } else { None };
+        for line in self.describe(&c, &device)? {
+            say(line);
+        }
+        let mut trainer = Trainer::new(c, self.train.clone(), self.stream.clone())?
+            .with_masters(&base)?
+            .with_tokenizer(self.tokenizer_json.clone())
+            .with_heldout(self.heldout.clone())
+            .with_probes(self.probes.clone());
+        if let Some(heap) = self.heap {
+            trainer = trainer.with_heap(heap);
+        }
+        drop(base);
+        if let Some((dir, st)) = &self.resume {
+            trainer.resume(dir, st)?;
+            say(format!("resumed from {} at step {}", dir.display(), trainer.step()));
+            if !self.resume_changes.is_empty() {
+                say(format!("resumed with changes (--allow-changes): {}", self.resume_changes.join(", ")));
+            }
+        }
+        let probe = |t: &Trainer| -> Result<Option<Answers>> {
+            (!self.probes.is_empty()).then(|| answer_accuracy(t.compiled(), &self.probes)).transpose()
+        };
+        let before = probe(&trainer)?;
+        let eval_before = trainer.heldout_loss()?;
+        if let (Some((loss, n)), Some(h)) = (eval_before, &self.heldout) {
+            if rank0 {
+                let ids = self.save_root.join("heldout-ids.txt");
+                h.write_ids(&ids)?;
+                say(format!(
+                    "held-out loss before training: {loss:.4} ({} tokens, {n} next-token targets, of {}; ids in {})",
+                    h.ids.len(),
+                    h.source,
+                    ids.display()
+                ));
+            }
+            trainer.record(&json!({ "step": trainer.step(), "eval_loss": loss }))?;
+        }
+
+        let out = trainer.run(stop, observe)?;
+        if out.ended == Ended::Interrupted {
+            if rank0 {
+                let stepped = out.last_step > out.first_step;
+                observe(Event::Interrupted { step: out.last_step, checkpoint: out.checkpoint, stepped });
+            }
+            return Ok(Ended::Interrupted);
+        }
+        let after = probe(&trainer)?;
+        let eval_after = trainer.heldout_loss()?;
+        if let Some((loss, _)) = eval_after {
+            trainer.record(&json!({ "step": out.last_step, "eval_loss": loss }))?;
+        }
+        // Teacher-forced: each answer token predicted with the true tokens before it.
+        let (what, unit, whole, chance) = match self.stream {
+            Stream::Needles(_) => ("needles", "answers", "samples all right", Some(1.0 / VALUES as f64)),
+            _ => ("passkey", "answer tokens", "whole keys", None),
+        };
+        let score = |x: Answers| Score {
+            right: x.right,
+            total: x.total,
+            unit: unit.into(),
+            note: format!("{}/{} {whole}", x.whole, self.probes.len()),
+        };
+        let summary = Summary {
+            first_step: out.first_step,
+            last_step: out.last_step,
+            loss: out.loss,
+            eval: match (&self.heldout, eval_before, eval_after) {
+                (Some(h), Some((before, _)), Some((after, _))) => {
+                    Some(EvalLoss { before, after, tokens: h.ids.len(), source: h.source.clone() })
+                }
+                _ => None,
+            },
+            accuracy: before.zip(after).map(|(b, f)| Accuracy {
+                what: what.into(),
+                chance,
+                before: score(b),
+                after: score(f),
+            }),
+            throughput: (out.tokens > 0).then_some((out.tokens, out.seconds)),
+            vector_path: device.is_cpu().then(|| autosp_core::simd::simd_path().name()),
+            tape_peak: out.tape_peak,
+            heap_peak: out.heap_peak,
+            threads: self.threads,
+            skipped: out.skipped,
+            checkpoint: out.checkpoint.unwrap_or_default(),
+        };
+        trainer.record(&summary.to_json())?;
+        if rank0 {
+            observe(Event::Summary(Box::new(summary)));
+        }
+        Ok(Ended::Done)
+    }
+
+    /// The lines that describe the run before training: the model, the compiled plan, the collectives, the
+    /// attention window and the task.
+    fn describe(&self, c: &crate::Compiled<LlamaModel>, device: &Device) -> Result<Vec<String>> {
+        let (o, d) = (&self.options, &self.base.config);
+        let mut lines = vec![
+            format!(
+                "{}: model {} ({} layers, hidden {}, {} heads / {} kv heads, vocab {}) on {:?}",
+                self.name,
+                self.source,
+                d.num_hidden_layers,
+                d.hidden_size,
+                d.num_attention_heads,
+                d.num_key_value_heads,
+                d.vocab_size,
+                device.location()
+            ),
+            format!(
+                "compiled for P = {} {} ranks: {:?} ({}), checkpointing {:?}, compute dtype {}{}; {} tokens per \
+                 sequence ({} per rank), {} sequence(s) per step, data {}",
+                self.p,
+                if self.threads { "thread" } else { "MPI" },
+                c.resolved().strategy,
+                c.resolved().reason,
+                o.checkpoint,
+                self.dtype.as_str(),
+                if Precision::float(self.dtype).needs_master() {
+                    " (f32 master weights, moments, loss and gradient all-reduce)"
+                } else {
+                    ""
+                },
+                o.seq_len,
+                c.padded_len(o.seq_len) / self.p,
+                self.train.micro_batches,
+                o.data
+            ),
+            self.carrier.describe(device),
+        ];
+        if let Some(w) = c.max_attention_distance() {
+            lines.push(format!(
+                "attention window (--max-attention-distance {w}): each token sees only the {} tokens at most {w} \
+                 positions before it{}",
+                w + 1,
+                if w + 1 >= o.seq_len { " (every token of a sequence: the window hides nothing)" } else { "" }
+            ));
+        }
+        if let Stream::Needles(_) = self.stream {
+            let tokens = self.train.tokens_per_step();
+            lines.push(Needles::describe(c, o.seq_len, o.steps, &self.train.curriculum, tokens)?);
+        }
+        Ok(lines)
+    }
+}

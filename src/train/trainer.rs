@@ -1,0 +1,446 @@
+//! [`Trainer`]: the training loop of one rank over a compiled model. Each optimizer step draws
+//! `micro_batches` micro-batches from the [`Stream`] (at the curriculum's length), runs the compiled model's
+//! sharded step on each and accumulates their gradients as a token-weighted mean, applies the non-finite
+//! policy, clips the global gradient norm, and takes an AdamW step at the warm-up + cosine schedule's rate.
+//! Between steps it checks the caller's stop flag (agreed across ranks with one all-reduce), scores probes at
+//! the end of each curriculum stage and the held-out tokens every `eval_every` steps, and saves every
+//! `save_every` steps; rank 0 reports to the caller's observer ([`Event`]) and appends the metrics file.
+//! Every rank runs the same loop (the collectives inside need them all).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use autosp_core::comm::{ProcessGroup, ReduceOp};
+use autosp_core::optim::{clip_to_norm, global_norm, AdamW, Optimizer};
+use autosp_core::Precision;
+use autosp_core::{Gradients, Param, TrackingAllocator};
+use autosp_models::LlamaModel;
+use candle_core::{DType, Device, Tensor};
+use serde_json::json;
+
+use super::checkpoint::{self, RunShape, Saved, TrainerState};
+use super::config::{NonFinite, TrainConfig};
+use super::error::{Result, TrainError};
+use super::eval::{answer_accuracy, HeldOut};
+use super::events::Event;
+use super::metrics::{MetricsLog, StepRecord};
+use super::stream::{Sample, Stream};
+use crate::Compiled;
+
+/// Probes scored at the end of each curriculum stage (the first ones of the probe set).
+pub const STAGE_PROBES: usize = 4;
+
+/// How a run of the loop ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// Every step of the run is done.
+    Done,
+    /// The stop flag was raised (on any rank) between two steps.
+    Interrupted,
+}
+
+/// What [`Trainer::run`] did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Outcome {
+    /// Whether it finished or was stopped.
+    pub ended: Ended,
+    /// The step it started from (0, or the resumed checkpoint's).
+    pub first_step: usize,
+    /// The step it ended at.
+    pub last_step: usize,
+    /// The loss of the first and of the last step it applied (none when it applied none).
+    pub loss: Option<(f64, f64)>,
+    /// Tokens trained on and the seconds the applied steps took.
+    pub tokens: usize,
+    /// Seconds of the applied steps.
+    pub seconds: f64,
+    /// The tape's peak bytes on each rank, over the run.
+    pub tape_peak: Vec<f64>,
+    /// The process heap's peak bytes on each rank (0 without a tracking allocator).
+    pub heap_peak: Vec<f64>,
+    /// Steps skipped for a non-finite loss or gradient norm.
+    pub skipped: usize,
+    /// The checkpoint saved at the end (or when stopped after at least one step), when there is a save_dir.
+    pub checkpoint: Option<PathBuf>,
+}
+
+/// The training loop of one rank: a compiled model, its optimizer (AdamW) and the data stream.
+pub struct Trainer {
+    compiled: Compiled<LlamaModel>,
+    config: TrainConfig,
+    params: Vec<Param>,
+    opt: AdamW,
+    stream: Stream,
+    step: usize,
+    drawn: u64,
+    first_step: usize,
+    last_saved: Option<PathBuf>,
+    tokenizer: Option<String>,
+    heldout: Option<HeldOut>,
+    probes: Vec<Sample>,
+    heap: Option<&'static TrackingAllocator>,
+    metrics: Option<MetricsLog>,
+}
+
+impl Trainer {
+    /// A trainer of `compiled` (every rank builds its own, with the same settings) on `stream`, at step 0.
+    /// Checks `config` ([`TrainConfig::validate`]); rank 0 opens the metrics file.
+    pub fn new(compiled: Compiled<LlamaModel>, config: TrainConfig, stream: Stream) -> Result<Self> {
+        config.validate()?;
+        let params = compiled.params();
+        let opt = AdamW::new(config.adamw)?;
+        let metrics = match (&config.metrics, compiled.group().rank() == 0) {
+            (Some(f), true) => Some(MetricsLog::append(f)?),
+            _ => None,
+        };
+        Ok(Self {
+            compiled,
+            config,
+            params,
+            opt,
+            stream,
+            step: 0,
+            drawn: 0,
+            first_step: 0,
+            last_saved: None,
+            tokenizer: None,
+            heldout: None,
+            probes: Vec::new(),
+            heap: None,
+            metrics,
+        })
+    }
+
+    /// Starts the optimizer's f32 master weights (bf16/f16 compute) from `weights` (HF name -> tensor,
+    /// f32), not from the parameters' rounding: pass the weights the model was built from. A no-op in f32.
+    pub fn with_masters(mut self, weights: &HashMap<String, Tensor>) -> Result<Self> {
+        if Precision::float(self.compiled.dtype()).needs_master() {
+            for p in &self.params {
+                let w = weights
+                    .get(p.name())
+                    .ok_or_else(|| TrainError::Config(format!("the loaded model has no `{}`", p.name())))?;
+                self.opt.set_master(p, w)?;
+            }
+        }
+        Ok(self)
+    }
+
+    /// Writes `tokenizer_json` (the text of `tokenizer.json`) into every checkpoint.
+    pub fn with_tokenizer(mut self, tokenizer_json: Option<String>) -> Self {
+        self.tokenizer = tokenizer_json;
+        self
+    }
+
+    /// Held-out tokens scored every `eval_every` steps ([`Trainer::heldout_loss`] for other times).
+    pub fn with_heldout(mut self, heldout: Option<HeldOut>) -> Self {
+        self.heldout = heldout;
+        self
+    }
+
+    /// Probes with marked answers, the first [`STAGE_PROBES`] scored at the end of each curriculum stage.
+    pub fn with_probes(mut self, probes: Vec<Sample>) -> Self {
+        self.probes = probes;
+        self
+    }
+
+    /// The process's tracking allocator (the binary's `#[global_allocator]`), whose peak each step reports.
+    pub fn with_heap(mut self, heap: &'static TrackingAllocator) -> Self {
+        self.heap = Some(heap);
+        self
+    }
+
+    /// Continues the checkpoint at `dir` ([`checkpoint::verify`] gave `state`): the optimizer's moments, step
+    /// count and master weights, the step, and the data position. The model's weights must already be the
+    /// checkpoint's (build it with `LlamaModel::load(dir, ..)`).
+    pub fn resume(&mut self, dir: &std::path::Path, state: &TrainerState) -> Result<()> {
+        checkpoint::restore_optimizer(dir, &mut self.opt, &self.params, state.optimizer_step)?;
+        self.stream.seek(state.data);
+        self.step = state.step;
+        self.first_step = state.step;
+        self.drawn = state.data.drawn;
+        self.last_saved = Some(dir.to_path_buf());
+        Ok(())
+    }
+
+    /// Steps done.
+    pub fn step(&self) -> usize {
+        self.step
+    }
+
+    /// The compiled model.
+    pub fn compiled(&self) -> &Compiled<LlamaModel> {
+        &self.compiled
+    }
+
+    /// The optimizer.
+    pub fn optimizer(&self) -> &AdamW {
+        &self.opt
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    /// Whether this rank reports (rank 0).
+    pub fn is_reporting(&self) -> bool {
+        self.compiled.group().rank() == 0
+    }
+
+    /// The shape of this run, as checkpoints record it.
+    pub fn shape(&self) -> RunShape {
+        let c = &self.config;
+        RunShape {
+            seq_len: c.seq_len,
+            micro_batches: c.micro_batches,
+            data_source: c.data.clone(),
+            seed: c.seed,
+            dtype: self.compiled.dtype(),
+            steps: c.steps,
+            lr: c.lr,
+            warmup: c.warmup,
+            max_attention_distance: self.compiled.max_attention_distance(),
+            curriculum: c.curriculum.flag(),
+        }
+    }
+
+    /// Saves a checkpoint of the current step into `save_dir/step-N` (rank 0 writes it; the others, which
+    /// hold the same weights, only return where it went). Collective-free.
+    pub fn save(&mut self) -> Result<Saved> {
+        let root =
+            self.config.save_dir.clone().ok_or_else(|| {
+                TrainError::Config("saving a checkpoint needs a save_dir in the TrainConfig".to_string())
+            })?;
+        let saved = if self.is_reporting() {
+            let state = TrainerState::new(self.step, self.opt.steps(), self.stream.position(self.drawn), &self.shape());
+            let model = self.compiled.model();
+            checkpoint::save(&root, model, &self.opt, &self.params, &state, self.tokenizer.as_deref())?
+        } else {
+            Saved { dir: checkpoint::step_dir(&root, self.step), cleaned: Vec::new() }
+        };
+        self.last_saved = Some(saved.dir.clone());
+        Ok(saved)
+    }
+
+    /// The held-out loss and targets scored, when the trainer has held-out tokens. Collective.
+    pub fn heldout_loss(&self) -> Result<Option<(f64, usize)>> {
+        self.heldout.as_ref().map(|h| h.evaluate(&self.compiled)).transpose()
+    }
+
+    /// Appends `line` to the metrics file (rank 0, when there is one).
+    pub fn record(&mut self, line: &serde_json::Value) -> Result<()> {
+        match self.metrics.as_mut() {
+            Some(m) => m.write(line),
+            None => Ok(()),
+        }
+    }
+
+    /// Trains to `config.steps`. Before each step every rank asks `stop()` and all agree (one all-reduce):
+    /// when any says yes, the loop ends with [`Ended::Interrupted`] (after saving, when a step was taken and
+    /// there is a `save_dir`). At the end it saves (with a `save_dir`). `observe` gets the reports on rank 0.
+    /// Collective: every rank calls it.
+    pub fn run(&mut self, stop: &dyn Fn() -> bool, observe: &mut dyn FnMut(Event)) -> Result<Outcome> {
+        let pg: Arc<dyn ProcessGroup> = self.compiled.group().clone();
+        let (p, rank0) = (pg.size(), self.is_reporting());
+        let (steps, seq_len, micro) = (self.config.steps, self.config.seq_len, self.config.micro_batches);
+        let sched = self.config.schedule();
+        let mut out = Outcome {
+            ended: Ended::Done,
+            first_step: self.first_step,
+            last_step: self.step,
+            loss: None,
+            tokens: 0,
+            seconds: 0.0,
+            tape_peak: vec![0.0; p],
+            heap_peak: vec![0.0; p],
+            skipped: 0,
+            checkpoint: None,
+        };
+        while self.step < steps {
+            let flag = Tensor::new(&[f64::from(u8::from(stop()))], &Device::Cpu)?;
+            if pg.all_reduce(&flag, ReduceOp::Max)?.to_vec1::<f64>()?[0] > 0.0 {
+                out.ended = Ended::Interrupted;
+                break;
+            }
+            let t0 = Instant::now();
+            // The curriculum's length for this step: seq_len / len sequences of len tokens per micro-batch.
+            let len = self.config.curriculum.len_at(self.step, seq_len);
+            let (grads, loss, tape_peak) = self.accumulate(len)?;
+            if self.step == self.first_step && rank0 {
+                if let Some(f) = &self.config.dump_grads {
+                    self.dump_grads(&grads, f)?;
+                    observe(Event::GradientsWritten { step: self.step + 1, path: f.clone() });
+                }
+            }
+            let mut grads = grads;
+            // Loss and gradients are the same on every rank (all-reduced), so every rank decides alike.
+            let norm = global_norm(&grads)?;
+            let nonfinite = match (loss.is_finite(), norm.is_finite()) {
+                (false, _) => Some(("loss", loss)),
+                (true, false) => Some(("gradient norm", norm)),
+                _ => None,
+            };
+            if let Some((what, value)) = nonfinite {
+                if self.config.nonfinite == NonFinite::Stop {
+                    let kept = self.last_saved.clone();
+                    return Err(TrainError::NonFinite { what, step: self.step + 1, value, kept });
+                }
+                self.step += 1;
+                out.skipped += 1;
+                if rank0 {
+                    let reason = Event::nonfinite_reason(what, self.step, value);
+                    observe(Event::Skipped { step: self.step, steps, what, value });
+                    self.record(&json!({ "step": self.step, "skipped": reason }))?;
+                }
+                continue;
+            }
+            if self.config.grad_clip > 0.0 {
+                clip_to_norm(&mut grads, norm, self.config.grad_clip)?;
+            }
+            let lr = sched.lr(self.step);
+            self.opt.step(&self.params, &grads, lr)?;
+            self.step += 1;
+            let dt = t0.elapsed().as_secs_f64();
+            let tokens = seq_len * micro;
+            out.tokens += tokens;
+            out.seconds += dt;
+            let heap = self.heap.map_or(0, |h| h.peak_bytes());
+            let peaks = gather(&pg, &[tape_peak as f64, heap as f64])?;
+            for (r, v) in peaks.iter().enumerate() {
+                out.tape_peak[r] = out.tape_peak[r].max(v[0]);
+                out.heap_peak[r] = out.heap_peak[r].max(v[1]);
+            }
+            out.loss = Some((out.loss.map_or(loss, |l| l.0), loss));
+            if rank0 {
+                let record = StepRecord {
+                    step: self.step,
+                    steps,
+                    loss,
+                    lr,
+                    grad_norm: norm,
+                    tokens_per_s: tokens as f64 / dt,
+                    tape_peak: peaks.iter().map(|v| v[0] as u64).collect(),
+                    heap_peak: peaks.iter().map(|v| v[1] as u64).collect(),
+                    heap_peak_max: out.heap_peak.iter().cloned().fold(0.0, f64::max) as u64,
+                };
+                let line = record.to_json();
+                observe(Event::Step(record));
+                self.record(&line)?;
+            }
+            self.between_steps(len, observe)?;
+        }
+        out.last_step = self.step;
+        let stepped = self.step > self.first_step;
+        if self.config.save_dir.is_some() && (out.ended == Ended::Done || stepped) {
+            let saved = self.save()?;
+            if rank0 {
+                for what in saved.cleaned {
+                    observe(Event::Cleaned { root: self.config.save_dir.clone().unwrap_or_default(), what });
+                }
+            }
+            out.checkpoint = Some(saved.dir);
+        }
+        Ok(out)
+    }
+
+    /// One step's micro-batches at sequence length `len`: the gradients (token-weighted mean), the loss (the
+    /// same mean) and the tape's peak bytes.
+    fn accumulate(&mut self, len: usize) -> Result<(Gradients, f64, usize)> {
+        let (seq_len, micro) = (self.config.seq_len, self.config.micro_batches);
+        let mut grads = Gradients::new();
+        let (mut loss_sum, mut count, mut tape_peak) = (0f64, 0usize, 0usize);
+        for _ in 0..micro {
+            let (mut ids, mut labels) = (Vec::with_capacity(seq_len), Vec::with_capacity(seq_len));
+            for _ in 0..seq_len / len {
+                let s = self.stream.next(len)?;
+                self.drawn += 1;
+                labels.extend(s.answer_labels());
+                ids.extend(s.ids);
+            }
+            let rows = seq_len / len;
+            let labels = match self.stream.answers_only() {
+                true => Some(Tensor::from_vec(labels, (rows, len), &Device::Cpu)?),
+                false => None,
+            };
+            let ids = Tensor::from_vec(ids, (rows, len), &Device::Cpu)?;
+            let out = self.compiled.train_step(&ids, labels.as_ref())?;
+            tape_peak = tape_peak.max(out.peak_bytes);
+            if micro == 1 {
+                grads = out.grads;
+            } else {
+                // Token-weighted mean over the micro-batches: sum count_i * grad_i, divided below.
+                let w = out.valid_tokens as f64;
+                for p in &self.params {
+                    if let Some(g) = out.grads.get(p) {
+                        grads.accumulate(p, &(g * w)?)?;
+                    }
+                }
+            }
+            loss_sum += out.loss * out.valid_tokens as f64;
+            count += out.valid_tokens;
+        }
+        if micro > 1 {
+            grads.scale(1.0 / count as f64)?;
+        }
+        Ok((grads, loss_sum / count as f64, tape_peak))
+    }
+
+    /// Writes `grads` (HF names, f32) as safetensors to `path`.
+    fn dump_grads(&self, grads: &Gradients, path: &std::path::Path) -> Result<()> {
+        let named: HashMap<String, Tensor> = self
+            .params
+            .iter()
+            .filter_map(|p| grads.get(p).map(|g| (p.name().to_string(), g.to_dtype(DType::F32))))
+            .map(|(n, g)| g.map(|g| (n, g)))
+            .collect::<candle_core::Result<_>>()?;
+        candle_core::safetensors::save(&named, path).map_err(|cause| TrainError::Tensors {
+            what: format!("writing --dump-grads {}", path.display()),
+            cause: Box::new(cause),
+        })
+    }
+
+    /// After a step: the stage-end probes, the periodic held-out score and the periodic save (all collective
+    /// or rank 0 only, alike on every rank).
+    fn between_steps(&mut self, len: usize, observe: &mut dyn FnMut(Event)) -> Result<()> {
+        let (step, steps, seq_len) = (self.step, self.config.steps, self.config.seq_len);
+        let rank0 = self.is_reporting();
+        // At the end of each curriculum stage: accuracy on the first held-out probes (collective).
+        if step < steps && len != self.config.curriculum.len_at(step, seq_len) && !self.probes.is_empty() {
+            let few = &self.probes[..self.probes.len().min(STAGE_PROBES)];
+            let answers = answer_accuracy(&self.compiled, few)?;
+            if rank0 {
+                observe(Event::Stage { len, step, seq_len, answers, samples: few.len() });
+            }
+        }
+        let every = self.config.eval_every;
+        if every > 0 && step % every == 0 && step < steps {
+            if let Some((loss, _)) = self.heldout_loss()? {
+                if rank0 {
+                    observe(Event::HeldOut { step, steps, loss });
+                    self.record(&json!({ "step": step, "eval_loss": loss }))?;
+                }
+            }
+        }
+        let every = self.config.save_every;
+        if every > 0 && step % every == 0 && step < steps {
+            let saved = self.save()?;
+            if rank0 {
+                let root = self.config.save_dir.clone().unwrap_or_default();
+                for what in saved.cleaned {
+                    observe(Event::Cleaned { root: root.clone(), what });
+                }
+                observe(Event::Saved(saved.dir));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Gathers `values` from every rank (f64, exact for byte counts) to every rank: `[rank][i]`.
+fn gather(pg: &Arc<dyn ProcessGroup>, values: &[f64]) -> Result<Vec<Vec<f64>>> {
+    let t = Tensor::new(values, &Device::Cpu)?;
+    let all = pg.all_gather(&t, 0)?.to_vec1::<f64>()?;
+    Ok(all.chunks(values.len()).map(<[f64]>::to_vec).collect())
+}
