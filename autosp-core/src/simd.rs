@@ -2,7 +2,7 @@
 //! loops (the reference every vector path is tested against). The kernels are written once over
 //! [`pulp::Simd`] (the abstraction candle's gemm builds on), so AVX2+FMA and aarch64 NEON come from the same
 //! source; the flash-attention micro-kernels keep a hand-tuned AVX-512 version beside it (see
-//! `autosp-kernels/src/flash/microkernel.rs`), and the other kernels run their 256-bit code under
+//! `autosp-kernels/src/vector/avx512.rs`), and the other kernels run their 256-bit code under
 //! [`SimdPath::Avx512`] (pulp's 512-bit `V4` needs its `x86-v4` feature, which would also change candle's
 //! gemm through feature unification).
 //!

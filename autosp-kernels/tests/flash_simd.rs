@@ -3,7 +3,7 @@
 //! that are and are not a multiple of the vector width, through the poisoned entry points (so every element
 //! is written). This binary holds one test because it switches the process-wide path
 //! (`autosp_kernels::simd::set_simd`); the micro-kernels themselves are compared per call in
-//! `src/flash/microkernel.rs`.
+//! `src/vector/mod.rs`.
 
 mod common;
 

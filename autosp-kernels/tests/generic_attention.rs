@@ -1,9 +1,10 @@
-//! The device-generic attention (`autosp_kernels::generic::attention`, candle tensor ops only) against the
+//! The device-generic attention (`src/attention/generic.rs`, candle tensor ops only) against the
 //! fast CPU flash kernel on the CPU: forward o and lse, backward dq/dk/dv with and without d_lse, in f32, f64
 //! and bf16; causal and not, MHA/GQA/MQA, q_len != k_len, the position offsets Ring's shards use, rows that
 //! see no key. The generic functions are called directly with small blocks (several tiles, diagonal tiles,
-//! skipped tiles, a query block that sees no key) and once with the default block; the CPU side is
-//! `attention_forward/backward` under the default dispatch (this binary never forces the kernels); the
+//! skipped tiles, a query block that sees no key) and once with the default block (through the door, with the
+//! generic kernels forced on the calling thread only, `with_kernels`); the CPU side is
+//! `attention_forward/backward` under the default dispatch; the
 //! sliding-window cases are held against the naive reference instead.
 //!
 //! "max relative error" is `max_i |x_i - y_i| / max_i |y_i|` (scale-relative), over the finite entries of y;

@@ -195,8 +195,7 @@ pub mod poisoned {
 
     /// The CPU forward with NaN-filled buffers: `(o, lse)`.
     pub fn cpu_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(Tensor, Tensor)> {
-        let dims = check(FWD, q, k, v, spec, CPU_MAX_HEAD_DIM)?;
-        Ok(cpu::forward(&dims, spec, q, k, v, true)?.0)
+        Ok(checked_cpu_forward(q, k, v, spec, true)?.0)
     }
 
     /// The CPU backward with NaN-filled buffers: `(dq, dk, dv)`.
@@ -211,9 +210,7 @@ pub mod poisoned {
         d_lse: Option<&Tensor>,
         spec: &AttentionSpec,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let dims = check(BWD, q, k, v, spec, CPU_MAX_HEAD_DIM)?;
-        check_backward(q, o, lse, d_o, d_lse, &dims)?;
-        Ok(cpu::backward(&dims, spec, q, k, v, o, lse, d_o, d_lse, true)?.0)
+        Ok(checked_cpu_backward([q, k, v, o, lse, d_o], d_lse, spec, true)?.0)
     }
 }
 
@@ -229,8 +226,7 @@ pub mod counted {
 
     /// The CPU forward: `(o, lse, tile products computed)`.
     pub fn cpu_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<(Tensor, Tensor, usize)> {
-        let dims = check(FWD, q, k, v, spec, CPU_MAX_HEAD_DIM)?;
-        let ((o, lse), n) = cpu::forward(&dims, spec, q, k, v, false)?;
+        let ((o, lse), n) = checked_cpu_forward(q, k, v, spec, false)?;
         Ok((o, lse, n))
     }
 
@@ -246,11 +242,33 @@ pub mod counted {
         d_lse: Option<&Tensor>,
         spec: &AttentionSpec,
     ) -> Result<(Tensor, Tensor, Tensor, usize)> {
-        let dims = check(BWD, q, k, v, spec, CPU_MAX_HEAD_DIM)?;
-        check_backward(q, o, lse, d_o, d_lse, &dims)?;
-        let ((dq, dk, dv), n) = cpu::backward(&dims, spec, q, k, v, o, lse, d_o, d_lse, false)?;
+        let ((dq, dk, dv), n) = checked_cpu_backward([q, k, v, o, lse, d_o], d_lse, spec, false)?;
         Ok((dq, dk, dv, n))
     }
+}
+
+/// The CPU kernel's forward behind the checks, whatever the dispatch says (the test hooks above).
+fn checked_cpu_forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttentionSpec,
+    poison: bool,
+) -> Result<((Tensor, Tensor), usize)> {
+    let dims = check(FWD, q, k, v, spec, CPU_MAX_HEAD_DIM)?;
+    cpu::forward(&dims, spec, q, k, v, poison)
+}
+
+/// The CPU kernel's backward behind the checks, whatever the dispatch says (the test hooks above).
+fn checked_cpu_backward(
+    [q, k, v, o, lse, d_o]: [&Tensor; 6],
+    d_lse: Option<&Tensor>,
+    spec: &AttentionSpec,
+    poison: bool,
+) -> Result<((Tensor, Tensor, Tensor), usize)> {
+    let dims = check(BWD, q, k, v, spec, CPU_MAX_HEAD_DIM)?;
+    check_backward(q, o, lse, d_o, d_lse, &dims)?;
+    cpu::backward(&dims, spec, q, k, v, o, lse, d_o, d_lse, poison)
 }
 
 /// The device-generic kernel with `block` query rows per block (at least 1), on any device whatever the
