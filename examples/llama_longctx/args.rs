@@ -84,7 +84,8 @@ pub struct Args {
     /// Sequence lengths before --seq-len (`--data needles` only): `L1:S1,L2:S2,...` trains S1 steps on
     /// sequences of L1 tokens, then S2 steps at L2, ..., and the remaining steps at --seq-len; every step
     /// holds --seq-len tokens (seq-len / L sequences of L tokens). `none`: every step at --seq-len. Default:
-    /// lengths doubling from 256, 60% of the steps, then 40% at --seq-len.
+    /// lengths doubling from 256 for 90% of the steps (40% at 256, the rest shared by the longer ones), then
+    /// 10% at --seq-len.
     #[arg(long)]
     pub curriculum: Option<String>,
 
