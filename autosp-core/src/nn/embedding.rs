@@ -12,7 +12,7 @@ pub struct Embedding {
 impl Embedding {
     /// `ids: [..]` -> `[.., hidden]`.
     pub fn forward(&self, tape: &Tape, ids: &Value) -> Result<Value> {
-        ops::embedding(tape, ids, &tape.param(&self.table))
+        ops::embedding(tape, ids, &tape.param(&self.table)?)
     }
 }
 

@@ -12,6 +12,7 @@ pub mod reduce;
 pub mod rms_norm;
 pub mod rope;
 pub mod scalar;
+pub mod shard_param;
 pub mod softmax;
 pub mod view;
 
