@@ -400,18 +400,11 @@ impl<M: CausalLm> Compiled<M> {
             self.world.size(),
             self.mesh.sequence
         ));
-        let state = self.model_state_bytes();
         out.push_str(&format!(
-            "model states: sharded at `{}` ({}); per rank {:.3} GiB: parameters {:.3}, gradients {:.3}, moments \
-             {:.3}, masters {:.3}, gathered weights {:.3}\n",
+            "model states: sharded at `{}` ({}); {}\n",
             self.sharding(),
             self.sharding_reason(),
-            gib(state.total() as f64),
-            gib(state.params as f64),
-            gib(state.grads as f64),
-            gib(state.moments as f64),
-            gib(state.masters as f64),
-            gib(state.gathered as f64)
+            self.model_state_bytes()
         ));
         out.push_str(&format!("checkpointing: {:?}\n", self.checkpoint));
         if let Some(w) = self.max_attention_distance {

@@ -37,6 +37,22 @@ impl ModelStateBytes {
     }
 }
 
+/// `{total} per rank: parameters {..}, gradients {..}, moments {..}, masters {..}, gathered weights {..}` (MiB).
+impl std::fmt::Display for ModelStateBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} per rank: parameters {}, gradients {}, moments {}, masters {}, gathered weights {}",
+            mib(self.total()),
+            mib(self.params),
+            mib(self.grads),
+            mib(self.moments),
+            mib(self.masters),
+            mib(self.gathered)
+        )
+    }
+}
+
 /// The parameters of a model as model-state accounting needs them: every distinct parameter's whole element
 /// count, the elements of the largest set whole at once at `Parameters` (a block's, or the largest single
 /// parameter outside the blocks), which parameters belong to a checkpointed block, and the embedding tied to

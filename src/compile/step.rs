@@ -6,7 +6,9 @@
 //! whole batch, which every rank holds, before sharding: a bad batch fails on every rank at once, with the
 //! same error and before any collective, instead of on the one rank whose shard holds the bad id.
 
-use autosp_core::comm::ReduceOp;
+use std::sync::Arc;
+
+use autosp_core::comm::{ProcessGroup, ReduceOp};
 use autosp_core::module::all_params;
 use autosp_core::ops::{self, IGNORE_INDEX};
 use autosp_core::shard::ShardLevel;
@@ -123,8 +125,11 @@ struct LocalBatch {
     positions: Vec<usize>,
     /// `[b / D * n_pad / P]`, shifted, -100 where ignored.
     targets_local: Tensor,
-    /// Valid targets over the whole world (> 0).
+    /// Valid targets over the ranks in `over` (> 0).
     total: f64,
+    /// The ranks whose losses make the batch's: the world when the replicas split the rows, else the
+    /// sequence-parallel group.
+    over: Arc<dyn ProcessGroup>,
 }
 
 impl<M: CausalLm> Compiled<M> {
@@ -145,7 +150,7 @@ impl<M: CausalLm> Compiled<M> {
         policy: CheckpointPolicy,
         trace: bool,
     ) -> Result<StepOutput, CompileError> {
-        let LocalBatch { ids_local, positions, targets_local, total } = self.local_batch(ids, labels)?;
+        let LocalBatch { ids_local, positions, targets_local, total, .. } = self.local_batch(ids, labels, true)?;
         let tape = Tape::new(policy);
         if trace {
             tape.trace_memory();
@@ -170,25 +175,30 @@ impl<M: CausalLm> Compiled<M> {
     /// against `labels` (`[b, n]`, -100 ignored; default: the ids), with the same shifting, sharding and
     /// reduction as [`train_step`](Self::train_step) (the same loss up to the order of floating-point sums:
     /// a recording tape may run the MLP chunked) but nothing recorded, no backward and no gradients:
-    /// held-out evaluation at long context costs one forward pass. Returns `(mean loss, valid target tokens)`, the same on every rank.
+    /// held-out evaluation at long context costs one forward pass. The D replicas split the rows when D
+    /// divides `b`; otherwise (one held-out sequence on two replicas) each replica scores the whole batch.
+    /// Returns `(mean loss, valid target tokens)`, the same on every rank.
     pub fn eval_loss(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<(f64, usize), CompileError> {
-        let LocalBatch { ids_local, positions, targets_local, total } = self.local_batch(ids, labels)?;
+        let split = ids.dims2()?.0.is_multiple_of(self.mesh.data);
+        let LocalBatch { ids_local, positions, targets_local, total, over } = self.local_batch(ids, labels, split)?;
         let tape = Tape::inference();
         let (sum, _) = self.model.loss(&tape, &ids_local, &positions, &targets_local)?;
         let local = ops::scale(&tape, &sum, 1.0 / total)?.tensor().to_dtype(DType::F64)?.reshape(1)?;
-        let loss = self.world.all_reduce(&local, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        let loss = over.all_reduce(&local, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
         Ok((loss, total as usize))
     }
 
     /// This rank's part of a checked batch: `ids: [b, n]` and optional `labels: [b, n]` -> its replica's rows
-    /// (`b / D` of them) as the local ids `[b / D, n_pad / P]`, their positions, the local shifted targets
-    /// `[b / D * n_pad / P]` and the number of valid targets over the whole world (collective; an error on
-    /// every rank when none is valid, or when D does not divide `b`).
-    fn local_batch(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<LocalBatch, CompileError> {
+    /// (`b / D` of them; all `b` unless `split`) as the local ids `[b / D, n_pad / P]`, their positions, the
+    /// local shifted targets `[b / D * n_pad / P]` and the number of valid targets over the ranks that share
+    /// the batch (collective; an error on every rank when none is valid, or when `split` and D does not divide
+    /// `b`).
+    fn local_batch(&self, ids: &Tensor, labels: Option<&Tensor>, split: bool) -> Result<LocalBatch, CompileError> {
         check_batch(ids, labels, self.model.dims().vocab, 2)?;
         let (b, n) = ids.dims2()?;
-        let rows = self.mesh.rows(b, self.mesh.replica(self.world.rank()))?;
-        let (ids, labels) = if self.mesh.data > 1 {
+        let over = if split { self.world.clone() } else { self.sp.clone() };
+        let rows = if split { self.mesh.rows(b, self.mesh.replica(self.world.rank()))? } else { 0..b };
+        let (ids, labels) = if rows.len() < b {
             (ids.narrow(0, rows.start, rows.len())?, labels.map(|l| l.narrow(0, rows.start, rows.len())).transpose()?)
         } else {
             (ids.clone(), labels.cloned())
@@ -205,11 +215,11 @@ impl<M: CausalLm> Compiled<M> {
 
         let local_count = ops::cross_entropy::count_valid(&targets_local)?;
         let counts = Tensor::new(&[local_count as f64], ids.device())?;
-        let total = self.world.all_reduce(&counts, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        let total = over.all_reduce(&counts, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
         if total == 0.0 {
             return Err(CompileError::Input("every target is ignored (-100): nothing to train on".into()));
         }
-        Ok(LocalBatch { ids_local, positions, targets_local, total })
+        Ok(LocalBatch { ids_local, positions, targets_local, total, over })
     }
 
     /// Sums every parameter's gradient over the world in its reduction dtype ([`Precision::reduce`]: f32 for

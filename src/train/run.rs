@@ -469,6 +469,7 @@ impl Job {
                 o.data
             ),
             self.carrier.describe(device),
+            format!("model states (--shard {}: {}): {}", c.sharding(), c.sharding_reason(), c.model_state_bytes()),
         ];
         if let Some(w) = c.max_attention_distance() {
             lines.push(format!(
@@ -479,7 +480,7 @@ impl Job {
             ));
         }
         if let Stream::Needles(_) = self.stream {
-            let tokens = self.train.tokens_per_step();
+            let tokens = self.train.tokens_per_step() * self.mesh.data;
             lines.push(Needles::describe(c, o.seq_len, o.steps, &self.train.curriculum, tokens)?);
         }
         Ok(lines)

@@ -11,8 +11,9 @@
 //! directory is removed and the last good checkpoint is untouched. The directory must be on storage every
 //! rank sees (one machine, or a shared file system).
 //!
-//! Resuming reads this rank's file: the slices are exact on any mesh of the same W ranks sharded at any level
-//! (they slice the world the same way); another W is refused, naming both.
+//! Resuming reads this rank's file: the slices are exact on the same W ranks (and, as every resume, the same
+//! `--dp`) at any sharded level, which all slice the world the same way; another W, or an unsharded run, is
+//! refused, naming both.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -165,8 +166,8 @@ pub fn restore_sharded(
     if saved_world != size || !sharded {
         return Err(TrainError::checkpoint(format!(
             "--resume {}: its optimizer state is sharded over {saved_world} ranks; this run {}: resume on {saved_world} \
-             ranks with --shard optimizer, gradients or parameters (any data × sequence mesh of {saved_world} ranks \
-             reads the same slices)",
+             ranks (the checkpoint's --dp and --sp) with --shard optimizer, gradients or parameters, which all \
+             read the same slices",
             dir.display(),
             if sharded { format!("has {size} ranks") } else { "does not shard its model states".to_string() }
         )));
