@@ -21,7 +21,9 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use autosp::compile::{compile, Checkpointing, CompileConfig, Mesh, Strategy};
+use autosp::compile::{
+    build_sharded, compile, Checkpointing, CompileConfig, CompileError, Mesh, ModelStateBytes, Strategy,
+};
 use autosp::core::comm::run_ranks;
 use autosp::core::module::all_params;
 use autosp::core::optim::{AdamW, AdamWConfig, Optimizer};
@@ -207,22 +209,20 @@ fn each_level_holds_what_it_says() {
             let out = c.train_step(&ids, Some(&labels)).map_err(|e| e.to_string())?;
             let mut opt = adamw();
             opt.step(&c.params(), &out.grads, LR).map_err(|e| e.to_string())?;
-            let (mut stored, mut grads, mut moments, mut masters) = (0, 0, 0, 0);
             for p in all_params(c.model()) {
                 let whole = p.shape().elem_count();
-                stored += p.tensor().elem_count() * 2;
-                grads += out.grads.get(&p).unwrap().elem_count() * 4;
-                let (m, v) = opt.moments(&p).unwrap();
-                moments += (m.elem_count() + v.elem_count()) * 4;
-                masters += opt.master(&p).unwrap().elem_count() * 4;
                 let slice = whole.div_ceil(2);
                 let want_state = if level == ShardLevel::None { whole } else { slice };
                 assert_eq!(out.grads.get(&p).unwrap().elem_count(), want_state, "{level}: {}", p.name());
                 let want_stored = if level == ShardLevel::Parameters { slice } else { whole };
                 assert_eq!(p.tensor().elem_count(), want_stored, "{level}: {}", p.name());
             }
-            let acct = c.model_state_bytes();
-            assert_eq!((acct.params, acct.grads, acct.moments, acct.masters), (stored, grads, moments, masters));
+            let (acct, held) = (c.model_state_bytes(), ModelStateBytes::held(&c.params(), &out.grads, &opt));
+            assert_eq!((acct.params, acct.moments, acct.masters), (held.params, held.moments, held.masters));
+            // The optimizer gets slices at every sharded level; below `gradients` the tape held them whole first.
+            let whole_grads: usize = all_params(c.model()).iter().map(|p| p.shape().elem_count() * 4).sum();
+            let want_grads = if level == ShardLevel::Optimizer { whole_grads } else { held.grads };
+            assert_eq!(acct.grads, want_grads, "{level}");
             assert_eq!(acct.gathered > 0, level == ShardLevel::Parameters);
             Ok(())
         });
@@ -230,4 +230,56 @@ fn each_level_holds_what_it_says() {
             r.unwrap().unwrap();
         }
     }
+}
+
+/// A model built one rank at a time and sharded as it is built (`build_sharded`) compiles at its own level and
+/// trains exactly like the same model sharded by `compile` (the same slices, the same collectives); a level
+/// asked for that differs is refused; a rank whose build fails stops every rank, the others naming it.
+#[test]
+fn a_model_built_sharded_in_turn_trains_like_one_sharded_by_compile() {
+    let spec = TinySpec::default();
+    let want =
+        run(spec.clone(), DType::F32, Some(Mesh::new(1, 2)), ShardLevel::Parameters, CheckpointPolicy::SequenceAware);
+    let config = spec.config();
+    let weights = random_weights(&config, 3, DType::F32, &Device::Cpu).unwrap();
+    let (c2, w2) = (config.clone(), weights.clone());
+    let out = run_ranks(2, Duration::from_secs(60), move |pg| -> Result<(f64, Vec<Vec<f32>>), String> {
+        let build = || LlamaModel::from_weights(&c2, w2.clone()).map_err(|e| CompileError::Input(e.to_string()));
+        let model = build_sharded(&pg, ShardLevel::Parameters, build).map_err(|e| e.to_string())?;
+        assert!(all_params(&model).iter().all(|p| p.tensor().elem_count() == p.shape().elem_count().div_ceil(2)));
+        let policy = Checkpointing::Policy(CheckpointPolicy::SequenceAware);
+        let c = compile(model, CompileConfig::new(pg.clone(), Strategy::Auto, policy)).map_err(|e| e.to_string())?;
+        assert_eq!(c.sharding(), ShardLevel::Parameters);
+        assert!(c.sharding_reason().contains("built sharded"), "{}", c.sharding_reason());
+        let (ids, labels) = batch(c.model().dims().vocab, 0);
+        let out = c.train_step(&ids, Some(&labels)).map_err(|e| e.to_string())?;
+        let whole = c.whole_grads(&out.grads).map_err(|e| e.to_string())?;
+        // Asking compile for another level than the model was built at is refused.
+        let again = build_sharded(&pg, ShardLevel::Parameters, build).map_err(|e| e.to_string())?;
+        let cfg = CompileConfig::new(pg, Strategy::Auto, policy).with_sharding(ShardLevel::Optimizer);
+        let e = compile(again, cfg).err().expect("a mismatched level must be refused").to_string();
+        assert!(e.contains("built sharded at `parameters`") && e.contains("`optimizer`"), "{e}");
+        Ok((out.loss, c.params().iter().map(|p| flat(whole.get(p).unwrap())).collect()))
+    });
+    for r in out {
+        let (loss, grads) = r.unwrap().unwrap();
+        assert_eq!(loss, want.loss, "the same slices and collectives give the same loss");
+        assert_eq!(grads, want.grads, "and the same gradients");
+    }
+
+    // Rank 1's build fails: rank 1 returns its own error, rank 0 (built already) one naming rank 1.
+    let out = run_ranks(2, Duration::from_secs(60), move |pg| {
+        let rank = pg.rank();
+        build_sharded(&pg, ShardLevel::Parameters, || {
+            if rank == 1 {
+                return Err(CompileError::Input("rank 1 cannot read its weights".into()));
+            }
+            LlamaModel::from_weights(&config, weights.clone()).map_err(|e| CompileError::Input(e.to_string()))
+        })
+        .err()
+        .map(|e| e.to_string())
+    });
+    let errors: Vec<String> = out.into_iter().map(|r| r.unwrap().expect("every rank must fail")).collect();
+    assert!(errors[0].contains("rank 1 of 2 failed building"), "{}", errors[0]);
+    assert!(errors[1].contains("cannot read its weights"), "{}", errors[1]);
 }

@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 pub mod mesh;
 pub mod plan;
+pub mod sharded_build;
 pub mod sharding;
 pub mod step;
 pub mod strategy;
@@ -27,6 +28,7 @@ pub use config::{Checkpointing, CompileConfig, Strategy};
 pub use error::CompileError;
 pub use mesh::Mesh;
 pub use plan::{Flops, LinearFit, Plan, PolicyMemory, PROBE_CAP};
+pub use sharded_build::build_sharded;
 pub use sharding::{model_state_bytes, ModelStateBytes, ParamCounts};
 pub use step::StepOutput;
 pub use strategy::Resolved;
@@ -246,13 +248,15 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
     }
     let dims = model.dims();
     let counts = ParamCounts::of(&mut model, &dims);
-    let sharding = match (config.sharding, w) {
-        (_, 1) => (ShardLevel::None, "one rank: nothing to shard".to_string()),
-        (Some(level), _) => (level, "asked for".to_string()),
-        (None, _) => sharding::default_level(&counts, config.dtype, w),
+    let built = sharding::built_level(&params, &world, config.sharding)?;
+    let sharding = match (built, config.sharding, w) {
+        (Some(level), _, _) => (level, "the model was built sharded (build_sharded)".to_string()),
+        (None, _, 1) => (ShardLevel::None, "one rank: nothing to shard".to_string()),
+        (None, Some(level), _) => (level, "asked for".to_string()),
+        (None, None, _) => sharding::default_level(&counts, config.dtype, w),
     };
-    if sharding.0 != ShardLevel::None {
-        for param in autosp_core::module::all_params(&model) {
+    if built.is_none() && sharding.0 != ShardLevel::None {
+        for param in &params {
             param.shard_over(sharding.0, world.clone())?;
         }
     }

@@ -2,15 +2,21 @@
 //!
 //! Per rank, for N parameters of `b` bytes each (4 for f32, 2 for bf16/f16) over W ranks, `n` = N (whole) or
 //! about N/W (a slice) as the level keeps them ([`autosp_core::shard`]):
-//! parameters `n·b`; gradients as the optimiser receives them, in the reduction dtype, `n·4`; AdamW's two
-//! moments `n·8`; f32 masters of bf16/f16 weights `n·4`. At `Parameters` a whole weight exists only while an op
+//! parameters `n·b`; gradients in the reduction dtype, `n·4` (whole below `Gradients`: the tape holds them
+//! whole until they are reduced); AdamW's two moments `n·8`; f32 masters of bf16/f16 weights `n·4`. At `Parameters` a whole weight exists only while an op
 //! uses it: the largest block's weights (or the largest single weight outside the blocks) at once, counted as
 //! `gathered`.
 
+use std::sync::Arc;
+
+use autosp_core::comm::ProcessGroup;
 use autosp_core::module::{all_params, visit_mut};
+use autosp_core::optim::AdamW;
 use autosp_core::shard::{ShardLayout, ShardLevel};
-use autosp_core::{LmDims, Module, Param, Precision};
+use autosp_core::{Gradients, LmDims, Module, Param, Precision};
 use candle_core::DType;
+
+use super::CompileError;
 
 /// Below this many bytes of unsharded model state per rank the default level is `None`.
 pub const SHARD_FROM_BYTES: usize = 1 << 30;
@@ -20,7 +26,9 @@ pub const SHARD_FROM_BYTES: usize = 1 << 30;
 pub struct ModelStateBytes {
     /// Parameters as stored.
     pub params: usize,
-    /// Gradients as the optimiser receives them (reduced, f32 for bf16/f16/f32 weights).
+    /// Gradients at their most, in the reduction dtype (f32 for bf16/f16/f32 weights): whole below
+    /// `Gradients` (the tape's, until the reduction; at `Optimizer` the optimiser then gets a slice), this
+    /// rank's slice at `Gradients` and `Parameters` (each use's gradient is reduce-scattered in backward).
     pub grads: usize,
     /// AdamW's two moments.
     pub moments: usize,
@@ -34,6 +42,25 @@ impl ModelStateBytes {
     /// Everything a rank holds for the model state at its peak (the gathered weights included).
     pub fn total(&self) -> usize {
         self.params + self.grads + self.moments + self.masters + self.gathered
+    }
+}
+
+impl ModelStateBytes {
+    /// What this rank holds, measured from the tensors themselves: `params` as stored (a slice at
+    /// `Parameters`), `grads` as a step returned them, AdamW's moments and master weights; `gathered` is 0 (the
+    /// gathered weights live only inside a step: the tape's bytes count them).
+    pub fn held(params: &[Param], grads: &Gradients, opt: &AdamW) -> Self {
+        let bytes = |t: &candle_core::Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let mut held = Self::default();
+        for p in params {
+            held.params += bytes(&p.tensor());
+            held.grads += grads.get(p).map_or(0, bytes);
+            if let Some((m, v)) = opt.moments(p) {
+                held.moments += bytes(m) + bytes(v);
+            }
+            held.masters += opt.master(p).map_or(0, bytes);
+        }
+        held
     }
 }
 
@@ -115,7 +142,7 @@ pub fn model_state_bytes(counts: &ParamCounts, dtype: DType, level: ShardLevel, 
     let gathered = if level == ShardLevel::Parameters && world > 1 { counts.largest_unit * b } else { 0 };
     ModelStateBytes {
         params: sum(level == ShardLevel::Parameters && world > 1) * b,
-        grads: state * wide,
+        grads: sum(level >= ShardLevel::Gradients && world > 1) * wide,
         moments: 2 * state * precision.master().size_in_bytes(),
         masters: if precision.needs_master() { state * precision.master().size_in_bytes() } else { 0 },
         gathered,
@@ -152,6 +179,50 @@ pub fn default_level(counts: &ParamCounts, dtype: DType, world: usize) -> (Shard
             mib(zero3)
         ),
     )
+}
+
+/// The level the parameters were sharded at before compiling ([`super::build_sharded`]), if they were: every
+/// parameter must be, at one level, over a group of the world's size, and a level asked for must be the same
+/// ([`CompileError::Input`] naming the mismatch otherwise).
+pub fn built_level(
+    params: &[Param],
+    world: &Arc<dyn ProcessGroup>,
+    asked: Option<ShardLevel>,
+) -> Result<Option<ShardLevel>, CompileError> {
+    let Some(first) = params.iter().find_map(Param::shard) else { return Ok(None) };
+    for p in params {
+        match p.shard() {
+            Some(s) if s.level == first.level && s.layout.size == world.size() && s.layout.rank == world.rank() => {}
+            other => {
+                return Err(CompileError::Input(format!(
+                    "parameter `{}` is {} but others are sharded at `{}` over {} ranks: shard the whole model \
+                     once, over the world compile is given (build_sharded)",
+                    p.name(),
+                    other.map_or("not sharded".to_string(), |s| format!(
+                        "sharded at `{}` over {} ranks",
+                        s.level, s.layout.size
+                    )),
+                    first.level,
+                    first.layout.size
+                )))
+            }
+        }
+    }
+    if first.layout.size != world.size() {
+        return Err(CompileError::Input(format!(
+            "the model is sharded over {} ranks but compile is given {}: build it with the same world",
+            first.layout.size,
+            world.size()
+        )));
+    }
+    match asked {
+        Some(level) if level != first.level => Err(CompileError::Input(format!(
+            "CompileConfig asks for sharding at `{level}` but the model was built sharded at `{}`: ask for the \
+             same level, or none",
+            first.level
+        ))),
+        _ => Ok(Some(first.level)),
+    }
 }
 
 /// `bytes` in MiB, for messages.

@@ -243,7 +243,8 @@ impl<M: CausalLm> Compiled<M> {
                 let t = p.update_view()?;
                 let dtype = Precision::float(t.dtype()).reduce();
                 let g = match local.remove(p) {
-                    Some(g) => g.to_dtype(dtype)?,
+                    // The shape of what the optimizer updates (flat for a parameter sharded over one rank).
+                    Some(g) => g.to_dtype(dtype)?.reshape(t.shape())?,
                     None if level >= ShardLevel::Gradients => Tensor::zeros(t.shape(), dtype, t.device())?,
                     None => continue,
                 };
