@@ -14,7 +14,7 @@ use crate::checkpoint::Region;
 use crate::memory::{storage_bytes, MemoryTracker};
 use crate::node::Node;
 use crate::ops::shard_param::ShardedParam;
-use crate::shard::ShardLevel;
+use crate::shard::{ParamShard, ShardLevel};
 use crate::value::ValueRef;
 use crate::{CheckpointPolicy, Error, Gradients, MemoryStats, NodeKind, Op, Param, ParamId, Result, Value};
 
@@ -162,16 +162,26 @@ impl Tape {
     /// backward; the leaf's gradient is then this rank's reduced slice. An inference tape gets the whole
     /// weight (gathered at `Parameters`).
     pub fn param(&self, p: &Param) -> Result<Value> {
-        let shard = p.shard().filter(|s| s.level >= ShardLevel::Gradients);
-        let Some(shard) = shard else { return self.param_leaf(p, || Ok(p.tensor())) };
-        if !self.is_recording() {
+        if p.shard().is_some_and(|s| s.level >= ShardLevel::Gradients) && !self.is_recording() {
             return Ok(Value::constant(p.whole()?));
+        }
+        let Some((leaf, shard)) = self.param_slice(p)? else { return self.param_leaf(p, || Ok(p.tensor())) };
+        Ok(self.apply(ShardedParam { param: p.clone(), shard }, &[&leaf])?.remove(0))
+    }
+
+    /// The leaf of a parameter sharded at `Gradients` or `Parameters` on a recording tape, `[chunk]` (its
+    /// slice: the gradient the tape gives it is the slice's), with its sharding; `None` otherwise. For ops that
+    /// use the slice themselves instead of the gathered whole weight ([`crate::ops::sharded_embedding`]).
+    pub fn param_slice(&self, p: &Param) -> Result<Option<(Value, Arc<ParamShard>)>> {
+        let Some(shard) = p.shard().filter(|s| s.level >= ShardLevel::Gradients) else { return Ok(None) };
+        if !self.is_recording() {
+            return Ok(None);
         }
         let leaf = self.param_leaf(p, || match shard.level {
             ShardLevel::Parameters => Ok(p.tensor()),
             _ => shard.slice(&p.tensor()),
         })?;
-        Ok(self.apply(ShardedParam { param: p.clone(), shard }, &[&leaf])?.remove(0))
+        Ok(Some((leaf, shard)))
     }
 
     /// The leaf of parameter `p` on this tape, registered with `tensor()` the first time (a constant on an
