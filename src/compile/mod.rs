@@ -250,7 +250,8 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
     let counts = ParamCounts::of(&mut model, &dims);
     let built = sharding::built_level(&params, &world, config.sharding)?;
     let sharding = match (built, config.sharding, w) {
-        (Some(level), _, _) => (level, "the model was built sharded (build_sharded)".to_string()),
+        (Some(level), Some(_), _) => (level, "asked for; the model was built sharded (build_sharded)".to_string()),
+        (Some(level), None, _) => (level, "the model was built sharded (build_sharded)".to_string()),
         (None, _, 1) => (ShardLevel::None, "one rank: nothing to shard".to_string()),
         (None, Some(level), _) => (level, "asked for".to_string()),
         (None, None, _) => sharding::default_level(&counts, config.dtype, w),

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use autosp_core::comm::ProcessGroup;
-use autosp_core::Precision;
 use autosp_core::TrackingAllocator;
+use autosp_core::{Precision, ShardLevel};
 use autosp_models::{LlamaConfig, LlamaModel};
 use candle_core::{DType, Device, Tensor};
 use serde_json::json;
@@ -30,7 +30,7 @@ use super::options::{checkpoint_flag, strategy_flag, RunOptions};
 use super::stream::{Sample, Stream};
 use super::synthetic::{Needles, Passkey, PasskeyVocab, VALUES};
 use super::trainer::{Ended, Trainer};
-use crate::compile::Mesh;
+use crate::compile::{build_sharded, Mesh};
 use crate::{compile, CompileConfig};
 
 /// Everything the ranks share, read and checked before they start.
@@ -282,20 +282,24 @@ impl Job {
             Some(d) => d.clone(),
             None => o.device_spec().open(Some((crate::device::local_rank(pg.rank()), pg.size())))?,
         };
-        // The loaded weights (master dtype, f32) on the device; the model computes in their `dtype` rounding.
-        let shared = self.base.lock().expect("job lock poisoned").clone().ok_or_else(|| {
+        // The loaded weights (master dtype, f32, on the CPU; one copy shared by the thread ranks). The model
+        // computes in their `dtype` rounding on the device; the optimizer's masters are taken from them below.
+        let base = self.base.lock().expect("job lock poisoned").clone().ok_or_else(|| {
             TrainError::Config("the job's starting weights were released: run every rank of a job once".into())
         })?;
-        let base = shared
-            .iter()
-            .map(|(k, t)| Ok((k.clone(), t.to_device(&device)?)))
-            .collect::<Result<HashMap<String, Tensor>>>()?;
-        drop(shared);
-        let weights = base
-            .iter()
-            .map(|(k, t)| Ok((k.clone(), t.to_dtype(self.dtype)?)))
-            .collect::<Result<HashMap<String, Tensor>>>()?;
-        let model = LlamaModel::from_weights(&self.config, weights)?;
+        let build = || -> Result<LlamaModel> {
+            let weights = base
+                .iter()
+                .map(|(k, t)| Ok((k.clone(), t.to_device(&device)?.to_dtype(self.dtype)?)))
+                .collect::<Result<HashMap<String, Tensor>>>()?;
+            Ok(LlamaModel::from_weights(&self.config, weights)?)
+        };
+        // At `parameters` the ranks build in turn, each keeping its slices before the next builds: one whole
+        // model in `dtype` at a time, not one per rank.
+        let model = match o.shard {
+            Some(level @ ShardLevel::Parameters) => build_sharded(&pg, level, build)?,
+            _ => build()?,
+        };
         let mut cfg = CompileConfig::new(pg.clone(), o.strategy, o.checkpoint)
             .with_mesh(self.mesh)
             .with_dtype(self.dtype)
