@@ -37,10 +37,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use autosp::capacity;
-use autosp::compile::{build_sharded, compile, Checkpointing, CompileConfig, Mesh, ModelStateBytes, Strategy};
+use autosp::compile::{
+    build_sharded, compile, model_state_bytes, Checkpointing, CompileConfig, Mesh, ModelStateBytes, ParamCounts,
+    Strategy,
+};
 use autosp::core::comm::{run_ranks, ProcessGroup};
 use autosp::core::optim::{AdamW, AdamWConfig, Optimizer};
-use autosp::core::{CheckpointPolicy, TrackingAllocator};
+use autosp::core::{CausalLm, CheckpointPolicy, ShardLevel, TrackingAllocator};
 use autosp::models::{random_weights, LlamaConfig, LlamaModel, TinySpec};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
@@ -115,6 +118,11 @@ struct Args {
     /// Print rank 0's `explain()` (the rewritten module tree and the plan) to stderr before each run.
     #[arg(long)]
     explain: bool,
+    /// Print only the model-state accounting at these world sizes (e.g. 1,2,4), every sharding level: one
+    /// `"bench":"model_state_accounting"` line each, from the model's parameter counts (built once in this
+    /// process, nothing run). For meshes that do not fit this machine; runs report it measured beside.
+    #[arg(long, value_delimiter = ',')]
+    account_worlds: Vec<usize>,
     /// cpu | cuda | cuda:N | metal (default: the first CUDA device when built with `cuda` and one exists, else
     /// the CPU). Thread ranks share it; under MPI plain `cuda` gives rank r its node-local GPU.
     #[arg(long)]
@@ -345,10 +353,6 @@ fn run_rank(
         }
     }
     let (loss, after_forward, peak) = last.ok_or_else(|| anyhow!("--steps must be at least 1"))?;
-    let states = |b: ModelStateBytes| {
-        json!({"params": b.params, "grads": b.grads, "moments": b.moments, "masters": b.masters,
-               "gathered": b.gathered, "total": b.total()})
-    };
     let accounted = c.model_state_bytes();
     let step_s = median(times);
     let policies: Option<Vec<String>> = plan.as_ref().map(|p| p.policies.iter().map(|x| format!("{x:?}")).collect());
@@ -363,9 +367,9 @@ fn run_rank(
         "sharding": c.sharding().name(),
         "sharding_reason": c.sharding_reason(),
         "param_count": elems,
-        "model_state_bytes_per_rank": states(accounted),
+        "model_state_bytes_per_rank": state_json(&accounted),
         "model_state_bytes_per_param": accounted.total() as f64 / elems as f64,
-        "model_state_bytes_held": held.map(states),
+        "model_state_bytes_held": held.as_ref().map(state_json),
         "model_state_scope": "model_state_bytes_per_rank: the accounting (gathered: the most whole weights alive at \
                               once at `parameters`); model_state_bytes_held: this rank's tensors after the measured \
                               step (parameters as stored, the step's gradients, AdamW's moments and masters)",
@@ -413,6 +417,12 @@ fn run_rank(
         "cpus": cpus(),
         "loadavg": loadavg(),
     }))
+}
+
+/// Model-state bytes as JSON, by kind, with their total.
+fn state_json(b: &ModelStateBytes) -> serde_json::Value {
+    json!({"params": b.params, "grads": b.grads, "moments": b.moments, "masters": b.masters,
+           "gathered": b.gathered, "total": b.total()})
 }
 
 /// Every distinct parameter's elements (whole, also when sharded).
@@ -625,6 +635,9 @@ fn main() -> Result<()> {
     if args.dp == 0 || args.sp == Some(0) {
         bail!("--dp and --sp must be 1 or more");
     }
+    if !args.account_worlds.is_empty() {
+        return account(&args);
+    }
     let launch = match args.launcher.as_str() {
         "mpi" => launch_mpi(&args)?,
         _ => Launch::Threads { p: args.dp * args.sp.unwrap_or(1) },
@@ -637,6 +650,41 @@ fn main() -> Result<()> {
         std::process::exit(1);
     }
     result
+}
+
+/// `--account-worlds`: the model-state bytes per rank at each world size and sharding level, from the
+/// parameter counts of the model (built once, whole, in this process).
+fn account(args: &Args) -> Result<()> {
+    if let Some(&w) = args.account_worlds.iter().find(|&&w| w == 0) {
+        bail!("--account-worlds {w}: a world has 1 rank or more");
+    }
+    let n = *args.n.iter().max().unwrap_or(&2048);
+    let mut model = load_model(args, n, &Device::Cpu)?;
+    let dims = model.dims();
+    let counts = ParamCounts::of(&mut model, &dims);
+    let params = counts.total();
+    for &world in &args.account_worlds {
+        for level in [ShardLevel::None, ShardLevel::Optimizer, ShardLevel::Gradients, ShardLevel::Parameters] {
+            let bytes = model_state_bytes(&counts, args.dtype(), level, world);
+            println!(
+                "{}",
+                json!({
+                    "bench": "model_state_accounting",
+                    "model": args.model.clone().unwrap_or_else(|| format!("preset:{}", args.preset)),
+                    "dtype": format!("{:?}", args.dtype()).to_lowercase(),
+                    "world": world,
+                    "sharding": level.to_string(),
+                    "param_count": params,
+                    "model_state_bytes_per_rank": state_json(&bytes),
+                    "model_state_bytes_per_param": bytes.total() as f64 / params as f64,
+                    "gathered_bytes_per_param": bytes.gathered as f64 / params as f64,
+                    "scope": "accounted from the parameter counts, not run (see bench_memory's runs for measured \
+                              bytes); gathered: the most whole weights alive at once at `parameters`",
+                })
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Every configuration's runs, and with `--capacity` the fits; only the printing process prints.
