@@ -103,9 +103,11 @@ impl ShardLayout {
         Ok(flat.reshape((self.size, self.chunk))?)
     }
 
-    /// This rank's slice of a whole tensor `x` (any shape, `numel` elements): `[chunk]`, zero-padded, a copy.
+    /// This rank's slice of a whole tensor `x` (any shape, `numel` elements): `[chunk]`, zero-padded, a copy
+    /// in its own storage (a row of the padded `[size, chunk]` view is contiguous already, and keeping it as
+    /// a view would keep the whole tensor alive behind every rank's slice).
     pub fn slice(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.padded_rows(x)?.get(self.rank)?.contiguous()?)
+        Ok(self.padded_rows(x)?.get(self.rank)?.force_contiguous()?)
     }
 
     /// The whole tensor of `shape` from every rank's slice (`slice: [chunk]`; collective over `group`, whose
@@ -177,6 +179,8 @@ mod tests {
             assert_eq!(l.chunk, 3);
             let s = l.slice(&x).unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(s.len(), 3);
+            // Its own storage: a view would keep the whole tensor alive (12 bytes, not 40).
+            assert_eq!(crate::memory::storage_bytes(&l.slice(&x).unwrap()), 12, "rank {r}");
             let owned = l.owned();
             assert_eq!(&s[..owned.len()], &(owned.start..owned.end).map(|i| i as f32).collect::<Vec<_>>()[..]);
             assert!(s[owned.len()..].iter().all(|&v| v == 0.0), "padding is zero: {s:?}");

@@ -46,19 +46,27 @@ impl ModelStateBytes {
 }
 
 impl ModelStateBytes {
-    /// What this rank holds, measured from the tensors themselves: `params` as stored (a slice at
-    /// `Parameters`), `grads` as a step returned them, AdamW's moments and master weights; `gathered` is 0 (the
-    /// gathered weights live only inside a step: the tape's bytes count them).
+    /// What this rank holds, measured from the tensors' storages, each counted once (a view counts the whole
+    /// storage it keeps alive; gradients that are views of one reduced bucket count the bucket once): `params`
+    /// as stored (a slice at `Parameters`), `grads` as a step returned them, AdamW's moments and master
+    /// weights; `gathered` is 0 (the gathered weights live only inside a step: the tape's bytes count them).
     pub fn held(params: &[Param], grads: &Gradients, opt: &AdamW) -> Self {
-        let bytes = |t: &candle_core::Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let mut seen = std::collections::HashSet::new();
+        let mut bytes = |t: &candle_core::Tensor| {
+            if seen.insert(autosp_core::memory::storage_key(t)) {
+                autosp_core::memory::storage_bytes(t)
+            } else {
+                0
+            }
+        };
         let mut held = Self::default();
         for p in params {
             held.params += bytes(&p.tensor());
-            held.grads += grads.get(p).map_or(0, bytes);
+            held.grads += grads.get(p).map_or(0, &mut bytes);
             if let Some((m, v)) = opt.moments(p) {
                 held.moments += bytes(m) + bytes(v);
             }
-            held.masters += opt.master(p).map_or(0, bytes);
+            held.masters += opt.master(p).map_or(0, &mut bytes);
         }
         held
     }
