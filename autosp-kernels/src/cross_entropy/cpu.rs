@@ -145,36 +145,6 @@ pub(crate) fn run(
     Ok((loss, grads))
 }
 
-#[cfg(test)]
-mod tests {
-    use autosp_core::simd::{supported_paths, SimdPath};
-
-    use super::{chunk_dlogits, chunk_losses};
-
-    /// Every vector path against the scalar path on f32 rows of 1003 logits in [-10, 10] (a tail shorter than
-    /// a vector), one row ignored: the vector `e^x` is within ~2 ulp of libm's and the sums run in another
-    /// order, so the losses (~5) agree to 1e-6 relative and the gradients to 1e-6 relative to the largest
-    /// (max relative error); a wrong term would be off by ~1e-3 or more.
-    #[test]
-    fn vector_paths_match_scalar() {
-        let (rows, vocab) = (4, 1003);
-        let logits: Vec<f32> = (0..rows * vocab).map(|i| ((i * 7919) % 2001) as f32 / 100.0 - 10.0).collect();
-        let targets = [5, -100, 1002, 640];
-        let l0 = chunk_losses(&logits, vocab, &targets, SimdPath::Scalar);
-        let d0 = chunk_dlogits(&logits, vocab, &targets, 0.5, SimdPath::Scalar);
-        let dscale = d0.iter().fold(0f32, |m, v| m.max(v.abs()));
-        for p in supported_paths() {
-            let l = chunk_losses(&logits, vocab, &targets, p);
-            for (a, b) in l.iter().zip(&l0) {
-                assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{p}: loss {a} vs {b}");
-            }
-            let d = chunk_dlogits(&logits, vocab, &targets, 0.5, p);
-            let e = d.iter().zip(&d0).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / dscale;
-            assert!(e <= 1e-6, "{p}: dlogits max relative error {e:e}");
-        }
-    }
-}
-
 /// `acc += xᵀ · y` in place with gemm (the engine behind candle's CPU matmul), for `acc: [vocab, hidden]`
 /// contiguous, `x: [rows, vocab]` and `y: [rows, hidden]` (any strides), f32 or f64: the running sum of
 /// `d_lm_head`.
@@ -239,5 +209,35 @@ impl InplaceOp3 for AccumulateProduct {
             _ => candle_core::bail!("{OP}: d_lm_head's sum and its operands must all be f32 or all f64"),
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use autosp_core::simd::{supported_paths, SimdPath};
+
+    use super::{chunk_dlogits, chunk_losses};
+
+    /// Every vector path against the scalar path on f32 rows of 1003 logits in [-10, 10] (a tail shorter than
+    /// a vector), one row ignored: the vector `e^x` is within ~2 ulp of libm's and the sums run in another
+    /// order, so the losses (~5) agree to 1e-6 relative and the gradients to 1e-6 relative to the largest
+    /// (max relative error); a wrong term would be off by ~1e-3 or more.
+    #[test]
+    fn vector_paths_match_scalar() {
+        let (rows, vocab) = (4, 1003);
+        let logits: Vec<f32> = (0..rows * vocab).map(|i| ((i * 7919) % 2001) as f32 / 100.0 - 10.0).collect();
+        let targets = [5, -100, 1002, 640];
+        let l0 = chunk_losses(&logits, vocab, &targets, SimdPath::Scalar);
+        let d0 = chunk_dlogits(&logits, vocab, &targets, 0.5, SimdPath::Scalar);
+        let dscale = d0.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for p in supported_paths() {
+            let l = chunk_losses(&logits, vocab, &targets, p);
+            for (a, b) in l.iter().zip(&l0) {
+                assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{p}: loss {a} vs {b}");
+            }
+            let d = chunk_dlogits(&logits, vocab, &targets, 0.5, p);
+            let e = d.iter().zip(&d0).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / dscale;
+            assert!(e <= 1e-6, "{p}: dlogits max relative error {e:e}");
+        }
     }
 }
