@@ -55,7 +55,7 @@ fn main() -> anyhow::Result<()> {
         ALLOC.reset_peak();
         let base = ALLOC.live_bytes();
         let t0 = Instant::now();
-        let (h, wv, t) = (tape.leaf(hidden.clone()), tape.param(&w), tape.constant(tg.clone()));
+        let (h, wv, t) = (tape.leaf(hidden.clone()), tape.param(&w)?, tape.constant(tg.clone()));
         let (loss, count) = match chunk {
             Some(c) => chunked_cross_entropy(&tape, &h, &wv, &t, c)?,
             None => ops::cross_entropy(&tape, &ops::linear(&tape, &h, &wv, None)?, &t)?,

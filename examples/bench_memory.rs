@@ -11,6 +11,14 @@
 //! A step is the compiled forward + backward + gradient all-reduce and one AdamW update (its moment buffers
 //! are allocated on the first step, before the measured one).
 //!
+//! `--dp D` splits the ranks into D data-parallel replicas (each trains its own sequence of N tokens, so a
+//! step is D·N tokens) and `--shard` shards the model states over all of them (ZeRO-style; see
+//! `autosp::compile::sharding`): each line carries `model_state_bytes_per_rank` (the accounting: parameters,
+//! gradients, AdamW's moments, f32 masters and the weights gathered at once) and `model_state_bytes_held` (the
+//! same, measured from this rank's tensors after the step). With `--shard` the model is built one rank at a
+//! time and sharded as it is built (`build_sharded`), so ranks on one machine never hold a whole model each.
+//! `--preset llama-3.2-1b` is a Llama-3.2-1B-shaped model with random weights.
+//!
 //! `--capacity` adds, per checkpoint configuration, one JSON line (`"bench":"capacity"`) after its runs: the
 //! least-squares line of the process peak vs N through the `--n` runs, its error, the longest N predicted to
 //! fit `--budget`, and with `--confirm` one step at that N (see `autosp::capacity`). With thread ranks it
@@ -22,15 +30,20 @@
 //!     --checkpoint none --capacity --no-plan
 //! ```
 
+#![recursion_limit = "256"]
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use autosp::capacity;
-use autosp::compile::{compile, Checkpointing, CompileConfig, Strategy};
+use autosp::compile::{
+    build_sharded, compile, model_state_bytes, Checkpointing, CompileConfig, Mesh, ModelStateBytes, ParamCounts,
+    Strategy,
+};
 use autosp::core::comm::{run_ranks, ProcessGroup};
 use autosp::core::optim::{AdamW, AdamWConfig, Optimizer};
-use autosp::core::{CheckpointPolicy, TrackingAllocator};
+use autosp::core::{CausalLm, CheckpointPolicy, ShardLevel, TrackingAllocator};
 use autosp::models::{random_weights, LlamaConfig, LlamaModel, TinySpec};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
@@ -43,7 +56,9 @@ static ALLOC: TrackingAllocator = TrackingAllocator::new();
 #[command(about = "Tape and process memory, step time and the plan's predictions of a compiled Llama step")]
 struct Args {
     /// A named model shape with random weights: `bench` (vocab 32000, hidden 512, intermediate 1376,
-    /// 4 layers, 8 heads, 4 kv heads, untied, rope_theta 10000, f32).
+    /// 4 layers, 8 heads, 4 kv heads, untied, rope_theta 10000) or `llama-3.2-1b` (vocab 128256, hidden 2048,
+    /// intermediate 8192, 16 layers, 32 heads, 8 kv heads, tied embeddings, rope_theta 500000: 1.24 B
+    /// parameters).
     #[arg(long, default_value = "bench", conflicts_with = "model")]
     preset: String,
     /// A local directory or hub repo id of a Llama-family checkpoint (instead of the preset).
@@ -52,10 +67,17 @@ struct Args {
     /// Global sequence lengths, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "2048")]
     n: Vec<usize>,
-    /// Sequence-parallel degree P: the number of thread ranks (default 1). With `--launcher mpi`, P is
-    /// mpirun's `-np`; `--sp` is then only checked against it.
+    /// Sequence-parallel degree S: the ranks of each replica (default 1; thread ranks: --dp × --sp threads).
+    /// With `--launcher mpi`, --dp × --sp is mpirun's `-np` (--sp defaults to -np / --dp).
     #[arg(long)]
     sp: Option<usize>,
+    /// Data-parallel replicas D: each trains its own sequence of N tokens per step.
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
+    /// How model states are sharded over all D·S ranks: none | optimizer | gradients | parameters (default:
+    /// compile's choice by size, which the JSON names).
+    #[arg(long)]
+    shard: Option<autosp::core::ShardLevel>,
     /// ulysses | ring | auto | hybrid:U (U = the Ulysses degree).
     #[arg(long, default_value = "auto")]
     strategy: String,
@@ -96,6 +118,11 @@ struct Args {
     /// Print rank 0's `explain()` (the rewritten module tree and the plan) to stderr before each run.
     #[arg(long)]
     explain: bool,
+    /// Print only the model-state accounting at these world sizes (e.g. 1,2,4), every sharding level: one
+    /// `"bench":"model_state_accounting"` line each, from the model's parameter counts (built once in this
+    /// process, nothing run). For meshes that do not fit this machine; runs report it measured beside.
+    #[arg(long, value_delimiter = ',')]
+    account_worlds: Vec<usize>,
     /// cpu | cuda | cuda:N | metal (default: the first CUDA device when built with `cuda` and one exists, else
     /// the CPU). Thread ranks share it; under MPI plain `cuda` gives rank r its node-local GPU.
     #[arg(long)]
@@ -150,22 +177,35 @@ fn parse_bytes(s: &str) -> Result<u64> {
     Ok((v * mult) as u64)
 }
 
-/// The `bench` preset's config, with room for `max_n` positions.
+/// A preset's config (`bench` or `llama-3.2-1b`), with room for `max_n` positions.
 fn preset_config(name: &str, max_n: usize) -> Result<LlamaConfig> {
-    if name != "bench" {
-        bail!("unknown preset {name:?}: the only preset is `bench`");
-    }
-    let spec = TinySpec {
-        layers: 4,
-        hidden: 512,
-        intermediate: 1376,
-        heads: 8,
-        kv_heads: 4,
-        vocab: 32000,
-        tied: false,
-        ..TinySpec::default()
+    let spec = match name {
+        "bench" => TinySpec {
+            layers: 4,
+            hidden: 512,
+            intermediate: 1376,
+            heads: 8,
+            kv_heads: 4,
+            vocab: 32000,
+            tied: false,
+            ..TinySpec::default()
+        },
+        "llama-3.2-1b" => TinySpec {
+            layers: 16,
+            hidden: 2048,
+            intermediate: 8192,
+            heads: 32,
+            kv_heads: 8,
+            vocab: 128256,
+            tied: true,
+            ..TinySpec::default()
+        },
+        _ => bail!("unknown preset {name:?}: use bench or llama-3.2-1b"),
     };
     let mut cfg = spec.config();
+    if name == "llama-3.2-1b" {
+        cfg.rope_theta = 500000.0;
+    }
     cfg.max_position_embeddings = max_n.max(cfg.max_position_embeddings);
     Ok(cfg)
 }
@@ -231,9 +271,18 @@ fn run_rank(
 ) -> Result<serde_json::Value> {
     let strategy = parse_strategy(&args.strategy)?;
     let checkpoint = parse_checkpoint(checkpoint_arg)?;
-    let model = load_model(args, n, device)?;
+    // With a sharding level, one rank at a time builds the model and keeps its share.
+    let model = match args.shard {
+        Some(level) => build_sharded(&pg, level, || load_model(args, n, device))?,
+        None => load_model(args, n, device)?,
+    };
     let vocab = model.config.vocab_size as u32;
-    let mut cfg = CompileConfig::new(pg.clone(), strategy, checkpoint);
+    let elems: usize = param_elems(&model);
+    let mesh = Mesh::new(args.dp, pg.size() / args.dp);
+    let mut cfg = CompileConfig::new(pg.clone(), strategy, checkpoint).with_mesh(mesh);
+    if let Some(level) = args.shard {
+        cfg = cfg.with_sharding(level);
+    }
     cfg.seq_len = Some(n);
     cfg.dtype = args.dtype();
     let mut c = compile(model, cfg)?;
@@ -244,9 +293,11 @@ fn run_rank(
         }
     }
     let plan = if args.no_plan { None } else { Some(c.plan(n)?) };
+    // One sequence per replica: [D, n].
     let make_ids = |n: usize| -> Result<Tensor> {
-        let ids: Vec<u32> = (0..n as u32).map(|i| (i.wrapping_mul(2654435761) >> 7) % vocab).collect();
-        Ok(Tensor::from_vec(ids, (1, n), &Device::Cpu)?)
+        let rows = args.dp as u32;
+        let ids: Vec<u32> = (0..rows * n as u32).map(|i| (i.wrapping_mul(2654435761) >> 7) % vocab).collect();
+        Ok(Tensor::from_vec(ids, (args.dp, n), &Device::Cpu)?)
     };
     let ids = make_ids(n)?;
     let warmup_ids = match args.warmup_n {
@@ -257,6 +308,7 @@ fn run_rank(
     let params = c.params();
     let (mut times, mut fb_times, mut cpu_times) = (Vec::new(), Vec::new(), Vec::new());
     let mut last = None;
+    let mut held = None;
     let mut process_peak = 0;
     let mut peak_phase = None;
     let mut baseline = 0;
@@ -282,6 +334,9 @@ fn run_rank(
         let fb = t0.elapsed().as_secs_f64();
         autosp::core::alloc::phase("step", "AdamW");
         opt.step(&params, &out.grads, 1e-4)?;
+        if step > 0 {
+            held = Some(ModelStateBytes::held(&params, &out.grads, &opt));
+        }
         drop(out.grads);
         let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
         pg.barrier()?;
@@ -298,14 +353,26 @@ fn run_rank(
         }
     }
     let (loss, after_forward, peak) = last.ok_or_else(|| anyhow!("--steps must be at least 1"))?;
+    let accounted = c.model_state_bytes();
     let step_s = median(times);
     let policies: Option<Vec<String>> = plan.as_ref().map(|p| p.policies.iter().map(|x| format!("{x:?}")).collect());
     Ok(json!({
         "bench": "memory",
         "model": args.model.clone().unwrap_or_else(|| format!("preset:{}", args.preset)),
         "n": n,
-        "sp": pg.size(),
+        "dp": c.mesh().data,
+        "sp": c.mesh().sequence,
+        "world": pg.size(),
         "rank": pg.rank(),
+        "sharding": c.sharding().name(),
+        "sharding_reason": c.sharding_reason(),
+        "param_count": elems,
+        "model_state_bytes_per_rank": state_json(&accounted),
+        "model_state_bytes_per_param": accounted.total() as f64 / elems as f64,
+        "model_state_bytes_held": held.as_ref().map(state_json),
+        "model_state_scope": "model_state_bytes_per_rank: the accounting (gathered: the most whole weights alive at \
+                              once at `parameters`); model_state_bytes_held: this rank's tensors after the measured \
+                              step (parameters as stored, the step's gradients, AdamW's moments and masters)",
         "launcher": args.launcher,
         "device": format!("{:?}", device.location()),
         "dtype": args.dtype().as_str(),
@@ -338,7 +405,7 @@ fn run_rank(
         "fwd_bwd_s": median(fb_times),
         "step_cpu_s": median(cpu_times),
         "step_cpu_scope": "CPU seconds of the whole process during the step (all ranks' threads)",
-        "tokens_per_s": n as f64 / step_s,
+        "tokens_per_s": (n * c.mesh().data) as f64 / step_s,
         "predicted_after_forward_bytes": plan.as_ref().map(|p| p.predicted_after_forward),
         "predicted_peak_bytes": plan.as_ref().map(|p| p.predicted_peak),
         "predicted_peak_error": plan.as_ref().map(|p| p.predicted_peak / peak as f64 - 1.0),
@@ -350,6 +417,17 @@ fn run_rank(
         "cpus": cpus(),
         "loadavg": loadavg(),
     }))
+}
+
+/// Model-state bytes as JSON, by kind, with their total.
+fn state_json(b: &ModelStateBytes) -> serde_json::Value {
+    json!({"params": b.params, "grads": b.grads, "moments": b.moments, "masters": b.masters,
+           "gathered": b.gathered, "total": b.total()})
+}
+
+/// Every distinct parameter's elements (whole, also when sharded).
+fn param_elems(model: &LlamaModel) -> usize {
+    autosp::core::module::all_params(model).iter().map(|p| p.shape().elem_count()).sum()
 }
 
 fn cpus() -> usize {
@@ -369,7 +447,7 @@ enum Launch {
 }
 
 impl Launch {
-    /// The sequence-parallel degree P.
+    /// The ranks, all of them (D·S).
     fn p(&self) -> usize {
         match self {
             Launch::Threads { p } => *p,
@@ -390,8 +468,14 @@ impl Launch {
 #[cfg(feature = "mpi")]
 fn launch_mpi(args: &Args) -> Result<Launch> {
     let world: Arc<dyn ProcessGroup> = Arc::new(autosp::core::comm::MpiGroup::init(TIMEOUT)?);
-    if let Some(sp) = args.sp.filter(|&sp| sp != world.size()) {
-        bail!("--sp {sp} but mpirun started {} processes: with --launcher mpi, P is mpirun's -np", world.size());
+    let size = world.size();
+    if args.dp == 0 || !size.is_multiple_of(args.dp) || args.sp.is_some_and(|sp| sp * args.dp != size) {
+        bail!(
+            "--dp {}{} but mpirun started {size} processes: with --launcher mpi, --dp × --sp is mpirun's -np (--sp \
+             defaults to -np / --dp)",
+            args.dp,
+            args.sp.map_or(String::new(), |sp| format!(" --sp {sp}"))
+        );
     }
     Ok(Launch::Mpi { world })
 }
@@ -465,12 +549,14 @@ fn process_peak(lines: &[serde_json::Value]) -> Result<u64> {
 }
 
 /// The `"bench":"capacity"` line of one checkpoint configuration from its `(n, process peak)` points.
-/// `strategy`: the resolved strategy of the runs (as their memory lines print it). Under MPI every rank
+/// `strategy`, `sharding`: the resolved strategy and sharding level of the runs (as their memory lines print
+/// them). Under MPI every rank
 /// computes it from the same gathered peaks, and the ranks check they agree on the N to confirm.
 fn capacity_line(
     args: &Args,
     launch: &Launch,
     strategy: &str,
+    sharding: &str,
     checkpoint: &str,
     points: &[(usize, u64)],
 ) -> Result<serde_json::Value> {
@@ -513,7 +599,10 @@ fn capacity_line(
     Ok(json!({
         "bench": "capacity",
         "model": args.model.clone().unwrap_or_else(|| format!("preset:{}", args.preset)),
-        "sp": launch.p(),
+        "world": launch.p(),
+        "dp": args.dp,
+        "sp": launch.p() / args.dp,
+        "sharding": sharding,
         "launcher": args.launcher,
         "strategy": strategy,
         "checkpoint": checkpoint,
@@ -543,9 +632,15 @@ fn capacity_line(
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.dp == 0 || args.sp == Some(0) {
+        bail!("--dp and --sp must be 1 or more");
+    }
+    if !args.account_worlds.is_empty() {
+        return account(&args);
+    }
     let launch = match args.launcher.as_str() {
         "mpi" => launch_mpi(&args)?,
-        _ => Launch::Threads { p: args.sp.unwrap_or(1) },
+        _ => Launch::Threads { p: args.dp * args.sp.unwrap_or(1) },
     };
     let result = run(&args, &launch);
     if let (Err(e), Launch::Mpi { world }) = (&result, &launch) {
@@ -555,6 +650,41 @@ fn main() -> Result<()> {
         std::process::exit(1);
     }
     result
+}
+
+/// `--account-worlds`: the model-state bytes per rank at each world size and sharding level, from the
+/// parameter counts of the model (built once, whole, in this process).
+fn account(args: &Args) -> Result<()> {
+    if let Some(&w) = args.account_worlds.iter().find(|&&w| w == 0) {
+        bail!("--account-worlds {w}: a world has 1 rank or more");
+    }
+    let n = *args.n.iter().max().unwrap_or(&2048);
+    let mut model = load_model(args, n, &Device::Cpu)?;
+    let dims = model.dims();
+    let counts = ParamCounts::of(&mut model, &dims);
+    let params = counts.total();
+    for &world in &args.account_worlds {
+        for level in [ShardLevel::None, ShardLevel::Optimizer, ShardLevel::Gradients, ShardLevel::Parameters] {
+            let bytes = model_state_bytes(&counts, args.dtype(), level, world);
+            println!(
+                "{}",
+                json!({
+                    "bench": "model_state_accounting",
+                    "model": args.model.clone().unwrap_or_else(|| format!("preset:{}", args.preset)),
+                    "dtype": format!("{:?}", args.dtype()).to_lowercase(),
+                    "world": world,
+                    "sharding": level.to_string(),
+                    "param_count": params,
+                    "model_state_bytes_per_rank": state_json(&bytes),
+                    "model_state_bytes_per_param": bytes.total() as f64 / params as f64,
+                    "gathered_bytes_per_param": bytes.gathered as f64 / params as f64,
+                    "scope": "accounted from the parameter counts, not run (see bench_memory's runs for measured \
+                              bytes); gathered: the most whole weights alive at once at `parameters`",
+                })
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Every configuration's runs, and with `--capacity` the fits; only the printing process prints.
@@ -570,11 +700,13 @@ fn run(args: &Args, launch: &Launch) -> Result<()> {
     // points[i]: (n, process peak) of checkpoint configuration i, for --capacity.
     let mut points = vec![Vec::new(); args.checkpoint.len()];
     let mut strategy = vec![String::new(); args.checkpoint.len()];
+    let mut sharding = vec![String::new(); args.checkpoint.len()];
     for &n in &args.n {
         for (i, checkpoint) in args.checkpoint.iter().enumerate() {
             let lines = measure(args, launch, n, checkpoint)?;
             points[i].push((n, process_peak(&lines)?));
             strategy[i] = lines[0]["strategy"].as_str().unwrap_or("?").to_string();
+            sharding[i] = lines[0]["sharding"].as_str().unwrap_or("?").to_string();
             // Threads: one line per rank, the process numbers the same on every line (one heap). MPI: one line.
             if launch.prints() {
                 for j in lines {
@@ -584,8 +716,8 @@ fn run(args: &Args, launch: &Launch) -> Result<()> {
         }
     }
     if args.capacity {
-        for ((checkpoint, pts), strategy) in args.checkpoint.iter().zip(&points).zip(&strategy) {
-            let line = capacity_line(args, launch, strategy, checkpoint, pts)?;
+        for (i, (checkpoint, pts)) in args.checkpoint.iter().zip(&points).enumerate() {
+            let line = capacity_line(args, launch, &strategy[i], &sharding[i], checkpoint, pts)?;
             if launch.prints() {
                 println!("{line}");
             }

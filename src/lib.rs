@@ -13,7 +13,8 @@ pub mod precision;
 #[warn(missing_docs)]
 pub mod train;
 
-pub use compile::{compile, Checkpointing, CompileConfig, CompileError, Compiled, Strategy};
+pub use autosp_core::ShardLevel;
+pub use compile::{build_sharded, compile, Checkpointing, CompileConfig, CompileError, Compiled, Mesh, Strategy};
 pub use device::{DeviceError, DeviceSpec};
 
 /// The heap of the library's unit-test binary, counted (the checkpoint hash must stream, not read whole files).

@@ -18,8 +18,12 @@ pub enum CheckpointPolicy {
 }
 
 impl CheckpointPolicy {
-    /// Whether a closing region keeps the outputs of a node of `kind` that backward reads.
+    /// Whether a closing region keeps the outputs of a node of `kind` that backward reads. Gathered
+    /// parameters ([`NodeKind::Gather`]) are never kept: whole weights live only while their block runs.
     pub fn keeps(&self, kind: NodeKind) -> bool {
+        if kind == NodeKind::Gather {
+            return false;
+        }
         match self {
             CheckpointPolicy::None => true,
             CheckpointPolicy::Full => false,

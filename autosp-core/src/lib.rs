@@ -8,7 +8,7 @@
 //! let w = Param::new("w", Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?);
 //! let tape = Tape::new(CheckpointPolicy::SequenceAware);
 //! let x = tape.constant(Tensor::new(&[[1f32, 1.]], &Device::Cpu)?);
-//! let y = ops::linear(&tape, &x, &tape.param(&w), None)?; // [1, 2]
+//! let y = ops::linear(&tape, &x, &tape.param(&w)?, None)?; // [1, 2]
 //! let loss = ops::sum_all(&tape, &y)?;
 //! tape.backward(&loss)?;
 //! let g = tape.param_grads();
@@ -32,6 +32,7 @@ pub mod ops;
 pub mod optim;
 pub mod param;
 pub mod precision;
+pub mod shard;
 pub mod simd;
 pub mod tape;
 pub mod value;
@@ -45,5 +46,6 @@ pub use node::NodeKind;
 pub use op::{Op, SavedTensors, Saves};
 pub use param::{Gradients, Param, ParamId};
 pub use precision::Precision;
+pub use shard::{ParamShard, ShardLayout, ShardLevel};
 pub use tape::{HeldValue, Tape};
 pub use value::Value;

@@ -24,6 +24,10 @@ pub enum NodeKind {
     Embedding,
     /// Loss computation.
     Loss,
+    /// A sharded parameter made whole for its use (gathered from every rank's slice, or the replicated
+    /// weight whose gradient is reduce-scattered). Dropped when its region closes under every policy, and
+    /// replayed where backward needs it: a block's weights are whole only while the block runs.
+    Gather,
 }
 
 /// One recorded op application.

@@ -1,5 +1,7 @@
 //! Parameters and their gradients. A [`Param`] is a named, shared, replaceable tensor owned by a model; the
-//! optimiser swaps in updated tensors. [`Gradients`] maps parameters to their gradients after backward.
+//! optimiser swaps in updated tensors. [`Gradients`] maps parameters to their gradients after backward. A
+//! parameter may be sharded over ranks ([`Param::shard_over`], [`crate::shard`]): then the tape, the
+//! optimisers and the compile step work on this rank's slice of its state.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -7,6 +9,8 @@ use std::sync::{Arc, RwLock};
 
 use candle_core::Tensor;
 
+use crate::comm::ProcessGroup;
+use crate::shard::{ParamShard, ShardLevel};
 use crate::{Error, Result};
 
 /// A parameter's identity (unique in the process).
@@ -20,6 +24,7 @@ struct ParamInner {
     id: ParamId,
     name: String,
     tensor: RwLock<Tensor>,
+    shard: RwLock<Option<Arc<ParamShard>>>,
 }
 
 /// A trainable tensor. Clones share it: a model and its optimiser see the same parameter.
@@ -30,7 +35,7 @@ impl Param {
     /// A new parameter named `name` (use the checkpoint's tensor name, e.g. `model.layers.0.mlp.up_proj.weight`).
     pub fn new(name: impl Into<String>, tensor: Tensor) -> Self {
         let id = ParamId(NEXT_PARAM.fetch_add(1, Ordering::Relaxed));
-        Self(Arc::new(ParamInner { id, name: name.into(), tensor: RwLock::new(tensor) }))
+        Self(Arc::new(ParamInner { id, name: name.into(), tensor: RwLock::new(tensor), shard: RwLock::new(None) }))
     }
 
     /// Its identity.
@@ -43,9 +48,74 @@ impl Param {
         &self.0.name
     }
 
-    /// The current tensor (a cheap handle clone).
+    /// The stored tensor (a cheap handle clone): the whole parameter, or this rank's slice `[chunk]` when it is
+    /// sharded at [`ShardLevel::Parameters`] (use [`whole`](Self::whole) for the whole one).
     pub fn tensor(&self) -> Tensor {
         self.0.tensor.read().expect("param lock poisoned").clone()
+    }
+
+    /// Its sharding, when it is sharded.
+    pub fn shard(&self) -> Option<Arc<ParamShard>> {
+        self.0.shard.read().expect("param lock poisoned").clone()
+    }
+
+    /// The whole parameter's shape (the stored tensor's, unless it is sharded at `Parameters`).
+    pub fn shape(&self) -> candle_core::Shape {
+        match self.shard() {
+            Some(s) => s.shape.clone(),
+            None => self.tensor().shape().clone(),
+        }
+    }
+
+    /// Shards this parameter's state over `group` at `level` (see [`crate::shard`]); `ShardLevel::None` leaves
+    /// it whole. At `Parameters` the stored tensor becomes this rank's slice. Every rank of `group` calls it
+    /// with the same whole parameter. Fails when the parameter is sharded already.
+    pub fn shard_over(&self, level: ShardLevel, group: Arc<dyn ProcessGroup>) -> Result<()> {
+        if level == ShardLevel::None {
+            return Ok(());
+        }
+        let mut shard = self.0.shard.write().expect("param lock poisoned");
+        if shard.is_some() {
+            return Err(Error::InvalidArgument {
+                op: "Param::shard_over",
+                msg: format!("parameter `{}` is sharded already; shard a model once", self.name()),
+            });
+        }
+        let whole = self.tensor();
+        let s = ParamShard::new(level, group, whole.shape().clone());
+        if level == ShardLevel::Parameters {
+            *self.0.tensor.write().expect("param lock poisoned") = s.slice(&whole)?;
+        }
+        *shard = Some(Arc::new(s));
+        Ok(())
+    }
+
+    /// The whole parameter: the stored tensor, or, sharded at `Parameters`, the slices of every rank gathered
+    /// (collective: every rank of the shard's group must call it, in the same order).
+    pub fn whole(&self) -> Result<Tensor> {
+        match self.shard() {
+            Some(s) if s.level == ShardLevel::Parameters => s.gather(&self.tensor()),
+            _ => Ok(self.tensor()),
+        }
+    }
+
+    /// What an optimiser updates: the whole parameter when it is not sharded, else this rank's slice `[chunk]`
+    /// (a copy at `Optimizer` and `Gradients`, the stored slice at `Parameters`).
+    pub fn update_view(&self) -> Result<Tensor> {
+        match self.shard() {
+            Some(s) if s.level != ShardLevel::Parameters => s.slice(&self.tensor()),
+            _ => Ok(self.tensor()),
+        }
+    }
+
+    /// Stores an update of [`update_view`](Self::update_view): the whole parameter, or this rank's slice, which
+    /// at `Optimizer` and `Gradients` is all-gathered into the whole parameter (collective) and at
+    /// `Parameters` stored as it is.
+    pub fn set_update(&self, t: Tensor) -> Result<()> {
+        match self.shard() {
+            Some(s) if s.level != ShardLevel::Parameters => self.set(s.gather(&t)?),
+            _ => self.set(t),
+        }
     }
 
     /// Replaces the tensor; shape and dtype must stay the same.

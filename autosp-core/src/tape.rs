@@ -13,6 +13,8 @@ use candle_core::{DType, Shape, Tensor};
 use crate::checkpoint::Region;
 use crate::memory::{storage_bytes, MemoryTracker};
 use crate::node::Node;
+use crate::ops::shard_param::ShardedParam;
+use crate::shard::{ParamShard, ShardLevel};
 use crate::value::ValueRef;
 use crate::{CheckpointPolicy, Error, Gradients, MemoryStats, NodeKind, Op, Param, ParamId, Result, Value};
 
@@ -152,22 +154,53 @@ impl Tape {
         matches!(self.region_policy(), Some(p) if p != CheckpointPolicy::None)
     }
 
-    /// A parameter as a leaf value; the same parameter always maps to the same leaf, so a parameter used
-    /// twice (tied embeddings) gets the sum of both gradients.
-    pub fn param(&self, p: &Param) -> Value {
-        let tensor = p.tensor();
+    /// A parameter as a value for one use. An unsharded parameter (or one sharded at `Optimizer`) is a leaf;
+    /// the same parameter always maps to the same leaf, so a parameter used twice (tied embeddings) gets the
+    /// sum of both gradients. A parameter sharded at `Gradients` or `Parameters` ([`crate::shard`]) is this
+    /// rank's slice as the leaf and, per use, a [`ShardedParam`](crate::ops::shard_param::ShardedParam) node
+    /// that makes it whole (gathering it at `Parameters`: collective) and reduce-scatters its gradient in
+    /// backward; the leaf's gradient is then this rank's reduced slice. An inference tape gets the whole
+    /// weight (gathered at `Parameters`).
+    pub fn param(&self, p: &Param) -> Result<Value> {
+        if p.shard().is_some_and(|s| s.level >= ShardLevel::Gradients) && !self.is_recording() {
+            return Ok(Value::constant(p.whole()?));
+        }
+        let Some((leaf, shard)) = self.param_slice(p)? else { return self.param_leaf(p, || Ok(p.tensor())) };
+        Ok(self.apply(ShardedParam { param: p.clone(), shard }, &[&leaf])?.remove(0))
+    }
+
+    /// The leaf of a parameter sharded at `Gradients` or `Parameters` on a recording tape, `[chunk]` (its
+    /// slice: the gradient the tape gives it is the slice's), with its sharding; `None` otherwise. For ops that
+    /// use the slice themselves instead of the gathered whole weight ([`crate::ops::sharded_embedding`]).
+    pub fn param_slice(&self, p: &Param) -> Result<Option<(Value, Arc<ParamShard>)>> {
+        let Some(shard) = p.shard().filter(|s| s.level >= ShardLevel::Gradients) else { return Ok(None) };
+        if !self.is_recording() {
+            return Ok(None);
+        }
+        let leaf = self.param_leaf(p, || match shard.level {
+            ShardLevel::Parameters => Ok(p.tensor()),
+            _ => shard.slice(&p.tensor()),
+        })?;
+        Ok(Some((leaf, shard)))
+    }
+
+    /// The leaf of parameter `p` on this tape, registered with `tensor()` the first time (a constant on an
+    /// inference tape).
+    fn param_leaf(&self, p: &Param, tensor: impl FnOnce() -> Result<Tensor>) -> Result<Value> {
+        if !self.is_recording() {
+            return Ok(Value::constant(tensor()?));
+        }
+        if let Some(&index) = self.inner.borrow().params.get(&p.id()) {
+            let inner = self.inner.borrow();
+            let tensor = inner.values[index].tensor.clone().expect("a parameter's leaf is held for the tape's life");
+            return Ok(Value { tensor, id: Some(ValueRef { tape: self.id, index }) });
+        }
+        let tensor = tensor()?;
         let mut inner = self.inner.borrow_mut();
-        if !inner.recording {
-            return Value::constant(tensor);
-        }
-        if let Some(&index) = inner.params.get(&p.id()) {
-            let tensor = inner.values[index].tensor.clone().unwrap_or(tensor);
-            return Value { tensor, id: Some(ValueRef { tape: self.id, index }) };
-        }
         let index = inner.push_value(Origin::Param(p.id()), &tensor, true);
         inner.values[index].tensor = Some(tensor.clone());
         inner.params.insert(p.id(), index);
-        Value { tensor, id: Some(ValueRef { tape: self.id, index }) }
+        Ok(Value { tensor, id: Some(ValueRef { tape: self.id, index }) })
     }
 
     /// A leaf that takes a gradient (for inputs you differentiate with respect to).

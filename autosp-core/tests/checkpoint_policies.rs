@@ -98,18 +98,18 @@ impl Block {
     }
 
     fn forward(&self, t: &Tape, x: &Value, cos: &Value, sin: &Value) -> Result<Value> {
-        let h = ops::rms_norm(t, x, &t.param(&self.n1), 1e-5)?;
-        let q = ops::reshape(t, &ops::linear(t, &h, &t.param(&self.q), None)?, (1, N, HEADS, HD))?;
-        let k = ops::reshape(t, &ops::linear(t, &h, &t.param(&self.k), None)?, (1, N, KV, HD))?;
-        let v = ops::reshape(t, &ops::linear(t, &h, &t.param(&self.v), None)?, (1, N, KV, HD))?;
+        let h = ops::rms_norm(t, x, &t.param(&self.n1)?, 1e-5)?;
+        let q = ops::reshape(t, &ops::linear(t, &h, &t.param(&self.q)?, None)?, (1, N, HEADS, HD))?;
+        let k = ops::reshape(t, &ops::linear(t, &h, &t.param(&self.k)?, None)?, (1, N, KV, HD))?;
+        let v = ops::reshape(t, &ops::linear(t, &h, &t.param(&self.v)?, None)?, (1, N, KV, HD))?;
         let (q, k) = (ops::rope(t, &q, cos, sin)?, ops::rope(t, &k, cos, sin)?);
         let (a, _lse) = attend(t, &q, &k, &v, &self.attention_runs)?;
-        let a = ops::linear(t, &ops::reshape(t, &a, (1, N, HEADS * HD))?, &t.param(&self.o), None)?;
+        let a = ops::linear(t, &ops::reshape(t, &a, (1, N, HEADS * HD))?, &t.param(&self.o)?, None)?;
         let x = ops::add(t, x, &a)?;
-        let h = ops::rms_norm(t, &x, &t.param(&self.n2), 1e-5)?;
-        let g = ops::silu(t, &ops::linear(t, &h, &t.param(&self.gate), None)?)?;
-        let u = ops::linear(t, &h, &t.param(&self.up), None)?;
-        let m = ops::linear(t, &ops::mul(t, &g, &u)?, &t.param(&self.down), None)?;
+        let h = ops::rms_norm(t, &x, &t.param(&self.n2)?, 1e-5)?;
+        let g = ops::silu(t, &ops::linear(t, &h, &t.param(&self.gate)?, None)?)?;
+        let u = ops::linear(t, &h, &t.param(&self.up)?, None)?;
+        let m = ops::linear(t, &ops::mul(t, &g, &u)?, &t.param(&self.down)?, None)?;
         ops::add(t, &x, &m)
     }
 }
@@ -170,13 +170,13 @@ impl Model {
         let (cos, sin) = ops::rope_tables(&positions, &inv, DType::F32, &Device::Cpu).unwrap();
         let (cos, sin) = (t.constant(cos), t.constant(sin));
 
-        let mut x = ops::embedding(&t, &ids, &t.param(&self.embed)).unwrap();
+        let mut x = ops::embedding(&t, &ids, &t.param(&self.embed).unwrap()).unwrap();
         for (i, b) in self.blocks.iter().enumerate() {
             let p = per_block.get(i).copied().unwrap_or(policy);
             x = t.checkpoint_with(&format!("block{i}"), p, |t| b.forward(t, &x, &cos, &sin)).unwrap();
         }
-        let h = ops::rms_norm(&t, &x, &t.param(&self.norm), 1e-5).unwrap();
-        let logits = ops::linear(&t, &h, &t.param(&self.head), None).unwrap();
+        let h = ops::rms_norm(&t, &x, &t.param(&self.norm).unwrap(), 1e-5).unwrap();
+        let logits = ops::linear(&t, &h, &t.param(&self.head).unwrap(), None).unwrap();
         let logits = ops::reshape(&t, &logits, (N, VOCAB)).unwrap();
         let (sum, count) = ops::cross_entropy(&t, &logits, &targets).unwrap();
         let loss = ops::scale(&t, &sum, 1.0 / count as f64).unwrap();
@@ -289,8 +289,8 @@ fn backward_regenerates_a_region_lazily_one_part_at_a_time() {
     let xv = tape.leaf(x);
     let y = tape
         .checkpoint("block", |t| {
-            let a = ops::silu(t, &ops::linear(t, &xv, &t.param(&w1), None)?)?;
-            let b = ops::silu(t, &ops::linear(t, &xv, &t.param(&w2), None)?)?;
+            let a = ops::silu(t, &ops::linear(t, &xv, &t.param(&w1)?, None)?)?;
+            let b = ops::silu(t, &ops::linear(t, &xv, &t.param(&w2)?, None)?)?;
             ops::add(t, &a, &b)
         })
         .unwrap();
@@ -343,10 +343,10 @@ fn a_replayed_attention_whose_o_and_lse_both_feed_the_loss_runs_once_more() {
         let y = tape
             .checkpoint("block", |t| {
                 let proj =
-                    |w: &Param, h: usize| ops::reshape(t, &ops::linear(t, &xv, &t.param(w), None)?, (1, n, h, HD));
+                    |w: &Param, h: usize| ops::reshape(t, &ops::linear(t, &xv, &t.param(w)?, None)?, (1, n, h, HD));
                 let (q, k, v) = (proj(&wq, HEADS)?, proj(&wk, KV)?, proj(&wv, KV)?);
                 let (o, lse) = attend(t, &q, &k, &v, &runs)?;
-                let o = ops::linear(t, &ops::reshape(t, &o, (1, n, HEADS * HD))?, &t.param(&wo), None)?;
+                let o = ops::linear(t, &ops::reshape(t, &o, (1, n, HEADS * HD))?, &t.param(&wo)?, None)?;
                 ops::add(t, &ops::sum_all(t, &o)?, &ops::scale(t, &ops::sum_all(t, &lse)?, 0.1)?)
             })
             .unwrap();

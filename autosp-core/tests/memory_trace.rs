@@ -15,8 +15,8 @@ fn step(n: usize, trace: bool) -> (Vec<usize>, usize) {
         tape.trace_memory();
     }
     let x = tape.constant(Tensor::ones((n, 8), DType::F32, &Device::Cpu).unwrap());
-    let h = ops::silu(&tape, &ops::linear(&tape, &x, &tape.param(&w1), None).unwrap()).unwrap();
-    let y = ops::linear(&tape, &h, &tape.param(&w2), None).unwrap();
+    let h = ops::silu(&tape, &ops::linear(&tape, &x, &tape.param(&w1).unwrap(), None).unwrap()).unwrap();
+    let y = ops::linear(&tape, &h, &tape.param(&w2).unwrap(), None).unwrap();
     let loss = ops::sum_all(&tape, &ops::mul(&tape, &y, &y).unwrap()).unwrap();
     tape.backward(&loss).unwrap();
     (tape.memory_trace(), tape.memory().peak_bytes)

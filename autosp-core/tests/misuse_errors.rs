@@ -27,7 +27,7 @@ fn backward_twice_without_retaining() {
 fn shape_mismatch_names_both_shapes() {
     let tape = Tape::new(CheckpointPolicy::None);
     let x = tape.leaf(ones(&[2, 3]));
-    let w = tape.param(&Param::new("w", ones(&[4, 5])));
+    let w = tape.param(&Param::new("w", ones(&[4, 5]))).unwrap();
     let e = ops::linear(&tape, &x, &w, None).unwrap_err();
     match &e {
         Error::ShapeMismatch(m) => {

@@ -43,7 +43,7 @@ struct Run {
 fn run(hidden: &Tensor, lm_head: &Tensor, tg: &Tensor, chunk: Option<usize>) -> Run {
     let tape = Tape::new(CheckpointPolicy::None);
     let w = Param::new("lm_head", lm_head.clone());
-    let (h, wv, t) = (tape.leaf(hidden.clone()), tape.param(&w), tape.constant(tg.clone()));
+    let (h, wv, t) = (tape.leaf(hidden.clone()), tape.param(&w).unwrap(), tape.constant(tg.clone()));
     let (loss, count) = match chunk {
         Some(c) => chunked_cross_entropy(&tape, &h, &wv, &t, c).unwrap(),
         None => ops::cross_entropy(&tape, &ops::linear(&tape, &h, &wv, None).unwrap(), &t).unwrap(),

@@ -39,7 +39,7 @@ fn run(x: &Tensor, w: &[Tensor; 3], chunk: Option<usize>, policy: CheckpointPoli
     let y = tape
         .checkpoint("mlp", |t| {
             let x2 = ops::affine(t, &xv, 2.0, 0.0)?;
-            let (wg, wu, wd) = (t.param(&params[0]), t.param(&params[1]), t.param(&params[2]));
+            let (wg, wu, wd) = (t.param(&params[0])?, t.param(&params[1])?, t.param(&params[2])?);
             match chunk {
                 Some(c) => chunked_mlp(t, &x2, &wg, &wu, &wd, c),
                 None => {

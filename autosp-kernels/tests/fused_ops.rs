@@ -314,13 +314,16 @@ fn toy_block_grads(policy: CheckpointPolicy) -> Vec<Vec<f32>> {
     let (cos, sin) = (tape.constant(cos), tape.constant(sin));
     let out = tape
         .checkpoint("block", |t| {
-            let xn = rms_norm::rms_norm(t, &x, &t.param(&nw), EPS)?;
-            let proj = ops::reshape(t, &ops::linear(t, &xn, &t.param(&qkv), None)?, (1, n, 3 * h, hd))?;
+            let xn = rms_norm::rms_norm(t, &x, &t.param(&nw)?, EPS)?;
+            let proj = ops::reshape(t, &ops::linear(t, &xn, &t.param(&qkv)?, None)?, (1, n, 3 * h, hd))?;
             let q = rope::rope(t, &ops::narrow(t, &proj, 2, 0, h)?, &cos, &sin)?;
             let q = ops::reshape(t, &q, (n, h * hd))?;
-            let g =
-                ops::add(t, &ops::linear(t, &xn, &t.param(&gate), None)?, &ops::linear(t, &q, &t.param(&gate), None)?)?;
-            swiglu::swiglu(t, &g, &ops::linear(t, &xn, &t.param(&up), None)?)
+            let g = ops::add(
+                t,
+                &ops::linear(t, &xn, &t.param(&gate)?, None)?,
+                &ops::linear(t, &q, &t.param(&gate)?, None)?,
+            )?;
+            swiglu::swiglu(t, &g, &ops::linear(t, &xn, &t.param(&up)?, None)?)
         })
         .unwrap();
     let targets = Tensor::new(
@@ -329,7 +332,8 @@ fn toy_block_grads(policy: CheckpointPolicy) -> Vec<Vec<f32>> {
     )
     .unwrap();
     let (loss, _) =
-        autosp_kernels::chunked_cross_entropy(&tape, &out, &tape.param(&head), &tape.constant(targets), 5).unwrap();
+        autosp_kernels::chunked_cross_entropy(&tape, &out, &tape.param(&head).unwrap(), &tape.constant(targets), 5)
+            .unwrap();
     tape.backward(&loss).unwrap();
     let grads = tape.param_grads();
     [&nw, &qkv, &gate, &up, &head]

@@ -25,9 +25,22 @@ pub struct Args {
     #[arg(long, default_value_t = 4096)]
     pub seq_len: usize,
 
-    /// Sequence-parallel ranks: threads (default 2); with `--launcher mpi`, mpirun's process count (the default).
+    /// Sequence-parallel ranks per replica: each sequence is split over them (threads: default 2; with
+    /// `--launcher mpi`: mpirun's process count / --dp).
     #[arg(long)]
     pub sp: Option<usize>,
+
+    /// Data-parallel replicas: the ranks are --dp replicas of --sp ranks, each replica trains its own
+    /// sequences; the loss is the mean over all of them and gradients are summed over every rank.
+    #[arg(long, default_value_t = 1)]
+    pub dp: usize,
+
+    /// How model states are sharded over all ranks (ZeRO-style): none, optimizer (AdamW's moments and
+    /// f32 masters), gradients (also the gradients, reduce-scattered in backward) or parameters (also the
+    /// weights, gathered for each use). Default: none below 1 GiB of model state per rank, else gradients
+    /// (`--explain` says which and why).
+    #[arg(long, value_parser = str::parse::<autosp::core::ShardLevel>)]
+    pub shard: Option<autosp::core::ShardLevel>,
 
     /// How attention is made whole across ranks: ulysses, ring, hybrid:U (Ulysses degree U), auto.
     #[arg(long, default_value = "auto", value_parser = parse_strategy)]
@@ -193,6 +206,8 @@ impl Args {
         RunOptions {
             model: a.model,
             seq_len: a.seq_len,
+            dp: a.dp,
+            shard: a.shard,
             strategy: a.strategy,
             checkpoint: a.checkpoint,
             dtype: a.dtype,

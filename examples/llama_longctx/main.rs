@@ -98,9 +98,9 @@ fn printer(args: &Args) -> impl FnMut(Event) + Send {
     }
 }
 
-/// P ranks as threads of this process.
+/// D × S ranks as threads of this process.
 fn run_threads(args: Args) -> Result<Option<Ended>> {
-    let p = args.sp.unwrap_or(2);
+    let p = args.dp * args.sp.unwrap_or(2);
     let print = Mutex::new(printer(&args));
     let mut job = Job::prepare(args.options(), p, true)?;
     (job.heap, job.name) = (Some(&ALLOC), "llama_longctx".into());
@@ -155,10 +155,13 @@ fn run_mpi(args: Args) -> Result<Option<Ended>> {
 fn run_mpi_rank(args: Args, pg: &std::sync::Arc<dyn autosp::core::comm::ProcessGroup>) -> Result<Ended> {
     use anyhow::Context;
     let (rank, size) = (pg.rank(), pg.size());
-    if let Some(sp) = args.sp {
-        if sp != size {
-            anyhow::bail!("--sp {sp} but mpirun started {size} processes: with --launcher mpi, P is mpirun's -np");
-        }
+    if args.dp == 0 || !size.is_multiple_of(args.dp) || args.sp.is_some_and(|sp| sp * args.dp != size) {
+        anyhow::bail!(
+            "--dp {}{} but mpirun started {size} processes: with --launcher mpi, --dp × --sp is mpirun's -np (--sp \
+             defaults to -np / --dp)",
+            args.dp,
+            args.sp.map_or(String::new(), |sp| format!(" --sp {sp}"))
+        );
     }
     // The default tiny model is made once, by rank 0, before the others read it.
     if args.model.is_none() && args.resume.is_none() {

@@ -1,11 +1,15 @@
-//! What the compile step is asked for: the sequence-parallel degree (through the process group), the
-//! strategy, the checkpoint policy or byte budget, the dtype, and an optional sliding attention window.
+//! What the compile step is asked for: the ranks (the process group) and their mesh (data × sequence), the
+//! strategy, the checkpoint policy or byte budget, the dtype, how model states are sharded, and an optional
+//! sliding attention window.
 
 use std::sync::Arc;
 
 use autosp_core::comm::ProcessGroup;
+use autosp_core::shard::ShardLevel;
 use autosp_core::CheckpointPolicy;
 use candle_core::DType;
+
+use super::mesh::Mesh;
 
 /// How attention is made whole across the ranks of the group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,8 +40,14 @@ pub enum Checkpointing {
 /// The compile step's configuration.
 #[derive(Clone, Debug)]
 pub struct CompileConfig {
-    /// This rank's sequence-parallel group (its size is P).
+    /// Every rank of the run (the world, W ranks). Without a [`mesh`](Self::mesh) all of them split each
+    /// sequence (P = W).
     pub group: Arc<dyn ProcessGroup>,
+    /// How the world splits into data-parallel replicas × sequence-parallel ranks; `None`: `1 × W`.
+    pub mesh: Option<Mesh>,
+    /// How model states are sharded over the world ([`ShardLevel`]); `None`: chosen by the model's size
+    /// (`explain()` says which and why).
+    pub sharding: Option<ShardLevel>,
     /// The strategy.
     pub strategy: Strategy,
     /// The checkpointing.
@@ -61,7 +71,28 @@ pub struct CompileConfig {
 impl CompileConfig {
     /// Ulysses/Ring/Hybrid/Auto with a policy, f32.
     pub fn new(group: Arc<dyn ProcessGroup>, strategy: Strategy, checkpoint: Checkpointing) -> Self {
-        Self { group, strategy, checkpoint, dtype: DType::F32, seq_len: None, max_attention_distance: None }
+        Self {
+            group,
+            mesh: None,
+            sharding: None,
+            strategy,
+            checkpoint,
+            dtype: DType::F32,
+            seq_len: None,
+            max_attention_distance: None,
+        }
+    }
+
+    /// The same configuration on a data × sequence mesh (D·S must be the group's size).
+    pub fn with_mesh(mut self, mesh: Mesh) -> Self {
+        self.mesh = Some(mesh);
+        self
+    }
+
+    /// The same configuration with model states sharded at `level` over the whole world.
+    pub fn with_sharding(mut self, level: ShardLevel) -> Self {
+        self.sharding = Some(level);
+        self
     }
 
     /// The same configuration computing in `dtype` (f32, bf16, f16 or f64; see [`CompileConfig::dtype`]).

@@ -1,32 +1,51 @@
-//! `autosp::compile`: rewrites an unmodified model (any [`CausalLm`] built from autosp modules) for sequence
-//! parallelism and sequence-aware checkpointing. It walks the module tree by its named children, fills every
-//! attention slot with the chosen strategy, switches on every block's checkpoint region, and returns a
-//! [`Compiled`] model that shards inputs, reduces the loss and gradients over the group, and explains its plan.
+//! `autosp::compile`: rewrites an unmodified model (any [`CausalLm`] built from autosp modules) for a data ×
+//! sequence mesh and sequence-aware checkpointing. It splits the world into sequence-parallel groups
+//! ([`Mesh`]), walks the module tree by its named children, fills every attention slot with the chosen
+//! strategy over its group, switches on every block's checkpoint region, shards the model states over the
+//! world when asked or when the model is large ([`ShardLevel`]), and returns a [`Compiled`] model that takes
+//! its replica's rows and its shard of each sequence, reduces the loss and gradients over the world, and
+//! explains its plan.
 
 pub mod config;
 pub mod error;
+pub mod mesh;
 pub mod plan;
+pub mod sharded_build;
+pub mod sharding;
 pub mod step;
 pub mod strategy;
 
 use std::sync::Arc;
 
-use autosp_core::comm::ProcessGroup;
+use autosp_core::comm::{contiguous_groups, ProcessGroup};
 use autosp_core::module::visit_mut;
+use autosp_core::shard::ShardLevel;
 use autosp_core::{Attention, CausalLm, CheckpointPolicy};
 use candle_core::DType;
 
 pub use autosp_kernels::SeqLayout;
 pub use config::{Checkpointing, CompileConfig, Strategy};
 pub use error::CompileError;
+pub use mesh::Mesh;
 pub use plan::{Flops, LinearFit, Plan, PolicyMemory, PROBE_CAP};
+pub use sharded_build::build_sharded;
+pub use sharding::{model_state_bytes, ModelStateBytes, ParamCounts};
 pub use step::StepOutput;
 pub use strategy::Resolved;
 
-/// A model rewritten for sequence parallelism on one rank of its group.
+/// A model rewritten for a data × sequence mesh on one rank of its world.
 pub struct Compiled<M> {
     model: M,
-    group: Arc<dyn ProcessGroup>,
+    /// Every rank of the run: the loss, the token count and the gradients are reduced over it, and model
+    /// states are sharded over it.
+    world: Arc<dyn ProcessGroup>,
+    /// This rank's sequence-parallel group (its replica's S ranks; the world when D = 1).
+    sp: Arc<dyn ProcessGroup>,
+    mesh: Mesh,
+    /// How model states are sharded over the world, and why.
+    sharding: (ShardLevel, String),
+    /// The parameters' element counts, for the model-state accounting.
+    counts: ParamCounts,
     resolved: Resolved,
     checkpoint: Checkpointing,
     /// The compute dtype (the parameters' dtype).
@@ -63,20 +82,52 @@ impl<M: CausalLm> Compiled<M> {
         self.resolved.layout
     }
 
-    /// `n` padded up to what the layout needs over this group.
+    /// `n` padded up to what the layout needs over the sequence-parallel group.
     pub fn padded_len(&self, n: usize) -> usize {
-        let m = self.layout().multiple(self.group.size());
+        let m = self.layout().multiple(self.sp.size());
         n.div_ceil(m) * m
     }
 
-    /// The global positions this rank holds of a padded sequence of `n_pad` tokens.
+    /// The global positions sequence rank `rank` (of the sequence-parallel group) holds of a padded sequence
+    /// of `n_pad` tokens.
     pub fn positions(&self, n_pad: usize, rank: usize) -> Result<Vec<usize>, CompileError> {
-        self.layout().positions(n_pad, self.group.size(), rank).map_err(|e| CompileError::Core(e.into()))
+        self.layout().positions(n_pad, self.sp.size(), rank).map_err(|e| CompileError::Core(e.into()))
     }
 
-    /// This rank's group.
+    /// The world: every rank of the run, the group `compile` was given.
     pub fn group(&self) -> &Arc<dyn ProcessGroup> {
-        &self.group
+        &self.world
+    }
+
+    /// This rank's sequence-parallel group (its replica's ranks; the world when there is one replica).
+    pub fn sp_group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.sp
+    }
+
+    /// The data × sequence mesh.
+    pub fn mesh(&self) -> Mesh {
+        self.mesh
+    }
+
+    /// How model states are sharded over the world.
+    pub fn sharding(&self) -> ShardLevel {
+        self.sharding.0
+    }
+
+    /// Why the sharding level is what it is (asked for, or chosen by the model's size).
+    pub fn sharding_reason(&self) -> &str {
+        &self.sharding.1
+    }
+
+    /// This rank's model-state bytes (parameters, gradients, AdamW moments and masters, gathered weights) at
+    /// the compiled sharding level.
+    pub fn model_state_bytes(&self) -> ModelStateBytes {
+        self.model_state_bytes_at(self.sharding())
+    }
+
+    /// This rank's model-state bytes at `level` (to compare levels).
+    pub fn model_state_bytes_at(&self, level: ShardLevel) -> ModelStateBytes {
+        model_state_bytes(&self.counts, self.dtype, level, self.world.size())
     }
 
     /// The groups the attention's collectives run over: the group itself for Ulysses and Ring, Hybrid's Ulysses
@@ -137,7 +188,11 @@ fn build_attention(resolved: &Resolved, group: &Arc<dyn ProcessGroup>) -> Result
 /// the model (same weights) at the same time. Impossible requests (Ulysses with heads not divisible by P, a
 /// budget below the smallest plan) fail here, before any step runs, saying what would work.
 pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compiled<M>, CompileError> {
-    let p = config.group.size();
+    let world = config.group.clone();
+    let w = world.size();
+    let mesh = config.mesh.unwrap_or(Mesh::sequence_only(w));
+    mesh.check(w)?;
+    let p = mesh.sequence;
     if !matches!(config.dtype, DType::F32 | DType::BF16 | DType::F16 | DType::F64) {
         return Err(CompileError::Input(format!(
             "compile dtype {:?} is not a float training dtype: use f32, bf16, f16 (or f64 for checks)",
@@ -168,7 +223,10 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
         }
     }
     let resolved = strategy::resolve(config.strategy, &model.dims(), p, true)?;
-    let (attention, attention_groups) = build_attention(&resolved, &config.group)?;
+    // The replicas' sequence-parallel groups: S consecutive ranks each (collective over the world).
+    let sp: Arc<dyn ProcessGroup> =
+        if mesh.data == 1 { world.clone() } else { world.split(&contiguous_groups(w, p)?)? };
+    let (attention, attention_groups) = build_attention(&resolved, &sp)?;
     let (mut slots, mut regions) = (0, 0);
     visit_mut(&mut model, "", &mut |_, m| {
         if let Some(s) = m.attention_slot() {
@@ -188,9 +246,28 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
                 .into(),
         ));
     }
+    let dims = model.dims();
+    let counts = ParamCounts::of(&mut model, &dims);
+    let built = sharding::built_level(&params, &world, config.sharding)?;
+    let sharding = match (built, config.sharding, w) {
+        (Some(level), Some(_), _) => (level, "asked for; the model was built sharded (build_sharded)".to_string()),
+        (Some(level), None, _) => (level, "the model was built sharded (build_sharded)".to_string()),
+        (None, _, 1) => (ShardLevel::None, "one rank: nothing to shard".to_string()),
+        (None, Some(level), _) => (level, "asked for".to_string()),
+        (None, None, _) => sharding::default_level(&counts, config.dtype, w),
+    };
+    if built.is_none() && sharding.0 != ShardLevel::None {
+        for param in &params {
+            param.shard_over(sharding.0, world.clone())?;
+        }
+    }
     let mut compiled = Compiled {
         model,
-        group: config.group,
+        world,
+        sp,
+        mesh,
+        sharding,
+        counts,
         resolved,
         checkpoint: config.checkpoint,
         dtype: config.dtype,

@@ -4,7 +4,8 @@
 
 use autosp_core::comm::all_reduce_bytes;
 use autosp_core::module::visit_mut;
-use autosp_core::{CausalLm, CheckpointPolicy, Precision};
+use autosp_core::shard::ShardLevel;
+use autosp_core::{CausalLm, CheckpointPolicy, Param, Precision};
 use candle_core::{DType, Device, Tensor};
 
 use super::config::Strategy;
@@ -117,7 +118,7 @@ pub struct Plan {
 impl<M: CausalLm> Compiled<M> {
     /// The shortest probe length: a short sequence that fits the layout.
     fn probe_base(&self) -> usize {
-        self.padded_len(64.max(16 * self.group.size()))
+        self.padded_len(64.max(16 * self.sp.size()))
     }
 
     /// One probe step of `n` tokens: under `policy` in every block, or (`None`) under the blocks' own
@@ -266,7 +267,7 @@ impl<M: CausalLm> Compiled<M> {
         };
         let (held, peak, slope) = (m.after_forward.at(n), m.peak_at(n), m.after_forward.b);
         let d = self.model.dims();
-        let p = self.group.size();
+        let p = self.sp.size();
         let n_loc = self.padded_len(n) as f64 / p as f64;
         let (dq, dkv) = ((d.heads * d.head_dim) as f64, (d.kv_heads * d.head_dim) as f64);
         let layer_params = d.hidden as f64 * (2.0 * dq + 2.0 * dkv) + 3.0 * (d.hidden * d.intermediate) as f64;
@@ -296,17 +297,12 @@ impl<M: CausalLm> Compiled<M> {
         } else {
             0.0
         };
-        // The gradient all-reduce, one per bucket as `reduce_grads` makes them, and the two one-element f64
-        // all-reduces of the loss (valid-token count and loss), with this rank's share of each.
-        let rank = self.group.rank();
-        let grad_comm: u64 = if p > 1 {
-            let params = autosp_core::module::all_params(&self.model);
-            let buckets = grad_buckets(&params, GRAD_BUCKET_ELEMS).into_iter().map(|bucket| {
-                let elems: usize = bucket.iter().map(|x| x.tensor().elem_count()).sum();
-                let size = Precision::float(bucket[0].tensor().dtype()).reduce().size_in_bytes();
-                all_reduce_bytes(elems, p, rank, size)
-            });
-            buckets.sum::<u64>() + 2 * all_reduce_bytes(1, p, rank, DType::F64.size_in_bytes())
+        // The gradient reduction as `reduce_grads` and the sharded parameters make it, the gathers of sharded
+        // weights, and the two one-element f64 all-reduces of the loss (valid-token count and loss), with this
+        // rank's share of each, over the world.
+        let (w, rank) = (self.world.size(), self.world.rank());
+        let grad_comm: u64 = if w > 1 {
+            self.model_state_comm_bytes() + 2 * all_reduce_bytes(1, w, rank, DType::F64.size_in_bytes())
         } else {
             0
         };
@@ -324,6 +320,66 @@ impl<M: CausalLm> Compiled<M> {
         })
     }
 
+    /// Bytes this rank sends per step to reduce the gradients and, at `Parameters`, to gather the weights
+    /// (nothing on one rank): `None` all-reduces each gradient bucket; `Optimizer` reduce-scatters each bucket
+    /// (`(W-1)/W` of it); `Gradients` reduce-scatters each parameter's gradient once per use; `Parameters` also
+    /// all-gathers each weight for each use, once more for the weights of a checkpointed block, whose backward
+    /// gathers them again. One use per parameter is counted, and an embedding tied to the LM head twice.
+    pub fn model_state_comm_bytes(&self) -> u64 {
+        let (w, rank) = (self.world.size(), self.world.rank());
+        if w == 1 {
+            return 0;
+        }
+        let params = autosp_core::module::all_params(&self.model);
+        let size_of = |p: &Param| Precision::float(p.tensor().dtype()).reduce().size_in_bytes();
+        let level = self.sharding();
+        if level <= ShardLevel::Optimizer {
+            return grad_buckets(&params, GRAD_BUCKET_ELEMS)
+                .into_iter()
+                .map(|bucket| {
+                    let size = size_of(bucket[0]);
+                    match level {
+                        ShardLevel::None => {
+                            let elems: usize = bucket.iter().map(|x| x.shape().elem_count()).sum();
+                            all_reduce_bytes(elems, w, rank, size)
+                        }
+                        _ => {
+                            let chunks: usize = bucket.iter().map(|x| x.shard().map_or(0, |s| s.layout.chunk)).sum();
+                            ((w - 1) * chunks * size) as u64
+                        }
+                    }
+                })
+                .sum();
+        }
+        let uses = self.param_uses();
+        params
+            .iter()
+            .map(|p| {
+                let Some(s) = p.shard() else { return 0 };
+                let (n_uses, in_block) = uses.get(&p.id()).copied().unwrap_or((1, false));
+                let scatter = (w - 1) * s.layout.chunk * size_of(p);
+                let gathers = if level == ShardLevel::Parameters { n_uses + usize::from(in_block) } else { 0 };
+                let gather = (w - 1) * s.layout.chunk * p.tensor().dtype().size_in_bytes();
+                (n_uses * scatter + gathers * gather) as u64
+            })
+            .sum()
+    }
+
+    /// Per parameter: how many times a step uses it (2 for an embedding tied to the LM head, else 1) and
+    /// whether it belongs to a checkpointed block.
+    fn param_uses(&self) -> std::collections::HashMap<autosp_core::ParamId, (usize, bool)> {
+        let mut uses = std::collections::HashMap::new();
+        for p in autosp_core::module::all_params(&self.model) {
+            uses.insert(p.id(), (1, self.counts.in_block.contains(&p.id())));
+        }
+        if let Some(tied) = self.counts.tied {
+            if let Some(u) = uses.get_mut(&tied) {
+                u.0 = 2;
+            }
+        }
+        uses
+    }
+
     /// The rewritten module tree with the strategy, policies and the plan at `n` tokens. Collective (probes).
     pub fn explain(&mut self, n: usize) -> Result<String, CompileError> {
         let plan = self.plan(n)?;
@@ -338,6 +394,18 @@ impl<M: CausalLm> Compiled<M> {
             self.resolved.reason,
             self.layout()
         );
+        out.push_str(&format!(
+            "mesh: {} ({} ranks; each replica trains its own rows of the batch, its {} ranks split each sequence)\n",
+            self.mesh,
+            self.world.size(),
+            self.mesh.sequence
+        ));
+        out.push_str(&format!(
+            "model states: sharded at `{}` ({}); {}\n",
+            self.sharding(),
+            self.sharding_reason(),
+            self.model_state_bytes()
+        ));
         out.push_str(&format!("checkpointing: {:?}\n", self.checkpoint));
         if let Some(w) = self.max_attention_distance {
             out.push_str(&format!(

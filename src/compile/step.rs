@@ -1,13 +1,17 @@
 //! Running a compiled model: shifting labels before sharding, padding to the layout's multiple, taking this
-//! rank's shard, the global loss (sum of token losses over the all-reduced valid count) and the all-reduced
-//! parameter gradients; forward-only evaluation loss; and forward-only logits gathered back into sequence
-//! order. Inputs are checked on the
+//! rank's replica's rows and its shard of them, the global loss (sum of token losses over the valid count of
+//! the whole world) and the parameter gradients reduced over the world (all-reduced whole, or this rank's
+//! slice when model states are sharded); forward-only evaluation loss; and forward-only logits gathered back
+//! into sequence order. Inputs are checked on the
 //! whole batch, which every rank holds, before sharding: a bad batch fails on every rank at once, with the
 //! same error and before any collective, instead of on the one rank whose shard holds the bad id.
 
-use autosp_core::comm::ReduceOp;
+use std::sync::Arc;
+
+use autosp_core::comm::{ProcessGroup, ReduceOp};
 use autosp_core::module::all_params;
 use autosp_core::ops::{self, IGNORE_INDEX};
+use autosp_core::shard::ShardLevel;
 use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Param, Precision, Tape};
 use autosp_kernels::sp::layout::gather_unshard;
 use candle_core::{DType, Tensor};
@@ -21,10 +25,12 @@ pub struct StepOutput {
     pub loss: f64,
     /// Valid (not ignored) target tokens over all ranks.
     pub valid_tokens: usize,
-    /// Parameter gradients, summed over the group: every rank holds the same. They are f32 for f32, bf16
-    /// and f16 parameters (f64 for f64 ones): a mixed-precision step computes them in bf16/f16, converts
-    /// them to f32 before the all-reduce, and hands them on in f32 (also at P = 1), so the sum over ranks,
-    /// clipping and the optimiser never round to bf16.
+    /// Parameter gradients, summed over the world: every rank holds the same whole gradients, or, when model
+    /// states are sharded (`Compiled::sharding`), each rank its own slice `[chunk]` of each
+    /// ([`Param::update_view`]'s shape: what the optimiser updates). They are f32 for f32, bf16 and f16
+    /// parameters (f64 for f64 ones): a mixed-precision step computes them in bf16/f16, converts them to f32
+    /// before the reduction, and hands them on in f32 (also at P = 1), so the sum over ranks, clipping and the
+    /// optimiser never round to bf16.
     pub grads: Gradients,
     /// This rank's tape bytes when the forward pass ended.
     pub after_forward: MemoryStats,
@@ -113,20 +119,24 @@ fn pad_ids(ids: &Tensor, n_pad: usize) -> Result<Tensor, CompileError> {
 
 /// One rank's part of a batch (see `Compiled::local_batch`).
 struct LocalBatch {
-    /// `[b, n_pad / P]` u32.
+    /// `[b / D, n_pad / P]` u32: this replica's rows, this rank's shard of them.
     ids_local: Tensor,
     /// The sequence positions of `ids_local`'s columns.
     positions: Vec<usize>,
-    /// `[b * n_pad / P]`, shifted, -100 where ignored.
+    /// `[b / D * n_pad / P]`, shifted, -100 where ignored.
     targets_local: Tensor,
-    /// Valid targets over all ranks (> 0).
+    /// Valid targets over the ranks in `over` (> 0).
     total: f64,
+    /// The ranks whose losses make the batch's: the world when the replicas split the rows, else the
+    /// sequence-parallel group.
+    over: Arc<dyn ProcessGroup>,
 }
 
 impl<M: CausalLm> Compiled<M> {
-    /// One training step on `ids: [b, n]` (u32; every rank passes the whole batch), with optional `labels`
-    /// (`[b, n]`, -100 ignored; default: the ids). Returns the global loss and the all-reduced gradients;
-    /// apply them with any optimiser (every rank applies the same update).
+    /// One training step on `ids: [b, n]` (u32; every rank passes the whole batch; D data-parallel replicas
+    /// each train their `b / D` rows), with optional `labels` (`[b, n]`, -100 ignored; default: the ids).
+    /// Returns the global loss and the gradients reduced over the world; apply them with any optimiser (every
+    /// rank applies the same update, or its slice of it when model states are sharded).
     pub fn train_step(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<StepOutput, CompileError> {
         self.run_step(ids, labels, self.tape_policy(), false)
     }
@@ -140,7 +150,7 @@ impl<M: CausalLm> Compiled<M> {
         policy: CheckpointPolicy,
         trace: bool,
     ) -> Result<StepOutput, CompileError> {
-        let LocalBatch { ids_local, positions, targets_local, total } = self.local_batch(ids, labels)?;
+        let LocalBatch { ids_local, positions, targets_local, total, .. } = self.local_batch(ids, labels, true)?;
         let tape = Tape::new(policy);
         if trace {
             tape.trace_memory();
@@ -153,7 +163,7 @@ impl<M: CausalLm> Compiled<M> {
         let memory_trace = tape.memory_trace();
 
         let loss_local = term.tensor().to_dtype(DType::F64)?.reshape(1)?;
-        let loss = self.group.all_reduce(&loss_local, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        let loss = self.world.all_reduce(&loss_local, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
         let local = tape.param_grads();
         drop(tape);
         autosp_core::alloc::phase("step", "gradient all-reduce");
@@ -165,95 +175,170 @@ impl<M: CausalLm> Compiled<M> {
     /// against `labels` (`[b, n]`, -100 ignored; default: the ids), with the same shifting, sharding and
     /// reduction as [`train_step`](Self::train_step) (the same loss up to the order of floating-point sums:
     /// a recording tape may run the MLP chunked) but nothing recorded, no backward and no gradients:
-    /// held-out evaluation at long context costs one forward pass. Returns `(mean loss, valid target tokens)`, the same on every rank.
+    /// held-out evaluation at long context costs one forward pass. The D replicas split the rows when D
+    /// divides `b`; otherwise (one held-out sequence on two replicas) each replica scores the whole batch.
+    /// Returns `(mean loss, valid target tokens)`, the same on every rank.
     pub fn eval_loss(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<(f64, usize), CompileError> {
-        let LocalBatch { ids_local, positions, targets_local, total } = self.local_batch(ids, labels)?;
+        let split = ids.dims2()?.0.is_multiple_of(self.mesh.data);
+        let LocalBatch { ids_local, positions, targets_local, total, over } = self.local_batch(ids, labels, split)?;
         let tape = Tape::inference();
         let (sum, _) = self.model.loss(&tape, &ids_local, &positions, &targets_local)?;
         let local = ops::scale(&tape, &sum, 1.0 / total)?.tensor().to_dtype(DType::F64)?.reshape(1)?;
-        let loss = self.group.all_reduce(&local, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        let loss = over.all_reduce(&local, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
         Ok((loss, total as usize))
     }
 
-    /// This rank's shard of a checked batch: `ids: [b, n]` and optional `labels: [b, n]` -> the local ids
-    /// `[b, n_pad / P]`, their positions, the local shifted targets `[b * n_pad / P]` and the number of valid
-    /// targets over all ranks (collective; an error on every rank when none is valid).
-    fn local_batch(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<LocalBatch, CompileError> {
+    /// This rank's part of a checked batch: `ids: [b, n]` and optional `labels: [b, n]` -> its replica's rows
+    /// (`b / D` of them; all `b` unless `split`) as the local ids `[b / D, n_pad / P]`, their positions, the
+    /// local shifted targets `[b / D * n_pad / P]` and the number of valid targets over the ranks that share
+    /// the batch (collective; an error on every rank when none is valid, or when `split` and D does not divide
+    /// `b`).
+    fn local_batch(&self, ids: &Tensor, labels: Option<&Tensor>, split: bool) -> Result<LocalBatch, CompileError> {
         check_batch(ids, labels, self.model.dims().vocab, 2)?;
-        let (_, n) = ids.dims2()?;
+        let (b, n) = ids.dims2()?;
+        let over = if split { self.world.clone() } else { self.sp.clone() };
+        let rows = if split { self.mesh.rows(b, self.mesh.replica(self.world.rank()))? } else { 0..b };
+        let (ids, labels) = if rows.len() < b {
+            (ids.narrow(0, rows.start, rows.len())?, labels.map(|l| l.narrow(0, rows.start, rows.len())).transpose()?)
+        } else {
+            (ids.clone(), labels.cloned())
+        };
+        let (ids, labels) = (&ids, labels.as_ref());
         let n_pad = self.padded_len(n);
         let device = self.device();
         let (ids, labels) = (ids.to_device(&device)?, labels.map(|l| l.to_device(&device)).transpose()?);
         let (ids, targets) = shift_and_pad(&ids, labels.as_ref(), n_pad)?;
-        let positions = self.positions(n_pad, self.group.rank())?;
+        let positions = self.positions(n_pad, self.sp.rank())?;
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
         let ids_local = ids.index_select(&index, 1)?;
         let targets_local = targets.index_select(&index, 1)?.flatten_all()?;
 
         let local_count = ops::cross_entropy::count_valid(&targets_local)?;
         let counts = Tensor::new(&[local_count as f64], ids.device())?;
-        let total = self.group.all_reduce(&counts, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        let total = over.all_reduce(&counts, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
         if total == 0.0 {
             return Err(CompileError::Input("every target is ignored (-100): nothing to train on".into()));
         }
-        Ok(LocalBatch { ids_local, positions, targets_local, total })
+        Ok(LocalBatch { ids_local, positions, targets_local, total, over })
     }
 
-    /// Sums every parameter's gradient over the group in its reduction dtype ([`Precision::reduce`]: f32 for
-    /// bf16/f16/f32 parameters, f64 for f64): parameters in model order, grouped by reduction dtype into
-    /// buckets of at most [`GRAD_BUCKET_ELEMS`] elements (a larger parameter is a bucket of its own), one
-    /// all-reduce per bucket. `local` is consumed bucket by bucket (each gradient converted to f32 as its
-    /// bucket is built), so the reduction holds about one copy of the gradients plus one bucket's buffers,
-    /// not three copies. At P = 1 the gradients are only converted.
+    /// Sums every parameter's gradient over the world in its reduction dtype ([`Precision::reduce`]: f32 for
+    /// bf16/f16/f32 parameters, f64 for f64), as the sharding level wants it:
+    /// - `None`: whole, all-reduced. Parameters in model order, grouped by reduction dtype into buckets of at
+    ///   most [`GRAD_BUCKET_ELEMS`] elements (a larger parameter is a bucket of its own), one all-reduce per
+    ///   bucket; `local` is consumed bucket by bucket (each gradient converted to f32 as its bucket is built),
+    ///   so the reduction holds about one copy of the gradients plus one bucket's buffers.
+    /// - `Optimizer`: the same buckets reduce-scattered, so each rank gets its slice `[chunk]` of every
+    ///   parameter's sum (one reduce-scatter per bucket, laid out `[W, Σ chunk]`).
+    /// - `Gradients`, `Parameters`: the tape reduce-scattered each use's gradient already; the slices pass on
+    ///   (zeros for a parameter no op used, so every rank updates every slice).
+    ///
+    /// On one rank the gradients are only converted.
     fn reduce_grads(&self, mut local: Gradients) -> Result<Gradients, CompileError> {
         let params = all_params(&self.model);
-        if self.group.size() == 1 {
-            let mut out = Gradients::new();
+        let level = self.sharding();
+        let mut out = Gradients::new();
+        if self.world.size() == 1 || level >= ShardLevel::Gradients {
             for p in &params {
-                if let Some(g) = local.remove(p) {
-                    out.insert(p, g.to_dtype(Precision::float(g.dtype()).reduce())?);
-                }
+                let t = p.update_view()?;
+                let dtype = Precision::float(t.dtype()).reduce();
+                let g = match local.remove(p) {
+                    // The shape of what the optimizer updates (flat for a parameter sharded over one rank).
+                    Some(g) => g.to_dtype(dtype)?.reshape(t.shape())?,
+                    None if level >= ShardLevel::Gradients => Tensor::zeros(t.shape(), dtype, t.device())?,
+                    None => continue,
+                };
+                out.insert(p, g);
             }
             return Ok(out);
         }
-        let mut out = Gradients::new();
         for bucket in grad_buckets(&params, GRAD_BUCKET_ELEMS) {
             let mut flat = Vec::with_capacity(bucket.len());
             for p in &bucket {
                 let t = p.tensor();
                 let dtype = Precision::float(t.dtype()).reduce();
-                flat.push(match local.remove(p) {
-                    Some(g) => g.to_dtype(dtype)?.flatten_all()?,
-                    None => Tensor::zeros(t.elem_count(), dtype, t.device())?,
+                let g = match local.remove(p) {
+                    Some(g) => g.to_dtype(dtype)?,
+                    None => Tensor::zeros(t.shape(), dtype, t.device())?,
+                };
+                flat.push(match p.shard() {
+                    // [W, chunk]: row r is rank r's slice.
+                    Some(s) => s.layout.padded_rows(&g)?,
+                    None => g.flatten_all()?,
                 });
             }
-            let joined = if flat.len() == 1 { flat.remove(0) } else { Tensor::cat(&flat, 0)? };
+            let sharded = level == ShardLevel::Optimizer;
+            let cat_dim = usize::from(sharded);
+            let joined = if flat.len() == 1 { flat.remove(0) } else { Tensor::cat(&flat, cat_dim)? };
             drop(flat);
-            let summed = self.group.all_reduce(&joined, ReduceOp::Sum)?;
+            let summed = if sharded {
+                self.world.reduce_scatter(&joined, 0, ReduceOp::Sum)?.flatten_all()?
+            } else {
+                self.world.all_reduce(&joined, ReduceOp::Sum)?
+            };
             drop(joined);
             let mut offset = 0;
             for p in bucket {
-                let t = p.tensor();
-                let n = t.elem_count();
-                out.insert(p, summed.narrow(0, offset, n)?.reshape(t.shape())?);
-                offset += n;
+                match p.shard() {
+                    Some(s) if sharded => {
+                        out.insert(p, summed.narrow(0, offset, s.layout.chunk)?);
+                        offset += s.layout.chunk;
+                    }
+                    _ => {
+                        let t = p.tensor();
+                        let n = t.elem_count();
+                        out.insert(p, summed.narrow(0, offset, n)?.reshape(t.shape())?);
+                        offset += n;
+                    }
+                }
             }
         }
         Ok(out)
     }
 
+    /// The L2 norm of the gradients a step returned, over the whole model (summed in f64 in parameter
+    /// order): of the whole gradients, or, when they are this rank's slices, of every rank's slices together
+    /// (an all-reduce over the world; collective). Every rank gets the same norm.
+    pub fn grad_norm(&self, grads: &Gradients) -> Result<f64, CompileError> {
+        let mut sq = 0.0f64;
+        for (_, g) in grads.sorted() {
+            sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        }
+        if self.sharding() != ShardLevel::None && self.world.size() > 1 {
+            let t = Tensor::new(&[sq], &candle_core::Device::Cpu)?;
+            sq = self.world.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        }
+        Ok(sq.sqrt())
+    }
+
+    /// The whole gradients from the slices a sharded step returned (collective: every rank gathers every
+    /// parameter's, in model order); whole gradients pass through. For inspecting or dumping gradients.
+    pub fn whole_grads(&self, grads: &Gradients) -> Result<Gradients, CompileError> {
+        let mut out = Gradients::new();
+        for p in all_params(&self.model) {
+            let Some(g) = grads.get(&p) else { continue };
+            let whole = match p.shard() {
+                Some(s) if g.dims() != s.shape.dims() => s.gather(g)?,
+                _ => g.clone(),
+            };
+            out.insert(&p, whole);
+        }
+        Ok(out)
+    }
+
     /// Forward only (a long prompt's prefill split over the ranks): logits `[b, n, vocab]` for `ids: [b, n]`,
-    /// gathered back into sequence order on every rank.
+    /// gathered back into sequence order on every rank. Every replica computes the whole batch over its
+    /// sequence-parallel group.
     pub fn logits(&self, ids: &Tensor) -> Result<Tensor, CompileError> {
         check_batch(ids, None, self.model.dims().vocab, 1)?;
         let (_, n) = ids.dims2()?;
         let n_pad = self.padded_len(n);
         let ids = pad_ids(&ids.to_device(&self.device())?, n_pad)?;
-        let positions = self.positions(n_pad, self.group.rank())?;
+        let positions = self.positions(n_pad, self.sp.rank())?;
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
         let tape = Tape::inference();
         let local = self.model.logits(&tape, &ids.index_select(&index, 1)?, &positions)?.into_tensor();
-        let whole = gather_unshard(self.group.as_ref(), &local.contiguous()?, 1, self.layout())?;
+        let whole = gather_unshard(self.sp.as_ref(), &local.contiguous()?, 1, self.layout())?;
         Ok(whole.narrow(1, 0, n)?)
     }
 
@@ -274,7 +359,7 @@ impl<M: CausalLm> Compiled<M> {
             )));
         }
         let n_pad = self.padded_len(n);
-        let (size, rank) = (self.group.size(), self.group.rank());
+        let (size, rank) = (self.sp.size(), self.sp.rank());
         let ids = pad_ids(&ids.to_device(&self.device())?, n_pad)?;
         // Where each position lives: (rank, index in that rank's shard).
         let mut home = vec![(0, 0); n_pad];
@@ -295,7 +380,7 @@ impl<M: CausalLm> Compiled<M> {
         let held = |r: usize| rows.iter().filter(move |&&t| home[t].0 == r).map(move |&t| home[t].1 as u32);
         let mine: Vec<u32> = held(rank).collect();
         let picked = local.index_select(&Tensor::from_vec(mine.clone(), mine.len(), local.device())?, 1)?;
-        let gathered = self.group.all_gather(&picked.contiguous()?, 1)?;
+        let gathered = self.sp.all_gather(&picked.contiguous()?, 1)?;
         // Back to request order: the k-th request held by rank r sits at offset(r) + k.
         let mut offset = vec![0usize; size + 1];
         for r in 0..size {

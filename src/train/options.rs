@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use autosp_core::CheckpointPolicy;
+use autosp_core::{CheckpointPolicy, ShardLevel};
 use candle_core::DType;
 
 use crate::compile::{Checkpointing, Strategy};
@@ -18,6 +18,10 @@ pub struct RunOptions {
     pub model: Option<String>,
     /// `--seq-len`: tokens per training sequence.
     pub seq_len: usize,
+    /// `--dp`: data-parallel replicas D (the ranks split into D replicas of S = ranks / D sequence ranks).
+    pub dp: usize,
+    /// `--shard`: how model states are sharded over the ranks; `None`: chosen by the model's size.
+    pub shard: Option<ShardLevel>,
     /// `--strategy`.
     pub strategy: Strategy,
     /// `--checkpoint`.
@@ -75,6 +79,8 @@ impl Default for RunOptions {
         Self {
             model: None,
             seq_len: 4096,
+            dp: 1,
+            shard: None,
             strategy: Strategy::Auto,
             checkpoint: Checkpointing::Policy(CheckpointPolicy::SequenceAware),
             dtype: None,

@@ -10,9 +10,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use autosp_core::comm::ProcessGroup;
-use autosp_core::Precision;
 use autosp_core::TrackingAllocator;
-use autosp_models::LlamaModel;
+use autosp_core::{Precision, ShardLevel};
+use autosp_models::{LlamaConfig, LlamaModel};
 use candle_core::{DType, Device, Tensor};
 use serde_json::json;
 
@@ -30,21 +30,27 @@ use super::options::{checkpoint_flag, strategy_flag, RunOptions};
 use super::stream::{Sample, Stream};
 use super::synthetic::{Needles, Passkey, PasskeyVocab, VALUES};
 use super::trainer::{Ended, Trainer};
+use crate::compile::{build_sharded, Mesh};
 use crate::{compile, CompileConfig};
 
 /// Everything the ranks share, read and checked before they start.
 pub struct Job {
     /// The options.
     pub options: RunOptions,
-    /// Ranks.
+    /// Ranks, all of them (the world: D data-parallel replicas × S sequence-parallel ranks).
     pub p: usize,
+    /// The data × sequence mesh of the ranks.
+    pub mesh: Mesh,
     /// Whether ranks are threads of this process (process memory is then shared).
     pub threads: bool,
     /// The compute dtype (`--dtype`, or the device's default).
     pub dtype: DType,
-    /// The starting weights in the master dtype (f32; each rank builds its own copy in `dtype`, and under
-    /// bf16/f16 starts its optimizer's master weights from them).
-    pub base: LlamaModel,
+    /// The model's config.
+    pub config: LlamaConfig,
+    /// The starting weights in the master dtype (f32, by HF name): each rank builds its own model from them in
+    /// `dtype` and, under bf16/f16, starts its optimizer's master weights from them. Dropped once every rank of
+    /// this process has built its model: no whole copy of the model outlives the start of training.
+    pub base: std::sync::Mutex<Option<Arc<HashMap<String, Tensor>>>>,
     /// Where the model came from (for the report).
     pub source: String,
     /// `tokenizer.json`'s text, written into every checkpoint.
@@ -85,14 +91,27 @@ fn check_kernel_env() -> Result<()> {
 }
 
 impl Job {
-    /// Reads the model, the data and the checkpoint to resume for a run of `options` on `p` ranks (`threads`:
-    /// ranks are threads of this process sharing one device, which is opened here), checking them all before
-    /// anything runs. Writes nothing (but the default tiny model, made once in the cache).
+    /// Reads the model, the data and the checkpoint to resume for a run of `options` on `p` ranks in all
+    /// (`options.dp` replicas of `p / dp` sequence ranks; `threads`: ranks are threads of this process sharing
+    /// one device, which is opened here), checking them all before anything runs. Writes nothing (but the
+    /// default tiny model, made once in the cache).
     pub fn prepare(options: RunOptions, p: usize, threads: bool) -> Result<Self> {
         let o = &options;
-        if p == 0 {
-            return Err(TrainError::Config("--sp 0: there must be at least one rank; give --sp 1 or more".into()));
+        for (flag, n) in [("--dp", o.dp), ("--sp", p / o.dp.max(1))] {
+            if n == 0 {
+                return Err(TrainError::Config(format!(
+                    "{flag} 0: there must be at least one rank; give {flag} 1 or more"
+                )));
+            }
         }
+        if !p.is_multiple_of(o.dp) {
+            return Err(TrainError::Config(format!(
+                "{p} ranks do not split into --dp {} replicas: give a number of ranks that is a multiple of --dp",
+                o.dp
+            )));
+        }
+        let mesh = Mesh::new(o.dp, p / o.dp);
+        let p_seq = mesh.sequence;
         if o.seq_len < 2 {
             return Err(TrainError::Config(format!(
                 "--seq-len {}: a training sequence needs at least 2 tokens (an input and its next token); give \
@@ -100,10 +119,10 @@ impl Job {
                 o.seq_len
             )));
         }
-        if p > o.seq_len {
+        if p_seq > o.seq_len {
             return Err(TrainError::Config(format!(
-                "--sp {p} is larger than --seq-len {}: every rank needs at least one token of the sequence; lower \
-                 --sp to at most {} or raise --seq-len",
+                "--sp {p_seq} is larger than --seq-len {}: every rank needs at least one token of the sequence; \
+                 lower --sp to at most {} or raise --seq-len",
                 o.seq_len, o.seq_len
             )));
         }
@@ -127,6 +146,7 @@ impl Job {
         let shape = RunShape {
             seq_len: o.seq_len,
             micro_batches: micro,
+            data_parallel: o.dp,
             data_source: o.data.clone(),
             seed: o.seed,
             dtype,
@@ -214,11 +234,16 @@ impl Job {
             dump_grads: o.dump_grads.clone(),
         };
         train.validate()?;
+        let config = loaded.model.config.clone();
+        let base = loaded.model.to_weights();
+        drop(loaded.model);
         Ok(Job {
             p,
+            mesh,
             threads,
             dtype,
-            base: loaded.model,
+            config,
+            base: std::sync::Mutex::new(Some(Arc::new(base))),
             source,
             tokenizer_json: loaded.tokenizer_json,
             stream,
@@ -257,26 +282,43 @@ impl Job {
             Some(d) => d.clone(),
             None => o.device_spec().open(Some((crate::device::local_rank(pg.rank()), pg.size())))?,
         };
-        // The loaded weights (master dtype, f32) on the device; the model computes in their `dtype` rounding.
-        let base = self
-            .base
-            .to_weights()
-            .into_iter()
-            .map(|(k, t)| Ok((k, t.to_device(&device)?)))
-            .collect::<Result<HashMap<String, Tensor>>>()?;
-        let weights = base
-            .iter()
-            .map(|(k, t)| Ok((k.clone(), t.to_dtype(self.dtype)?)))
-            .collect::<Result<HashMap<String, Tensor>>>()?;
-        let model = LlamaModel::from_weights(&self.base.config, weights)?;
+        // The loaded weights (master dtype, f32, on the CPU; one copy shared by the thread ranks). The model
+        // computes in their `dtype` rounding on the device; the optimizer's masters are taken from them below.
+        let base = self.base.lock().expect("job lock poisoned").clone().ok_or_else(|| {
+            TrainError::Config("the job's starting weights were released: run every rank of a job once".into())
+        })?;
+        let build = || -> Result<LlamaModel> {
+            let weights = base
+                .iter()
+                .map(|(k, t)| Ok((k.clone(), t.to_device(&device)?.to_dtype(self.dtype)?)))
+                .collect::<Result<HashMap<String, Tensor>>>()?;
+            Ok(LlamaModel::from_weights(&self.config, weights)?)
+        };
+        // At `parameters` the ranks build in turn, each keeping its slices before the next builds: one whole
+        // model in `dtype` at a time, not one per rank.
+        let model = match o.shard {
+            Some(level @ ShardLevel::Parameters) => build_sharded(&pg, level, build)?,
+            _ => build()?,
+        };
         let mut cfg = CompileConfig::new(pg.clone(), o.strategy, o.checkpoint)
+            .with_mesh(self.mesh)
             .with_dtype(self.dtype)
             .with_max_attention_distance(o.max_attention_distance);
+        if let Some(level) = o.shard {
+            cfg = cfg.with_sharding(level);
+        }
         cfg.seq_len = Some(o.seq_len);
+        // Every rank of this process holds its own handle on the starting weights now: the job's goes, and the
+        // weights with the last rank's (below).
+        pg.barrier()?;
+        if pg.rank() == 0 {
+            self.base.lock().expect("job lock poisoned").take();
+        }
         let mut c = compile(model, cfg).map_err(|cause| TrainError::Compile {
             settings: format!(
-                "--sp {} --strategy {} --checkpoint {} --seq-len {}",
-                self.p,
+                "--dp {} --sp {} --strategy {} --checkpoint {} --seq-len {}",
+                self.mesh.data,
+                self.mesh.sequence,
                 strategy_flag(o.strategy),
                 checkpoint_flag(o.checkpoint),
                 o.seq_len
@@ -393,7 +435,7 @@ impl Job {
     /// The lines that describe the run before training: the model, the compiled plan, the collectives, the
     /// attention window and the task.
     fn describe(&self, c: &crate::Compiled<LlamaModel>, device: &Device) -> Result<Vec<String>> {
-        let (o, d) = (&self.options, &self.base.config);
+        let (o, d) = (&self.options, &self.config);
         let mut lines = vec![
             format!(
                 "{}: model {} ({} layers, hidden {}, {} heads / {} kv heads, vocab {}) on {:?}",
@@ -407,10 +449,15 @@ impl Job {
                 device.location()
             ),
             format!(
-                "compiled for P = {} {} ranks: {:?} ({}), checkpointing {:?}, compute dtype {}{}; {} tokens per \
+                "compiled for P = {} {} ranks{}: {:?} ({}), checkpointing {:?}, compute dtype {}{}; {} tokens per \
                  sequence ({} per rank), {} sequence(s) per step, data {}",
-                self.p,
+                self.mesh.sequence,
                 if self.threads { "thread" } else { "MPI" },
+                if self.mesh.data > 1 {
+                    format!(" in each of {} data-parallel replicas ({} ranks)", self.mesh.data, self.p)
+                } else {
+                    String::new()
+                },
                 c.resolved().strategy,
                 c.resolved().reason,
                 o.checkpoint,
@@ -421,11 +468,12 @@ impl Job {
                     ""
                 },
                 o.seq_len,
-                c.padded_len(o.seq_len) / self.p,
-                self.train.micro_batches,
+                c.padded_len(o.seq_len) / self.mesh.sequence,
+                self.train.micro_batches * self.mesh.data,
                 o.data
             ),
             self.carrier.describe(device),
+            format!("model states (--shard {}: {}): {}", c.sharding(), c.sharding_reason(), c.model_state_bytes()),
         ];
         if let Some(w) = c.max_attention_distance() {
             lines.push(format!(
@@ -436,7 +484,7 @@ impl Job {
             ));
         }
         if let Stream::Needles(_) = self.stream {
-            let tokens = self.train.tokens_per_step();
+            let tokens = self.train.tokens_per_step() * self.mesh.data;
             lines.push(Needles::describe(c, o.seq_len, o.steps, &self.train.curriculum, tokens)?);
         }
         Ok(lines)

@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use autosp_core::comm::{ProcessGroup, ReduceOp};
-use autosp_core::optim::{clip_to_norm, global_norm, AdamW, Optimizer};
-use autosp_core::Precision;
+use autosp_core::optim::{clip_to_norm, AdamW, Optimizer};
 use autosp_core::{Gradients, Param, TrackingAllocator};
+use autosp_core::{Precision, ShardLevel};
 use autosp_models::LlamaModel;
 use candle_core::{DType, Device, Tensor};
 use serde_json::json;
@@ -153,9 +153,21 @@ impl Trainer {
 
     /// Continues the checkpoint at `dir` ([`checkpoint::verify`] gave `state`): the optimizer's moments, step
     /// count and master weights, the step, and the data position. The model's weights must already be the
-    /// checkpoint's (build it with `LlamaModel::load(dir, ..)`).
+    /// checkpoint's (build it with `LlamaModel::load(dir, ..)`). A checkpoint whose optimizer state is whole
+    /// resumes on any mesh and sharding level (each rank takes its slices); one sharded over W ranks resumes on
+    /// W ranks with sharded model states (collective when the masters are written back).
     pub fn resume(&mut self, dir: &std::path::Path, state: &TrainerState) -> Result<()> {
-        checkpoint::restore_optimizer(dir, &mut self.opt, &self.params, state.optimizer_step)?;
+        match state.sharded_over {
+            Some(world) => checkpoint::restore_sharded(
+                dir,
+                world,
+                self.compiled.group().as_ref(),
+                &mut self.opt,
+                &self.params,
+                state.optimizer_step,
+            )?,
+            None => checkpoint::restore_optimizer(dir, &mut self.opt, &self.params, state.optimizer_step)?,
+        }
         self.stream.seek(state.data);
         self.step = state.step;
         self.first_step = state.step;
@@ -195,6 +207,7 @@ impl Trainer {
         RunShape {
             seq_len: c.seq_len,
             micro_batches: c.micro_batches,
+            data_parallel: self.compiled.mesh().data,
             data_source: c.data.clone(),
             seed: c.seed,
             dtype: self.compiled.dtype(),
@@ -206,14 +219,20 @@ impl Trainer {
         }
     }
 
-    /// Saves a checkpoint of the current step into `save_dir/step-N` (rank 0 writes it; the others, which
-    /// hold the same weights, only return where it went). Collective-free.
+    /// Saves a checkpoint of the current step into `save_dir/step-N`. Unsharded, rank 0 writes it (the others,
+    /// which hold the same weights, only return where it went). With sharded model states every rank takes
+    /// part ([`checkpoint::save_sharded`]: collective).
     pub fn save(&mut self) -> Result<Saved> {
         let root =
             self.config.save_dir.clone().ok_or_else(|| {
                 TrainError::Config("saving a checkpoint needs a save_dir in the TrainConfig".to_string())
             })?;
-        let saved = if self.is_reporting() {
+        let saved = if self.compiled.sharding() != ShardLevel::None {
+            let state = TrainerState::new(self.step, self.opt.steps(), self.stream.position(self.drawn), &self.shape());
+            let model = self.compiled.model();
+            let world = self.compiled.group();
+            checkpoint::save_sharded(world, &root, model, &self.opt, &self.params, &state, self.tokenizer.as_deref())?
+        } else if self.is_reporting() {
             let state = TrainerState::new(self.step, self.opt.steps(), self.stream.position(self.drawn), &self.shape());
             let model = self.compiled.model();
             checkpoint::save(&root, model, &self.opt, &self.params, &state, self.tokenizer.as_deref())?
@@ -268,15 +287,19 @@ impl Trainer {
             // The curriculum's length for this step: seq_len / len sequences of len tokens per micro-batch.
             let len = self.config.curriculum.len_at(self.step, seq_len);
             let (grads, loss, tape_peak) = self.accumulate(len)?;
-            if self.step == self.first_step && rank0 {
-                if let Some(f) = &self.config.dump_grads {
-                    self.dump_grads(&grads, f)?;
-                    observe(Event::GradientsWritten { step: self.step + 1, path: f.clone() });
+            if self.step == self.first_step {
+                if let Some(f) = self.config.dump_grads.clone() {
+                    // Whole gradients (gathered from every rank's slices when sharded: collective).
+                    let whole = self.compiled.whole_grads(&grads)?;
+                    if rank0 {
+                        self.dump_grads(&whole, &f)?;
+                        observe(Event::GradientsWritten { step: self.step + 1, path: f });
+                    }
                 }
             }
             let mut grads = grads;
-            // Loss and gradients are the same on every rank (all-reduced), so every rank decides alike.
-            let norm = global_norm(&grads)?;
+            // Loss and gradient norm are the same on every rank (all-reduced), so every rank decides alike.
+            let norm = self.compiled.grad_norm(&grads)?;
             let nonfinite = match (loss.is_finite(), norm.is_finite()) {
                 (false, _) => Some(("loss", loss)),
                 (true, false) => Some(("gradient norm", norm)),
@@ -303,7 +326,7 @@ impl Trainer {
             self.opt.step(&self.params, &grads, lr)?;
             self.step += 1;
             let dt = t0.elapsed().as_secs_f64();
-            let tokens = seq_len * micro;
+            let tokens = seq_len * micro * self.compiled.mesh().data;
             out.tokens += tokens;
             out.seconds += dt;
             let heap = self.heap.map_or(0, |h| h.peak_bytes());
@@ -346,20 +369,22 @@ impl Trainer {
     }
 
     /// One step's micro-batches at sequence length `len`: the gradients (token-weighted mean), the loss (the
-    /// same mean) and the tape's peak bytes.
+    /// same mean) and the tape's peak bytes. Each micro-batch holds `seq_len / len` sequences per data-parallel
+    /// replica, every replica its own (every rank draws them all; the compiled step takes its replica's).
     fn accumulate(&mut self, len: usize) -> Result<(Gradients, f64, usize)> {
         let (seq_len, micro) = (self.config.seq_len, self.config.micro_batches);
+        let replicas = self.compiled.mesh().data;
         let mut grads = Gradients::new();
         let (mut loss_sum, mut count, mut tape_peak) = (0f64, 0usize, 0usize);
         for _ in 0..micro {
             let (mut ids, mut labels) = (Vec::with_capacity(seq_len), Vec::with_capacity(seq_len));
-            for _ in 0..seq_len / len {
+            for _ in 0..replicas * seq_len / len {
                 let s = self.stream.next(len)?;
                 self.drawn += 1;
                 labels.extend(s.answer_labels());
                 ids.extend(s.ids);
             }
-            let rows = seq_len / len;
+            let rows = replicas * seq_len / len;
             let labels = match self.stream.answers_only() {
                 true => Some(Tensor::from_vec(labels, (rows, len), &Device::Cpu)?),
                 false => None,

@@ -11,8 +11,14 @@ pub struct Embedding {
 
 impl Embedding {
     /// `ids: [..]` -> `[.., hidden]`.
+    ///
+    /// A table sharded at `Gradients` or `Parameters` is looked up by [`ops::sharded_embedding`], whose
+    /// gradient never exists whole.
     pub fn forward(&self, tape: &Tape, ids: &Value) -> Result<Value> {
-        ops::embedding(tape, ids, &tape.param(&self.table))
+        match ops::sharded_embedding(tape, ids, &self.table)? {
+            Some(rows) => Ok(rows),
+            None => ops::embedding(tape, ids, &tape.param(&self.table)?),
+        }
     }
 }
 

@@ -13,8 +13,8 @@ pub struct Linear {
 impl Linear {
     /// `x: [.., in]` -> `[.., out]`.
     pub fn forward(&self, tape: &Tape, x: &Value) -> Result<Value> {
-        let b = self.bias.as_ref().map(|b| tape.param(b));
-        ops::linear(tape, x, &tape.param(&self.weight), b.as_ref())
+        let b = self.bias.as_ref().map(|b| tape.param(b)).transpose()?;
+        ops::linear(tape, x, &tape.param(&self.weight)?, b.as_ref())
     }
 }
 

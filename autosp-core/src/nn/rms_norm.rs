@@ -13,7 +13,7 @@ pub struct RmsNorm {
 impl RmsNorm {
     /// `x: [.., d]` -> `[.., d]`.
     pub fn forward(&self, tape: &Tape, x: &Value) -> Result<Value> {
-        ops::rms_norm(tape, x, &tape.param(&self.weight), self.eps)
+        ops::rms_norm(tape, x, &tape.param(&self.weight)?, self.eps)
     }
 }
 

@@ -12,6 +12,8 @@ pub mod reduce;
 pub mod rms_norm;
 pub mod rope;
 pub mod scalar;
+pub mod shard_param;
+pub mod sharded_embedding;
 pub mod softmax;
 pub mod view;
 
@@ -25,5 +27,6 @@ pub use reduce::{mean, sum, sum_all};
 pub use rms_norm::rms_norm;
 pub use rope::{rope, rope_tables};
 pub use scalar::{affine, powf, scale};
+pub use sharded_embedding::sharded_embedding;
 pub use softmax::softmax_last_dim;
 pub use view::{cat, contiguous, narrow, reshape, transpose};

@@ -40,7 +40,8 @@ impl Optimizer for Sgd {
     fn step(&mut self, params: &[Param], grads: &Gradients, lr: f64) -> Result<()> {
         for p in super::distinct(params) {
             let Some(g) = grads.get(p) else { continue };
-            let w = p.tensor();
+            // The whole parameter, or this rank's slice of a sharded one (the gradients are slices then).
+            let w = p.update_view()?;
             let precision = Precision::float(w.dtype());
             let half = precision.needs_master();
             let wf = match self.masters.remove(&p.id()) {
@@ -60,10 +61,10 @@ impl Optimizer for Sgd {
             }
             let new = (wf - (d * lr)?)?;
             if half {
-                p.set(new.to_dtype(w.dtype())?)?;
+                p.set_update(new.to_dtype(w.dtype())?)?;
                 self.masters.insert(p.id(), new);
             } else {
-                p.set(new)?;
+                p.set_update(new)?;
             }
         }
         Ok(())

@@ -3,7 +3,7 @@
 //! force; `d_hidden` chunk by chunk and `d_lm_head` as a running sum in chunk order (deterministic). Inputs
 //! are checked by the door (`mod.rs`); the targets are read on the host and refused here when out of range.
 
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, DType, InplaceOp3, Layout, Tensor};
 use rayon::prelude::*;
 
 use autosp_core::ops::IGNORE_INDEX;
@@ -11,7 +11,6 @@ use autosp_core::simd::{simd_path, SimdPath};
 use autosp_core::{Error, Precision, Result};
 
 use crate::host::{tensor_from, Host};
-use crate::running_sum::add_to;
 use crate::vector::Real;
 
 const OP: &str = "chunked_cross_entropy";
@@ -97,7 +96,13 @@ fn run_typed<T: Real>(
                 drop(logits);
                 let dl = tensor_from(dl, (rows, vocab))?;
                 dh_chunks.push(dl.matmul(lm_head)?);
-                add_to(&mut dw, dl.t()?.matmul(&h)?)?;
+                // `d_lm_head += dlᵀ · h` in place (gemm reading its destination): no whole `[vocab, hidden]`
+                // product or sum besides the accumulator (1 GiB each at a 128K vocabulary and hidden 2048 in
+                // f32). The first chunk's product is the accumulator, owned by nothing else.
+                match &dw {
+                    Some(acc) => acc.inplace_op3(&dl, &h, &AccumulateProduct)?,
+                    None => dw = Some(dl.t()?.matmul(&h)?),
+                }
             }
         }
         start += rows;
@@ -138,6 +143,73 @@ pub(crate) fn run(
         None => None,
     };
     Ok((loss, grads))
+}
+
+/// `acc += xᵀ · y` in place with gemm (the engine behind candle's CPU matmul), for `acc: [vocab, hidden]`
+/// contiguous, `x: [rows, vocab]` and `y: [rows, hidden]` (any strides), f32 or f64: the running sum of
+/// `d_lm_head`.
+struct AccumulateProduct;
+
+impl InplaceOp3 for AccumulateProduct {
+    fn name(&self) -> &'static str {
+        "chunked_cross_entropy_accumulate_product"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<()> {
+        let (&[m, n], &[k, m2], &[k2, n2]) = (l1.dims(), l2.dims(), l3.dims()) else {
+            candle_core::bail!("{OP}: d_lm_head's sum needs 2-d operands");
+        };
+        if m2 != m || k2 != k || n2 != n || !l1.is_contiguous() {
+            candle_core::bail!("{OP}: d_lm_head {:?} += {:?}ᵀ · {:?} does not fit", l1.dims(), l2.dims(), l3.dims());
+        }
+        let (xs, ys) = (l2.stride(), l3.stride());
+        let parallelism = match rayon::current_num_threads() {
+            1 => gemm::Parallelism::None,
+            t => gemm::Parallelism::Rayon(t),
+        };
+        macro_rules! run {
+            ($acc:expr, $x:expr, $y:expr, $one:expr) => {
+                // SAFETY: the pointers are offset by each layout's start and read or written within its dims
+                // and strides (checked above against one another), and `acc` is borrowed mutably alone.
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        n,
+                        k,
+                        $acc[l1.start_offset()..].as_mut_ptr(),
+                        1,
+                        n as isize,
+                        true,
+                        $x[l2.start_offset()..].as_ptr(),
+                        xs[0] as isize,
+                        xs[1] as isize,
+                        $y[l3.start_offset()..].as_ptr(),
+                        ys[1] as isize,
+                        ys[0] as isize,
+                        $one,
+                        $one,
+                        false,
+                        false,
+                        false,
+                        parallelism,
+                    )
+                }
+            };
+        }
+        match (s1, s2, s3) {
+            (CpuStorage::F32(a), CpuStorage::F32(x), CpuStorage::F32(y)) => run!(a, x, y, 1.0f32),
+            (CpuStorage::F64(a), CpuStorage::F64(x), CpuStorage::F64(y)) => run!(a, x, y, 1.0f64),
+            _ => candle_core::bail!("{OP}: d_lm_head's sum and its operands must all be f32 or all f64"),
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -80,5 +80,5 @@ impl Module for LlamaDecoderLayer {
 
 /// RMSNorm through the fused kernel: `x: [.., d]` -> `[.., d]`.
 pub(crate) fn fused_norm(tape: &Tape, norm: &autosp_core::nn::RmsNorm, x: &Value) -> autosp_core::Result<Value> {
-    autosp_kernels::rms_norm::rms_norm(tape, x, &tape.param(&norm.weight), norm.eps)
+    autosp_kernels::rms_norm::rms_norm(tape, x, &tape.param(&norm.weight)?, norm.eps)
 }

@@ -28,7 +28,7 @@ impl LlamaMlp {
     pub fn forward(&self, tape: &Tape, x: &Value) -> ModelResult<Value> {
         if self.chunked(tape) {
             let (g, u, d) = (&self.gate_proj.weight, &self.up_proj.weight, &self.down_proj.weight);
-            return Ok(chunked_mlp(tape, x, &tape.param(g), &tape.param(u), &tape.param(d), MLP_CHUNK_ROWS)?);
+            return Ok(chunked_mlp(tape, x, &tape.param(g)?, &tape.param(u)?, &tape.param(d)?, MLP_CHUNK_ROWS)?);
         }
         let gate = self.gate_proj.forward(tape, x)?;
         let up = self.up_proj.forward(tape, x)?;

@@ -252,7 +252,7 @@ impl LlamaModel {
     pub fn head(&self, tape: &Tape, hidden: &Value) -> ModelResult<Value> {
         Ok(match &self.lm_head {
             Some(l) => l.forward(tape, hidden)?,
-            None => ops::linear(tape, hidden, &tape.param(&self.embed_tokens.table), None)?,
+            None => ops::linear(tape, hidden, &tape.param(&self.embed_tokens.table)?, None)?,
         })
     }
 
@@ -280,8 +280,8 @@ impl LlamaModel {
         let h = self.hidden_states(tape, ids, positions)?;
         let h = ops::reshape(tape, &h, (b * n, self.config.hidden_size))?;
         let head = match &self.lm_head {
-            Some(l) => tape.param(&l.weight),
-            None => tape.param(&self.embed_tokens.table),
+            Some(l) => tape.param(&l.weight)?,
+            None => tape.param(&self.embed_tokens.table)?,
         };
         let targets = tape.constant(targets.to_dtype(DType::I64)?);
         // The loss in row chunks: no [b * n, vocab] logits tensor is ever held (about 32 MiB of logits at a time).

@@ -20,6 +20,7 @@
 
 mod atomic;
 mod lock;
+mod sharded;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -33,6 +34,7 @@ use serde_json::{json, Value};
 
 pub use atomic::clean_stale;
 pub use lock::{SaveLock, LOCK_FILE};
+pub use sharded::{rank_file, restore_sharded, save_sharded};
 
 use super::error::{IoContext, Result, TrainError};
 use super::stream::Position;
@@ -50,6 +52,8 @@ pub struct RunShape {
     pub seq_len: usize,
     /// Micro-batches per optimizer step.
     pub micro_batches: usize,
+    /// Data-parallel replicas (each takes its own sequences of every micro-batch).
+    pub data_parallel: usize,
     /// What the data is (`needles`, `ids:FILE`, a file name, or any label a caller gives).
     pub data_source: String,
     /// The data's seed.
@@ -81,6 +85,11 @@ pub struct TrainerState {
     pub seq_len: usize,
     /// Micro-batches per step.
     pub micro_batches: usize,
+    /// Data-parallel replicas (1 in checkpoints written before meshes existed).
+    pub data_parallel: usize,
+    /// The ranks the optimizer state is sharded over, when it is (one file per rank); `None`: one
+    /// `optimizer.safetensors` with the whole state.
+    pub sharded_over: Option<usize>,
     /// The data source as given.
     pub data_source: String,
     /// The data's seed.
@@ -111,6 +120,8 @@ impl TrainerState {
             data,
             seq_len: shape.seq_len,
             micro_batches: shape.micro_batches,
+            data_parallel: shape.data_parallel,
+            sharded_over: None,
             data_source: shape.data_source.clone(),
             seed: shape.seed,
             dtype: shape.dtype,
@@ -153,6 +164,7 @@ impl TrainerState {
         }
         let same = [
             ("--batch-tokens / --seq-len", self.micro_batches.to_string(), now.micro_batches.to_string()),
+            ("--dp", self.data_parallel.to_string(), now.data_parallel.to_string()),
             ("--data", self.data_source.clone(), now.data_source.clone()),
             ("--seed", self.seed.to_string(), now.seed.to_string()),
             ("--dtype", self.dtype.as_str().to_string(), now.dtype.as_str().to_string()),
@@ -238,9 +250,31 @@ fn write_into(
             moments.insert(format!("{}.exp_avg_sq", p.name()), v.clone());
         }
     }
-    save_model(tmp, &model.config, &weights, &SaveOptions { dtype: Some(disk), ..SaveOptions::default() })?;
+    write_model(tmp, model, disk, &weights)?;
+    drop(weights);
     candle_core::safetensors::save(&moments, tmp.join(OPTIMIZER_FILE))?;
-    autosp_models::save::match_permissions(&tmp.join(OPTIMIZER_FILE), &tmp.join("config.json"))?;
+    drop(moments);
+    write_rest(tmp, state, tokenizer, None)
+}
+
+/// Makes `tmp` holding the model in the HF layout (`weights` by HF name, saved in `disk`); it must be the
+/// first thing written there (the model is written atomically, replacing the directory).
+fn write_model(tmp: &Path, model: &LlamaModel, disk: DType, weights: &HashMap<String, Tensor>) -> Result<()> {
+    save_model(tmp, &model.config, weights, &SaveOptions { dtype: Some(disk), ..SaveOptions::default() })?;
+    Ok(())
+}
+
+/// Finishes `tmp` (which holds the model and the optimizer state already): the optimizer files get the model
+/// files' permissions, the tokenizer is written, then `trainer_state.json` with `state`, `extra`'s fields and
+/// every file's size and hash.
+fn write_rest(tmp: &Path, state: &TrainerState, tokenizer: Option<&str>, extra: Option<Value>) -> Result<()> {
+    for entry in std::fs::read_dir(tmp).io(|| format!("listing {}", tmp.display()))? {
+        let path = entry.io(|| format!("listing {}", tmp.display()))?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if name.starts_with("optimizer") && name.ends_with(".safetensors") {
+            autosp_models::save::match_permissions(&path, &tmp.join("config.json"))?;
+        }
+    }
     if let Some(t) = tokenizer {
         let path = tmp.join("tokenizer.json");
         std::fs::write(&path, t).io(|| format!("writing {}", path.display()))?;
@@ -252,13 +286,14 @@ fn write_into(
         let name = path.file_name().unwrap_or_default().to_string_lossy().to_string();
         files.insert(name, json!({ "bytes": bytes, "fnv1a64": fnv }));
     }
-    let doc = json!({
+    let mut doc = json!({
         "step": state.step,
         "optimizer_step": state.optimizer_step,
         "data_drawn": state.data.drawn,
         "data_rng": state.data.rng.to_string(),
         "seq_len": state.seq_len,
         "micro_batches": state.micro_batches,
+        "data_parallel": state.data_parallel,
         "data_source": state.data_source,
         "seed": state.seed.to_string(),
         "dtype": state.dtype.as_str(),
@@ -269,6 +304,9 @@ fn write_into(
         "curriculum": state.curriculum,
         "files": files,
     });
+    if let (Some(Value::Object(extra)), Some(map)) = (extra, doc.as_object_mut()) {
+        map.extend(extra);
+    }
     let path = tmp.join(STATE_FILE);
     let text = serde_json::to_string_pretty(&doc)
         .map_err(|e| TrainError::io(format!("writing {}", path.display()), e.into()))?;
@@ -321,8 +359,13 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
             .ok_or_else(|| damaged(format!("{STATE_FILE}: `{k}` is not a number")))
     };
     let files = field("files")?.as_object().ok_or_else(|| damaged(format!("{STATE_FILE}: `files` is not a map")))?;
-    for name in ["config.json", OPTIMIZER_FILE] {
-        if !files.contains_key(name) {
+    let sharded = sharded::listed_files(&doc);
+    let optimizer: Vec<String> = match &sharded {
+        Some((_, list)) => list.keys().cloned().collect(),
+        None => vec![OPTIMIZER_FILE.to_string()],
+    };
+    for name in std::iter::once("config.json".to_string()).chain(optimizer) {
+        if !files.contains_key(&name) {
             return Err(damaged(format!("{STATE_FILE} does not list {name}")));
         }
     }
@@ -352,6 +395,8 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
         data: Position { drawn: num("data_drawn")?, rng: num("data_rng")? },
         seq_len: num("seq_len")? as usize,
         micro_batches: num("micro_batches")? as usize,
+        data_parallel: doc.get("data_parallel").and_then(Value::as_u64).unwrap_or(1) as usize,
+        sharded_over: sharded.map(|(world, _)| world),
         data_source: field("data_source")?.as_str().unwrap_or_default().to_string(),
         seed: num("seed")?,
         dtype: match doc.get("dtype") {
@@ -386,7 +431,7 @@ pub fn restore_optimizer(dir: &Path, opt: &mut AdamW, params: &[Param], step: u6
     for p in params {
         let (m, v) = (t.remove(&format!("{}.exp_avg", p.name())), t.remove(&format!("{}.exp_avg_sq", p.name())));
         match (m, v) {
-            (Some(m), Some(v)) if m.dims() == p.tensor().dims() && v.dims() == p.tensor().dims() => {
+            (Some(m), Some(v)) if m.dims() == p.shape().dims() && v.dims() == p.shape().dims() => {
                 opt.set_state(step, p, m, v)?
             }
             (None, None) if step == 0 => {}
@@ -396,26 +441,30 @@ pub fn restore_optimizer(dir: &Path, opt: &mut AdamW, params: &[Param], step: u6
                      it belongs to another model",
                     dir.display(),
                     p.name(),
-                    p.tensor().dims()
+                    p.shape().dims()
                 )))
             }
         }
         if let Some(master) = t.remove(&format!("{}.master", p.name())) {
             let w = p.tensor();
-            if master.dims() != w.dims() {
+            if master.dims() != p.shape().dims() {
                 return Err(TrainError::checkpoint(format!(
                     "checkpoint {}: {OPTIMIZER_FILE} holds master weights of `{}` with shape {:?}, but the parameter \
                      has {:?}; it belongs to another model",
                     dir.display(),
                     p.name(),
                     master.dims(),
-                    w.dims()
+                    p.shape().dims()
                 )));
             }
             if Precision::float(w.dtype()).needs_master() {
                 opt.set_master(p, &master)?;
             } else {
-                p.set(master.to_dtype(w.dtype())?)?;
+                let exact = master.to_dtype(w.dtype())?;
+                match p.shard() {
+                    Some(s) => p.set_update(s.slice(&exact)?)?,
+                    None => p.set(exact)?,
+                }
             }
         }
     }

@@ -161,7 +161,7 @@ impl Needles {
         let n_pad = c.padded_len(seq_len);
         let (ev, qs) = (Needles::evidence(seq_len), Needles::questions(seq_len));
         let (mut ev_ranks, mut q_ranks) = (Vec::new(), Vec::new());
-        for r in 0..c.group().size() {
+        for r in 0..c.sp_group().size() {
             let pos = c.positions(n_pad, r)?;
             if pos.iter().any(|x| ev.contains(x)) {
                 ev_ranks.push(r.to_string());

@@ -74,14 +74,21 @@ impl AdamW {
     }
 
     /// Restores a parameter's moments and the step count (resuming from a checkpoint). The optimiser
-    /// updates its moments in place on the CPU, so it takes its own copies of `m` and `v`.
+    /// updates its moments in place on the CPU, so it takes its own copies of `m` and `v`. For a sharded
+    /// parameter, whole-shaped moments are cut to this rank's slice (a resume onto any mesh or sharding level
+    /// reads the same whole moments).
     pub fn set_state(&mut self, step: u64, p: &Param, m: Tensor, v: Tensor) -> Result<()> {
         self.step = step;
-        self.moments.insert(p.id(), (m.copy()?, v.copy()?));
+        let (m, v) = match p.shard() {
+            Some(s) if m.dims() == s.shape.dims() => (s.slice(&m)?, s.slice(&v)?),
+            _ => (m.copy()?, v.copy()?),
+        };
+        self.moments.insert(p.id(), (m, v));
         Ok(())
     }
 
-    /// The f32 master weights of a bf16/f16 parameter `p` (same shape as `p`), once the optimiser has one:
+    /// The f32 master weights of a bf16/f16 parameter `p` (its shape; this rank's slice `[chunk]` when `p` is
+    /// sharded), once the optimiser has one:
     /// after its first step with a gradient for `p`, or after [`set_master`](Self::set_master). `None` for
     /// f32/f64 parameters (the parameter is its own master). Later steps update it in place on the CPU:
     /// copy it to keep a snapshot.
@@ -92,7 +99,10 @@ impl AdamW {
     /// Sets the f32 master weights of the bf16/f16 parameter `p` (resuming from a checkpoint, or starting
     /// from weights more precise than the parameter, such as an f32 checkpoint trained in bf16) and writes
     /// `master` rounded to the parameter's dtype into `p`, so the two agree. Takes its own copy. Fails for
-    /// f32/f64 parameters (they have no master: restore the parameter itself) and on a shape mismatch.
+    /// f32/f64 parameters (they have no master: restore the parameter itself) and on a shape mismatch. A
+    /// sharded parameter takes `master` whole-shaped (keeping this rank's slice of it) or as this rank's slice
+    /// `[chunk]`, and is written through [`Param::set_update`] (collective below `Parameters`: every rank sets
+    /// every master in one order).
     pub fn set_master(&mut self, p: &Param, master: &Tensor) -> Result<()> {
         let w = p.tensor();
         let precision = Precision::float(w.dtype());
@@ -105,18 +115,24 @@ impl AdamW {
                 ),
             });
         }
-        if master.dims() != w.dims() {
+        let shard = p.shard();
+        let slice_given = shard.as_ref().is_some_and(|s| master.dims() == [s.layout.chunk]);
+        if master.dims() != p.shape().dims() && !slice_given {
             return Err(Error::Optimizer {
                 msg: format!(
                     "the master weights of `{}` have shape {:?} but the parameter has {:?}: they belong to another model",
                     p.name(),
                     master.dims(),
-                    w.dims()
+                    p.shape().dims()
                 ),
             });
         }
-        let master = master.to_dtype(precision.master())?.to_device(w.device())?.copy()?;
-        p.set(master.to_dtype(w.dtype())?)?;
+        let master = master.to_dtype(precision.master())?.to_device(w.device())?;
+        let master = match shard {
+            Some(s) if !slice_given => s.slice(&master)?,
+            _ => master.copy()?,
+        };
+        p.set_update(master.to_dtype(w.dtype())?)?;
         self.masters.insert(p.id(), master);
         Ok(())
     }
@@ -137,7 +153,8 @@ impl Optimizer for AdamW {
         };
         for p in super::distinct(params) {
             let Some(g) = grads.get(p) else { continue };
-            let w = p.tensor();
+            // The whole parameter, or this rank's slice of a sharded one (the gradients are slices then).
+            let w = p.update_view()?;
             if g.dims() != w.dims() {
                 return Err(Error::Optimizer {
                     msg: format!(
@@ -165,7 +182,7 @@ impl Optimizer for AdamW {
                     Route::Cpu => cpu::update_master(master, &gf, m, v, &k)?,
                     Route::Generic => generic::update(&master, &gf, m, v, &k)?,
                 };
-                p.set(master.to_dtype(w.dtype())?)?;
+                p.set_update(master.to_dtype(w.dtype())?)?;
                 self.masters.insert(p.id(), master);
                 (m, v)
             } else {
@@ -173,7 +190,7 @@ impl Optimizer for AdamW {
                     Route::Cpu => cpu::update(&w, &gf, m, v, &k)?,
                     Route::Generic => generic::update(&w, &gf, m, v, &k)?,
                 };
-                p.set(new)?;
+                p.set_update(new)?;
                 (m, v)
             };
             self.moments.insert(p.id(), (m, v));

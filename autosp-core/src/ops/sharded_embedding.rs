@@ -1,0 +1,176 @@
+//! Embedding lookup from a table sharded at `Gradients` or `Parameters` ([`crate::shard`]), whose backward
+//! never makes the whole table's gradient. The plain path (a [`ShardedParam`](super::shard_param::ShardedParam)
+//! gather, then [`Embedding`]) scatter-adds every rank's token gradients into a whole `[vocab, hidden]`
+//! gradient and reduce-scatters it: 1 GiB per rank and per step for a 128K × 2048 f32 table, for a few
+//! thousand rows that changed. Here backward all-gathers the tokens' ids and gradients over the shard's group
+//! (`tokens × hidden` numbers per rank) and each rank adds, in rank order, the rows that fall into its own
+//! slice of the flattened table (a row may straddle two slices; each rank takes its part).
+//!
+//! The sum is taken in the accumulation dtype and rounded once to the gradient's dtype, as one rank's
+//! [`Embedding`] backward rounds its sum, then widened to the reduction dtype the optimizer gets.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::embedding::Embedding;
+use crate::precision::Precision;
+use crate::shard::{ParamShard, ShardLevel};
+use crate::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
+
+/// `table[ids]` for a sharded table: inputs `ids: [..]` (u32 or i64) and this rank's slice `[chunk]` (the
+/// parameter's leaf) -> `[.., hidden]`; backward gives the slice's gradient `[chunk]` in the reduction dtype.
+/// Forward and backward are collective over the shard's group.
+#[derive(Debug)]
+pub struct ShardedEmbedding {
+    /// The table's sharding (its whole shape is `[vocab, hidden]`).
+    pub shard: Arc<ParamShard>,
+    /// The table as stored (whole at `Gradients`, where forward reads it instead of gathering).
+    pub stored: Tensor,
+}
+
+impl Op for ShardedEmbedding {
+    fn name(&self) -> &'static str {
+        "sharded_embedding"
+    }
+    fn kind(&self) -> NodeKind {
+        NodeKind::Embedding
+    }
+    fn forward(&self, i: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let table = match self.shard.level {
+            ShardLevel::Parameters => self.shard.gather(i[1])?,
+            _ => self.stored.clone(),
+        };
+        Embedding.forward(&[i[0], &table])
+    }
+    fn saves(&self) -> Saves {
+        Saves::inputs(&[0])
+    }
+    fn backward(&self, s: &SavedTensors<'_>, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
+        let Some(g) = &g[0] else { return Ok(vec![None, None]) };
+        Ok(vec![None, Some(slice_grad(&self.shard, &s.input(0)?.flatten_all()?, g)?)])
+    }
+}
+
+/// This rank's slice `[chunk]` of the table's gradient, summed over every rank's tokens: `ids: [t]`, `g: [..,
+/// hidden]` with `t` rows. Collective over the shard's group.
+fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let (vocab, hidden) = shard.shape.dims2()?;
+    let precision = Precision::float(g.dtype());
+    let acc = precision.accumulate();
+    let group = shard.group.as_ref();
+    let t = ids.elem_count();
+    // Ranks may hold different token counts: pad every rank's rows to the largest with the id -1.
+    let counts = group.all_gather(&Tensor::new(&[t as f64], &Device::Cpu)?, 0)?.to_vec1::<f64>()?;
+    let most = counts.iter().fold(0.0f64, |a, &b| a.max(b)) as usize;
+    if vocab as f64 >= f64::from(1u32 << 24) && acc == DType::F32 {
+        return Err(Error::InvalidArgument {
+            op: "sharded_embedding",
+            msg: format!(
+                "a table of {vocab} rows is past the ids f32 carries exactly: use an f64 model or --shard optimizer"
+            ),
+        });
+    }
+    // One [most, hidden + 1] block per rank: the gradient rows and, last, the id (as a float of `acc`).
+    let rows = g.reshape((t, hidden))?.to_dtype(acc)?;
+    let id_col = ids.to_dtype(acc)?.reshape((t, 1))?;
+    let mut block = Tensor::cat(&[&rows, &id_col], 1)?;
+    if most > t {
+        let pad_ids = Tensor::full(-1.0f32, (most - t, 1), g.device())?.to_dtype(acc)?;
+        let pad = Tensor::cat(&[&Tensor::zeros((most - t, hidden), acc, g.device())?, &pad_ids], 1)?;
+        block = Tensor::cat(&[&block, &pad], 0)?;
+    }
+    let all = group.all_gather(&block.contiguous()?, 0)?;
+    // The rows of the table this rank's flat slice touches: [lo, hi).
+    let owned = shard.layout.owned();
+    let (lo, hi) = (owned.start / hidden, owned.end.div_ceil(hidden));
+    let all_ids = all.narrow(1, hidden, 1)?.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    let (mut picked, mut local) = (Vec::new(), Vec::new());
+    for (pos, &id) in all_ids.iter().enumerate() {
+        if id >= lo as f64 && id < hi as f64 {
+            picked.push(pos as u32);
+            local.push((id as usize - lo) as u32);
+        }
+    }
+    let mut part = Tensor::zeros((hi - lo, hidden), acc, g.device())?;
+    if !picked.is_empty() {
+        let k = picked.len();
+        let picked = Tensor::from_vec(picked, k, g.device())?;
+        let local = Tensor::from_vec(local, k, g.device())?;
+        let sel = all.index_select(&picked, 0)?.narrow(1, 0, hidden)?.contiguous()?;
+        part = part.index_add(&local, &sel, 0)?;
+    }
+    // The owned elements of those rows, rounded once to the gradient's dtype, padded to the slice's length.
+    let part = part.flatten_all()?.narrow(0, owned.start - lo * hidden, owned.len())?;
+    let part = part.to_dtype(g.dtype())?.to_dtype(precision.reduce())?;
+    let pad = shard.layout.chunk - owned.len();
+    Ok(if pad > 0 { part.pad_with_zeros(0, 0, pad)? } else { part.contiguous()? })
+}
+
+/// Rows of the sharded `table` for `ids: [..]` -> `[.., hidden]`, recorded as one [`ShardedEmbedding`] on the
+/// table's slice leaf; `None` when the table is not sharded at `Gradients` or `Parameters` or the tape does not
+/// record (use [`super::embedding`] with [`Tape::param`] then).
+pub fn sharded_embedding(tape: &Tape, ids: &Value, table: &crate::Param) -> Result<Option<Value>> {
+    let Some((leaf, shard)) = tape.param_slice(table)? else { return Ok(None) };
+    let op = ShardedEmbedding { shard, stored: table.tensor() };
+    Ok(Some(tape.apply(op, &[ids, &leaf])?.remove(0)))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::comm::run_ranks;
+    use crate::{CheckpointPolicy, Param};
+
+    /// Two ranks with 4 and 3 tokens (ids repeat, and rows 2 and 3 straddle the slices of a 5 × 3 table: 15
+    /// elements in slices of 8, the last padded), at both levels: the lookup equals the whole table's, and each
+    /// rank's slice gradient equals its slice of the whole gradient one rank gets from all 7 tokens (f64, to
+    /// 1e-12: the same sums in another order).
+    #[test]
+    fn slices_get_their_part_of_the_whole_gradient() {
+        let (vocab, hidden) = (5usize, 3usize);
+        let whole: Vec<f64> = (0..vocab * hidden).map(|i| (i as f64 * 0.37).sin()).collect();
+        let table = Tensor::from_vec(whole, (vocab, hidden), &Device::Cpu).unwrap();
+        let ids_of = |rank: usize| if rank == 0 { vec![2u32, 3, 2, 0] } else { vec![3u32, 4, 2] };
+        let g_of = |rank: usize, t: usize| {
+            let v: Vec<f64> = (0..t * hidden).map(|i| ((i + 7 * rank) as f64 * 0.91).cos()).collect();
+            Tensor::from_vec(v, (t, hidden), &Device::Cpu).unwrap()
+        };
+        // The reference: one rank, all tokens, the plain op.
+        let tape = Tape::new(CheckpointPolicy::None);
+        let leaf = tape.leaf(table.clone());
+        let all_ids: Vec<u32> = [ids_of(0), ids_of(1)].concat();
+        let ids = tape.constant(Tensor::from_vec(all_ids, 7, &Device::Cpu).unwrap());
+        let y = crate::ops::embedding(&tape, &ids, &leaf).unwrap();
+        let dy = Tensor::cat(&[&g_of(0, 4), &g_of(1, 3)], 0).unwrap();
+        let loss = crate::ops::sum_all(&tape, &crate::ops::mul(&tape, &y, &tape.constant(dy)).unwrap()).unwrap();
+        tape.backward(&loss).unwrap();
+        let want = tape.grad(&leaf).unwrap().unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        for level in [ShardLevel::Gradients, ShardLevel::Parameters] {
+            let out = run_ranks(2, Duration::from_secs(30), |pg| {
+                let p = Param::new("embed", table.clone());
+                p.shard_over(level, pg.clone()).unwrap();
+                let rank = pg.rank();
+                let tape = Tape::new(CheckpointPolicy::None);
+                let ids = tape.constant(Tensor::from_vec(ids_of(rank), ids_of(rank).len(), &Device::Cpu).unwrap());
+                let y = sharded_embedding(&tape, &ids, &p).unwrap().expect("sharded at this level");
+                let rows = table.index_select(ids.tensor(), 0).unwrap();
+                assert_eq!(y.tensor().to_vec2::<f64>().unwrap(), rows.to_vec2::<f64>().unwrap());
+                let dy = tape.constant(g_of(rank, ids_of(rank).len()));
+                let loss = crate::ops::sum_all(&tape, &crate::ops::mul(&tape, &y, &dy).unwrap()).unwrap();
+                tape.backward(&loss).unwrap();
+                tape.param_grads().get(&p).unwrap().to_vec1::<f64>().unwrap()
+            });
+            for (rank, got) in out.into_iter().enumerate() {
+                let got = got.unwrap();
+                assert_eq!(got.len(), 8, "{level}: a slice of ceil(15 / 2)");
+                for (j, &v) in got.iter().enumerate() {
+                    let w = want.get(rank * 8 + j).copied().unwrap_or(0.0);
+                    assert!((v - w).abs() <= 1e-12, "{level} rank {rank} element {j}: {v} vs {w}");
+                }
+            }
+        }
+    }
+}

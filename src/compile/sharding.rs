@@ -1,0 +1,239 @@
+//! Model states per rank at each sharding level, and the level a compile picks when none is asked for.
+//!
+//! Per rank, for N parameters of `b` bytes each (4 for f32, 2 for bf16/f16) over W ranks, `n` = N (whole) or
+//! about N/W (a slice) as the level keeps them ([`autosp_core::shard`]):
+//! parameters `n·b`; gradients in the reduction dtype, `n·4` (whole below `Gradients`: the tape holds them
+//! whole until they are reduced); AdamW's two moments `n·8`; f32 masters of bf16/f16 weights `n·4`. At `Parameters` a whole weight exists only while an op
+//! uses it: the largest block's weights (or the largest single weight outside the blocks) at once, counted as
+//! `gathered`.
+
+use std::sync::Arc;
+
+use autosp_core::comm::ProcessGroup;
+use autosp_core::module::{all_params, visit_mut};
+use autosp_core::optim::AdamW;
+use autosp_core::shard::{ShardLayout, ShardLevel};
+use autosp_core::{Gradients, LmDims, Module, Param, Precision};
+use candle_core::DType;
+
+use super::CompileError;
+
+/// Below this many bytes of unsharded model state per rank the default level is `None`.
+pub const SHARD_FROM_BYTES: usize = 1 << 30;
+
+/// The model-state bytes of one rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ModelStateBytes {
+    /// Parameters as stored.
+    pub params: usize,
+    /// Gradients at their most, in the reduction dtype (f32 for bf16/f16/f32 weights): whole below
+    /// `Gradients` (the tape's, until the reduction; at `Optimizer` the optimiser then gets a slice), this
+    /// rank's slice at `Gradients` and `Parameters` (each use's gradient is reduce-scattered in backward).
+    pub grads: usize,
+    /// AdamW's two moments.
+    pub moments: usize,
+    /// f32 master weights of bf16/f16 parameters.
+    pub masters: usize,
+    /// Whole weights gathered for their use (`Parameters` only): the most alive at once.
+    pub gathered: usize,
+}
+
+impl ModelStateBytes {
+    /// Everything a rank holds for the model state at its peak (the gathered weights included).
+    pub fn total(&self) -> usize {
+        self.params + self.grads + self.moments + self.masters + self.gathered
+    }
+}
+
+impl ModelStateBytes {
+    /// What this rank holds, measured from the tensors' storages, each counted once (a view counts the whole
+    /// storage it keeps alive; gradients that are views of one reduced bucket count the bucket once): `params`
+    /// as stored (a slice at `Parameters`), `grads` as a step returned them, AdamW's moments and master
+    /// weights; `gathered` is 0 (the gathered weights live only inside a step: the tape's bytes count them).
+    pub fn held(params: &[Param], grads: &Gradients, opt: &AdamW) -> Self {
+        let mut seen = std::collections::HashSet::new();
+        let mut bytes = |t: &candle_core::Tensor| {
+            if seen.insert(autosp_core::memory::storage_key(t)) {
+                autosp_core::memory::storage_bytes(t)
+            } else {
+                0
+            }
+        };
+        let mut held = Self::default();
+        for p in params {
+            held.params += bytes(&p.tensor());
+            held.grads += grads.get(p).map_or(0, &mut bytes);
+            if let Some((m, v)) = opt.moments(p) {
+                held.moments += bytes(m) + bytes(v);
+            }
+            held.masters += opt.master(p).map_or(0, &mut bytes);
+        }
+        held
+    }
+}
+
+/// `{total} per rank: parameters {..}, gradients {..}, moments {..}, masters {..}, gathered weights {..}` (MiB).
+impl std::fmt::Display for ModelStateBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} per rank: parameters {}, gradients {}, moments {}, masters {}, gathered weights {}",
+            mib(self.total()),
+            mib(self.params),
+            mib(self.grads),
+            mib(self.moments),
+            mib(self.masters),
+            mib(self.gathered)
+        )
+    }
+}
+
+/// The parameters of a model as model-state accounting needs them: every distinct parameter's whole element
+/// count, the elements of the largest set whole at once at `Parameters` (a block's, or the largest single
+/// parameter outside the blocks), which parameters belong to a checkpointed block, and the embedding tied to
+/// the LM head (a causal LM's only `[vocab, hidden]` parameter), which a step uses twice.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ParamCounts {
+    /// Whole element counts, one per distinct parameter.
+    pub elems: Vec<usize>,
+    /// The largest unit gathered at once.
+    pub largest_unit: usize,
+    /// The parameters of modules with a checkpoint region.
+    pub in_block: std::collections::HashSet<autosp_core::ParamId>,
+    /// The tied embedding, when there is one.
+    pub tied: Option<autosp_core::ParamId>,
+}
+
+impl ParamCounts {
+    /// The counts of `model` (its blocks are the modules with a checkpoint region; `dims` its vocabulary and
+    /// hidden size).
+    pub fn of(model: &mut dyn Module, dims: &LmDims) -> Self {
+        let mut in_blocks = std::collections::HashSet::new();
+        let mut largest = 0;
+        visit_mut(model, "", &mut |_, m| {
+            if m.region_slot().is_some() {
+                let ps = all_params(m);
+                largest = largest.max(ps.iter().map(|p| p.shape().elem_count()).sum::<usize>());
+                in_blocks.extend(ps.iter().map(Param::id));
+            }
+        });
+        let params = all_params(model);
+        let outside =
+            params.iter().filter(|p| !in_blocks.contains(&p.id())).map(|p| p.shape().elem_count()).max().unwrap_or(0);
+        let heads: Vec<&Param> = params.iter().filter(|p| p.shape().dims() == [dims.vocab, dims.hidden]).collect();
+        let tied = if heads.len() == 1 { Some(heads[0].id()) } else { None };
+        Self {
+            elems: params.iter().map(|p| p.shape().elem_count()).collect(),
+            largest_unit: largest.max(outside),
+            in_block: in_blocks,
+            tied,
+        }
+    }
+
+    /// Every parameter's elements together.
+    pub fn total(&self) -> usize {
+        self.elems.iter().sum()
+    }
+}
+
+/// The model-state bytes per rank of a model with these parameters (stored in `dtype`) at `level` over
+/// `world` ranks.
+pub fn model_state_bytes(counts: &ParamCounts, dtype: DType, level: ShardLevel, world: usize) -> ModelStateBytes {
+    let sum = |sliced: bool| -> usize {
+        counts.elems.iter().map(|&n| if sliced { ShardLayout::new(n, 0, world).chunk } else { n }).sum()
+    };
+    let b = dtype.size_in_bytes();
+    let precision = Precision::float(dtype);
+    let wide = precision.reduce().size_in_bytes();
+    let sharded = level != ShardLevel::None && world > 1;
+    let state = sum(sharded);
+    let gathered = if level == ShardLevel::Parameters && world > 1 { counts.largest_unit * b } else { 0 };
+    ModelStateBytes {
+        params: sum(level == ShardLevel::Parameters && world > 1) * b,
+        grads: sum(level >= ShardLevel::Gradients && world > 1) * wide,
+        moments: 2 * state * precision.master().size_in_bytes(),
+        masters: if precision.needs_master() { state * precision.master().size_in_bytes() } else { 0 },
+        gathered,
+    }
+}
+
+/// The level a compile uses when none is asked for, and why: `None` on one rank or below
+/// [`SHARD_FROM_BYTES`] of unsharded model state per rank; `Gradients` above it.
+pub fn default_level(counts: &ParamCounts, dtype: DType, world: usize) -> (ShardLevel, String) {
+    if world == 1 {
+        return (ShardLevel::None, "one rank: nothing to shard".into());
+    }
+    let whole = model_state_bytes(counts, dtype, ShardLevel::None, world).total();
+    if whole < SHARD_FROM_BYTES {
+        return (
+            ShardLevel::None,
+            format!(
+                "the model state is {} per rank unsharded, below {}: sharding would save little and add collectives",
+                mib(whole),
+                mib(SHARD_FROM_BYTES)
+            ),
+        );
+    }
+    let zero2 = model_state_bytes(counts, dtype, ShardLevel::Gradients, world).total();
+    let zero3 = model_state_bytes(counts, dtype, ShardLevel::Parameters, world).total();
+    (
+        ShardLevel::Gradients,
+        format!(
+            "the model state would be {} per rank unsharded; `gradients` keeps 1/{world} of the gradients, moments \
+             and masters ({} per rank) for the communication of an all-reduce; `parameters` would bring it to {} \
+             but gathers every weight for each use",
+            mib(whole),
+            mib(zero2),
+            mib(zero3)
+        ),
+    )
+}
+
+/// The level the parameters were sharded at before compiling ([`super::build_sharded`]), if they were: every
+/// parameter must be, at one level, over a group of the world's size, and a level asked for must be the same
+/// ([`CompileError::Input`] naming the mismatch otherwise).
+pub fn built_level(
+    params: &[Param],
+    world: &Arc<dyn ProcessGroup>,
+    asked: Option<ShardLevel>,
+) -> Result<Option<ShardLevel>, CompileError> {
+    let Some(first) = params.iter().find_map(Param::shard) else { return Ok(None) };
+    for p in params {
+        match p.shard() {
+            Some(s) if s.level == first.level && s.layout.size == world.size() && s.layout.rank == world.rank() => {}
+            other => {
+                return Err(CompileError::Input(format!(
+                    "parameter `{}` is {} but others are sharded at `{}` over {} ranks: shard the whole model \
+                     once, over the world compile is given (build_sharded)",
+                    p.name(),
+                    other.map_or("not sharded".to_string(), |s| format!(
+                        "sharded at `{}` over {} ranks",
+                        s.level, s.layout.size
+                    )),
+                    first.level,
+                    first.layout.size
+                )))
+            }
+        }
+    }
+    if first.layout.size != world.size() {
+        return Err(CompileError::Input(format!(
+            "the model is sharded over {} ranks but compile is given {}: build it with the same world",
+            first.layout.size,
+            world.size()
+        )));
+    }
+    match asked {
+        Some(level) if level != first.level => Err(CompileError::Input(format!(
+            "CompileConfig asks for sharding at `{level}` but the model was built sharded at `{}`: ask for the \
+             same level, or none",
+            first.level
+        ))),
+        _ => Ok(Some(first.level)),
+    }
+}
+
+/// `bytes` in MiB, for messages.
+fn mib(bytes: usize) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
