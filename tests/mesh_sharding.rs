@@ -283,3 +283,43 @@ fn a_model_built_sharded_in_turn_trains_like_one_sharded_by_compile() {
     assert!(errors[0].contains("rank 1 of 2 failed building"), "{}", errors[0]);
     assert!(errors[1].contains("cannot read its weights"), "{}", errors[1]);
 }
+
+/// Thread ranks keep one copy of what every rank holds alike: at `optimizer` and `gradients` every rank holds
+/// the very same parameter tensors (one storage, after compile and after every update) while the moments and
+/// masters are split; at `none` each keeps its own copy (the level keeps everything on every rank). In f32
+/// and in bf16 with masters. (Which level a compile picks on thread ranks: `compile::sharding`'s tests.)
+#[test]
+fn thread_ranks_share_the_parameters_they_hold_alike() {
+    let config = TinySpec::default().config();
+    for (dtype, level) in
+        [(DType::F32, ShardLevel::Optimizer), (DType::BF16, ShardLevel::Gradients), (DType::F32, ShardLevel::None)]
+    {
+        let weights = random_weights(&config, 3, dtype, &Device::Cpu).unwrap();
+        let config = config.clone();
+        let out = run_ranks(2, Duration::from_secs(60), move |pg| -> Result<Vec<Vec<usize>>, String> {
+            let model = LlamaModel::from_weights(&config, weights.clone()).unwrap();
+            let cfg = CompileConfig::new(pg.clone(), Strategy::Auto, Checkpointing::Policy(CheckpointPolicy::None))
+                .with_dtype(dtype)
+                .with_sharding(level);
+            let c = compile(model, cfg).map_err(|e| e.to_string())?;
+            let keys = |c: &autosp::Compiled<LlamaModel>| -> Vec<usize> {
+                c.params().iter().map(|p| autosp::core::memory::storage_key(&p.tensor())).collect()
+            };
+            let mut seen = vec![keys(&c)];
+            let mut opt = adamw();
+            for step in 0..2 {
+                let (ids, labels) = batch(c.model().dims().vocab, step);
+                let out = c.train_step(&ids, Some(&labels)).map_err(|e| e.to_string())?;
+                opt.step(&c.params(), &out.grads, LR).map_err(|e| e.to_string())?;
+                seen.push(keys(&c));
+            }
+            // Every rank's tensors are alive until both have read their addresses (no address reuse).
+            pg.barrier().map_err(|e| e.to_string())?;
+            Ok(seen)
+        });
+        let seen: Vec<Vec<Vec<usize>>> = out.into_iter().map(|r| r.unwrap().unwrap()).collect();
+        // At `none` the f32 ranks start from the same weights (clones of one tensor) and part at the update.
+        let shared = seen[0] == seen[1];
+        assert_eq!(shared, level != ShardLevel::None, "{dtype:?} {level}: shared {shared}");
+    }
+}

@@ -68,8 +68,10 @@ impl Param {
     }
 
     /// Shards this parameter's state over `group` at `level` (see [`crate::shard`]); `ShardLevel::None` leaves
-    /// it whole. At `Parameters` the stored tensor becomes this rank's slice. Every rank of `group` calls it
-    /// with the same whole parameter. Fails when the parameter is sharded already.
+    /// it whole. At `Parameters` the stored tensor becomes this rank's slice. At `Optimizer` and `Gradients`
+    /// on ranks that share memory (threads), every rank then holds rank 0's tensor: one copy in the process,
+    /// as after every update ([`set_update`](Self::set_update)). Every rank of `group` calls it with the same
+    /// whole parameter (collective). Fails when the parameter is sharded already.
     pub fn shard_over(&self, level: ShardLevel, group: Arc<dyn ProcessGroup>) -> Result<()> {
         if level == ShardLevel::None {
             return Ok(());
@@ -85,6 +87,8 @@ impl Param {
         let s = ParamShard::new(level, group, whole.shape().clone());
         if level == ShardLevel::Parameters {
             *self.0.tensor.write().expect("param lock poisoned") = s.slice(&whole)?;
+        } else if s.group.shares_memory() && s.group.size() > 1 {
+            *self.0.tensor.write().expect("param lock poisoned") = crate::comm::broadcast(s.group.as_ref(), &whole, 0)?;
         }
         *shard = Some(Arc::new(s));
         Ok(())
@@ -109,8 +113,8 @@ impl Param {
     }
 
     /// Stores an update of [`update_view`](Self::update_view): the whole parameter, or this rank's slice, which
-    /// at `Optimizer` and `Gradients` is all-gathered into the whole parameter (collective) and at
-    /// `Parameters` stored as it is.
+    /// at `Optimizer` and `Gradients` is all-gathered into the whole parameter (collective; thread ranks then
+    /// hold one tensor between them) and at `Parameters` stored as it is.
     pub fn set_update(&self, t: Tensor) -> Result<()> {
         match self.shard() {
             Some(s) if s.level != ShardLevel::Parameters => self.set(s.gather(&t)?),

@@ -111,9 +111,10 @@ impl ShardLayout {
     }
 
     /// The whole tensor of `shape` from every rank's slice (`slice: [chunk]`; collective over `group`, whose
-    /// size and rank are this layout's).
+    /// size and rank are this layout's). Thread ranks get one tensor they all hold
+    /// ([`all_gather_once`](crate::comm::all_gather_once)), not a copy each.
     pub fn gather(&self, group: &dyn ProcessGroup, slice: &Tensor, shape: &Shape) -> Result<Tensor> {
-        let all = group.all_gather(&slice.reshape((1, self.chunk))?, 0)?;
+        let all = crate::comm::all_gather_once(group, &slice.reshape((1, self.chunk))?, 0)?;
         Ok(all.flatten_all()?.narrow(0, 0, self.numel)?.reshape(shape)?)
     }
 

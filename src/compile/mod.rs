@@ -254,7 +254,7 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
         (Some(level), None, _) => (level, "the model was built sharded (build_sharded)".to_string()),
         (None, _, 1) => (ShardLevel::None, "one rank: nothing to shard".to_string()),
         (None, Some(level), _) => (level, "asked for".to_string()),
-        (None, None, _) => sharding::default_level(&counts, config.dtype, w),
+        (None, None, _) => sharding::default_level(&counts, config.dtype, w, world.shares_memory()),
     };
     if built.is_none() && sharding.0 != ShardLevel::None {
         for param in &params {

@@ -18,7 +18,8 @@ use candle_core::DType;
 
 use super::CompileError;
 
-/// Below this many bytes of unsharded model state per rank the default level is `None`.
+/// Below this many bytes of unsharded model state the default level is `None` (per rank; over thread ranks,
+/// for the process: see [`default_level`]).
 pub const SHARD_FROM_BYTES: usize = 1 << 30;
 
 /// The model-state bytes of one rank.
@@ -157,19 +158,25 @@ pub fn model_state_bytes(counts: &ParamCounts, dtype: DType, level: ShardLevel, 
     }
 }
 
-/// The level a compile uses when none is asked for, and why: `None` on one rank or below
-/// [`SHARD_FROM_BYTES`] of unsharded model state per rank; `Gradients` above it.
-pub fn default_level(counts: &ParamCounts, dtype: DType, world: usize) -> (ShardLevel, String) {
+/// The level a compile uses when none is asked for, and why: `None` on one rank and below
+/// [`SHARD_FROM_BYTES`] of unsharded model state, `Gradients` from it. Over one process per rank the bytes
+/// are one rank's; over thread ranks (`shares_memory`) the process's, W copies of it: sharded, thread ranks
+/// hold one copy of the parameters between them (they gather into one tensor) and 1/W each of the rest.
+pub fn default_level(counts: &ParamCounts, dtype: DType, world: usize, shares_memory: bool) -> (ShardLevel, String) {
     if world == 1 {
         return (ShardLevel::None, "one rank: nothing to shard".into());
     }
     let whole = model_state_bytes(counts, dtype, ShardLevel::None, world).total();
-    if whole < SHARD_FROM_BYTES {
+    let (held, whose) = if shares_memory {
+        (whole * world, format!("{} for this process's {world} thread ranks", mib(whole * world)))
+    } else {
+        (whole, format!("{} per rank", mib(whole)))
+    };
+    if held < SHARD_FROM_BYTES {
         return (
             ShardLevel::None,
             format!(
-                "the model state is {} per rank unsharded, below {}: sharding would save little and add collectives",
-                mib(whole),
+                "the model state is {whose} unsharded, below {}: sharding would save little and add collectives",
                 mib(SHARD_FROM_BYTES)
             ),
         );
@@ -179,11 +186,11 @@ pub fn default_level(counts: &ParamCounts, dtype: DType, world: usize) -> (Shard
     (
         ShardLevel::Gradients,
         format!(
-            "the model state would be {} per rank unsharded; `gradients` keeps 1/{world} of the gradients, moments \
-             and masters ({} per rank) for the communication of an all-reduce; `parameters` would bring it to {} \
+            "the model state would be {whose} unsharded; `gradients` keeps 1/{world} of the gradients, moments \
+             and masters ({} per rank{}) for the communication of an all-reduce; `parameters` would bring it to {} \
              but gathers every weight for each use",
-            mib(whole),
             mib(zero2),
+            if shares_memory { ", the parameters one copy all ranks share" } else { "" },
             mib(zero3)
         ),
     )
@@ -236,4 +243,27 @@ pub fn built_level(
 /// `bytes` in MiB, for messages.
 fn mib(bytes: usize) -> String {
     format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counts(elems: usize) -> ParamCounts {
+        ParamCounts { elems: vec![elems], largest_unit: elems, ..Default::default() }
+    }
+
+    #[test]
+    fn the_default_level_counts_what_the_process_holds() {
+        // 40M f32 parameters: 640 MB of model state per rank unsharded.
+        let c = counts(40 << 20);
+        assert_eq!(default_level(&c, DType::F32, 1, true).0, ShardLevel::None);
+        let (level, why) = default_level(&c, DType::F32, 2, false);
+        assert_eq!(level, ShardLevel::None, "one process per rank: 640 MB each is below the line: {why}");
+        let (level, why) = default_level(&c, DType::F32, 2, true);
+        assert_eq!(level, ShardLevel::Gradients, "two thread ranks hold 1280 MB in one process: {why}");
+        assert!(why.contains("thread ranks") && why.contains("one copy all ranks share"), "{why}");
+        // 80M: 1280 MB per rank, above the line either way.
+        assert_eq!(default_level(&counts(80 << 20), DType::F32, 2, false).0, ShardLevel::Gradients);
+    }
 }

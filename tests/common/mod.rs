@@ -76,7 +76,9 @@ where
         let (ids, labels) = batch(n, c.model().dims().vocab);
         let step = c.train_step(&ids, Some(&labels)).map_err(|e| e.to_string())?;
         let params = c.params();
-        let g: Vec<Vec<f32>> = params.iter().map(|p| flat(step.grads.get(p).unwrap())).collect();
+        // Thread ranks shard the optimizer state by default: the step hands out slices; compare whole ones.
+        let whole = c.whole_grads(&step.grads).map_err(|e| e.to_string())?;
+        let g: Vec<Vec<f32>> = params.iter().map(|p| flat(whole.get(p).unwrap())).collect();
         AdamW::new(AdamWConfig::default()).unwrap().step(&params, &step.grads, 1e-2).unwrap();
         Ok::<Outcome, String>((step.loss, g, params.iter().map(|p| flat(&p.tensor())).collect()))
     });

@@ -136,6 +136,10 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         self.transport.set_timeout(timeout)
     }
 
+    fn shares_memory(&self) -> bool {
+        self.transport.shares_memory()
+    }
+
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let c = Collective::AllReduce;
         let stamp = self.stamp(c);

@@ -57,6 +57,12 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
     /// above a year count as a year).
     fn set_timeout(&self, timeout: Duration);
 
+    /// Whether the ranks are threads of one process that pass tensors by handle: a tensor one rank sends is
+    /// the very tensor the others receive (see [`shared`](super::shared)). `false` for one process per rank.
+    fn shares_memory(&self) -> bool {
+        false
+    }
+
     /// Element-wise reduction of `x` over all ranks; every rank gets the same bits.
     /// `x`: any shape, the same shape and dtype on every rank. Returns that shape.
     /// Algorithm: reduce-scatter of the flattened tensor in P nearly equal chunks (chunk j reduced by rank j

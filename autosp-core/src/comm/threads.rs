@@ -399,6 +399,10 @@ impl Transport for ThreadTransport {
         self.timeout_ns.store(nanos(timeout), Ordering::Relaxed)
     }
 
+    fn shares_memory(&self) -> bool {
+        true
+    }
+
     fn exchange(&self, stamp: Stamp, outgoing: Vec<Option<Tensor>>, _device: &Device) -> Result<Vec<Option<Tensor>>> {
         let (size, collective) = (self.members.len(), stamp.collective);
         debug_assert_eq!(outgoing.len(), size);

@@ -24,6 +24,11 @@ pub trait Transport: Send + Sync + fmt::Debug + Sized + 'static {
     fn timeout(&self) -> Duration;
     /// Changes the timeout of later calls.
     fn set_timeout(&self, timeout: Duration);
+    /// Whether the ranks share one address space, so that a tensor passed in [`exchange`](Self::exchange)
+    /// arrives as the sender's own handle, not a copy (thread ranks). `false` unless a back end says so.
+    fn shares_memory(&self) -> bool {
+        false
+    }
 
     /// One synchronising round of the collective call `stamp`: `outgoing[j]` (`outgoing.len() == size()`) goes to rank j, and entry i of the
     /// result is what rank i put at this rank's index. `None` entries carry no payload but the round still
