@@ -1,4 +1,4 @@
-//! `LlamaConfig`: the architecture of a Llama-family model (llama, mistral, qwen2) read from an HF
+//! `LlamaConfig`: the architecture of a Llama-family model (llama, mistral, qwen2, qwen3) read from an HF
 //! `config.json`, in both the older spelling (`rope_theta`, `rope_scaling`, `torch_dtype`) and the current
 //! one (`rope_parameters`, `dtype`); written back as a config.json HF transformers loads; and the list of
 //! HF tensor names and shapes the config implies.
@@ -13,10 +13,13 @@ use std::path::{Path, PathBuf};
 pub enum ModelType {
     /// Llama 2/3/3.x, SmolLM: optional q/k/v/o biases (`attention_bias`).
     Llama,
-    /// Mistral: no biases; sliding window attention is not supported.
+    /// Mistral: no biases; `sliding_window` (every layer) when set.
     Mistral,
-    /// Qwen2: q/k/v always have biases, o_proj never.
+    /// Qwen2: q/k/v always have biases, o_proj never; `use_sliding_window` on the layers `layer_types` names.
     Qwen2,
+    /// Qwen3: per-head RMSNorm of q and k (`q_norm`, `k_norm: [head_dim]`) before RoPE, `head_dim` of its own
+    /// (128 unless given), biases on q/k/v/o only with `attention_bias`; windows as Qwen2.
+    Qwen3,
 }
 
 impl ModelType {
@@ -26,7 +29,13 @@ impl ModelType {
             ModelType::Llama => "llama",
             ModelType::Mistral => "mistral",
             ModelType::Qwen2 => "qwen2",
+            ModelType::Qwen3 => "qwen3",
         }
+    }
+
+    /// Whether q and k get a per-head RMSNorm before RoPE (Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        *self == ModelType::Qwen3
     }
 
     fn architecture(&self) -> &'static str {
@@ -34,6 +43,7 @@ impl ModelType {
             ModelType::Llama => "LlamaForCausalLM",
             ModelType::Mistral => "MistralForCausalLM",
             ModelType::Qwen2 => "Qwen2ForCausalLM",
+            ModelType::Qwen3 => "Qwen3ForCausalLM",
         }
     }
 }
@@ -45,6 +55,25 @@ pub enum RopeScaling {
     Linear { factor: f64 },
     /// Llama 3.1 scaling: low frequencies divided by `factor`, high ones kept, a smooth blend between.
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
+}
+
+/// The attention of one decoder layer, as HF's `layer_types` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerType {
+    /// Every earlier token (`full_attention`).
+    Full,
+    /// The `sliding_window` tokens up to and including the query (`sliding_attention`), when the config's
+    /// window is on; full otherwise.
+    Sliding,
+}
+
+impl LayerType {
+    fn as_str(self) -> &'static str {
+        match self {
+            LayerType::Full => "full_attention",
+            LayerType::Sliding => "sliding_attention",
+        }
+    }
 }
 
 /// The architecture of a Llama-family decoder.
@@ -71,6 +100,12 @@ pub struct LlamaConfig {
     pub torch_dtype: Option<DType>,
     pub bos_token_id: Option<u32>,
     pub eos_token_id: Option<u32>,
+    /// The attention window in tokens (HF `sliding_window`: a query sees itself and the `w - 1` tokens
+    /// before it) of the layers `layer_types` marks sliding; `None`: every layer attends to every earlier
+    /// token (Mistral's `sliding_window: null`, Qwen's `use_sliding_window: false`).
+    pub sliding_window: Option<usize>,
+    /// Each layer's attention (`num_hidden_layers` entries).
+    pub layer_types: Vec<LayerType>,
 }
 
 /// Reads a config field through the JSON object, recording which file it came from for errors.
@@ -176,6 +211,89 @@ fn parse_rope(f: &Fields, field: &str, v: &Value) -> Result<(Option<f64>, Option
     Ok((theta, scaling))
 }
 
+/// The window and each layer's attention, as transformers reads them:
+/// - Mistral: `sliding_window` (4096 when absent, `null` for none) on every layer;
+/// - Qwen2/Qwen3: `sliding_window` (default 4096) only with `use_sliding_window`, on the layers `layer_types`
+///   marks `sliding_attention` (when absent: from `max_window_layers`, default 28, on);
+/// - Llama has no window: a `sliding_window` below `max_position_embeddings` is refused (transformers' Llama
+///   would not apply it; say `null` to load the model without one).
+fn parse_windows(
+    f: &Fields,
+    model_type: ModelType,
+    layers: usize,
+    max_position_embeddings: usize,
+) -> Result<(Option<usize>, Vec<LayerType>)> {
+    let window = |default: Option<usize>| -> Result<Option<usize>> {
+        match f.obj.get("sliding_window") {
+            None => Ok(default),
+            Some(Value::Null) => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(w) if w >= 1 => Ok(Some(w as usize)),
+                _ => Err(f.invalid("sliding_window", v, "expected a window of 1 token or more, or null")),
+            },
+        }
+    };
+    match model_type {
+        ModelType::Llama => {
+            if let Some(w) = window(None)? {
+                if w < max_position_embeddings {
+                    return Err(Error::Unsupported {
+                        path: f.path.into(),
+                        field: "sliding_window".into(),
+                        value: w.to_string(),
+                        reason: format!(
+                            "a llama model has no attention window and a window smaller than \
+                             max_position_embeddings = {max_position_embeddings} would change the maths; set \
+                             sliding_window to null, or model_type to mistral if the model was trained with it"
+                        ),
+                    });
+                }
+            }
+            Ok((None, vec![LayerType::Full; layers]))
+        }
+        ModelType::Mistral => {
+            let w = window(Some(4096))?;
+            Ok((w, vec![if w.is_some() { LayerType::Sliding } else { LayerType::Full }; layers]))
+        }
+        ModelType::Qwen2 | ModelType::Qwen3 => {
+            let on = f.bool_opt("use_sliding_window")?.unwrap_or(false);
+            let w = if on { window(Some(4096))? } else { None };
+            let types = match f.get("layer_types") {
+                Some(Value::Array(types)) => {
+                    if types.len() != layers {
+                        return Err(f.invalid(
+                            "layer_types",
+                            &Value::Array(types.clone()),
+                            &format!("has {} entries for num_hidden_layers = {layers}", types.len()),
+                        ));
+                    }
+                    types
+                        .iter()
+                        .map(|t| match t.as_str() {
+                            Some("full_attention") => Ok(LayerType::Full),
+                            Some("sliding_attention") => Ok(LayerType::Sliding),
+                            _ => Err(Error::Unsupported {
+                                path: f.path.into(),
+                                field: "layer_types".into(),
+                                value: t.to_string(),
+                                reason: "only full_attention and sliding_attention layers are implemented".into(),
+                            }),
+                        })
+                        .collect::<Result<Vec<_>>>()?
+                }
+                Some(v) => return Err(f.invalid("layer_types", v, "expected a list of layer types")),
+                None => {
+                    let from = f.usize_opt("max_window_layers")?.unwrap_or(28);
+                    (0..layers)
+                        .map(|i| if w.is_some() && i >= from { LayerType::Sliding } else { LayerType::Full })
+                        .collect()
+                }
+            };
+            Ok((w, types))
+        }
+    }
+}
+
 impl LlamaConfig {
     /// Reads and validates `config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
@@ -202,6 +320,7 @@ impl LlamaConfig {
             Some("llama") => ModelType::Llama,
             Some("mistral") => ModelType::Mistral,
             Some("qwen2") => ModelType::Qwen2,
+            Some("qwen3") => ModelType::Qwen3,
             Some(other) => return Err(Error::UnknownModelType { path: path.into(), model_type: other.into() }),
             None => return Err(Error::MissingField { path: path.into(), field: "model_type".into() }),
         };
@@ -230,6 +349,8 @@ impl LlamaConfig {
         }
         let head_dim = match f.usize_opt("head_dim")? {
             Some(h) => h,
+            // Qwen3Config's default, whatever hidden / heads is.
+            None if model_type == ModelType::Qwen3 => 128,
             None => {
                 if hidden_size % num_attention_heads != 0 {
                     return Err(f.invalid(
@@ -275,40 +396,13 @@ impl LlamaConfig {
             return Err(unsupported("mlp_bias", &json!(true), "MLP biases are not implemented"));
         }
 
-        // Sliding window attention changes the maths and is not implemented: refuse it when active.
         let max_position_embeddings = f.usize_opt("max_position_embeddings")?.unwrap_or(4096);
-        match model_type {
-            ModelType::Qwen2 => {
-                if f.bool_opt("use_sliding_window")? == Some(true) {
-                    return Err(unsupported(
-                        "use_sliding_window",
-                        &json!(true),
-                        "sliding window attention is not implemented; set use_sliding_window to false",
-                    ));
-                }
-                if let Some(Value::Array(types)) = f.get("layer_types") {
-                    if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
-                        return Err(unsupported("layer_types", t, "only full_attention layers are implemented"));
-                    }
-                }
-            }
-            ModelType::Mistral | ModelType::Llama => {
-                if let Some(w) = f.usize_opt("sliding_window")? {
-                    if w < max_position_embeddings {
-                        return Err(unsupported(
-                            "sliding_window",
-                            &json!(w),
-                            &format!("sliding window attention is not implemented and a window smaller than max_position_embeddings = {max_position_embeddings} would be active; set sliding_window to null"),
-                        ));
-                    }
-                }
-            }
-        }
+        let (sliding_window, layer_types) = parse_windows(&f, model_type, num_hidden_layers, max_position_embeddings)?;
 
         let attention_bias = match model_type {
             ModelType::Qwen2 => true,
             ModelType::Mistral => false,
-            ModelType::Llama => f.bool_opt("attention_bias")?.unwrap_or(false),
+            ModelType::Llama | ModelType::Qwen3 => f.bool_opt("attention_bias")?.unwrap_or(false),
         };
         let torch_dtype = match f.get("dtype").or_else(|| f.get("torch_dtype")) {
             None => None,
@@ -337,12 +431,24 @@ impl LlamaConfig {
             torch_dtype,
             bos_token_id: f.token_id("bos_token_id")?,
             eos_token_id: f.token_id("eos_token_id")?,
+            sliding_window,
+            layer_types,
         })
     }
 
-    /// True when o_proj has a bias (llama with attention_bias; never qwen2 or mistral).
+    /// True when o_proj has a bias (llama and qwen3 with attention_bias; never qwen2 or mistral).
     pub fn o_proj_bias(&self) -> bool {
-        self.attention_bias && self.model_type == ModelType::Llama
+        self.attention_bias && matches!(self.model_type, ModelType::Llama | ModelType::Qwen3)
+    }
+
+    /// The attention window of layer `layer` as autosp counts it (the largest distance from a query back to a
+    /// key it sees, [`AttentionSpec::max_distance`](autosp_core::ops::AttentionSpec)): `sliding_window - 1`
+    /// for a sliding layer when the window is on, else `None` (every earlier token).
+    pub fn attention_window(&self, layer: usize) -> Option<usize> {
+        match self.layer_types.get(layer) {
+            Some(LayerType::Sliding) => self.sliding_window.map(|w| w - 1),
+            _ => None,
+        }
     }
 
     /// config.json text HF transformers loads (both 4.x and 5.x): the older `rope_theta` / `rope_scaling`
@@ -388,11 +494,17 @@ impl LlamaConfig {
                 m.insert("mlp_bias".into(), json!(false));
             }
             ModelType::Mistral => {
-                m.insert("sliding_window".into(), Value::Null);
+                m.insert("sliding_window".into(), json!(self.sliding_window));
             }
-            ModelType::Qwen2 => {
-                m.insert("use_sliding_window".into(), json!(false));
-                m.insert("sliding_window".into(), Value::Null);
+            ModelType::Qwen2 | ModelType::Qwen3 => {
+                if self.model_type == ModelType::Qwen3 {
+                    m.insert("attention_bias".into(), json!(self.attention_bias));
+                }
+                m.insert("use_sliding_window".into(), json!(self.sliding_window.is_some()));
+                m.insert("sliding_window".into(), json!(self.sliding_window));
+                let first_sliding = self.layer_types.iter().position(|t| *t == LayerType::Sliding);
+                m.insert("max_window_layers".into(), json!(first_sliding.unwrap_or(self.num_hidden_layers)));
+                m.insert("layer_types".into(), json!(self.layer_types.iter().map(|t| t.as_str()).collect::<Vec<_>>()));
             }
         }
         if let Some(d) = self.torch_dtype {
@@ -425,6 +537,10 @@ impl LlamaConfig {
             }
             if self.o_proj_bias() {
                 t.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
+            }
+            if self.model_type.qk_norm() {
+                t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
+                t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
             }
             t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
             t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));

@@ -28,7 +28,7 @@ pub enum Error {
     #[error("{path}: unknown rope type `{rope_type}` in `{field}`; supported: default, linear, llama3")]
     UnknownRopeType { path: PathBuf, field: String, rope_type: String },
     /// The model_type is not one of the Llama family.
-    #[error("{path}: model_type `{model_type}` is not supported; supported: llama, mistral, qwen2")]
+    #[error("{path}: model_type `{model_type}` is not supported; supported: llama, mistral, qwen2, qwen3")]
     UnknownModelType { path: PathBuf, model_type: String },
     /// A safetensors file could not be parsed: bad header, truncated data, bad dtype.
     #[error("{path}: not a valid safetensors file ({message}); the file is corrupted or truncated, download or save it again")]

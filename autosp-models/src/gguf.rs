@@ -3,7 +3,7 @@
 //! names, undoes the Q/K row permutation and builds the [`LlamaConfig`] from the metadata; the tokenizer
 //! comes from `tokenizer.ggml.*` (see `gguf_tokenizer`).
 
-use crate::config::{LlamaConfig, ModelType, RopeScaling};
+use crate::config::{LayerType, LlamaConfig, ModelType, RopeScaling};
 use crate::error::{Error, Result};
 use crate::gguf_names::{hf_name, unpermute_rows};
 use crate::gguf_tokenizer::tokenizer_from_gguf;
@@ -153,13 +153,14 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
             })
         }
     };
+    let layers = m.need("llama.block_count")? as usize;
     let tok_id = |k: &str| -> Result<Option<u32>> { Ok(m.num(k)?.map(|x| x as u32)) };
     Ok(LlamaConfig {
         model_type: ModelType::Llama,
         vocab_size: vocab,
         hidden_size: hidden,
         intermediate_size: m.need("llama.feed_forward_length")? as usize,
-        num_hidden_layers: m.need("llama.block_count")? as usize,
+        num_hidden_layers: layers,
         num_attention_heads: heads,
         num_key_value_heads: m.num("llama.attention.head_count_kv")?.unwrap_or(heads as f64) as usize,
         head_dim,
@@ -172,6 +173,8 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
         torch_dtype: None,
         bos_token_id: tok_id("tokenizer.ggml.bos_token_id")?,
         eos_token_id: tok_id("tokenizer.ggml.eos_token_id")?,
+        sliding_window: None,
+        layer_types: vec![LayerType::Full; layers],
     })
 }
 

@@ -16,7 +16,7 @@ pub mod tiny;
 pub mod tokenizer;
 pub mod weights;
 
-pub use config::{LlamaConfig, ModelType, RopeScaling};
+pub use config::{LayerType, LlamaConfig, ModelType, RopeScaling};
 pub use error::{Error, Result};
 pub use gguf::{config_from_gguf, gguf_tokenizer, import_gguf, GgufModel};
 pub use hub::{resolve_model, HubOptions, ModelSpec, ResolvedModel};

@@ -2,7 +2,7 @@
 //! bits on every machine (a splitmix64 stream per tensor, keyed by the seed and the tensor's name).
 //! Used by tests and as the default model of the examples.
 
-use crate::config::{LlamaConfig, ModelType, RopeScaling};
+use crate::config::{LayerType, LlamaConfig, ModelType, RopeScaling};
 use crate::error::Result;
 use crate::rng::SplitMix64;
 use crate::save::{save_model, SaveOptions};
@@ -25,6 +25,10 @@ pub struct TinySpec {
     /// q/k/v biases (and o_proj's for llama); qwen2 always has q/k/v biases.
     pub bias: bool,
     pub rope_scaling: Option<RopeScaling>,
+    /// An attention window (HF `sliding_window`, in tokens): on every layer of a mistral model, on every layer
+    /// but the first of a qwen2/qwen3 one (`max_window_layers` 1: a full layer, then sliding ones); a llama
+    /// model has none.
+    pub window: Option<usize>,
 }
 
 impl Default for TinySpec {
@@ -41,6 +45,7 @@ impl Default for TinySpec {
             tied: false,
             bias: false,
             rope_scaling: None,
+            window: None,
         }
     }
 }
@@ -48,6 +53,17 @@ impl Default for TinySpec {
 impl TinySpec {
     /// The full config of this spec (head_dim = hidden / heads, theta 10000, eps 1e-5, 256 positions).
     pub fn config(&self) -> LlamaConfig {
+        let window = if self.model_type == ModelType::Llama { None } else { self.window };
+        let layer_types = (0..self.layers)
+            .map(|i| {
+                let qwen_first = i == 0 && matches!(self.model_type, ModelType::Qwen2 | ModelType::Qwen3);
+                if window.is_some() && !qwen_first {
+                    LayerType::Sliding
+                } else {
+                    LayerType::Full
+                }
+            })
+            .collect();
         LlamaConfig {
             model_type: self.model_type,
             vocab_size: self.vocab,
@@ -66,6 +82,8 @@ impl TinySpec {
             torch_dtype: Some(DType::F32),
             bos_token_id: Some(1),
             eos_token_id: Some(2),
+            sliding_window: window,
+            layer_types,
         }
     }
 }

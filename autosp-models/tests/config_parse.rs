@@ -87,25 +87,62 @@ fn explicit_head_dim_and_defaults() {
 }
 
 #[test]
-fn active_sliding_window_is_an_error_naming_the_field() {
+fn sliding_windows_are_read_as_transformers_reads_them() {
+    use autosp_models::LayerType::{Full, Sliding};
     let mistral = r#"{"model_type": "mistral", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
-      "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32768,
+      "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 32768,
       "sliding_window": 4096}"#;
-    let e = parse(mistral).unwrap_err();
-    assert!(matches!(&e, Error::Unsupported { field, .. } if field == "sliding_window"), "{e}");
-    assert!(e.to_string().contains("sliding_window"));
+    let c = parse(mistral).unwrap();
+    assert_eq!((c.sliding_window, c.layer_types.clone()), (Some(4096), vec![Sliding, Sliding]));
+    assert_eq!(c.attention_window(1), Some(4095), "a query sees itself and the 4095 tokens before it");
+    // Mistral without the field: transformers' default window of 4096; null: none.
+    let absent = r#"{"model_type": "mistral", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+      "num_hidden_layers": 2, "num_attention_heads": 2}"#;
+    assert_eq!(parse(absent).unwrap().sliding_window, Some(4096));
+    let none = parse(&mistral.replace("4096", "null")).unwrap();
+    assert_eq!((none.sliding_window, none.attention_window(0)), (None, None));
 
+    // Qwen2/Qwen3: only with use_sliding_window, on the layers from max_window_layers on (or layer_types).
     let qwen = r#"{"model_type": "qwen2", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
-      "num_hidden_layers": 1, "num_attention_heads": 2, "use_sliding_window": true,
-      "sliding_window": 4096}"#;
-    let e = parse(qwen).unwrap_err();
-    assert!(matches!(&e, Error::Unsupported { field, .. } if field == "use_sliding_window"), "{e}");
+      "num_hidden_layers": 3, "num_attention_heads": 2, "use_sliding_window": true, "max_window_layers": 1,
+      "sliding_window": 16}"#;
+    let c = parse(qwen).unwrap();
+    assert_eq!(c.layer_types, vec![Full, Sliding, Sliding]);
+    assert_eq!((c.attention_window(0), c.attention_window(2)), (None, Some(15)));
+    let off = parse(&qwen.replace("true", "false")).unwrap();
+    assert!(off.attention_bias, "qwen2 always has q/k/v biases");
+    assert_eq!((off.sliding_window, off.attention_window(2)), (None, None));
+    let typed = qwen.replace(
+        r#""max_window_layers": 1"#,
+        r#""layer_types": ["sliding_attention", "full_attention", "sliding_attention"]"#,
+    );
+    assert_eq!(parse(&typed).unwrap().layer_types, vec![Sliding, Full, Sliding]);
+    let e = parse(&qwen.replace(r#""max_window_layers": 1"#, r#""layer_types": ["full_attention"]"#)).unwrap_err();
+    assert!(matches!(&e, Error::InvalidField { field, .. } if field == "layer_types"), "{e}");
+    let e = parse(&typed.replace("full_attention", "chunked_attention")).unwrap_err();
+    assert!(matches!(&e, Error::Unsupported { field, .. } if field == "layer_types"), "{e}");
 
-    // Inactive windows are fine: qwen2 with use_sliding_window false, mistral window >= max positions.
-    let qwen_off = qwen.replace("true", "false");
-    assert!(parse(&qwen_off).unwrap().attention_bias, "qwen2 always has q/k/v biases");
-    let mistral_wide = mistral.replace("4096", "32768");
-    parse(&mistral_wide).unwrap();
+    // Llama has no window: an active one is refused, naming the field.
+    let llama = mistral.replace("mistral", "llama");
+    let e = parse(&llama).unwrap_err();
+    assert!(matches!(&e, Error::Unsupported { field, .. } if field == "sliding_window"), "{e}");
+    parse(&llama.replace("4096", "32768")).unwrap();
+}
+
+#[test]
+fn qwen3_has_its_own_head_dim_and_q_k_norms() {
+    let qwen3 = r#"{"model_type": "qwen3", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}"#;
+    let c = parse(qwen3).unwrap();
+    assert_eq!(c.head_dim, 128, "Qwen3Config's default head_dim, not hidden / heads");
+    assert!(!c.attention_bias && !c.o_proj_bias());
+    let shapes: std::collections::HashMap<String, Vec<usize>> = c.expected_tensors().into_iter().collect();
+    assert_eq!(shapes["model.layers.0.self_attn.q_norm.weight"], vec![128]);
+    assert_eq!(shapes["model.layers.0.self_attn.q_proj.weight"], vec![256, 64]);
+    let biased =
+        parse(&qwen3.replace(r#""num_key_value_heads": 1"#, r#""num_key_value_heads": 1, "attention_bias": true"#))
+            .unwrap();
+    assert!(biased.o_proj_bias(), "qwen3's attention_bias covers o_proj too");
 }
 
 #[test]
@@ -138,6 +175,9 @@ fn to_json_round_trips() {
     for spec in [
         TinySpec::default(),
         TinySpec { model_type: ModelType::Qwen2, tied: true, ..TinySpec::default() },
+        TinySpec { model_type: ModelType::Qwen2, window: Some(16), ..TinySpec::default() },
+        TinySpec { model_type: ModelType::Qwen3, bias: true, window: Some(8), ..TinySpec::default() },
+        TinySpec { model_type: ModelType::Mistral, window: Some(8), ..TinySpec::default() },
         TinySpec {
             model_type: ModelType::Mistral,
             rope_scaling: Some(RopeScaling::Linear { factor: 4.0 }),

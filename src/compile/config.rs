@@ -63,8 +63,10 @@ pub struct CompileConfig {
     /// A sliding attention window: when `Some(d)`, every attention of the compiled model (training steps and
     /// logits alike) lets the token at position `p` see only the tokens at positions `p - d ..= p` (`d = 0`:
     /// itself only), on top of the model's causal mask; key tiles and Ring blocks out of reach are skipped,
-    /// not computed. `None` (the default): no window. The control that shows whether a task uses context
-    /// further away than `d` (`llama_longctx --max-attention-distance`).
+    /// not computed. `None` (the default): no window beyond the model's own (a window a layer has from its
+    /// checkpoint, Mistral's or Qwen's `sliding_window`, always stays; `Some(d)` narrows it). The control
+    /// that shows whether a task uses context further away than `d` (`llama_longctx
+    /// --max-attention-distance`).
     pub max_attention_distance: Option<usize>,
 }
 

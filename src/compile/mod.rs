@@ -231,7 +231,11 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
     visit_mut(&mut model, "", &mut |_, m| {
         if let Some(s) = m.attention_slot() {
             s.set(attention.clone());
-            s.set_max_distance(config.max_attention_distance);
+            // A window asked for narrows the one the slot has (set on the model before compiling); none asked
+            // for keeps it.
+            if let Some(w) = config.max_attention_distance {
+                s.set_max_distance(Some(s.max_distance().map_or(w, |had| had.min(w))));
+            }
             slots += 1;
         }
         if let Some(r) = m.region_slot() {

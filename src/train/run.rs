@@ -483,6 +483,17 @@ impl Job {
                 if w + 1 >= o.seq_len { " (every token of a sequence: the window hides nothing)" } else { "" }
             ));
         }
+        let windowed: Vec<String> =
+            (0..d.num_hidden_layers).filter(|&i| d.attention_window(i).is_some()).map(|i| i.to_string()).collect();
+        if let (Some(w), false) = (d.sliding_window, windowed.is_empty()) {
+            lines.push(format!(
+                "attention window from the checkpoint (sliding_window {w}): on layer(s) {} each token sees itself \
+                 and the {} tokens before it{}",
+                windowed.join(", "),
+                w - 1,
+                if o.max_attention_distance.is_some() { "; --max-attention-distance narrows it further" } else { "" }
+            ));
+        }
         if let Stream::Needles(_) = self.stream {
             let tokens = self.train.tokens_per_step() * self.mesh.data;
             lines.push(Needles::describe(c, o.seq_len, o.steps, &self.train.curriculum, tokens)?);

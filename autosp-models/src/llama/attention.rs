@@ -1,11 +1,12 @@
 //! [`LlamaAttention`]: the self-attention of a decoder layer — q/k/v projections (with Qwen2's biases when
-//! the config has them), RoPE at explicit positions, the attention held in an [`AttentionSlot`] (GQA/MQA is
-//! the slot's job: k/v keep their `kv_heads`), and the output projection.
+//! the config has them), Qwen3's per-head q/k RMSNorm, RoPE at explicit positions, the layer's own window
+//! (Mistral's and Qwen's `sliding_window`), the attention held in an [`AttentionSlot`] (GQA/MQA is the slot's
+//! job: k/v keep their `kv_heads`), and the output projection.
 
 use std::sync::Arc;
 
 use autosp_core::module::Module;
-use autosp_core::nn::Linear;
+use autosp_core::nn::{Linear, RmsNorm};
 use autosp_core::ops::{self, AttentionSpec};
 use autosp_core::{AttentionSlot, Tape, Value};
 use autosp_kernels::rope::rope;
@@ -22,7 +23,7 @@ pub struct RotaryTables {
 }
 
 /// Self-attention: `q_proj: [heads * head_dim, hidden]`, `k_proj, v_proj: [kv_heads * head_dim, hidden]`,
-/// `o_proj: [hidden, heads * head_dim]`.
+/// `o_proj: [hidden, heads * head_dim]`; with q/k norms (Qwen3) `q_norm, k_norm: [head_dim]`.
 #[derive(Clone, Debug)]
 pub struct LlamaAttention {
     pub q_proj: Linear,
@@ -32,6 +33,13 @@ pub struct LlamaAttention {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// RMSNorm of each query head before RoPE (Qwen3), with `k_norm` of each key head.
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
+    /// The layer's own attention window from the checkpoint (a query sees keys at most this many positions
+    /// back; [`AttentionSpec::max_distance`]), applied to every spec the layer runs: a window the compile step
+    /// or the caller adds narrows it, never widens it.
+    pub window: Option<usize>,
     /// The attention implementation; naive until the compile step fills it.
     pub attention: AttentionSlot,
 }
@@ -48,7 +56,29 @@ impl LlamaAttention {
         head_dim: usize,
     ) -> Self {
         let attention = AttentionSlot::new(Arc::new(LocalAttention));
-        Self { q_proj, k_proj, v_proj, o_proj, num_heads, num_kv_heads, head_dim, attention }
+        Self {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            q_norm: None,
+            k_norm: None,
+            window: None,
+            attention,
+        }
+    }
+
+    /// With per-head q/k RMSNorms (Qwen3): `q_norm, k_norm: [head_dim]`.
+    pub fn with_qk_norm(self, q_norm: RmsNorm, k_norm: RmsNorm) -> Self {
+        Self { q_norm: Some(q_norm), k_norm: Some(k_norm), ..self }
+    }
+
+    /// With the layer's own attention window (see [`window`](Self::window)).
+    pub fn with_window(self, window: Option<usize>) -> Self {
+        Self { window, ..self }
     }
 
     /// `x: [b, n, hidden]` -> `[b, n, hidden]`. `rot` holds the tables of the `n` tokens' positions; `spec`
@@ -64,9 +94,13 @@ impl LlamaAttention {
     ) -> ModelResult<Value> {
         let (b, n, _) = x.tensor().dims3()?;
         let (h, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = ops::reshape(tape, &self.q_proj.forward(tape, x)?, (b, n, h, d))?;
-        let k = ops::reshape(tape, &self.k_proj.forward(tape, x)?, (b, n, hkv, d))?;
+        let mut q = ops::reshape(tape, &self.q_proj.forward(tape, x)?, (b, n, h, d))?;
+        let mut k = ops::reshape(tape, &self.k_proj.forward(tape, x)?, (b, n, hkv, d))?;
         let v = ops::reshape(tape, &self.v_proj.forward(tape, x)?, (b, n, hkv, d))?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = super::block::fused_norm(tape, qn, &q)?;
+            k = super::block::fused_norm(tape, kn, &k)?;
+        }
         let q = rope(tape, &q, &rot.cos, &rot.sin)?;
         let k = rope(tape, &k, &rot.cos, &rot.sin)?;
         let (k, v) = match cache {
@@ -83,7 +117,12 @@ impl LlamaAttention {
                 (k, v)
             }
         };
-        let o = self.attention.forward_output(tape, &q, &k, &v, spec)?;
+        let spec = match (self.window, spec.max_distance) {
+            (Some(w), Some(s)) => spec.with_max_distance(w.min(s)),
+            (Some(w), None) => spec.with_max_distance(w),
+            (None, _) => *spec,
+        };
+        let o = self.attention.forward_output(tape, &q, &k, &v, &spec)?;
         let o = ops::reshape(tape, &o, (b, n, h * d))?;
         Ok(self.o_proj.forward(tape, &o)?)
     }
@@ -94,20 +133,30 @@ impl Module for LlamaAttention {
         "LlamaAttention"
     }
     fn children(&self) -> Vec<(String, &dyn Module)> {
-        vec![
+        let mut c = vec![
             ("q_proj".into(), &self.q_proj as &dyn Module),
             ("k_proj".into(), &self.k_proj),
             ("v_proj".into(), &self.v_proj),
             ("o_proj".into(), &self.o_proj),
-        ]
+        ];
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            c.push(("q_norm".into(), qn));
+            c.push(("k_norm".into(), kn));
+        }
+        c
     }
     fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
-        vec![
+        let mut c = vec![
             ("q_proj".into(), &mut self.q_proj as &mut dyn Module),
             ("k_proj".into(), &mut self.k_proj),
             ("v_proj".into(), &mut self.v_proj),
             ("o_proj".into(), &mut self.o_proj),
-        ]
+        ];
+        if let (Some(qn), Some(kn)) = (&mut self.q_norm, &mut self.k_norm) {
+            c.push(("q_norm".into(), qn));
+            c.push(("k_norm".into(), kn));
+        }
+        c
     }
     fn attention_slot(&mut self) -> Option<&mut AttentionSlot> {
         Some(&mut self.attention)

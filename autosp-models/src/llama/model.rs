@@ -1,4 +1,4 @@
-//! [`LlamaModel`]: a Llama-family causal LM (llama, mistral, qwen2, SmolLM) on the autosp tape, built from
+//! [`LlamaModel`]: a Llama-family causal LM (llama, mistral, qwen2, qwen3, SmolLM) on the autosp tape, built from
 //! autosp-core modules: embedding, decoder layers, final norm, LM head (tied or not). Parameters carry their
 //! HF tensor names, so a model goes to and from an HF weights map unchanged.
 //!
@@ -100,7 +100,17 @@ impl LlamaModel {
                 c.num_attention_heads,
                 c.num_key_value_heads,
                 hd,
-            );
+            )
+            .with_window(c.attention_window(i));
+            let self_attn = if c.model_type.qk_norm() {
+                let norm = |w: &mut HashMap<String, Tensor>, which: &str| -> ModelResult<RmsNorm> {
+                    Ok(RmsNorm { weight: take(w, &format!("{p}.self_attn.{which}.weight"), &[hd])?, eps })
+                };
+                let (q_norm, k_norm) = (norm(w, "q_norm")?, norm(w, "k_norm")?);
+                self_attn.with_qk_norm(q_norm, k_norm)
+            } else {
+                self_attn
+            };
             let mlp = LlamaMlp {
                 gate_proj: linear(w, &format!("{p}.mlp.gate_proj"), inter, hid, false)?,
                 up_proj: linear(w, &format!("{p}.mlp.up_proj"), inter, hid, false)?,
@@ -312,7 +322,9 @@ impl LlamaModel {
     /// at positions `p - distance ..= p` (`Some(0)`: itself only; `None`: every earlier token, the default).
     /// Training ([`loss`](Self::loss)), [`logits`](Self::logits) and cached decoding
     /// ([`forward_cached`](Self::forward_cached)) all honour it; `autosp::compile` sets the same window from
-    /// `CompileConfig::max_attention_distance`. (The KV cache still keeps every key.)
+    /// `CompileConfig::max_attention_distance` when one is given. A window the checkpoint sets on a layer
+    /// (Mistral's or Qwen's `sliding_window`, [`LlamaAttention::window`](super::attention::LlamaAttention))
+    /// stays: this one can narrow it, never widen it. (The KV cache still keeps every key.)
     pub fn set_max_attention_distance(&mut self, distance: Option<usize>) {
         autosp_core::module::set_max_attention_distance(self, distance);
     }
