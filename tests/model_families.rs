@@ -6,7 +6,9 @@
 //! - `qwen3_window_tied`: tied, biases on q/k/v/o, `use_sliding_window` with a window of 8 on the second
 //!   layer only (`max_window_layers` 1);
 //! - `mistral_window`: an active `sliding_window` of 4 on every layer;
-//! - `qwen2_window`: `use_sliding_window`, `layer_types` full then sliding.
+//! - `qwen2_window`: `use_sliding_window`, `layer_types` full then sliding;
+//! - `phi3_window`: fused `qkv_proj` and `gate_up_proj` in the file (the model holds them split: its gradients
+//!   are fused again to compare, `autosp::models::fused`), a window of 4 on every layer.
 //!
 //! The sequence of 32 is four windows long, so every rank's shard at P = 4 has keys both in and out of its
 //! queries' windows. Each checkpoint saved again and reloaded gives the same loss bit for bit, and with its
@@ -50,17 +52,18 @@ fn golden(name: &str) -> Golden {
 
 /// The loss and whole gradients (by HF name) of one step of `model` compiled on `p` thread ranks.
 fn step(model: &LlamaModel, p: usize, strategy: Strategy, ids: &Tensor) -> (f64, HashMap<String, Vec<f32>>) {
+    let config = model.config.clone();
     let (model, ids) = (Arc::new(model.clone()), ids.clone());
     let out = run_ranks(p, Duration::from_secs(60), move |pg| -> Result<_, String> {
         let policy = Checkpointing::Policy(CheckpointPolicy::SequenceAware);
         let c = compile((*model).clone(), CompileConfig::new(pg, strategy, policy)).map_err(|e| e.to_string())?;
         let out = c.train_step(&ids, None).map_err(|e| e.to_string())?;
         let whole = c.whole_grads(&out.grads).map_err(|e| e.to_string())?;
-        let grads = c
-            .params()
-            .iter()
-            .map(|p| (p.name().to_string(), whole.get(p).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()))
-            .collect();
+        let by_name: HashMap<String, Tensor> =
+            c.params().iter().map(|p| (p.name().to_string(), whole.get(p).unwrap().clone())).collect();
+        // In the file's layout (Phi-3's projections fused), as transformers names its gradients.
+        let fused = autosp::models::fused::fuse(&config, &by_name).map_err(|e| e.to_string())?;
+        let grads = fused.into_iter().map(|(n, g)| (n, g.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect();
         Ok((out.loss, grads))
     });
     let mut all: Vec<_> = out.into_iter().map(|r| r.expect("rank panicked").expect("step failed")).collect();
@@ -170,4 +173,24 @@ fn the_checkpoint_window_survives_compile() {
     assert!((plain - g.loss).abs() <= TOL * g.loss, "default config keeps the window: {plain} vs {}", g.loss);
     assert!((narrow - plain).abs() > 1e-3, "a narrower window asked for applies: {narrow} vs {plain}");
     assert_eq!(kept, Some(3), "a wider window set on the slots leaves the checkpoint's");
+}
+
+#[test]
+fn phi3_with_fused_projections_and_a_window_matches_transformers() {
+    let m = check("phi3_window");
+    assert!(m.layers.0.iter().all(|l| l.self_attn.window == Some(3)));
+    let g = golden("phi3_window");
+    let off = loss_without_windows(m, &g.ids);
+    assert!((off - g.loss).abs() > 1e-3, "the window must change the loss: {off} vs {}", g.loss);
+    // The saved files are Phi-3's own: fused, as transformers reads them.
+    let dir = tempfile::tempdir().unwrap();
+    let model = LlamaModel::load(fixture("phi3_window").to_str().unwrap(), DType::F32).unwrap();
+    model.save(dir.path(), &SaveOptions::default()).unwrap();
+    let saved = candle_core::safetensors::load(dir.path().join("model.safetensors"), &Device::Cpu).unwrap();
+    let file = candle_core::safetensors::load(fixture("phi3_window").join("model.safetensors"), &Device::Cpu).unwrap();
+    assert_eq!(saved.len(), file.len());
+    for (n, t) in &file {
+        let (a, b) = (saved[n].flatten_all().unwrap(), t.flatten_all().unwrap());
+        assert_eq!(a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap(), "{n} saved back bit for bit");
+    }
 }

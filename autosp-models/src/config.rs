@@ -1,4 +1,4 @@
-//! `LlamaConfig`: the architecture of a Llama-family model (llama, mistral, qwen2, qwen3) read from an HF
+//! `LlamaConfig`: the architecture of a Llama-family model (llama, mistral, qwen2, qwen3, phi3) read from an HF
 //! `config.json`, in both the older spelling (`rope_theta`, `rope_scaling`, `torch_dtype`) and the current
 //! one (`rope_parameters`, `dtype`); written back as a config.json HF transformers loads; and the list of
 //! HF tensor names and shapes the config implies.
@@ -20,6 +20,9 @@ pub enum ModelType {
     /// Qwen3: per-head RMSNorm of q and k (`q_norm`, `k_norm: [head_dim]`) before RoPE, `head_dim` of its own
     /// (128 unless given), biases on q/k/v/o only with `attention_bias`; windows as Qwen2.
     Qwen3,
+    /// Phi-3: fused `qkv_proj` and `gate_up_proj` in its files (split on load, fused on save:
+    /// [`crate::fused`]), no biases, `sliding_window` (every layer) when set.
+    Phi3,
 }
 
 impl ModelType {
@@ -30,6 +33,7 @@ impl ModelType {
             ModelType::Mistral => "mistral",
             ModelType::Qwen2 => "qwen2",
             ModelType::Qwen3 => "qwen3",
+            ModelType::Phi3 => "phi3",
         }
     }
 
@@ -44,6 +48,7 @@ impl ModelType {
             ModelType::Mistral => "MistralForCausalLM",
             ModelType::Qwen2 => "Qwen2ForCausalLM",
             ModelType::Qwen3 => "Qwen3ForCausalLM",
+            ModelType::Phi3 => "Phi3ForCausalLM",
         }
     }
 }
@@ -182,6 +187,16 @@ fn parse_rope(f: &Fields, field: &str, v: &Value) -> Result<(Option<f64>, Option
     let obj = v.as_object().ok_or_else(|| f.invalid(field, v, "expected an object"))?;
     let sub = Fields { obj, path: f.path };
     let theta = sub.f64_opt("rope_theta")?;
+    if let Some(v) = sub.get("partial_rotary_factor") {
+        if v.as_f64() != Some(1.0) {
+            return Err(Error::Unsupported {
+                path: f.path.into(),
+                field: format!("{field}.partial_rotary_factor"),
+                value: v.to_string(),
+                reason: "RoPE on part of the head is not implemented".into(),
+            });
+        }
+    }
     let ty = sub
         .get("rope_type")
         .or_else(|| sub.get("type"))
@@ -212,7 +227,8 @@ fn parse_rope(f: &Fields, field: &str, v: &Value) -> Result<(Option<f64>, Option
 }
 
 /// The window and each layer's attention, as transformers reads them:
-/// - Mistral: `sliding_window` (4096 when absent, `null` for none) on every layer;
+/// - Mistral: `sliding_window` (4096 when absent, `null` for none) on every layer; Phi-3 the same, none when
+///   absent;
 /// - Qwen2/Qwen3: `sliding_window` (default 4096) only with `use_sliding_window`, on the layers `layer_types`
 ///   marks `sliding_attention` (when absent: from `max_window_layers`, default 28, on);
 /// - Llama has no window: a `sliding_window` below `max_position_embeddings` is refused (transformers' Llama
@@ -251,8 +267,9 @@ fn parse_windows(
             }
             Ok((None, vec![LayerType::Full; layers]))
         }
-        ModelType::Mistral => {
-            let w = window(Some(4096))?;
+        ModelType::Mistral | ModelType::Phi3 => {
+            // Mistral's default window is 4096 tokens, Phi-3's none.
+            let w = window(if model_type == ModelType::Mistral { Some(4096) } else { None })?;
             Ok((w, vec![if w.is_some() { LayerType::Sliding } else { LayerType::Full }; layers]))
         }
         ModelType::Qwen2 | ModelType::Qwen3 => {
@@ -321,6 +338,7 @@ impl LlamaConfig {
             Some("mistral") => ModelType::Mistral,
             Some("qwen2") => ModelType::Qwen2,
             Some("qwen3") => ModelType::Qwen3,
+            Some("phi3") => ModelType::Phi3,
             Some(other) => return Err(Error::UnknownModelType { path: path.into(), model_type: other.into() }),
             None => return Err(Error::MissingField { path: path.into(), field: "model_type".into() }),
         };
@@ -387,6 +405,15 @@ impl LlamaConfig {
             }
         }
 
+        if model_type == ModelType::Phi3 {
+            for field in ["resid_pdrop", "embd_pdrop", "attention_dropout"] {
+                if let Some(v) = f.get(field) {
+                    if v.as_f64() != Some(0.0) {
+                        return Err(unsupported(field, v, "dropout is not implemented; set it to 0.0"));
+                    }
+                }
+            }
+        }
         if let Some(v) = f.get("hidden_act") {
             if v.as_str() != Some("silu") {
                 return Err(unsupported("hidden_act", v, "only silu (SwiGLU) is implemented"));
@@ -401,7 +428,7 @@ impl LlamaConfig {
 
         let attention_bias = match model_type {
             ModelType::Qwen2 => true,
-            ModelType::Mistral => false,
+            ModelType::Mistral | ModelType::Phi3 => false,
             ModelType::Llama | ModelType::Qwen3 => f.bool_opt("attention_bias")?.unwrap_or(false),
         };
         let torch_dtype = match f.get("dtype").or_else(|| f.get("torch_dtype")) {
@@ -493,7 +520,7 @@ impl LlamaConfig {
                 m.insert("attention_bias".into(), json!(self.attention_bias));
                 m.insert("mlp_bias".into(), json!(false));
             }
-            ModelType::Mistral => {
+            ModelType::Mistral | ModelType::Phi3 => {
                 m.insert("sliding_window".into(), json!(self.sliding_window));
             }
             ModelType::Qwen2 | ModelType::Qwen3 => {
@@ -515,7 +542,8 @@ impl LlamaConfig {
         serde_json::to_string_pretty(&Value::Object(m)).expect("a JSON map always serialises")
     }
 
-    /// Every HF tensor name of this model with its shape, in a fixed order (embedding, layers, norm, head).
+    /// Every HF tensor name of this model's files with its shape, in a fixed order (embedding, layers, norm,
+    /// head). Phi-3's files fuse q/k/v and gate/up ([`crate::fused`]); the model holds them split.
     ///
     /// Shapes are PyTorch `nn.Linear` weights: `[out_features, in_features]`.
     pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
@@ -526,9 +554,14 @@ impl LlamaConfig {
         let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, h])];
         for l in 0..self.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            t.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
-            t.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
-            t.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
+            let fused = crate::fused::fuses(self);
+            if fused {
+                t.push((format!("{p}.self_attn.qkv_proj.weight"), vec![q + 2 * kv, h]));
+            } else {
+                t.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
+                t.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
+                t.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
+            }
             t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
             if self.attention_bias {
                 t.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
@@ -542,8 +575,12 @@ impl LlamaConfig {
                 t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
                 t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
             }
-            t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
-            t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+            if fused {
+                t.push((format!("{p}.mlp.gate_up_proj.weight"), vec![2 * i, h]));
+            } else {
+                t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
+                t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+            }
             t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
             t.push((format!("{p}.input_layernorm.weight"), vec![h]));
             t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));

@@ -25,10 +25,13 @@ pub enum Error {
     #[error("{path}: config field `{field}` = {value} is not supported: {reason}")]
     Unsupported { path: PathBuf, field: String, value: String, reason: String },
     /// A rope_scaling / rope_parameters type other than default, linear and llama3.
-    #[error("{path}: unknown rope type `{rope_type}` in `{field}`; supported: default, linear, llama3")]
+    #[error(
+        "{path}: rope type `{rope_type}` in `{field}` is not implemented (RoPE scaling changes the positions' \
+         angles, so the model would compute something else); supported: default, linear, llama3"
+    )]
     UnknownRopeType { path: PathBuf, field: String, rope_type: String },
     /// The model_type is not one of the Llama family.
-    #[error("{path}: model_type `{model_type}` is not supported; supported: llama, mistral, qwen2, qwen3")]
+    #[error("{path}: model_type `{model_type}` is not supported; supported: llama, mistral, qwen2, qwen3, phi3")]
     UnknownModelType { path: PathBuf, model_type: String },
     /// A safetensors file could not be parsed: bad header, truncated data, bad dtype.
     #[error("{path}: not a valid safetensors file ({message}); the file is corrupted or truncated, download or save it again")]

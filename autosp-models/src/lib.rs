@@ -1,9 +1,10 @@
-//! autosp-models: Llama-family checkpoints (llama, mistral, qwen2, SmolLM) for autosp: HF `config.json`,
+//! autosp-models: Llama-family checkpoints (llama, mistral, qwen2, qwen3, phi3, SmolLM) for autosp: HF `config.json`,
 //! safetensors weights (single or sharded, memory-mapped), hub resolution (cache first, offline aware),
 //! HF-compatible saving, tiny random checkpoints, GGUF import and tokenizers.
 
 pub mod config;
 pub mod error;
+pub mod fused;
 pub mod gguf;
 pub mod gguf_names;
 pub mod gguf_tokenizer;

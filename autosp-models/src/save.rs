@@ -26,7 +26,7 @@ impl Default for SaveOptions {
 }
 
 /// Writes `config` and `weights` (HF name -> tensor, exactly the names and shapes of
-/// [`LlamaConfig::expected_tensors`]) into `dir`, replacing a model already there only once the new one
+/// [`LlamaConfig::expected_tensors`], or Phi-3's fused projections split as the model holds them) into `dir`, replacing a model already there only once the new one
 /// is complete.
 pub fn save_model(
     dir: &Path,
@@ -35,6 +35,8 @@ pub fn save_model(
     opts: &SaveOptions,
 ) -> Result<()> {
     let expected = config.expected_tensors();
+    // Phi-3's files fuse what the model holds split.
+    let weights = &crate::fused::fuse(config, weights)?;
     check_weights(dir, &expected, weights)?;
     if let Some(d) = opts.dtype {
         if !matches!(d, DType::F32 | DType::BF16 | DType::F16) {

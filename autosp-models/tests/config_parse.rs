@@ -178,6 +178,7 @@ fn to_json_round_trips() {
         TinySpec { model_type: ModelType::Qwen2, window: Some(16), ..TinySpec::default() },
         TinySpec { model_type: ModelType::Qwen3, bias: true, window: Some(8), ..TinySpec::default() },
         TinySpec { model_type: ModelType::Mistral, window: Some(8), ..TinySpec::default() },
+        TinySpec { model_type: ModelType::Phi3, window: Some(8), ..TinySpec::default() },
         TinySpec {
             model_type: ModelType::Mistral,
             rope_scaling: Some(RopeScaling::Linear { factor: 4.0 }),
@@ -197,4 +198,34 @@ fn to_json_round_trips() {
         let c = spec.config();
         assert_eq!(parse(&c.to_json()).unwrap(), c, "{}", c.to_json());
     }
+}
+
+#[test]
+fn phi3_reads_its_window_and_refuses_what_it_does_not_do() {
+    let phi3 = r#"{"model_type": "phi3", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2, "sliding_window": 2047, "resid_pdrop": 0.0}"#;
+    let c = parse(phi3).unwrap();
+    assert_eq!((c.attention_window(0), c.attention_bias), (Some(2046), false));
+    let names: Vec<String> = c.expected_tensors().into_iter().map(|x| x.0).collect();
+    assert!(names.contains(&"model.layers.0.self_attn.qkv_proj.weight".to_string()));
+    assert!(names.contains(&"model.layers.0.mlp.gate_up_proj.weight".to_string()));
+    assert!(!names.iter().any(|n| n.ends_with(".q_proj.weight") || n.ends_with("mlp.up_proj.weight")), "{names:?}");
+    // No window when the field is absent (Phi3Config's default).
+    assert_eq!(parse(&phi3.replace(r#""sliding_window": 2047, "#, "")).unwrap().sliding_window, None);
+    // Dropout, Phi-3-128k's longrope and Phi-4-mini's partial RoPE are refused, naming the field.
+    let e = parse(&phi3.replace(r#""resid_pdrop": 0.0"#, r#""resid_pdrop": 0.1"#)).unwrap_err();
+    assert!(matches!(&e, Error::Unsupported { field, .. } if field == "resid_pdrop"), "{e}");
+    let longrope = phi3.replace(
+        r#""resid_pdrop": 0.0"#,
+        r#""rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}"#,
+    );
+    let e = parse(&longrope).unwrap_err();
+    assert!(matches!(&e, Error::UnknownRopeType { rope_type, .. } if rope_type == "longrope"), "{e}");
+    assert!(e.to_string().contains("not implemented"), "{e}");
+    let partial = phi3.replace(
+        r#""resid_pdrop": 0.0"#,
+        r#""rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}"#,
+    );
+    let e = parse(&partial).unwrap_err();
+    assert!(matches!(&e, Error::Unsupported { field, .. } if field == "rope_parameters.partial_rotary_factor"), "{e}");
 }

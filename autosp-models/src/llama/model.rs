@@ -1,4 +1,4 @@
-//! [`LlamaModel`]: a Llama-family causal LM (llama, mistral, qwen2, qwen3, SmolLM) on the autosp tape, built from
+//! [`LlamaModel`]: a Llama-family causal LM (llama, mistral, qwen2, qwen3, phi3, SmolLM) on the autosp tape, built from
 //! autosp-core modules: embedding, decoder layers, final norm, LM head (tied or not). Parameters carry their
 //! HF tensor names, so a model goes to and from an HF weights map unchanged.
 //!
@@ -83,6 +83,8 @@ impl LlamaModel {
     /// `lm_head.weight` and `rotary_emb.inv_freq` buffers, which are ignored as transformers does.
     pub fn from_weights(config: &LlamaConfig, mut weights: HashMap<String, Tensor>) -> ModelResult<Self> {
         let c = config;
+        // Phi-3's fused q/k/v and gate/up, as its files hold them, split (a map split already passes).
+        crate::fused::split(c, &mut weights)?;
         let (hid, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
         let eps = c.rms_norm_eps;
