@@ -33,7 +33,7 @@ fn param(name: &str, shape: &[usize], seed: u64, scale: f64) -> Param {
 
 fn norm(name: &str, seed: u64) -> RmsNorm {
     let w = probe(&[HIDDEN], seed, &Device::Cpu).unwrap().affine(0.1, 1.0).unwrap().to_dtype(DType::F32).unwrap();
-    RmsNorm { weight: Param::new(name, w), eps: 1e-5 }
+    RmsNorm::new(Param::new(name, w), 1e-5)
 }
 
 struct Layer {

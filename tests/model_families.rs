@@ -8,7 +8,11 @@
 //! - `mistral_window`: an active `sliding_window` of 4 on every layer;
 //! - `qwen2_window`: `use_sliding_window`, `layer_types` full then sliding;
 //! - `phi3_window`: fused `qkv_proj` and `gate_up_proj` in the file (the model holds them split: its gradients
-//!   are fused again to compare, `autosp::models::fused`), a window of 4 on every layer.
+//!   are fused again to compare, `autosp::models::fused`), a window of 4 on every layer;
+//! - `gemma3` (`gemma3_text`): `(1 + w)` RMSNorms, four per layer; embeddings times `sqrt(hidden)`; GeGLU
+//!   (gelu, tanh approximation); q/k norms; the softmax scale `query_pre_attn_scalar^-1/2` (12, not
+//!   head_dim's 16); a sliding layer (window 4, local RoPE base 1e4) then a global one (base 1e6, linear
+//!   scaling 8); tied.
 //!
 //! The sequence of 32 is four windows long, so every rank's shard at P = 4 has keys both in and out of its
 //! queries' windows. Each checkpoint saved again and reloaded gives the same loss bit for bit, and with its
@@ -193,4 +197,17 @@ fn phi3_with_fused_projections_and_a_window_matches_transformers() {
         let (a, b) = (saved[n].flatten_all().unwrap(), t.flatten_all().unwrap());
         assert_eq!(a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap(), "{n} saved back bit for bit");
     }
+}
+
+#[test]
+fn gemma3_text_matches_transformers() {
+    let m = check("gemma3");
+    let c = &m.config;
+    assert_eq!((c.query_pre_attn_scalar, c.rope_local_theta, c.rope_theta), (Some(12.0), Some(1e4), 1e6));
+    assert!(m.lm_head.is_none() && m.layers.0.iter().all(|l| l.feedforward_norms.is_some()));
+    let windows: Vec<_> = m.layers.0.iter().map(|l| (l.self_attn.window, l.local_rope)).collect();
+    assert_eq!(windows, vec![(Some(3), true), (None, false)]);
+    let g = golden("gemma3");
+    let off = loss_without_windows(m, &g.ids);
+    assert!((off - g.loss).abs() > 1e-3, "the window must change the loss: {off} vs {}", g.loss);
 }

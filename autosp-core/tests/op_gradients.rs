@@ -103,6 +103,8 @@ fn embedding_scatter_adds_repeated_ids() {
 fn pointwise_functions() {
     let x = rand(&[3, 5], 16);
     check(|t, v| Ok(vec![ops::silu(t, &v[0])?]), &[x.clone()], &[0]);
+    // gelu's tanh bends over |x| of a few: spread the inputs over [-3, 3].
+    check(|t, v| Ok(vec![ops::gelu_tanh(t, &v[0])?]), &[(x.clone() * 3.0).unwrap()], &[0]);
     check(|t, v| Ok(vec![ops::exp(t, &v[0])?]), &[x], &[0]);
     check(|t, v| Ok(vec![ops::log(t, &v[0])?]), &[positive(&[3, 5], 17)], &[0]);
 }

@@ -1,4 +1,5 @@
-//! `LlamaConfig`: the architecture of a Llama-family model (llama, mistral, qwen2, qwen3, phi3) read from an HF
+//! `LlamaConfig`: the architecture of a Llama-family model (llama, mistral, qwen2, qwen3, phi3, gemma3_text) read from an
+//! HF
 //! `config.json`, in both the older spelling (`rope_theta`, `rope_scaling`, `torch_dtype`) and the current
 //! one (`rope_parameters`, `dtype`); written back as a config.json HF transformers loads; and the list of
 //! HF tensor names and shapes the config implies.
@@ -23,6 +24,11 @@ pub enum ModelType {
     /// Phi-3: fused `qkv_proj` and `gate_up_proj` in its files (split on load, fused on save:
     /// [`crate::fused`]), no biases, `sliding_window` (every layer) when set.
     Phi3,
+    /// Gemma 3's text model (`gemma3_text`): RMSNorms scaled by `1 + w` around attention and MLP (four per
+    /// layer), embeddings scaled by `sqrt(hidden)`, GeGLU (gelu, tanh approximation), q/k norms, the softmax
+    /// scale `query_pre_attn_scalar^-0.5`, sliding-window layers with their own RoPE base between global
+    /// ones, tied embeddings.
+    Gemma3,
 }
 
 impl ModelType {
@@ -34,12 +40,36 @@ impl ModelType {
             ModelType::Qwen2 => "qwen2",
             ModelType::Qwen3 => "qwen3",
             ModelType::Phi3 => "phi3",
+            ModelType::Gemma3 => "gemma3_text",
+        }
+    }
+
+    /// The offset of the RMSNorm scale (`offset + w`: 1 for Gemma, 0 otherwise; see `autosp_core::nn::RmsNorm`).
+    pub fn norm_offset(&self) -> f64 {
+        if *self == ModelType::Gemma3 {
+            1.0
+        } else {
+            0.0
+        }
+    }
+
+    /// Whether a layer norms the attention's and the MLP's outputs too (Gemma's four norms per layer).
+    pub fn sandwich_norms(&self) -> bool {
+        *self == ModelType::Gemma3
+    }
+
+    /// The MLP gate's activation.
+    pub fn activation(&self) -> crate::llama::Activation {
+        if *self == ModelType::Gemma3 {
+            crate::llama::Activation::GeluTanh
+        } else {
+            crate::llama::Activation::Silu
         }
     }
 
     /// Whether q and k get a per-head RMSNorm before RoPE (Qwen3).
     pub fn qk_norm(&self) -> bool {
-        *self == ModelType::Qwen3
+        matches!(self, ModelType::Qwen3 | ModelType::Gemma3)
     }
 
     fn architecture(&self) -> &'static str {
@@ -49,6 +79,7 @@ impl ModelType {
             ModelType::Qwen2 => "Qwen2ForCausalLM",
             ModelType::Qwen3 => "Qwen3ForCausalLM",
             ModelType::Phi3 => "Phi3ForCausalLM",
+            ModelType::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 }
@@ -111,6 +142,11 @@ pub struct LlamaConfig {
     pub sliding_window: Option<usize>,
     /// Each layer's attention (`num_hidden_layers` entries).
     pub layer_types: Vec<LayerType>,
+    /// Gemma 3's `query_pre_attn_scalar`: the softmax scale is its `-1/2` power instead of `head_dim`'s.
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Gemma 3's RoPE base of the sliding-window layers (`rope_local_base_freq`), unscaled; `rope_theta`
+    /// and `rope_scaling` are then the global layers'.
+    pub rope_local_theta: Option<f64>,
 }
 
 /// Reads a config field through the JSON object, recording which file it came from for errors.
@@ -226,11 +262,39 @@ fn parse_rope(f: &Fields, field: &str, v: &Value) -> Result<(Option<f64>, Option
     Ok((theta, scaling))
 }
 
+/// `layer_types`: one `full_attention` or `sliding_attention` per layer.
+fn layer_types(f: &Fields, layers: usize) -> Result<Vec<LayerType>> {
+    let v = f.get("layer_types").expect("called when present");
+    let Value::Array(types) = v else { return Err(f.invalid("layer_types", v, "expected a list of layer types")) };
+    if types.len() != layers {
+        return Err(f.invalid(
+            "layer_types",
+            v,
+            &format!("has {} entries for num_hidden_layers = {layers}", types.len()),
+        ));
+    }
+    types
+        .iter()
+        .map(|t| match t.as_str() {
+            Some("full_attention") => Ok(LayerType::Full),
+            Some("sliding_attention") => Ok(LayerType::Sliding),
+            _ => Err(Error::Unsupported {
+                path: f.path.into(),
+                field: "layer_types".into(),
+                value: t.to_string(),
+                reason: "only full_attention and sliding_attention layers are implemented".into(),
+            }),
+        })
+        .collect()
+}
+
 /// The window and each layer's attention, as transformers reads them:
 /// - Mistral: `sliding_window` (4096 when absent, `null` for none) on every layer; Phi-3 the same, none when
 ///   absent;
 /// - Qwen2/Qwen3: `sliding_window` (default 4096) only with `use_sliding_window`, on the layers `layer_types`
 ///   marks `sliding_attention` (when absent: from `max_window_layers`, default 28, on);
+/// - Gemma 3: `sliding_window` (default 4096) on the layers `layer_types` marks (when absent: all but every
+///   `sliding_window_pattern`-th, default 6);
 /// - Llama has no window: a `sliding_window` below `max_position_embeddings` is refused (transformers' Llama
 ///   would not apply it; say `null` to load the model without one).
 fn parse_windows(
@@ -272,33 +336,25 @@ fn parse_windows(
             let w = window(if model_type == ModelType::Mistral { Some(4096) } else { None })?;
             Ok((w, vec![if w.is_some() { LayerType::Sliding } else { LayerType::Full }; layers]))
         }
+        ModelType::Gemma3 => {
+            let w = window(Some(4096))?;
+            let types = match f.get("layer_types") {
+                Some(_) => layer_types(f, layers)?,
+                None => {
+                    // Every `sliding_window_pattern`-th layer (default 6) is global, the others sliding.
+                    let every = f.usize_opt("sliding_window_pattern")?.unwrap_or(6).max(1);
+                    (0..layers)
+                        .map(|i| if (i + 1) % every != 0 { LayerType::Sliding } else { LayerType::Full })
+                        .collect()
+                }
+            };
+            Ok((w, types))
+        }
         ModelType::Qwen2 | ModelType::Qwen3 => {
             let on = f.bool_opt("use_sliding_window")?.unwrap_or(false);
             let w = if on { window(Some(4096))? } else { None };
             let types = match f.get("layer_types") {
-                Some(Value::Array(types)) => {
-                    if types.len() != layers {
-                        return Err(f.invalid(
-                            "layer_types",
-                            &Value::Array(types.clone()),
-                            &format!("has {} entries for num_hidden_layers = {layers}", types.len()),
-                        ));
-                    }
-                    types
-                        .iter()
-                        .map(|t| match t.as_str() {
-                            Some("full_attention") => Ok(LayerType::Full),
-                            Some("sliding_attention") => Ok(LayerType::Sliding),
-                            _ => Err(Error::Unsupported {
-                                path: f.path.into(),
-                                field: "layer_types".into(),
-                                value: t.to_string(),
-                                reason: "only full_attention and sliding_attention layers are implemented".into(),
-                            }),
-                        })
-                        .collect::<Result<Vec<_>>>()?
-                }
-                Some(v) => return Err(f.invalid("layer_types", v, "expected a list of layer types")),
+                Some(_) => layer_types(f, layers)?,
                 None => {
                     let from = f.usize_opt("max_window_layers")?.unwrap_or(28);
                     (0..layers)
@@ -339,6 +395,17 @@ impl LlamaConfig {
             Some("qwen2") => ModelType::Qwen2,
             Some("qwen3") => ModelType::Qwen3,
             Some("phi3") => ModelType::Phi3,
+            Some("gemma3_text") => ModelType::Gemma3,
+            Some("gemma3") => {
+                return Err(Error::Unsupported {
+                    path: path.into(),
+                    field: "model_type".into(),
+                    value: "\"gemma3\"".into(),
+                    reason: "this is Gemma 3's vision-language checkpoint (Gemma3ForConditionalGeneration); load a \
+                             text-only one (model_type gemma3_text, e.g. google/gemma-3-1b-it)"
+                        .into(),
+                })
+            }
             Some(other) => return Err(Error::UnknownModelType { path: path.into(), model_type: other.into() }),
             None => return Err(Error::MissingField { path: path.into(), field: "model_type".into() }),
         };
@@ -367,8 +434,9 @@ impl LlamaConfig {
         }
         let head_dim = match f.usize_opt("head_dim")? {
             Some(h) => h,
-            // Qwen3Config's default, whatever hidden / heads is.
+            // Qwen3Config's and Gemma3TextConfig's defaults, whatever hidden / heads is.
             None if model_type == ModelType::Qwen3 => 128,
+            None if model_type == ModelType::Gemma3 => 256,
             None => {
                 if hidden_size % num_attention_heads != 0 {
                     return Err(f.invalid(
@@ -384,21 +452,41 @@ impl LlamaConfig {
             return Err(f.invalid("head_dim", &json!(head_dim), "RoPE needs an even head_dim"));
         }
 
-        // RoPE: new spelling `rope_parameters` (theta inside), old `rope_theta` + `rope_scaling`.
+        // RoPE: new spelling `rope_parameters` (theta inside), old `rope_theta` + `rope_scaling`; Gemma 3's
+        // new spelling has one set per layer type, its old one `rope_local_base_freq` for the sliding layers.
+        let gemma = model_type == ModelType::Gemma3;
         let mut rope_theta = f.f64_opt("rope_theta")?;
+        let mut rope_local_theta =
+            if gemma { Some(f.f64_opt("rope_local_base_freq")?.unwrap_or(10_000.0)) } else { None };
         let mut rope_scaling = None;
         for field in ["rope_scaling", "rope_parameters"] {
-            if let Some(v) = f.get(field) {
-                let (theta, scaling) = parse_rope(&f, field, v)?;
-                if theta.is_some() {
-                    rope_theta = theta;
+            let Some(v) = f.get(field) else { continue };
+            let per_type = v.get("full_attention").or_else(|| v.get("sliding_attention")).is_some();
+            if gemma && per_type {
+                if let Some(full) = v.get("full_attention") {
+                    let (theta, scaling) = parse_rope(&f, &format!("{field}.full_attention"), full)?;
+                    rope_theta = theta.or(rope_theta);
+                    rope_scaling = scaling.or(rope_scaling);
                 }
-                if scaling.is_some() {
-                    rope_scaling = scaling;
+                if let Some(local) = v.get("sliding_attention") {
+                    let at = format!("{field}.sliding_attention");
+                    let (theta, scaling) = parse_rope(&f, &at, local)?;
+                    if scaling.is_some() {
+                        return Err(unsupported(&at, local, "RoPE scaling on the sliding layers is not implemented"));
+                    }
+                    rope_local_theta = theta.or(rope_local_theta);
                 }
+                continue;
+            }
+            let (theta, scaling) = parse_rope(&f, field, v)?;
+            if theta.is_some() {
+                rope_theta = theta;
+            }
+            if scaling.is_some() {
+                rope_scaling = scaling;
             }
         }
-        let rope_theta = rope_theta.unwrap_or(10000.0);
+        let rope_theta = rope_theta.unwrap_or(if gemma { 1_000_000.0 } else { 10000.0 });
         if let Some(v) = f.get("partial_rotary_factor") {
             if v.as_f64() != Some(1.0) {
                 return Err(unsupported("partial_rotary_factor", v, "RoPE on part of the head is not implemented"));
@@ -414,7 +502,31 @@ impl LlamaConfig {
                 }
             }
         }
-        if let Some(v) = f.get("hidden_act") {
+        if gemma {
+            for field in ["hidden_activation", "hidden_act"] {
+                if let Some(v) = f.get(field) {
+                    if v.as_str() != Some("gelu_pytorch_tanh") {
+                        return Err(unsupported(field, v, "Gemma's GeGLU with gelu_pytorch_tanh is implemented"));
+                    }
+                }
+            }
+            for field in ["attn_logit_softcapping", "final_logit_softcapping"] {
+                if let Some(v) = f.get(field) {
+                    return Err(unsupported(
+                        field,
+                        v,
+                        "logit soft-capping (Gemma 2) is not implemented; Gemma 3 has none",
+                    ));
+                }
+            }
+            if f.bool_opt("use_bidirectional_attention")? == Some(true) {
+                return Err(unsupported(
+                    "use_bidirectional_attention",
+                    &json!(true),
+                    "only causal attention is implemented",
+                ));
+            }
+        } else if let Some(v) = f.get("hidden_act") {
             if v.as_str() != Some("silu") {
                 return Err(unsupported("hidden_act", v, "only silu (SwiGLU) is implemented"));
             }
@@ -429,7 +541,7 @@ impl LlamaConfig {
         let attention_bias = match model_type {
             ModelType::Qwen2 => true,
             ModelType::Mistral | ModelType::Phi3 => false,
-            ModelType::Llama | ModelType::Qwen3 => f.bool_opt("attention_bias")?.unwrap_or(false),
+            ModelType::Llama | ModelType::Qwen3 | ModelType::Gemma3 => f.bool_opt("attention_bias")?.unwrap_or(false),
         };
         let torch_dtype = match f.get("dtype").or_else(|| f.get("torch_dtype")) {
             None => None,
@@ -453,19 +565,35 @@ impl LlamaConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings,
-            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(gemma),
             attention_bias,
             torch_dtype,
             bos_token_id: f.token_id("bos_token_id")?,
             eos_token_id: f.token_id("eos_token_id")?,
             sliding_window,
             layer_types,
+            query_pre_attn_scalar: if gemma {
+                Some(f.f64_opt("query_pre_attn_scalar")?.unwrap_or(256.0))
+            } else {
+                None
+            },
+            rope_local_theta,
         })
+    }
+
+    /// The softmax scale when it is not `1 / sqrt(head_dim)` (Gemma 3: `query_pre_attn_scalar^-1/2`).
+    pub fn attention_scale(&self) -> Option<f64> {
+        self.query_pre_attn_scalar.map(|s| 1.0 / s.sqrt())
+    }
+
+    /// The factor the embeddings are multiplied by (Gemma: `sqrt(hidden_size)`), if any.
+    pub fn embed_scale(&self) -> Option<f64> {
+        (self.model_type == ModelType::Gemma3).then(|| (self.hidden_size as f64).sqrt())
     }
 
     /// True when o_proj has a bias (llama and qwen3 with attention_bias; never qwen2 or mistral).
     pub fn o_proj_bias(&self) -> bool {
-        self.attention_bias && matches!(self.model_type, ModelType::Llama | ModelType::Qwen3)
+        self.attention_bias && matches!(self.model_type, ModelType::Llama | ModelType::Qwen3 | ModelType::Gemma3)
     }
 
     /// The attention window of layer `layer` as autosp counts it (the largest distance from a query back to a
@@ -491,7 +619,11 @@ impl LlamaConfig {
         m.insert("num_attention_heads".into(), json!(self.num_attention_heads));
         m.insert("num_key_value_heads".into(), json!(self.num_key_value_heads));
         m.insert("head_dim".into(), json!(self.head_dim));
-        m.insert("hidden_act".into(), json!("silu"));
+        if self.model_type == ModelType::Gemma3 {
+            m.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+        } else {
+            m.insert("hidden_act".into(), json!("silu"));
+        }
         m.insert("rms_norm_eps".into(), json!(self.rms_norm_eps));
         m.insert("rope_theta".into(), json!(self.rope_theta));
         let scaling = match self.rope_scaling {
@@ -522,6 +654,15 @@ impl LlamaConfig {
             }
             ModelType::Mistral | ModelType::Phi3 => {
                 m.insert("sliding_window".into(), json!(self.sliding_window));
+            }
+            ModelType::Gemma3 => {
+                m.insert("attention_bias".into(), json!(self.attention_bias));
+                m.insert("query_pre_attn_scalar".into(), json!(self.query_pre_attn_scalar));
+                m.insert("rope_local_base_freq".into(), json!(self.rope_local_theta));
+                m.insert("sliding_window".into(), json!(self.sliding_window));
+                m.insert("layer_types".into(), json!(self.layer_types.iter().map(|t| t.as_str()).collect::<Vec<_>>()));
+                m.insert("attn_logit_softcapping".into(), Value::Null);
+                m.insert("final_logit_softcapping".into(), Value::Null);
             }
             ModelType::Qwen2 | ModelType::Qwen3 => {
                 if self.model_type == ModelType::Qwen3 {
@@ -584,6 +725,10 @@ impl LlamaConfig {
             t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
             t.push((format!("{p}.input_layernorm.weight"), vec![h]));
             t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+            if self.model_type.sandwich_norms() {
+                t.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
+                t.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h]));
+            }
         }
         t.push(("model.norm.weight".to_string(), vec![h]));
         if !self.tie_word_embeddings {

@@ -1,7 +1,10 @@
-//! Imports Llama-architecture GGUF files (llama.cpp): reads and dequantises every tensor with candle's
-//! GGUF reader (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q8_K), renames the tensors to HF
-//! names, undoes the Q/K row permutation and builds the [`LlamaConfig`] from the metadata; the tokenizer
-//! comes from `tokenizer.ggml.*` (see `gguf_tokenizer`).
+//! Imports GGUF files (llama.cpp) of the llama, qwen2 and qwen3 architectures: reads and dequantises every
+//! tensor with candle's GGUF reader (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q8_K), renames the
+//! tensors to HF names, undoes llama's Q/K row permutation and builds the [`LlamaConfig`] from the metadata
+//! (keys `{architecture}.*`); the tokenizer comes from `tokenizer.ggml.*` (see `gguf_tokenizer`). Mistral's
+//! GGUF files are llama ones. Other architectures (gemma3, phi3, ...) are refused, naming
+//! `general.architecture`: their files carry conventions of llama.cpp's own (Gemma's norms stored plus one,
+//! its window pattern and softmax scale implied by the architecture) that the HF checkpoint states instead.
 
 use crate::config::{LayerType, LlamaConfig, ModelType, RopeScaling};
 use crate::error::{Error, Result};
@@ -111,13 +114,22 @@ impl Meta<'_> {
     }
 }
 
-/// Builds the config of a `general.architecture = llama` GGUF from its metadata.
+/// Builds the config of a llama, qwen2 or qwen3 GGUF from its metadata.
 pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
     let m = Meta { ct, path: path.into() };
     let arch = m.string("general.architecture").unwrap_or_default();
-    if arch != "llama" {
-        return Err(m.err(format!("general.architecture is `{arch}`; only `llama` GGUF files are supported")));
-    }
+    let model_type = match arch.as_str() {
+        "llama" => ModelType::Llama,
+        "qwen2" => ModelType::Qwen2,
+        "qwen3" => ModelType::Qwen3,
+        _ => {
+            return Err(m.err(format!(
+                "general.architecture is `{arch}`; GGUF import reads llama (and Mistral, stored as llama), qwen2 \
+                 and qwen3 files; load this model from its HF checkpoint (config.json + safetensors)"
+            )))
+        }
+    };
+    let key = |k: &str| format!("{arch}.{k}");
     if ct.tensor_infos.contains_key("rope_freqs.weight") {
         return Err(m.err(
             "tensor `rope_freqs.weight` (llama3 RoPE scaling stored as factors) is not supported; \
@@ -125,60 +137,63 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
                 .into(),
         ));
     }
-    let heads = m.need("llama.attention.head_count")? as usize;
-    let hidden = m.need("llama.embedding_length")? as usize;
+    let heads = m.need(&key("attention.head_count"))? as usize;
+    let hidden = m.need(&key("embedding_length"))? as usize;
     let embd = ct
         .tensor_infos
         .get("token_embd.weight")
         .ok_or_else(|| m.err("tensor `token_embd.weight` is missing".into()))?;
-    let vocab = match m.num("llama.vocab_size")? {
+    let vocab = match m.num(&key("vocab_size"))? {
         Some(v) => v as usize,
         None => embd.shape.dims()[0],
     };
-    let head_dim = match m.num("llama.attention.key_length")? {
+    let head_dim = match m.num(&key("attention.key_length"))? {
         Some(k) => k as usize,
-        None => match m.num("llama.rope.dimension_count")? {
+        None => match m.num(&key("rope.dimension_count"))? {
             Some(d) => d as usize,
             None => hidden / heads,
         },
     };
-    let rope_scaling = match m.string("llama.rope.scaling.type").as_deref() {
+    let rope_scaling = match m.string(&key("rope.scaling.type")).as_deref() {
         None | Some("none") => None,
-        Some("linear") => Some(RopeScaling::Linear { factor: m.need("llama.rope.scaling.factor")? }),
+        Some("linear") => Some(RopeScaling::Linear { factor: m.need(&key("rope.scaling.factor"))? }),
         Some(other) => {
             return Err(Error::UnknownRopeType {
                 path: path.into(),
-                field: "llama.rope.scaling.type".into(),
+                field: key("rope.scaling.type"),
                 rope_type: other.into(),
             })
         }
     };
-    let layers = m.need("llama.block_count")? as usize;
+    let layers = m.need(&key("block_count"))? as usize;
     let tok_id = |k: &str| -> Result<Option<u32>> { Ok(m.num(k)?.map(|x| x as u32)) };
     Ok(LlamaConfig {
-        model_type: ModelType::Llama,
+        model_type,
         vocab_size: vocab,
         hidden_size: hidden,
-        intermediate_size: m.need("llama.feed_forward_length")? as usize,
+        intermediate_size: m.need(&key("feed_forward_length"))? as usize,
         num_hidden_layers: layers,
         num_attention_heads: heads,
-        num_key_value_heads: m.num("llama.attention.head_count_kv")?.unwrap_or(heads as f64) as usize,
+        num_key_value_heads: m.num(&key("attention.head_count_kv"))?.unwrap_or(heads as f64) as usize,
         head_dim,
-        rms_norm_eps: m.need("llama.attention.layer_norm_rms_epsilon")?,
-        rope_theta: m.num("llama.rope.freq_base")?.unwrap_or(10000.0),
+        rms_norm_eps: m.need(&key("attention.layer_norm_rms_epsilon"))?,
+        rope_theta: m.num(&key("rope.freq_base"))?.unwrap_or(10000.0),
         rope_scaling,
-        max_position_embeddings: m.num("llama.context_length")?.unwrap_or(4096.0) as usize,
+        max_position_embeddings: m.num(&key("context_length"))?.unwrap_or(4096.0) as usize,
         tie_word_embeddings: !ct.tensor_infos.contains_key("output.weight"),
-        attention_bias: false,
+        // Qwen2 always has q/k/v biases; a llama or qwen3 file has them when it stores them.
+        attention_bias: model_type == ModelType::Qwen2 || ct.tensor_infos.contains_key("blk.0.attn_q.bias"),
         torch_dtype: None,
         bos_token_id: tok_id("tokenizer.ggml.bos_token_id")?,
         eos_token_id: tok_id("tokenizer.ggml.eos_token_id")?,
         sliding_window: None,
         layer_types: vec![LayerType::Full; layers],
+        query_pre_attn_scalar: None,
+        rope_local_theta: None,
     })
 }
 
-/// Imports a Llama GGUF file: config, dequantised weights in `dtype` on `device`, tokenizer.
+/// Imports a llama, qwen2 or qwen3 GGUF file: config, dequantised weights in `dtype` on `device`.
 pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufModel> {
     let gguf_err = |e: candle_core::Error| Error::Gguf { path: path.into(), message: e.to_string() };
     let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
@@ -190,13 +205,15 @@ pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufMod
     names.sort();
     let mut weights = HashMap::new();
     for gguf_name in names {
-        let hf = hf_name(gguf_name, config.num_attention_heads, config.num_key_value_heads).ok_or_else(|| {
-            Error::UnexpectedTensor {
-                name: gguf_name.clone(),
-                found: ct.tensor_infos[gguf_name].shape.dims().to_vec(),
-                path: path.into(),
-            }
-        })?;
+        let permuted = config.model_type == ModelType::Llama;
+        let hf =
+            hf_name(gguf_name, config.num_attention_heads, config.num_key_value_heads, permuted).ok_or_else(|| {
+                Error::UnexpectedTensor {
+                    name: gguf_name.clone(),
+                    found: ct.tensor_infos[gguf_name].shape.dims().to_vec(),
+                    path: path.into(),
+                }
+            })?;
         let q = ct.tensor(&mut file, gguf_name, &Device::Cpu).map_err(gguf_err)?;
         let mut t = q.dequantize(&Device::Cpu).map_err(gguf_err)?;
         let shape = expected.get(&hf.name).ok_or_else(|| Error::UnexpectedTensor {

@@ -1,5 +1,6 @@
-//! llama.cpp tensor names to HF names for the Llama architecture, and the undoing of the Q/K row
-//! permutation that `convert_hf_to_gguf.py` applies (its `permute`).
+//! llama.cpp tensor names to HF names for the llama, qwen2 and qwen3 architectures, and the undoing of the
+//! Q/K row permutation that `convert_hf_to_gguf.py` applies to llama ones (its `permute`: llama.cpp's llama
+//! RoPE rotates interleaved pairs; qwen2/qwen3 use the NEOX RoPE, HF's own pairing, and are stored as they are).
 
 use crate::error::Result;
 use candle_core::Tensor;
@@ -12,8 +13,9 @@ pub struct HfName {
     pub permuted_heads: Option<usize>,
 }
 
-/// The HF name of llama.cpp tensor `gguf`, or `None` for a name the Llama layout does not have.
-pub fn hf_name(gguf: &str, heads: usize, kv_heads: usize) -> Option<HfName> {
+/// The HF name of llama.cpp tensor `gguf`, or `None` for a name the layout does not have. `permuted`: the
+/// file's Q/K rows (and biases) are in llama.cpp's llama order (the llama architecture).
+pub fn hf_name(gguf: &str, heads: usize, kv_heads: usize, permuted: bool) -> Option<HfName> {
     let plain = |s: &str| Some(HfName { name: s.to_string(), permuted_heads: None });
     match gguf {
         "token_embd.weight" => return plain("model.embed_tokens.weight"),
@@ -25,10 +27,17 @@ pub fn hf_name(gguf: &str, heads: usize, kv_heads: usize) -> Option<HfName> {
     let (layer, part) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let p = format!("model.layers.{layer}");
+    let (q, k) = if permuted { (Some(heads), Some(kv_heads)) } else { (None, None) };
     let (hf, permuted_heads) = match part {
-        "attn_q.weight" => (format!("{p}.self_attn.q_proj.weight"), Some(heads)),
-        "attn_k.weight" => (format!("{p}.self_attn.k_proj.weight"), Some(kv_heads)),
+        "attn_q.weight" => (format!("{p}.self_attn.q_proj.weight"), q),
+        "attn_k.weight" => (format!("{p}.self_attn.k_proj.weight"), k),
         "attn_v.weight" => (format!("{p}.self_attn.v_proj.weight"), None),
+        "attn_q.bias" => (format!("{p}.self_attn.q_proj.bias"), q),
+        "attn_k.bias" => (format!("{p}.self_attn.k_proj.bias"), k),
+        "attn_v.bias" => (format!("{p}.self_attn.v_proj.bias"), None),
+        "attn_output.bias" => (format!("{p}.self_attn.o_proj.bias"), None),
+        "attn_q_norm.weight" => (format!("{p}.self_attn.q_norm.weight"), None),
+        "attn_k_norm.weight" => (format!("{p}.self_attn.k_norm.weight"), None),
         "attn_output.weight" => (format!("{p}.self_attn.o_proj.weight"), None),
         "ffn_gate.weight" => (format!("{p}.mlp.gate_proj.weight"), None),
         "ffn_up.weight" => (format!("{p}.mlp.up_proj.weight"), None),
@@ -44,8 +53,11 @@ pub fn hf_name(gguf: &str, heads: usize, kv_heads: usize) -> Option<HfName> {
 /// `w.reshape(n_head, 2, rows / n_head / 2, cols).swapaxes(1, 2).reshape(rows, cols)`:
 /// llama.cpp's interleaved RoPE wants pairs (2i, 2i+1), HF's rotate_half wants (i, i + head_dim/2).
 ///
-/// `w: [n_head * head_dim, cols]` -> same shape, rows back in HF order.
+/// `w: [n_head * head_dim, cols]` (or a bias `[n_head * head_dim]`) -> same shape, rows back in HF order.
 pub fn unpermute_rows(w: &Tensor, n_head: usize) -> Result<Tensor> {
+    if w.rank() == 1 {
+        return Ok(unpermute_rows(&w.unsqueeze(1)?, n_head)?.squeeze(1)?);
+    }
     let (rows, cols) = w.dims2()?;
     let half = rows / n_head / 2;
     Ok(w.reshape((n_head, half, 2, cols))?.transpose(1, 2)?.contiguous()?.reshape((rows, cols))?)
@@ -77,10 +89,15 @@ mod tests {
 
     #[test]
     fn names() {
-        let n = hf_name("blk.3.attn_k.weight", 9, 3).unwrap();
+        let n = hf_name("blk.3.attn_k.weight", 9, 3, true).unwrap();
         assert_eq!(n.name, "model.layers.3.self_attn.k_proj.weight");
         assert_eq!(n.permuted_heads, Some(3));
-        assert_eq!(hf_name("blk.x.attn_k.weight", 9, 3), None);
-        assert_eq!(hf_name("rope_freqs.weight", 9, 3), None);
+        assert_eq!(hf_name("blk.3.attn_k.weight", 9, 3, false).unwrap().permuted_heads, None);
+        assert_eq!(
+            hf_name("blk.0.attn_q_norm.weight", 9, 3, false).unwrap().name,
+            "model.layers.0.self_attn.q_norm.weight"
+        );
+        assert_eq!(hf_name("blk.x.attn_k.weight", 9, 3, true), None);
+        assert_eq!(hf_name("rope_freqs.weight", 9, 3, true), None);
     }
 }

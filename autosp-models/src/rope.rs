@@ -42,6 +42,12 @@ impl LlamaConfig {
     pub fn rope_inv_freq(&self) -> Vec<f64> {
         rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling.as_ref())
     }
+
+    /// The RoPE inverse frequencies of the sliding-window layers when they have a base of their own (Gemma 3's
+    /// `rope_local_base_freq`, unscaled), else `None`: they use [`rope_inv_freq`](Self::rope_inv_freq).
+    pub fn rope_inv_freq_local(&self) -> Option<Vec<f64>> {
+        self.rope_local_theta.map(|theta| rope_inv_freq(self.head_dim, theta, None))
+    }
 }
 
 #[cfg(test)]

@@ -25,8 +25,9 @@ pub struct TinySpec {
     /// q/k/v biases (and o_proj's for llama); qwen2 always has q/k/v biases.
     pub bias: bool,
     pub rope_scaling: Option<RopeScaling>,
-    /// An attention window (HF `sliding_window`, in tokens): on every layer of a mistral model, on every layer
-    /// but the first of a qwen2/qwen3 one (`max_window_layers` 1: a full layer, then sliding ones); a llama
+    /// An attention window (HF `sliding_window`, in tokens): on every layer of a mistral or phi3 model, on
+    /// every layer but the first of a qwen2/qwen3 one (`max_window_layers` 1: a full layer, then sliding
+    /// ones), on every layer but the last of a gemma3_text one (sliding layers, then a global one); a llama
     /// model has none.
     pub window: Option<usize>,
 }
@@ -54,10 +55,12 @@ impl TinySpec {
     /// The full config of this spec (head_dim = hidden / heads, theta 10000, eps 1e-5, 256 positions).
     pub fn config(&self) -> LlamaConfig {
         let window = if self.model_type == ModelType::Llama { None } else { self.window };
+        let gemma = self.model_type == ModelType::Gemma3;
         let layer_types = (0..self.layers)
             .map(|i| {
                 let qwen_first = i == 0 && matches!(self.model_type, ModelType::Qwen2 | ModelType::Qwen3);
-                if window.is_some() && !qwen_first {
+                let gemma_last = i + 1 == self.layers && self.model_type == ModelType::Gemma3;
+                if window.is_some() && !qwen_first && !gemma_last {
                     LayerType::Sliding
                 } else {
                     LayerType::Full
@@ -84,6 +87,8 @@ impl TinySpec {
             eos_token_id: Some(2),
             sliding_window: window,
             layer_types,
+            query_pre_attn_scalar: gemma.then_some((self.hidden / self.heads) as f64),
+            rope_local_theta: gemma.then_some(10_000.0),
         }
     }
 }

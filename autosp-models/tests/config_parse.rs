@@ -179,6 +179,7 @@ fn to_json_round_trips() {
         TinySpec { model_type: ModelType::Qwen3, bias: true, window: Some(8), ..TinySpec::default() },
         TinySpec { model_type: ModelType::Mistral, window: Some(8), ..TinySpec::default() },
         TinySpec { model_type: ModelType::Phi3, window: Some(8), ..TinySpec::default() },
+        TinySpec { model_type: ModelType::Gemma3, window: Some(8), tied: true, ..TinySpec::default() },
         TinySpec {
             model_type: ModelType::Mistral,
             rope_scaling: Some(RopeScaling::Linear { factor: 4.0 }),
@@ -228,4 +229,44 @@ fn phi3_reads_its_window_and_refuses_what_it_does_not_do() {
     );
     let e = parse(&partial).unwrap_err();
     assert!(matches!(&e, Error::Unsupported { field, .. } if field == "rope_parameters.partial_rotary_factor"), "{e}");
+}
+
+#[test]
+fn gemma3_text_reads_both_rope_spellings_and_its_layer_pattern() {
+    use autosp_models::LayerType::{Full, Sliding};
+    // The spelling of the released checkpoints (transformers 4.x): rope_theta and rope_scaling are the global
+    // layers', rope_local_base_freq the sliding ones'; every 6th layer global.
+    let old = r#"{"model_type": "gemma3_text", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+      "num_hidden_layers": 7, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+      "query_pre_attn_scalar": 32, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+      "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 512,
+      "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": null}"#;
+    let c = parse(old).unwrap();
+    assert_eq!(c.layer_types, vec![Sliding, Sliding, Sliding, Sliding, Sliding, Full, Sliding]);
+    assert_eq!((c.attention_window(0), c.attention_window(5)), (Some(511), None));
+    assert_eq!(
+        (c.rope_theta, c.rope_local_theta, c.rope_scaling),
+        (1e6, Some(1e4), Some(RopeScaling::Linear { factor: 8.0 }))
+    );
+    assert_eq!(c.attention_scale(), Some(1.0 / 32f64.sqrt()));
+    assert!(c.tie_word_embeddings, "Gemma ties by default");
+    assert_eq!(c.embed_scale(), Some(8.0));
+    // transformers 5's spelling: one rope set per layer type.
+    let new = old.replace(
+        r#""rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+      "rope_scaling": {"rope_type": "linear", "factor": 8.0},"#,
+        r#""rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},"#,
+    );
+    assert_ne!(new, old);
+    assert_eq!(parse(&new).unwrap(), c);
+    // What it does not do is refused by field: soft-capping, another activation, the vision-language model.
+    let e =
+        parse(&old.replace(r#""final_logit_softcapping": null"#, r#""final_logit_softcapping": 30.0"#)).unwrap_err();
+    assert!(matches!(&e, Error::Unsupported { field, .. } if field == "final_logit_softcapping"), "{e}");
+    let e = parse(&old.replace("gelu_pytorch_tanh", "gelu")).unwrap_err();
+    assert!(matches!(&e, Error::Unsupported { field, .. } if field == "hidden_activation"), "{e}");
+    let e = parse(&old.replace("gemma3_text", "gemma3")).unwrap_err();
+    assert!(matches!(&e, Error::Unsupported { field, .. } if field == "model_type"), "{e}");
+    assert!(e.to_string().contains("gemma3_text"), "{e}");
 }

@@ -41,6 +41,11 @@ fn gguf_name(hf: &str) -> String {
         "self_attn.k_proj.weight" => "attn_k.weight",
         "self_attn.v_proj.weight" => "attn_v.weight",
         "self_attn.o_proj.weight" => "attn_output.weight",
+        "self_attn.q_proj.bias" => "attn_q.bias",
+        "self_attn.k_proj.bias" => "attn_k.bias",
+        "self_attn.v_proj.bias" => "attn_v.bias",
+        "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" => "attn_k_norm.weight",
         "mlp.gate_proj.weight" => "ffn_gate.weight",
         "mlp.up_proj.weight" => "ffn_up.weight",
         "mlp.down_proj.weight" => "ffn_down.weight",
@@ -52,18 +57,21 @@ fn gguf_name(hf: &str) -> String {
 }
 
 /// Writes `weights` of `config` as a llama.cpp GGUF with matrices in `qtype` (norms F32); returns what
-/// each HF tensor should import as: candle's own dequantisation of the stored tensor, unpermuted.
+/// each HF tensor should import as: candle's own dequantisation of the stored tensor, unpermuted. The
+/// architecture is the config's model type (llama, qwen2, qwen3); only llama's Q/K rows are permuted.
 fn write_gguf(
     path: &Path,
     config: &LlamaConfig,
     weights: &HashMap<String, Tensor>,
     qtype: GgmlDType,
 ) -> HashMap<String, QTensor> {
+    let arch = config.model_type.as_str();
+    let permute = arch == "llama";
     let mut q = HashMap::new();
     for (hf, t) in weights {
-        let t = if hf.ends_with("q_proj.weight") {
+        let t = if permute && hf.ends_with("q_proj.weight") {
             llama_cpp_permute(t, config.num_attention_heads)
-        } else if hf.ends_with("k_proj.weight") {
+        } else if permute && hf.ends_with("k_proj.weight") {
             llama_cpp_permute(t, config.num_key_value_heads)
         } else {
             t.clone()
@@ -71,19 +79,19 @@ fn write_gguf(
         let ty = if t.rank() == 1 { GgmlDType::F32 } else { qtype };
         q.insert(gguf_name(hf), QTensor::quantize(&t, ty).unwrap());
     }
-    let meta: Vec<(&str, Value)> = vec![
-        ("general.architecture", Value::String("llama".into())),
-        ("llama.block_count", Value::U32(config.num_hidden_layers as u32)),
-        ("llama.embedding_length", Value::U32(config.hidden_size as u32)),
-        ("llama.feed_forward_length", Value::U32(config.intermediate_size as u32)),
-        ("llama.attention.head_count", Value::U32(config.num_attention_heads as u32)),
-        ("llama.attention.head_count_kv", Value::U32(config.num_key_value_heads as u32)),
-        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
-        ("llama.rope.freq_base", Value::F32(10000.0)),
-        ("llama.context_length", Value::U32(256)),
-        ("llama.rope.dimension_count", Value::U32(config.head_dim as u32)),
+    let meta: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        (format!("{arch}.block_count"), Value::U32(config.num_hidden_layers as u32)),
+        (format!("{arch}.embedding_length"), Value::U32(config.hidden_size as u32)),
+        (format!("{arch}.feed_forward_length"), Value::U32(config.intermediate_size as u32)),
+        (format!("{arch}.attention.head_count"), Value::U32(config.num_attention_heads as u32)),
+        (format!("{arch}.attention.head_count_kv"), Value::U32(config.num_key_value_heads as u32)),
+        (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (format!("{arch}.rope.freq_base"), Value::F32(10000.0)),
+        (format!("{arch}.context_length"), Value::U32(256)),
+        (format!("{arch}.rope.dimension_count"), Value::U32(config.head_dim as u32)),
     ];
-    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensors: Vec<(&str, &QTensor)> = q.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut f = std::fs::File::create(path).unwrap();
     gguf_file::write(&mut f, &meta_refs, &tensors).unwrap();
@@ -217,4 +225,47 @@ fn unsupported_quantisation_is_named_with_the_fix() {
         let msg = e.to_string();
         assert!(msg.contains("iq.gguf") && msg.contains("IQ2_XXS") && msg.contains("llama-quantize"), "{msg}");
     }
+}
+
+/// Qwen2 (q/k/v biases) and Qwen3 (q/k norms) files, stored without llama's permutation, import as the HF
+/// weights they were written from, and the imported model gives the same loss; another architecture is
+/// refused, naming it.
+#[test]
+fn qwen_gguf_imports_like_the_hf_model() {
+    use autosp_core::{CheckpointPolicy, Tape};
+    use autosp_models::{LlamaModel, ModelType};
+    let tmp = tempfile::tempdir().unwrap();
+    for model_type in [ModelType::Qwen2, ModelType::Qwen3] {
+        let config = TinySpec { model_type, tied: true, ..TinySpec::default() }.config();
+        let w = random_weights(&config, 23, DType::F32, &Device::Cpu).unwrap();
+        let path = tmp.path().join(format!("{}.gguf", model_type.as_str()));
+        write_gguf(&path, &config, &w, GgmlDType::F32);
+        let m = import_gguf(&path, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(m.config.model_type, model_type);
+        assert_eq!(m.config.attention_bias, config.attention_bias, "{model_type:?}");
+        assert!(m.config.tie_word_embeddings);
+        assert_eq!(m.weights.len(), w.len());
+        for (name, t) in &w {
+            assert_eq!(rel_rms(&m.weights[name], t), 0.0, "{model_type:?} {name}");
+        }
+        let ids = Tensor::new(&[[3u32, 17, 5, 99, 42, 7, 64, 1]], &Device::Cpu).unwrap();
+        let targets = Tensor::new(&[17i64, 5, 99, 42, 7, 64, 1, -100], &Device::Cpu).unwrap();
+        let loss = |m: &LlamaModel| {
+            let tape = Tape::new(CheckpointPolicy::None);
+            let (l, _) = m.loss(&tape, &ids, &(0..8).collect::<Vec<_>>(), &targets).unwrap();
+            l.tensor().to_scalar::<f32>().unwrap()
+        };
+        let hf = LlamaModel::from_weights(&config, w).unwrap();
+        let imported = LlamaModel::from_weights(&m.config, m.weights).unwrap();
+        assert_eq!(loss(&imported), loss(&hf), "{model_type:?}");
+    }
+    // Another architecture: refused, naming it.
+    let config = TinySpec::default().config();
+    let w = random_weights(&config, 23, DType::F32, &Device::Cpu).unwrap();
+    let path = tmp.path().join("gemma3.gguf");
+    write_gguf(&path, &config, &w, GgmlDType::F32);
+    let mut meta_only = gguf_file::Content::read(&mut std::fs::File::open(&path).unwrap()).unwrap();
+    meta_only.metadata.insert("general.architecture".into(), Value::String("gemma3".into()));
+    let e = autosp_models::config_from_gguf(&meta_only, &path).expect_err("gemma3 must be refused").to_string();
+    assert!(e.contains("`gemma3`") && e.contains("HF checkpoint"), "{e}");
 }

@@ -102,7 +102,10 @@ fn gradients_match_finite_differences_in_f64() {
     };
     // Qwen3: per-head q/k norms before RoPE; a window of 3 tokens on its second layer, over 7 tokens.
     let qwen3 = TinySpec { model_type: ModelType::Qwen3, window: Some(3), ..qwen2.clone() };
-    for spec in [qwen2, qwen3] {
+    // Gemma 3: (1 + w) norms around attention and MLP, scaled embeddings, GeGLU, its softmax scale, local
+    // RoPE on the windowed first layer.
+    let gemma3 = TinySpec { model_type: ModelType::Gemma3, window: Some(3), bias: false, ..qwen2.clone() };
+    for spec in [qwen2, qwen3, gemma3] {
         finite_differences(&spec);
     }
 }
@@ -121,12 +124,16 @@ fn finite_differences(spec: &TinySpec) {
         l.tensor().to_scalar::<f64>().unwrap()
     };
     let by_name: HashMap<String, _> = model.params().into_iter().map(|p| (p.name().to_string(), p)).collect();
+    let bias =
+        if spec.bias { "model.layers.0.self_attn.k_proj.bias" } else { "model.layers.0.self_attn.k_proj.weight" };
     let names = [
         "model.embed_tokens.weight", // tied: embedding and head both contribute
         "model.layers.0.self_attn.q_proj.weight",
-        "model.layers.0.self_attn.k_proj.bias",
+        bias,
         "model.layers.1.self_attn.q_norm.weight",
         "model.layers.1.self_attn.k_norm.weight",
+        "model.layers.0.pre_feedforward_layernorm.weight",
+        "model.layers.1.post_feedforward_layernorm.weight",
         "model.layers.1.self_attn.v_proj.weight",
         "model.layers.1.mlp.down_proj.weight",
         "model.layers.1.post_attention_layernorm.weight",
@@ -135,7 +142,9 @@ fn finite_differences(spec: &TinySpec) {
     let eps = 1e-5;
     for name in names {
         let Some(p) = by_name.get(name) else {
-            assert!(name.contains("_norm.") && spec.model_type != ModelType::Qwen3, "{name} missing");
+            // Only some families have q/k norms (Qwen3, Gemma 3) and feed-forward norms (Gemma 3).
+            let family = name.contains("feedforward") || (name.contains("_norm.") && !spec.model_type.qk_norm());
+            assert!(family, "{:?}: {name} missing", spec.model_type);
             continue;
         };
         let base = p.tensor();

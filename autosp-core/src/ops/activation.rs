@@ -1,4 +1,4 @@
-//! Pointwise functions: silu, exp, log.
+//! Pointwise functions: silu, gelu (tanh approximation), exp, log.
 
 use candle_core::Tensor;
 
@@ -9,6 +9,9 @@ use crate::{NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
 pub enum UnaryKind {
     /// `x * sigmoid(x)`.
     Silu,
+    /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`: PyTorch's `gelu(approximate="tanh")`, Gemma's
+    /// `gelu_pytorch_tanh`.
+    GeluTanh,
     /// `e^x`.
     Exp,
     /// Natural log.
@@ -28,6 +31,7 @@ impl Op for Unary {
     fn name(&self) -> &'static str {
         match self.0 {
             UnaryKind::Silu => "silu",
+            UnaryKind::GeluTanh => "gelu_tanh",
             UnaryKind::Exp => "exp",
             UnaryKind::Log => "log",
         }
@@ -38,6 +42,7 @@ impl Op for Unary {
     fn forward(&self, i: &[&Tensor]) -> Result<Vec<Tensor>> {
         let y = match self.0 {
             UnaryKind::Silu => i[0].silu()?,
+            UnaryKind::GeluTanh => i[0].gelu()?,
             UnaryKind::Exp => i[0].exp()?,
             UnaryKind::Log => i[0].log()?,
         };
@@ -46,7 +51,7 @@ impl Op for Unary {
     fn saves(&self) -> Saves {
         match self.0 {
             UnaryKind::Exp => Saves::outputs(&[0]),
-            UnaryKind::Silu | UnaryKind::Log => Saves::inputs(&[0]),
+            UnaryKind::Silu | UnaryKind::GeluTanh | UnaryKind::Log => Saves::inputs(&[0]),
         }
     }
     fn backward(&self, s: &SavedTensors<'_>, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
@@ -59,6 +64,17 @@ impl Op for Unary {
                 let d = (&sg * ((x * sg.affine(-1.0, 1.0)?)? + 1.0)?)?;
                 (g * d)?
             }
+            UnaryKind::GeluTanh => {
+                // y = x/2 (1 + t), t = tanh(u), u = c (x + a x^3):
+                // dy/dx = (1 + t)/2 + x/2 (1 - t^2) c (1 + 3 a x^2).
+                let x = s.input(0)?;
+                let (c, a) = ((2.0 / std::f64::consts::PI).sqrt(), 0.044715);
+                let x2 = x.sqr()?;
+                let t = ((x * (x2.affine(a, 1.0)?))? * c)?.tanh()?;
+                let du = (x2.affine(3.0 * a, 1.0)? * c)?;
+                let d = (t.affine(0.5, 0.5)? + ((x * 0.5)? * (t.sqr()?.affine(-1.0, 1.0)? * du)?)?)?;
+                (g * d)?
+            }
             UnaryKind::Exp => (g * s.output(0)?)?,
             UnaryKind::Log => (g / s.input(0)?)?,
         };
@@ -69,6 +85,11 @@ impl Op for Unary {
 /// `x * sigmoid(x)`, elementwise.
 pub fn silu(tape: &Tape, x: &Value) -> Result<Value> {
     Ok(tape.apply(Unary(UnaryKind::Silu), &[x])?.remove(0))
+}
+
+/// `gelu(x)` with PyTorch's tanh approximation, elementwise (see [`UnaryKind::GeluTanh`]).
+pub fn gelu_tanh(tape: &Tape, x: &Value) -> Result<Value> {
+    Ok(tape.apply(Unary(UnaryKind::GeluTanh), &[x])?.remove(0))
 }
 
 /// `e^x`, elementwise.

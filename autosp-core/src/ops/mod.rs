@@ -17,7 +17,7 @@ pub mod sharded_embedding;
 pub mod softmax;
 pub mod view;
 
-pub use activation::{exp, log, silu};
+pub use activation::{exp, gelu_tanh, log, silu};
 pub use attention::{naive_attention, AttentionSpec};
 pub use binary::{add, div, mul, sub};
 pub use cross_entropy::{cross_entropy, IGNORE_INDEX};

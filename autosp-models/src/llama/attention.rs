@@ -1,5 +1,5 @@
 //! [`LlamaAttention`]: the self-attention of a decoder layer — q/k/v projections (with Qwen2's biases when
-//! the config has them), Qwen3's per-head q/k RMSNorm, RoPE at explicit positions, the layer's own window
+//! the config has them), Qwen3's and Gemma 3's per-head q/k RMSNorm, Gemma 3's softmax scale, RoPE at explicit positions, the layer's own window
 //! (Mistral's and Qwen's `sliding_window`), the attention held in an [`AttentionSlot`] (GQA/MQA is the slot's
 //! job: k/v keep their `kv_heads`), and the output projection.
 
@@ -40,6 +40,8 @@ pub struct LlamaAttention {
     /// back; [`AttentionSpec::max_distance`]), applied to every spec the layer runs: a window the compile step
     /// or the caller adds narrows it, never widens it.
     pub window: Option<usize>,
+    /// The softmax scale when it is not `1 / sqrt(head_dim)` (Gemma 3's `query_pre_attn_scalar^-0.5`).
+    pub scale: Option<f64>,
     /// The attention implementation; naive until the compile step fills it.
     pub attention: AttentionSlot,
 }
@@ -67,8 +69,14 @@ impl LlamaAttention {
             q_norm: None,
             k_norm: None,
             window: None,
+            scale: None,
             attention,
         }
+    }
+
+    /// With the softmax scale `scale` (`None`: `1 / sqrt(head_dim)`).
+    pub fn with_scale(self, scale: Option<f64>) -> Self {
+        Self { scale, ..self }
     }
 
     /// With per-head q/k RMSNorms (Qwen3): `q_norm, k_norm: [head_dim]`.
@@ -117,11 +125,14 @@ impl LlamaAttention {
                 (k, v)
             }
         };
-        let spec = match (self.window, spec.max_distance) {
+        let mut spec = match (self.window, spec.max_distance) {
             (Some(w), Some(s)) => spec.with_max_distance(w.min(s)),
             (Some(w), None) => spec.with_max_distance(w),
             (None, _) => *spec,
         };
+        if self.scale.is_some() {
+            spec.scale = self.scale;
+        }
         let o = self.attention.forward_output(tape, &q, &k, &v, &spec)?;
         let o = ops::reshape(tape, &o, (b, n, h * d))?;
         Ok(self.o_proj.forward(tape, &o)?)

@@ -1,15 +1,25 @@
-//! [`LlamaMlp`]: the SwiGLU feed-forward block, `down(silu(gate(x)) * up(x))`. Inside a checkpoint region
-//! that recomputes (Full, SequenceAware) it runs as one chunked op that saves only its input and recomputes
-//! the `[n, intermediate]` gate and up projections chunk by chunk in backward; elsewhere (no region, policy
-//! None, inference) as three linears and the fused SwiGLU, keeping every intermediate.
+//! [`LlamaMlp`]: the gated feed-forward block, `down(act(gate(x)) * up(x))`: SwiGLU (`act` = silu), or
+//! Gemma's GeGLU (`act` = gelu, tanh approximation). SwiGLU inside a checkpoint region that recomputes (Full,
+//! SequenceAware) runs as one chunked op that saves only its input and recomputes the `[n, intermediate]`
+//! gate and up projections chunk by chunk in backward; elsewhere (no region, policy None, inference, and
+//! GeGLU always) as three linears and the gate, keeping every intermediate.
 
 use autosp_core::module::Module;
 use autosp_core::nn::Linear;
-use autosp_core::{Tape, Value};
+use autosp_core::{ops, Tape, Value};
 use autosp_kernels::mlp::chunked_mlp;
 use autosp_kernels::swiglu::swiglu;
 
 use super::error::ModelResult;
+
+/// The gate's activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu` (SwiGLU: Llama, Mistral, Qwen, Phi-3).
+    Silu,
+    /// `gelu` with PyTorch's tanh approximation (GeGLU: Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
 
 /// The feed-forward block of a decoder layer: `gate_proj, up_proj: [intermediate, hidden]`,
 /// `down_proj: [hidden, intermediate]`.
@@ -18,6 +28,7 @@ pub struct LlamaMlp {
     pub gate_proj: Linear,
     pub up_proj: Linear,
     pub down_proj: Linear,
+    pub activation: Activation,
 }
 
 /// Tokens per chunk of the chunked MLP: its transient intermediates are a few `[1024, intermediate]` tensors.
@@ -32,14 +43,18 @@ impl LlamaMlp {
         }
         let gate = self.gate_proj.forward(tape, x)?;
         let up = self.up_proj.forward(tape, x)?;
-        Ok(self.down_proj.forward(tape, &swiglu(tape, &gate, &up)?)?)
+        let gated = match self.activation {
+            Activation::Silu => swiglu(tape, &gate, &up)?,
+            Activation::GeluTanh => ops::mul(tape, &ops::gelu_tanh(tape, &gate)?, &up)?,
+        };
+        Ok(self.down_proj.forward(tape, &gated)?)
     }
 
-    /// Whether to run as the chunked op: inside a recomputing region, and only without biases (Llama's MLP
-    /// has none).
+    /// Whether to run as the chunked op: inside a recomputing region, only SwiGLU, and only without biases
+    /// (Llama's MLP has none).
     fn chunked(&self, tape: &Tape) -> bool {
         let biased = [&self.gate_proj, &self.up_proj, &self.down_proj].iter().any(|l| l.bias.is_some());
-        tape.region_recomputes() && !biased
+        tape.region_recomputes() && !biased && self.activation == Activation::Silu
     }
 }
 

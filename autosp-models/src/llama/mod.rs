@@ -17,6 +17,6 @@ pub use block::LlamaDecoderLayer;
 pub use error::{ModelError, ModelResult};
 pub use generate::{GenerateConfig, Generation};
 pub use kv_cache::{KvCache, LayerKv};
-pub use mlp::LlamaMlp;
+pub use mlp::{Activation, LlamaMlp};
 pub use model::{LlamaLayers, LlamaModel};
 pub use sampling::{argmax, sample, SampleRng, Sampling};

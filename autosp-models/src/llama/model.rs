@@ -1,4 +1,4 @@
-//! [`LlamaModel`]: a Llama-family causal LM (llama, mistral, qwen2, qwen3, phi3, SmolLM) on the autosp tape, built from
+//! [`LlamaModel`]: a Llama-family causal LM (llama, mistral, qwen2, qwen3, phi3, gemma3_text, SmolLM) on the autosp tape, built from
 //! autosp-core modules: embedding, decoder layers, final norm, LM head (tied or not). Parameters carry their
 //! HF tensor names, so a model goes to and from an HF weights map unchanged.
 //!
@@ -50,6 +50,8 @@ pub struct LlamaModel {
     pub lm_head: Option<Linear>,
     /// RoPE inverse frequencies `[head_dim / 2]`, scaling applied.
     inv_freq: Vec<f64>,
+    /// Those of the sliding-window layers when they have their own (Gemma 3's local RoPE base).
+    inv_freq_local: Option<Vec<f64>>,
 }
 
 /// Takes `name` out of `weights`, checking its shape.
@@ -87,7 +89,7 @@ impl LlamaModel {
         crate::fused::split(c, &mut weights)?;
         let (hid, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
-        let eps = c.rms_norm_eps;
+        let (eps, offset) = (c.rms_norm_eps, c.model_type.norm_offset());
         let embed_tokens = Embedding { table: take(&mut weights, "model.embed_tokens.weight", &[c.vocab_size, hid])? };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
@@ -103,10 +105,11 @@ impl LlamaModel {
                 c.num_key_value_heads,
                 hd,
             )
-            .with_window(c.attention_window(i));
+            .with_window(c.attention_window(i))
+            .with_scale(c.attention_scale());
             let self_attn = if c.model_type.qk_norm() {
                 let norm = |w: &mut HashMap<String, Tensor>, which: &str| -> ModelResult<RmsNorm> {
-                    Ok(RmsNorm { weight: take(w, &format!("{p}.self_attn.{which}.weight"), &[hd])?, eps })
+                    Ok(RmsNorm { weight: take(w, &format!("{p}.self_attn.{which}.weight"), &[hd])?, eps, offset })
                 };
                 let (q_norm, k_norm) = (norm(w, "q_norm")?, norm(w, "k_norm")?);
                 self_attn.with_qk_norm(q_norm, k_norm)
@@ -117,20 +120,30 @@ impl LlamaModel {
                 gate_proj: linear(w, &format!("{p}.mlp.gate_proj"), inter, hid, false)?,
                 up_proj: linear(w, &format!("{p}.mlp.up_proj"), inter, hid, false)?,
                 down_proj: linear(w, &format!("{p}.mlp.down_proj"), hid, inter, false)?,
+                activation: c.model_type.activation(),
             };
-            let input_layernorm = RmsNorm { weight: take(w, &format!("{p}.input_layernorm.weight"), &[hid])?, eps };
-            let post_attention_layernorm =
-                RmsNorm { weight: take(w, &format!("{p}.post_attention_layernorm.weight"), &[hid])?, eps };
+            let mut norm = |name: &str| -> ModelResult<RmsNorm> {
+                Ok(RmsNorm { weight: take(w, &format!("{p}.{name}.weight"), &[hid])?, eps, offset })
+            };
+            let input_layernorm = norm("input_layernorm")?;
+            let post_attention_layernorm = norm("post_attention_layernorm")?;
+            let feedforward_norms = if c.model_type.sandwich_norms() {
+                Some((norm("pre_feedforward_layernorm")?, norm("post_feedforward_layernorm")?))
+            } else {
+                None
+            };
             layers.push(LlamaDecoderLayer {
                 index: i,
                 input_layernorm,
                 self_attn,
                 post_attention_layernorm,
                 mlp,
+                feedforward_norms,
+                local_rope: c.layer_types.get(i) == Some(&crate::config::LayerType::Sliding),
                 region: RegionSlot::default(),
             });
         }
-        let norm = RmsNorm { weight: take(&mut weights, "model.norm.weight", &[hid])?, eps };
+        let norm = RmsNorm { weight: take(&mut weights, "model.norm.weight", &[hid])?, eps, offset };
         let lm_head = if c.tie_word_embeddings {
             weights.remove("lm_head.weight");
             None
@@ -150,6 +163,7 @@ impl LlamaModel {
             norm,
             lm_head,
             inv_freq: config.rope_inv_freq(),
+            inv_freq_local: config.rope_inv_freq_local(),
         })
     }
 
@@ -205,7 +219,11 @@ impl LlamaModel {
 
     /// The RoPE tables of `positions` in the model's dtype, as constants on `tape`.
     pub fn rotary_tables(&self, tape: &Tape, positions: &[usize]) -> ModelResult<RotaryTables> {
-        let (cos, sin) = rope_tables(positions, &self.inv_freq, self.dtype(), &self.device())?;
+        self.tables_of(tape, positions, &self.inv_freq)
+    }
+
+    fn tables_of(&self, tape: &Tape, positions: &[usize], inv_freq: &[f64]) -> ModelResult<RotaryTables> {
+        let (cos, sin) = rope_tables(positions, inv_freq, self.dtype(), &self.device())?;
         Ok(RotaryTables { cos: tape.constant(cos), sin: tape.constant(sin) })
     }
 
@@ -252,10 +270,20 @@ impl LlamaModel {
         mut cache: Option<&mut KvCache>,
     ) -> ModelResult<Value> {
         let rot = self.rotary_tables(tape, positions)?;
+        let local = self.inv_freq_local.as_ref().map(|f| self.tables_of(tape, positions, f)).transpose()?;
         let mut h = self.embed_tokens.forward(tape, &tape.constant(ids.clone()))?;
+        if let Some(s) = self.config.embed_scale() {
+            // Gemma: sqrt(hidden), rounded to the weights' dtype as transformers does.
+            let s = Tensor::new(&[s], &Device::Cpu)?.to_dtype(self.dtype())?.to_dtype(DType::F64)?.to_vec1::<f64>()?[0];
+            h = ops::scale(tape, &h, s)?;
+        }
         for (i, layer) in self.layers.0.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers_mut()[i]);
-            h = layer.forward(tape, &h, &rot, spec, layer_cache)?;
+            let rot = match &local {
+                Some(l) if layer.local_rope => l,
+                _ => &rot,
+            };
+            h = layer.forward(tape, &h, rot, spec, layer_cache)?;
         }
         Ok(super::block::fused_norm(tape, &self.norm, &h)?)
     }
