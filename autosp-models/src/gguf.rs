@@ -1,14 +1,14 @@
-//! Imports GGUF files (llama.cpp) of the llama, qwen2 and qwen3 architectures: reads and dequantises every
+//! Imports GGUF files (llama.cpp) of the llama, qwen2, qwen3, phi3 and gemma3 architectures: reads and dequantises every
 //! tensor with candle's GGUF reader (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q8_K), renames the
 //! tensors to HF names, undoes llama's Q/K row permutation and builds the [`LlamaConfig`] from the metadata
 //! (keys `{architecture}.*`); the tokenizer comes from `tokenizer.ggml.*` (see `gguf_tokenizer`). Mistral's
-//! GGUF files are llama ones. Other architectures (gemma3, phi3, ...) are refused, naming
-//! `general.architecture`: their files carry conventions of llama.cpp's own (Gemma's norms stored plus one,
-//! its window pattern and softmax scale implied by the architecture) that the HF checkpoint states instead.
+//! GGUF files are llama ones. What llama.cpp implies for an architecture instead of storing it is taken as
+//! llama.cpp takes it (Gemma 3: the window pattern, the sliding layers' RoPE base, the softmax scale; its norms
+//! stored plus one). Other architectures are refused, naming `general.architecture`.
 
 use crate::config::{LayerType, LlamaConfig, ModelType, RopeScaling};
 use crate::error::{Error, Result};
-use crate::gguf_names::{hf_name, unpermute_rows};
+use crate::gguf_names::{family_hf_name, unpermute_rows};
 use crate::gguf_tokenizer::tokenizer_from_gguf;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{DType, Device, Tensor};
@@ -122,20 +122,23 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
         "llama" => ModelType::Llama,
         "qwen2" => ModelType::Qwen2,
         "qwen3" => ModelType::Qwen3,
+        "phi3" => ModelType::Phi3,
+        "gemma3" => ModelType::Gemma3,
         _ => {
             return Err(m.err(format!(
-                "general.architecture is `{arch}`; GGUF import reads llama (and Mistral, stored as llama), qwen2 \
-                 and qwen3 files; load this model from its HF checkpoint (config.json + safetensors)"
+                "general.architecture is `{arch}`; GGUF import reads llama (and Mistral, stored as llama), qwen2, \
+                 qwen3, phi3 and gemma3 files; load this model from its HF checkpoint (config.json + safetensors)"
             )))
         }
     };
     let key = |k: &str| format!("{arch}.{k}");
-    if ct.tensor_infos.contains_key("rope_freqs.weight") {
-        return Err(m.err(
-            "tensor `rope_freqs.weight` (llama3 RoPE scaling stored as factors) is not supported; \
-             use the HF checkpoint"
-                .into(),
-        ));
+    for (tensor, what) in [
+        ("rope_freqs.weight", "llama3 RoPE scaling stored as factors"),
+        ("rope_factors_long.weight", "Phi-3's longrope scaling"),
+    ] {
+        if ct.tensor_infos.contains_key(tensor) {
+            return Err(m.err(format!("tensor `{tensor}` ({what}) is not supported; use the HF checkpoint")));
+        }
     }
     let heads = m.need(&key("attention.head_count"))? as usize;
     let hidden = m.need(&key("embedding_length"))? as usize;
@@ -154,6 +157,14 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
             None => hidden / heads,
         },
     };
+    if let Some(d) = m.num(&key("rope.dimension_count"))? {
+        if d as usize != head_dim {
+            return Err(m.err(format!(
+                "{} = {d} rotates part of each {head_dim}-wide head (partial RoPE), which is not implemented",
+                key("rope.dimension_count")
+            )));
+        }
+    }
     let rope_scaling = match m.string(&key("rope.scaling.type")).as_deref() {
         None | Some("none") => None,
         Some("linear") => Some(RopeScaling::Linear { factor: m.need(&key("rope.scaling.factor"))? }),
@@ -166,6 +177,23 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
         }
     };
     let layers = m.need(&key("block_count"))? as usize;
+    // Phi-3 and Gemma 3 store their window (Phi-3: 0 for none, Phi-4); the others read here have none.
+    let window = match m.num(&key("attention.sliding_window"))? {
+        Some(w) if w >= 1.0 && matches!(model_type, ModelType::Phi3 | ModelType::Gemma3) => Some(w as usize),
+        _ => None,
+    };
+    let gemma = model_type == ModelType::Gemma3;
+    let layer_types = (0..layers)
+        .map(|i| match (gemma, window) {
+            // llama.cpp's Gemma 3: every 6th layer global, the others sliding (set_swa_pattern(6)).
+            (true, _) if (i + 1) % 6 == 0 => LayerType::Full,
+            (true, _) | (false, Some(_)) => LayerType::Sliding,
+            (false, None) => LayerType::Full,
+        })
+        .collect();
+    // llama.cpp's Gemma 3 softmax scale: 1/sqrt(hidden / heads) for the 27B (62 layers), 1/sqrt(head_dim) for
+    // the others; its sliding layers' RoPE base is 10^4, unscaled. Neither is in the file.
+    let query_pre_attn_scalar = gemma.then(|| if layers == 62 { (hidden / heads) as f64 } else { head_dim as f64 });
     let tok_id = |k: &str| -> Result<Option<u32>> { Ok(m.num(k)?.map(|x| x as u32)) };
     Ok(LlamaConfig {
         model_type,
@@ -177,7 +205,7 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
         num_key_value_heads: m.num(&key("attention.head_count_kv"))?.unwrap_or(heads as f64) as usize,
         head_dim,
         rms_norm_eps: m.need(&key("attention.layer_norm_rms_epsilon"))?,
-        rope_theta: m.num(&key("rope.freq_base"))?.unwrap_or(10000.0),
+        rope_theta: m.num(&key("rope.freq_base"))?.unwrap_or(if gemma { 1_000_000.0 } else { 10_000.0 }),
         rope_scaling,
         max_position_embeddings: m.num(&key("context_length"))?.unwrap_or(4096.0) as usize,
         tie_word_embeddings: !ct.tensor_infos.contains_key("output.weight"),
@@ -186,14 +214,16 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
         torch_dtype: None,
         bos_token_id: tok_id("tokenizer.ggml.bos_token_id")?,
         eos_token_id: tok_id("tokenizer.ggml.eos_token_id")?,
-        sliding_window: None,
-        layer_types: vec![LayerType::Full; layers],
-        query_pre_attn_scalar: None,
-        rope_local_theta: None,
+        sliding_window: window,
+        layer_types,
+        query_pre_attn_scalar,
+        rope_local_theta: gemma.then_some(10_000.0),
     })
 }
 
-/// Imports a llama, qwen2 or qwen3 GGUF file: config, dequantised weights in `dtype` on `device`.
+/// Imports a llama, qwen2, qwen3, phi3 or gemma3 GGUF file: config, dequantised weights in `dtype` on `device`
+/// (Phi-3's fused projections as its HF files hold them: `LlamaModel::from_weights` splits them; Gemma's norms
+/// back from llama.cpp's `1 + w` to HF's `w`).
 pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufModel> {
     let gguf_err = |e: candle_core::Error| Error::Gguf { path: path.into(), message: e.to_string() };
     let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
@@ -206,14 +236,14 @@ pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufMod
     let mut weights = HashMap::new();
     for gguf_name in names {
         let permuted = config.model_type == ModelType::Llama;
-        let hf =
-            hf_name(gguf_name, config.num_attention_heads, config.num_key_value_heads, permuted).ok_or_else(|| {
-                Error::UnexpectedTensor {
-                    name: gguf_name.clone(),
-                    found: ct.tensor_infos[gguf_name].shape.dims().to_vec(),
-                    path: path.into(),
-                }
-            })?;
+        let (heads, kv_heads) = (config.num_attention_heads, config.num_key_value_heads);
+        let named = family_hf_name(config.model_type, gguf_name, heads, kv_heads, permuted);
+        // Phi-3's fused projections: `attn_qkv` is `qkv_proj`, and its `ffn_up` is the fused `gate_up_proj`.
+        let hf = named.ok_or_else(|| Error::UnexpectedTensor {
+            name: gguf_name.clone(),
+            found: ct.tensor_infos[gguf_name].shape.dims().to_vec(),
+            path: path.into(),
+        })?;
         let q = ct.tensor(&mut file, gguf_name, &Device::Cpu).map_err(gguf_err)?;
         let mut t = q.dequantize(&Device::Cpu).map_err(gguf_err)?;
         let shape = expected.get(&hf.name).ok_or_else(|| Error::UnexpectedTensor {
@@ -231,6 +261,10 @@ pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufMod
         }
         if let Some(n_head) = hf.permuted_heads {
             t = unpermute_rows(&t, n_head)?;
+        }
+        if config.model_type == ModelType::Gemma3 && hf.name.ends_with("norm.weight") {
+            // llama.cpp stores Gemma's norms as the scale `1 + w`; the HF weight is `w`.
+            t = (t - 1.0)?;
         }
         weights.insert(hf.name, t.to_dtype(dtype)?.to_device(device)?);
     }

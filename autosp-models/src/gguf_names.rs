@@ -1,7 +1,8 @@
-//! llama.cpp tensor names to HF names for the llama, qwen2 and qwen3 architectures, and the undoing of the
+//! llama.cpp tensor names to HF names for the llama, qwen2, qwen3 and phi3 architectures, and the undoing of the
 //! Q/K row permutation that `convert_hf_to_gguf.py` applies to llama ones (its `permute`: llama.cpp's llama
 //! RoPE rotates interleaved pairs; qwen2/qwen3 use the NEOX RoPE, HF's own pairing, and are stored as they are).
 
+use crate::config::ModelType;
 use crate::error::Result;
 use candle_core::Tensor;
 
@@ -39,6 +40,7 @@ pub fn hf_name(gguf: &str, heads: usize, kv_heads: usize, permuted: bool) -> Opt
         "attn_q_norm.weight" => (format!("{p}.self_attn.q_norm.weight"), None),
         "attn_k_norm.weight" => (format!("{p}.self_attn.k_norm.weight"), None),
         "attn_output.weight" => (format!("{p}.self_attn.o_proj.weight"), None),
+        "attn_qkv.weight" => (format!("{p}.self_attn.qkv_proj.weight"), None),
         "ffn_gate.weight" => (format!("{p}.mlp.gate_proj.weight"), None),
         "ffn_up.weight" => (format!("{p}.mlp.up_proj.weight"), None),
         "ffn_down.weight" => (format!("{p}.mlp.down_proj.weight"), None),
@@ -47,6 +49,34 @@ pub fn hf_name(gguf: &str, heads: usize, kv_heads: usize, permuted: bool) -> Opt
         _ => return None,
     };
     Some(HfName { name: hf, permuted_heads })
+}
+
+/// The HF name of llama.cpp tensor `gguf` in a file of `model_type`: as [`hf_name`], but where a family's
+/// llama.cpp names mean another HF tensor than llama's: Phi-3's `ffn_up` is its fused `gate_up_proj`; Gemma 3's
+/// `ffn_norm` is the norm before the MLP (`pre_feedforward_layernorm`), its `attn_post_norm` the norm of the
+/// attention's output (`post_attention_layernorm`) and `post_ffw_norm` that of the MLP's.
+pub fn family_hf_name(
+    model_type: ModelType,
+    gguf: &str,
+    heads: usize,
+    kv_heads: usize,
+    permuted: bool,
+) -> Option<HfName> {
+    let overrides: &[(&str, &str)] = match model_type {
+        ModelType::Phi3 => &[("ffn_up.weight", "mlp.gate_up_proj.weight")],
+        ModelType::Gemma3 => &[
+            ("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
+            ("attn_post_norm.weight", "post_attention_layernorm.weight"),
+            ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
+        ],
+        _ => &[],
+    };
+    if let Some((layer, part)) = gguf.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
+        if let (Ok(layer), Some((_, hf))) = (layer.parse::<usize>(), overrides.iter().find(|(g, _)| *g == part)) {
+            return Some(HfName { name: format!("model.layers.{layer}.{hf}"), permuted_heads: None });
+        }
+    }
+    hf_name(gguf, heads, kv_heads, permuted)
 }
 
 /// Undoes convert_hf_to_gguf.py's `permute(w, n_head)`, which is
