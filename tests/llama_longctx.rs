@@ -696,3 +696,59 @@ fn needles_are_learned_across_the_shards_and_a_short_window_stays_at_chance() {
     // At chance (6 of 96 expected): 18 is 5 sd above it, still far below the trained run.
     assert!(right <= 18, "a 256-token window cannot see needles 513+ tokens back, yet {right}/{total}\n{out}");
 }
+
+/// A model the user brings gets fine-tuning's defaults: peak lr 2e-5 and no weight decay on norms, biases and
+/// the embedding (recorded in the checkpoint and said in the report); a resume without `--lr` keeps the
+/// checkpoint's rate and decay (it is not refused as a change); `--decay-all` and `--lr` are taken as given;
+/// the demo model keeps 1e-2 and decay on everything. Which parameters fine-tuning leaves out of decay:
+/// `autosp::train::exempt_from_decay` (checked here on every name of a biased model).
+#[test]
+fn a_model_the_user_brings_gets_fine_tuning_defaults() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let model = t.join("model");
+    let spec = autosp_models::TinySpec { bias: true, ..autosp_models::TinySpec::default() };
+    let config = autosp_models::write_tiny(&model, &spec, 3, DType::F32).unwrap();
+    let state = |dir: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("trainer_state.json")).unwrap()).unwrap()
+    };
+    let (save, common) = (t.join("ft"), ["--quick", "--steps", "2", "--warmup", "1"]);
+    let out = run_ok(t, &[&["--model", s(&model), "--save", s(&save)][..], &common[..]].concat());
+    assert!(
+        out.contains("peak lr 2e-5 (the default for a pretrained --model") && out.contains("projection matrices only"),
+        "{out}"
+    );
+    let st = state(&save.join("step-2"));
+    assert_eq!((st["lr"].as_f64(), st["decay_all"].as_bool()), (Some(2e-5), Some(false)));
+    // Resumed without --lr (and more steps): the checkpoint's rate and decay, not the demo's.
+    let out = run_ok(
+        t,
+        &["--resume", s(&save.join("step-2")), "--steps", "3", "--warmup", "1", "--quick", "--allow-changes"],
+    );
+    let changes = out.lines().find(|l| l.contains("resumed with changes")).unwrap_or_default();
+    assert!(out.contains("peak lr 2e-5 (the checkpoint's)"), "{out}");
+    assert!(
+        changes.contains("--steps 2 -> 3") && !changes.contains("--lr") && !changes.contains("--decay-all"),
+        "{out}"
+    );
+    let st = state(&save.join("step-3"));
+    assert_eq!((st["lr"].as_f64(), st["decay_all"].as_bool()), (Some(2e-5), Some(false)));
+    // Asked for: taken as given.
+    let asked = t.join("asked");
+    let out = run_ok(
+        t,
+        &[&["--model", s(&model), "--lr", "1e-4", "--decay-all", "--save", s(&asked)][..], &common[..]].concat(),
+    );
+    assert!(out.contains("peak lr 1e-4 (--lr)") && out.contains("on every parameter"), "{out}");
+    // The demo model: 1e-2, decay on everything.
+    let demo = t.join("demo");
+    let out = run_ok(t, &[&["--save", s(&demo)][..], &common[..]].concat());
+    assert!(out.contains("peak lr 1e-2 (the demo model's default)") && out.contains("on every parameter"), "{out}");
+    let st = state(&demo.join("step-2"));
+    assert_eq!((st["lr"].as_f64(), st["decay_all"].as_bool()), (Some(1e-2), Some(true)));
+    // The exempt: every norm, bias and the embedding; no projection, no untied head.
+    for (name, _) in config.expected_tensors() {
+        let exempt = name.contains("norm") || name.ends_with(".bias") || name == "model.embed_tokens.weight";
+        assert_eq!(autosp::train::exempt_from_decay(&name), exempt, "{name}");
+    }
+}

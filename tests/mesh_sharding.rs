@@ -323,3 +323,32 @@ fn thread_ranks_share_the_parameters_they_hold_alike() {
         assert_eq!(shared, level != ShardLevel::None, "{dtype:?} {level}: shared {shared}");
     }
 }
+
+/// One model cloned for two thread ranks shares its parameters (`Param` is a shared handle): sharding it is
+/// refused on the ranks with an error that says to give each rank its own model, instead of one rank's slices
+/// silently replacing the other's.
+#[test]
+fn a_model_shared_by_thread_ranks_is_refused_when_sharded() {
+    let config = TinySpec::default().config();
+    let model =
+        LlamaModel::from_weights(&config, random_weights(&config, 3, DType::F32, &Device::Cpu).unwrap()).unwrap();
+    // As the trainer runs ranks: a rank that fails tells the others (run_ranks_fallible), so none waits.
+    let start = std::time::Instant::now();
+    let out = autosp::core::comm::run_ranks_fallible(2, Duration::from_secs(60), move |pg| {
+        let cfg = CompileConfig::new(pg, Strategy::Auto, Checkpointing::Policy(CheckpointPolicy::None))
+            .with_sharding(ShardLevel::Optimizer);
+        compile(model.clone(), cfg).map(|_| ()).map_err(|e| e.to_string())
+    });
+    let errors: Vec<String> = out
+        .into_iter()
+        .map(|r| match r {
+            Ok(Err(e)) => e,
+            other => format!("{other:?}"),
+        })
+        .collect();
+    assert!(
+        errors.iter().any(|e| e.contains("give each rank its own model")),
+        "a shared model must be refused, naming the fix: {errors:?}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(10), "the other rank must stop at once: {errors:?}");
+}

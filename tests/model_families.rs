@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use autosp::compile::{compile, Checkpointing, CompileConfig, Strategy};
 use autosp::core::comm::run_ranks;
-use autosp::core::CheckpointPolicy;
+use autosp::core::{CheckpointPolicy, ShardLevel};
 use autosp::models::{LlamaModel, SaveOptions};
 use candle_core::{DType, Device, Tensor};
 
@@ -56,11 +56,28 @@ fn golden(name: &str) -> Golden {
 
 /// The loss and whole gradients (by HF name) of one step of `model` compiled on `p` thread ranks.
 fn step(model: &LlamaModel, p: usize, strategy: Strategy, ids: &Tensor) -> (f64, HashMap<String, Vec<f32>>) {
+    step_sharded(model, p, strategy, None, ids)
+}
+
+/// [`step`] with the model states sharded at `level` (compile's default when `None`).
+fn step_sharded(
+    model: &LlamaModel,
+    p: usize,
+    strategy: Strategy,
+    level: Option<ShardLevel>,
+    ids: &Tensor,
+) -> (f64, HashMap<String, Vec<f32>>) {
     let config = model.config.clone();
     let (model, ids) = (Arc::new(model.clone()), ids.clone());
     let out = run_ranks(p, Duration::from_secs(60), move |pg| -> Result<_, String> {
         let policy = Checkpointing::Policy(CheckpointPolicy::SequenceAware);
-        let c = compile((*model).clone(), CompileConfig::new(pg, strategy, policy)).map_err(|e| e.to_string())?;
+        let mut cfg = CompileConfig::new(pg, strategy, policy);
+        if let Some(level) = level {
+            cfg = cfg.with_sharding(level);
+        }
+        // Each rank its own parameters (a clone of a LlamaModel shares them, and sharding changes them).
+        let own = LlamaModel::from_weights(&model.config, model.to_weights()).map_err(|e| e.to_string())?;
+        let c = compile(own, cfg).map_err(|e| e.to_string())?;
         let out = c.train_step(&ids, None).map_err(|e| e.to_string())?;
         let whole = c.whole_grads(&out.grads).map_err(|e| e.to_string())?;
         let by_name: HashMap<String, Tensor> =
@@ -70,7 +87,12 @@ fn step(model: &LlamaModel, p: usize, strategy: Strategy, ids: &Tensor) -> (f64,
         let grads = fused.into_iter().map(|(n, g)| (n, g.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect();
         Ok((out.loss, grads))
     });
-    let mut all: Vec<_> = out.into_iter().map(|r| r.expect("rank panicked").expect("step failed")).collect();
+    let all: Vec<_> = out.into_iter().map(|r| r.expect("rank panicked")).collect();
+    let mut all: Vec<_> = match all.iter().find_map(|r| r.as_ref().err().filter(|e| !e.contains("before taking part")))
+    {
+        Some(e) => panic!("step failed: {e}"),
+        None => all.into_iter().map(|r| r.expect("step failed")).collect(),
+    };
     all.swap_remove(0)
 }
 
@@ -87,9 +109,12 @@ fn check(name: &str) -> LlamaModel {
         runs.extend([Strategy::Ulysses, Strategy::Ring, Strategy::Auto].map(|s| (p, s)));
     }
     runs.push((4, Strategy::Hybrid { ulysses: 2 }));
-    for (p, strategy) in runs {
-        let what = format!("{name} P = {p} {strategy:?}");
-        let (loss, grads) = step(&model, p, strategy, &g.ids);
+    let mut runs: Vec<_> = runs.into_iter().map(|(p, s)| (p, s, None)).collect();
+    // The weights sliced over the ranks and gathered for each use (tied heads, norm offsets, q/k norms).
+    runs.push((2, Strategy::Auto, Some(ShardLevel::Parameters)));
+    for (p, strategy, level) in runs {
+        let what = format!("{name} P = {p} {strategy:?} sharding {level:?}");
+        let (loss, grads) = step_sharded(&model, p, strategy, level, &g.ids);
         assert!((loss - g.loss).abs() <= TOL * g.loss.abs(), "{what}: loss {loss} vs transformers' {}", g.loss);
         assert_eq!(grads.len(), g.grads.len(), "{what}: parameter count");
         for (n, want) in &g.grads {
@@ -109,6 +134,8 @@ fn check(name: &str) -> LlamaModel {
 
 /// The loss of `model` with every layer's own window taken off.
 fn loss_without_windows(mut model: LlamaModel, ids: &Tensor) -> f64 {
+    // Each rank builds its model from the config and weights: the window goes from the config too.
+    model.config.sliding_window = None;
     for layer in &mut model.layers.0 {
         layer.self_attn.window = None;
     }

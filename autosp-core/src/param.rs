@@ -76,21 +76,30 @@ impl Param {
         if level == ShardLevel::None {
             return Ok(());
         }
-        let mut shard = self.0.shard.write().expect("param lock poisoned");
-        if shard.is_some() {
-            return Err(Error::InvalidArgument {
-                op: "Param::shard_over",
-                msg: format!("parameter `{}` is sharded already; shard a model once", self.name()),
-            });
-        }
         let whole = self.tensor();
-        let s = ParamShard::new(level, group, whole.shape().clone());
+        let s = Arc::new(ParamShard::new(level, group, whole.shape().clone()));
+        {
+            // Claimed under the lock, which no collective below holds: a parameter two ranks share (a model
+            // cloned across thread ranks) fails on the second rank instead of stalling the first.
+            let mut shard = self.0.shard.write().expect("param lock poisoned");
+            if shard.is_some() {
+                return Err(Error::InvalidArgument {
+                    op: "Param::shard_over",
+                    msg: format!(
+                        "parameter `{}` is sharded already; shard a model once (a model cloned for each thread rank \
+                         shares its parameters: give each rank its own model)",
+                        self.name()
+                    ),
+                });
+            }
+            *shard = Some(s.clone());
+        }
         if level == ShardLevel::Parameters {
             *self.0.tensor.write().expect("param lock poisoned") = s.slice(&whole)?;
         } else if s.group.shares_memory() && s.group.size() > 1 {
-            *self.0.tensor.write().expect("param lock poisoned") = crate::comm::broadcast(s.group.as_ref(), &whole, 0)?;
+            let shared = crate::comm::broadcast(s.group.as_ref(), &whole, 0)?;
+            *self.0.tensor.write().expect("param lock poisoned") = shared;
         }
-        *shard = Some(Arc::new(s));
         Ok(())
     }
 

@@ -53,6 +53,11 @@ impl ModelType {
         }
     }
 
+    /// Whether the files fuse q/k/v and gate/up into one tensor each (Phi-3; see [`crate::fused`]).
+    pub fn fuses_projections(&self) -> bool {
+        *self == ModelType::Phi3
+    }
+
     /// Whether a layer norms the attention's and the MLP's outputs too (Gemma's four norms per layer).
     pub fn sandwich_norms(&self) -> bool {
         *self == ModelType::Gemma3
@@ -135,7 +140,11 @@ pub struct LlamaConfig {
     /// dtype the checkpoint was saved in (`torch_dtype` / `dtype`), if given.
     pub torch_dtype: Option<DType>,
     pub bos_token_id: Option<u32>,
+    /// The first end-of-sequence id (the one text is ended with).
     pub eos_token_id: Option<u32>,
+    /// Every end-of-sequence id config.json lists (Llama 3 instruct lists three; one when it gives a number),
+    /// written back as it was given.
+    pub eos_token_ids: Vec<u32>,
     /// The attention window in tokens (HF `sliding_window`: a query sees itself and the `w - 1` tokens
     /// before it) of the layers `layer_types` marks sliding; `None`: every layer attends to every earlier
     /// token (Mistral's `sliding_window: null`, Qwen's `use_sliding_window: false`).
@@ -189,6 +198,17 @@ impl Fields<'_> {
         match self.get(field) {
             None => Ok(None),
             Some(v) => v.as_bool().map(Some).ok_or_else(|| self.invalid(field, v, "expected true or false")),
+        }
+    }
+    /// Every id of a token-id field that may be a list (`eos_token_id`), in order; none when absent.
+    fn token_ids(&self, field: &str) -> Result<Vec<u32>> {
+        match self.get(field) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_u64().map(|x| x as u32).ok_or_else(|| self.invalid(field, v, "expected token ids")))
+                .collect(),
+            Some(_) => Ok(self.token_id(field)?.into_iter().collect()),
         }
     }
     fn token_id(&self, field: &str) -> Result<Option<u32>> {
@@ -570,6 +590,7 @@ impl LlamaConfig {
             torch_dtype,
             bos_token_id: f.token_id("bos_token_id")?,
             eos_token_id: f.token_id("eos_token_id")?,
+            eos_token_ids: f.token_ids("eos_token_id")?,
             sliding_window,
             layer_types,
             query_pre_attn_scalar: if gemma {
@@ -679,7 +700,8 @@ impl LlamaConfig {
             m.insert("torch_dtype".into(), json!(dtype_name(d)));
         }
         m.insert("bos_token_id".into(), json!(self.bos_token_id));
-        m.insert("eos_token_id".into(), json!(self.eos_token_id));
+        let eos = if self.eos_token_ids.len() > 1 { json!(self.eos_token_ids) } else { json!(self.eos_token_id) };
+        m.insert("eos_token_id".into(), eos);
         serde_json::to_string_pretty(&Value::Object(m)).expect("a JSON map always serialises")
     }
 
@@ -695,7 +717,7 @@ impl LlamaConfig {
         let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, h])];
         for l in 0..self.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            let fused = crate::fused::fuses(self);
+            let fused = self.model_type.fuses_projections();
             if fused {
                 t.push((format!("{p}.self_attn.qkv_proj.weight"), vec![q + 2 * kv, h]));
             } else {

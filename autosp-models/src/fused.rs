@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use candle_core::Tensor;
 
-use crate::config::{LlamaConfig, ModelType};
+use crate::config::LlamaConfig;
 use crate::error::Result;
 
 /// `(fused name, [(part name, rows)])` of layer `layer`, in the order of the fused rows.
@@ -34,16 +34,11 @@ fn groups(config: &LlamaConfig, layer: usize) -> [(String, Vec<(String, usize)>)
     ]
 }
 
-/// Whether `config`'s files fuse projections (Phi-3).
-pub fn fuses(config: &LlamaConfig) -> bool {
-    config.model_type == ModelType::Phi3
-}
-
 /// The file's fused tensors of a Phi-3 model split into the model's parts (each a contiguous copy of its
 /// rows, so the fused tensor is freed); a fused tensor with the wrong number of rows is left for the
 /// shape checks to name. Other families, and parts already split, pass as they are.
 pub fn split(config: &LlamaConfig, weights: &mut HashMap<String, Tensor>) -> Result<()> {
-    if !fuses(config) {
+    if !config.model_type.fuses_projections() {
         return Ok(());
     }
     for layer in 0..config.num_hidden_layers {
@@ -69,7 +64,7 @@ pub fn split(config: &LlamaConfig, weights: &mut HashMap<String, Tensor>) -> Res
 /// they are.
 pub fn fuse(config: &LlamaConfig, weights: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
     let mut out = weights.clone();
-    if !fuses(config) {
+    if !config.model_type.fuses_projections() {
         return Ok(out);
     }
     for layer in 0..config.num_hidden_layers {
@@ -92,7 +87,7 @@ mod tests {
 
     #[test]
     fn split_then_fuse_gives_the_file_back() {
-        let config = TinySpec { model_type: ModelType::Phi3, ..TinySpec::default() }.config();
+        let config = TinySpec { model_type: crate::config::ModelType::Phi3, ..TinySpec::default() }.config();
         let file = crate::random_weights(&config, 5, DType::F32, &Device::Cpu).unwrap();
         assert!(file.contains_key("model.layers.1.self_attn.qkv_proj.weight"));
         let mut model = file.clone();

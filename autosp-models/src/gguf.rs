@@ -214,6 +214,7 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
         torch_dtype: None,
         bos_token_id: tok_id("tokenizer.ggml.bos_token_id")?,
         eos_token_id: tok_id("tokenizer.ggml.eos_token_id")?,
+        eos_token_ids: tok_id("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
         sliding_window: window,
         layer_types,
         query_pre_attn_scalar,

@@ -85,6 +85,7 @@ impl TinySpec {
             torch_dtype: Some(DType::F32),
             bos_token_id: Some(1),
             eos_token_id: Some(2),
+            eos_token_ids: vec![2],
             sliding_window: window,
             layer_types,
             query_pre_attn_scalar: gemma.then_some((self.hidden / self.heads) as f64),

@@ -18,6 +18,14 @@ pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
         .map_err(|e| Error::Tokenizer { source_name: "encode".into(), message: e.to_string() })
 }
 
+/// Token ids of a document as transformers' `tokenizer(text)` makes them: with the special tokens the
+/// tokenizer's post-processor adds (Llama 3's and Gemma's BOS; none for Qwen or SmolLM2).
+pub fn encode_document(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    tok.encode(text, true)
+        .map(|e| e.get_ids().to_vec())
+        .map_err(|e| Error::Tokenizer { source_name: "encode".into(), message: e.to_string() })
+}
+
 /// Text of `ids`, special tokens skipped.
 pub fn decode(tok: &Tokenizer, ids: &[u32]) -> Result<String> {
     tok.decode(ids, true).map_err(|e| Error::Tokenizer { source_name: "decode".into(), message: e.to_string() })

@@ -49,6 +49,12 @@ fn old_and_new_spellings_agree() {
     assert_eq!(old.head_dim, 128);
     assert_eq!(old.num_key_value_heads, 8);
     assert_eq!(old.eos_token_id, Some(128001));
+    // Every end-of-sequence id survives a save (Llama 3 instruct lists three).
+    assert_eq!(old.eos_token_ids, vec![128001, 128008, 128009]);
+    let again = LlamaConfig::from_json_str(&old.to_json(), "saved/config.json").unwrap();
+    assert_eq!(again.eos_token_ids, old.eos_token_ids);
+    let saved: serde_json::Value = serde_json::from_str(&old.to_json()).unwrap();
+    assert_eq!(saved["eos_token_id"], serde_json::json!([128001, 128008, 128009]));
 }
 
 #[test]

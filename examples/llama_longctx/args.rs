@@ -69,9 +69,18 @@ pub struct Args {
     #[arg(long, default_value_t = 200)]
     pub steps: usize,
 
-    /// Peak learning rate (AdamW; linear warm-up, then cosine decay to lr / 10 at the last step).
-    #[arg(long, default_value_t = 1e-2)]
-    pub lr: f64,
+    /// Peak learning rate (AdamW; linear warm-up, then cosine decay to lr / 10 at the last step). Default:
+    /// 2e-5 with --model (the usual rate for fine-tuning a pretrained 0.1-8B model whole; a rate like 1e-2
+    /// wrecks it in a few steps), the checkpoint's own with --resume, 1e-2 for the built-in demo model
+    /// (random weights, trained from scratch).
+    #[arg(long)]
+    pub lr: Option<f64>,
+
+    /// Put weight decay on norms, biases and the embedding too. By default a run with --model leaves them out
+    /// (only the projection matrices and an untied LM head decay), as fine-tuning recipes do; the demo model
+    /// decays everything.
+    #[arg(long)]
+    pub decay_all: bool,
 
     /// Warm-up steps.
     #[arg(long, default_value_t = 10)]
@@ -214,6 +223,7 @@ impl Args {
             max_attention_distance: a.max_attention_distance,
             steps: a.steps,
             lr: a.lr,
+            decay_all: a.decay_all,
             warmup: a.warmup,
             grad_clip: a.grad_clip,
             batch_tokens: a.batch_tokens,

@@ -207,7 +207,17 @@ pub fn built_level(
     let Some(first) = params.iter().find_map(Param::shard) else { return Ok(None) };
     for p in params {
         match p.shard() {
-            Some(s) if s.level == first.level && s.layout.size == world.size() && s.layout.rank == world.rank() => {}
+            Some(s) if s.layout.rank != world.rank() => {
+                return Err(CompileError::Input(format!(
+                    "parameter `{}` was sharded for rank {} but this is rank {}: the ranks share one parameter \
+                     object (a model cloned for each thread rank shares its parameters); give each rank its own \
+                     model (LlamaModel::from_weights, or build_sharded)",
+                    p.name(),
+                    s.layout.rank,
+                    world.rank()
+                )))
+            }
+            Some(s) if s.level == first.level && s.layout.size == world.size() => {}
             other => {
                 return Err(CompileError::Input(format!(
                     "parameter `{}` is {} but others are sharded at `{}` over {} ranks: shard the whole model \

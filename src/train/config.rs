@@ -47,6 +47,10 @@ pub struct TrainConfig {
     pub eval_every: usize,
     /// AdamW's betas, epsilon and weight decay.
     pub adamw: AdamWConfig,
+    /// Whether weight decay falls on every parameter (`true`), or only on the matrices of the projections
+    /// and the untied LM head (`false`: norms, biases and the embedding are not decayed, as fine-tuning
+    /// recipes do; `llama_longctx` with `--model`).
+    pub decay_all: bool,
     /// What the data is, as checkpoints record it (a resume with other data is refused).
     pub data: String,
     /// The data's seed, as checkpoints record it.
@@ -76,6 +80,7 @@ impl TrainConfig {
             save_every: 0,
             eval_every: 0,
             adamw: AdamWConfig::default(),
+            decay_all: true,
             data: String::new(),
             seed: 0,
             save_dir: None,

@@ -1,11 +1,12 @@
 //! Training data from files: where it comes from ([`DataSource`], as `--data` spells it), token-id files,
-//! JSONL and plain-text documents, tokenisation with the model's tokenizer (EOS after each document), and
-//! packing into sequences of `seq_len` tokens. [`super::Stream`] hands the sequences out with a position a
+//! JSONL and plain-text documents, tokenisation with the model's tokenizer (each document as transformers'
+//! `tokenizer(text)` makes it, BOS where the tokenizer adds one, then EOS), and packing into sequences of
+//! `seq_len` tokens. [`super::Stream`] hands the sequences out with a position a
 //! checkpoint can save.
 
 use std::path::{Path, PathBuf};
 
-use autosp_models::tokenizer::encode;
+use autosp_models::tokenizer::encode_document;
 use autosp_models::Tokenizer;
 
 use super::error::{IoContext, Result, TrainError};
@@ -155,12 +156,19 @@ fn short(s: &str) -> String {
     }
 }
 
-/// Tokenises `docs` and joins them, with `eos` after each document when the model has one.
+/// Tokenises `docs` and joins them: each document with the special tokens the tokenizer's post-processor adds
+/// (as transformers' `tokenizer(text)`: Llama 3's and Gemma's BOS; nothing for Qwen or SmolLM2), then `eos`
+/// when the model has one and the tokenizer did not end the document with it, so packed documents are
+/// separated by EOS.
 pub fn tokenize(tok: &Tokenizer, docs: &[String], eos: Option<u32>) -> Result<Vec<u32>> {
     let mut ids = Vec::new();
     for d in docs {
-        ids.extend(encode(tok, d)?);
-        ids.extend(eos);
+        let doc = encode_document(tok, d)?;
+        let ended = doc.last().is_some_and(|&t| Some(t) == eos);
+        ids.extend(doc);
+        if !ended {
+            ids.extend(eos);
+        }
     }
     Ok(ids)
 }
@@ -204,5 +212,28 @@ mod tests {
         assert_eq!(DataSource::parse("ids:f"), DataSource::Ids("f".into()));
         assert_eq!(DataSource::parse("needles"), DataSource::Needles);
         assert_eq!(DataSource::parse("a.jsonl"), DataSource::Text("a.jsonl".into()));
+    }
+
+    /// A word-level tokenizer whose post-processor puts `<s>` (id 1) before each text, as Llama 3's does.
+    fn with_bos() -> Tokenizer {
+        let json = r#"{"version": "1.0", "truncation": null, "padding": null,
+          "added_tokens": [{"id": 1, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false,
+                            "normalized": false, "special": true}],
+          "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+          "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+          "decoder": null,
+          "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4}, "unk_token": "<unk>"}}"#;
+        json.parse().unwrap()
+    }
+
+    #[test]
+    fn documents_get_the_tokenizers_bos_and_an_eos_between_them() {
+        let docs = vec!["a b".to_string(), "b".to_string()];
+        assert_eq!(tokenize(&with_bos(), &docs, Some(2)).unwrap(), vec![1, 3, 4, 2, 1, 4, 2]);
+        // No EOS in the model: documents run on (nothing is invented).
+        assert_eq!(tokenize(&with_bos(), &docs, None).unwrap(), vec![1, 3, 4, 1, 4]);
     }
 }

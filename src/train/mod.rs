@@ -102,4 +102,4 @@ pub use options::{
 pub use progress::Progress;
 pub use run::Job;
 pub use stream::{Position, Sample, Stream};
-pub use trainer::{Ended, Outcome, Trainer, STAGE_PROBES};
+pub use trainer::{exempt_from_decay, Ended, Outcome, Trainer, STAGE_PROBES};

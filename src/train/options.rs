@@ -32,8 +32,10 @@ pub struct RunOptions {
     pub max_attention_distance: Option<usize>,
     /// `--steps`.
     pub steps: usize,
-    /// `--lr`.
-    pub lr: f64,
+    /// `--lr`; `None`: [`RunOptions::default_lr`].
+    pub lr: Option<f64>,
+    /// `--decay-all`: weight decay on norms, biases and embeddings too (with `--model` they are left out).
+    pub decay_all: bool,
     /// `--warmup`.
     pub warmup: usize,
     /// `--grad-clip` (0: off).
@@ -86,7 +88,8 @@ impl Default for RunOptions {
             dtype: None,
             max_attention_distance: None,
             steps: 200,
-            lr: 1e-2,
+            lr: None,
+            decay_all: false,
             warmup: 10,
             grad_clip: 1.0,
             batch_tokens: None,
@@ -111,6 +114,17 @@ impl Default for RunOptions {
 }
 
 impl RunOptions {
+    /// The learning rate of a run that does not give `--lr` and resumes nothing: 2e-5 for a model the user
+    /// brings (`pretrained`; the usual rate for fine-tuning a 0.1-8B model whole, as TRL's SFT default), 1e-2
+    /// for the built-in demo model, which trains from random weights.
+    pub fn default_lr(pretrained: bool) -> f64 {
+        if pretrained {
+            2e-5
+        } else {
+            1e-2
+        }
+    }
+
     /// The device asked for, or the build's default.
     pub fn device_spec(&self) -> DeviceSpec {
         self.device.unwrap_or_else(DeviceSpec::default_for_build)

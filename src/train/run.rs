@@ -143,6 +143,19 @@ impl Job {
             }
             (_, None) => Curriculum::none(),
         };
+        // A resumed run keeps its checkpoint's learning rate and decay unless told otherwise; a model the user
+        // brings gets fine-tuning's defaults (RunOptions::default_lr, no decay on norms, biases, embeddings).
+        let resumed = match &o.resume {
+            Some(dir) => Some((dir.clone(), checkpoint::verify(dir)?)),
+            None => None,
+        };
+        let saved = resumed.as_ref().map(|(_, s)| s);
+        let lr = o.lr.or(saved.and_then(|s| s.lr)).unwrap_or_else(|| RunOptions::default_lr(o.model.is_some()));
+        let decay_all = o.decay_all
+            || match saved {
+                Some(s) => s.decay_all.unwrap_or(true),
+                None => o.model.is_none(),
+            };
         let shape = RunShape {
             seq_len: o.seq_len,
             micro_batches: micro,
@@ -151,16 +164,16 @@ impl Job {
             seed: o.seed,
             dtype,
             steps: o.steps,
-            lr: o.lr,
+            lr,
+            decay_all,
             warmup: o.warmup,
             max_attention_distance: o.max_attention_distance,
             curriculum: curriculum.flag(),
         };
-        let (resume, resume_changes) = match &o.resume {
-            Some(dir) => {
-                let state = checkpoint::verify(dir)?;
-                let changes = state.resume_changes(&shape, dir, o.allow_changes)?;
-                (Some((dir.clone(), state)), changes)
+        let (resume, resume_changes) = match resumed {
+            Some((dir, state)) => {
+                let changes = state.resume_changes(&shape, &dir, o.allow_changes)?;
+                (Some((dir, state)), changes)
             }
             None => (None, Vec::new()),
         };
@@ -218,7 +231,7 @@ impl Job {
         let train = TrainConfig {
             seq_len: o.seq_len,
             steps: o.steps,
-            lr: o.lr,
+            lr,
             warmup: o.warmup,
             grad_clip: o.grad_clip,
             micro_batches: micro,
@@ -227,6 +240,7 @@ impl Job {
             save_every: o.save_every,
             eval_every: o.eval_every,
             adamw: Default::default(),
+            decay_all,
             data: o.data.clone(),
             seed: o.seed,
             save_dir: Some(save_root.clone()),
@@ -474,6 +488,23 @@ impl Job {
             ),
             self.carrier.describe(device),
             format!("model states (--shard {}: {}): {}", c.sharding(), c.sharding_reason(), c.model_state_bytes()),
+            format!(
+                "optimizer: AdamW, peak lr {:e}{}, weight decay {} {}",
+                self.train.lr,
+                match (o.lr, &self.resume, o.model.is_some()) {
+                    (Some(_), _, _) => " (--lr)",
+                    (None, Some(_), _) => " (the checkpoint's)",
+                    (None, None, true) => " (the default for a pretrained --model; --lr to change it)",
+                    (None, None, false) => " (the demo model's default)",
+                },
+                self.train.adamw.weight_decay,
+                if self.train.decay_all {
+                    "on every parameter"
+                } else {
+                    "on the projection matrices only (norms, biases and the embedding are not decayed; --decay-all to \
+                     decay them)"
+                }
+            ),
         ];
         if let Some(w) = c.max_attention_distance() {
             lines.push(format!(

@@ -90,7 +90,11 @@ impl Trainer {
     pub fn new(compiled: Compiled<LlamaModel>, config: TrainConfig, stream: Stream) -> Result<Self> {
         config.validate()?;
         let params = compiled.params();
-        let opt = AdamW::new(config.adamw)?;
+        let mut opt = AdamW::new(config.adamw)?;
+        if !config.decay_all {
+            let exempt: Vec<_> = params.iter().filter(|p| exempt_from_decay(p.name())).cloned().collect();
+            opt.skip_decay(&exempt);
+        }
         let metrics = match (&config.metrics, compiled.group().rank() == 0) {
             (Some(f), true) => Some(MetricsLog::append(f)?),
             _ => None,
@@ -213,6 +217,7 @@ impl Trainer {
             dtype: self.compiled.dtype(),
             steps: c.steps,
             lr: c.lr,
+            decay_all: c.decay_all,
             warmup: c.warmup,
             max_attention_distance: self.compiled.max_attention_distance(),
             curriculum: c.curriculum.flag(),
@@ -468,4 +473,10 @@ fn gather(pg: &Arc<dyn ProcessGroup>, values: &[f64]) -> Result<Vec<Vec<f64>>> {
     let t = Tensor::new(values, &Device::Cpu)?;
     let all = pg.all_gather(&t, 0)?.to_vec1::<f64>()?;
     Ok(all.chunks(values.len()).map(<[f64]>::to_vec).collect())
+}
+
+/// The parameters fine-tuning leaves out of weight decay (HF names): every RMSNorm's scale, every bias and the
+/// token embedding (with a tied head, the head too).
+pub fn exempt_from_decay(name: &str) -> bool {
+    name.ends_with("norm.weight") || name.ends_with(".bias") || name == "model.embed_tokens.weight"
 }

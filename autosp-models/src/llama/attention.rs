@@ -106,8 +106,8 @@ impl LlamaAttention {
         let mut k = ops::reshape(tape, &self.k_proj.forward(tape, x)?, (b, n, hkv, d))?;
         let v = ops::reshape(tape, &self.v_proj.forward(tape, x)?, (b, n, hkv, d))?;
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            q = super::block::fused_norm(tape, qn, &q)?;
-            k = super::block::fused_norm(tape, kn, &k)?;
+            q = super::norm::fused_norm(tape, qn, &q)?;
+            k = super::norm::fused_norm(tape, kn, &k)?;
         }
         let q = rope(tape, &q, &rot.cos, &rot.sin)?;
         let k = rope(tape, &k, &rot.cos, &rot.sin)?;

@@ -11,6 +11,7 @@ use super::attention::{LlamaAttention, RotaryTables};
 use super::error::ModelResult;
 use super::kv_cache::LayerKv;
 use super::mlp::LlamaMlp;
+use super::norm::fused_norm;
 
 /// One decoder layer; `input_layernorm, post_attention_layernorm: [hidden]` (and Gemma's
 /// `pre_feedforward_layernorm, post_feedforward_layernorm: [hidden]`).
@@ -100,9 +101,4 @@ impl Module for LlamaDecoderLayer {
     fn region_slot(&mut self) -> Option<&mut RegionSlot> {
         Some(&mut self.region)
     }
-}
-
-/// RMSNorm through the fused kernel (scale `offset + weight`, [`RmsNorm::scale`]): `x: [.., d]` -> `[.., d]`.
-pub(crate) fn fused_norm(tape: &Tape, norm: &autosp_core::nn::RmsNorm, x: &Value) -> autosp_core::Result<Value> {
-    autosp_kernels::rms_norm::rms_norm(tape, x, &norm.scale(tape)?, norm.eps)
 }

@@ -10,6 +10,7 @@ pub mod generate;
 pub mod kv_cache;
 pub mod mlp;
 pub mod model;
+mod norm;
 pub mod sampling;
 
 pub use attention::{LlamaAttention, RotaryTables};

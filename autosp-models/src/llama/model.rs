@@ -285,7 +285,7 @@ impl LlamaModel {
             };
             h = layer.forward(tape, &h, rot, spec, layer_cache)?;
         }
-        Ok(super::block::fused_norm(tape, &self.norm, &h)?)
+        Ok(super::norm::fused_norm(tape, &self.norm, &h)?)
     }
 
     /// The LM head: `hidden: [.., hidden]` -> `[.., vocab]` (the embedding matrix when tied).

@@ -64,6 +64,9 @@ pub struct RunShape {
     pub steps: usize,
     /// Peak learning rate.
     pub lr: f64,
+    /// Whether weight decay falls on norms, biases and embeddings too (`--decay-all`; see
+    /// [`crate::train::config::TrainConfig::decay_all`]).
+    pub decay_all: bool,
     /// Warm-up steps.
     pub warmup: usize,
     /// The sliding attention window, if any.
@@ -101,6 +104,9 @@ pub struct TrainerState {
     pub steps: Option<usize>,
     /// Peak learning rate (`None` in older checkpoints).
     pub lr: Option<f64>,
+    /// Whether weight decay fell on norms, biases and embeddings too (`None` in older checkpoints, which
+    /// decayed everything).
+    pub decay_all: Option<bool>,
     /// Warm-up steps (`None` in older checkpoints).
     pub warmup: Option<usize>,
     /// The sliding attention window (`--max-attention-distance`); `None` also for checkpoints written before
@@ -127,6 +133,7 @@ impl TrainerState {
             dtype: shape.dtype,
             steps: Some(shape.steps),
             lr: Some(shape.lr),
+            decay_all: Some(shape.decay_all),
             warmup: Some(shape.warmup),
             max_attention_distance: shape.max_attention_distance,
             curriculum: Some(shape.curriculum.clone()),
@@ -145,6 +152,7 @@ impl TrainerState {
             ("--max-attention-distance", Some(window(self.max_attention_distance)), window(now.max_attention_distance)),
             ("--steps", self.steps.map(|x| x.to_string()), now.steps.to_string()),
             ("--lr", self.lr.map(|x| x.to_string()), now.lr.to_string()),
+            ("--decay-all", Some(self.decay_all.unwrap_or(true).to_string()), now.decay_all.to_string()),
             ("--warmup", self.warmup.map(|x| x.to_string()), now.warmup.to_string()),
             ("--curriculum", self.curriculum.clone(), now.curriculum.clone()),
         ];
@@ -299,6 +307,7 @@ fn write_rest(tmp: &Path, state: &TrainerState, tokenizer: Option<&str>, extra: 
         "dtype": state.dtype.as_str(),
         "steps": state.steps,
         "lr": state.lr,
+        "decay_all": state.decay_all,
         "warmup": state.warmup,
         "max_attention_distance": state.max_attention_distance,
         "curriculum": state.curriculum,
@@ -408,6 +417,7 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
         },
         steps: doc.get("steps").and_then(Value::as_u64).map(|x| x as usize),
         lr: doc.get("lr").and_then(Value::as_f64),
+        decay_all: doc.get("decay_all").and_then(Value::as_bool),
         warmup: doc.get("warmup").and_then(Value::as_u64).map(|x| x as usize),
         max_attention_distance: match doc.get("max_attention_distance") {
             None | Some(Value::Null) => None,

@@ -37,14 +37,15 @@ impl Default for AdamWConfig {
     }
 }
 
-/// AdamW state: step count, the two moments of every parameter, and the f32 master weights of every
-/// bf16/f16 parameter.
+/// AdamW state: step count, the two moments of every parameter, the f32 master weights of every
+/// bf16/f16 parameter, and the parameters weight decay skips.
 #[derive(Debug)]
 pub struct AdamW {
     cfg: AdamWConfig,
     step: u64,
     moments: HashMap<ParamId, (Tensor, Tensor)>,
     masters: HashMap<ParamId, Tensor>,
+    no_decay: std::collections::HashSet<ParamId>,
 }
 
 impl AdamW {
@@ -59,7 +60,18 @@ impl AdamW {
                 msg: format!("AdamW needs 0 <= beta1, beta2 < 1, eps > 0 and weight_decay >= 0, got {cfg:?}"),
             });
         }
-        Ok(Self { cfg, step: 0, moments: HashMap::new(), masters: HashMap::new() })
+        Ok(Self { cfg, step: 0, moments: HashMap::new(), masters: HashMap::new(), no_decay: Default::default() })
+    }
+
+    /// Updates `params` without weight decay from now on (norms, biases and embeddings in fine-tuning, as
+    /// PyTorch's parameter groups with `weight_decay=0` do); the others keep the config's.
+    pub fn skip_decay(&mut self, params: &[Param]) {
+        self.no_decay.extend(params.iter().map(Param::id));
+    }
+
+    /// Whether `p` is updated without weight decay ([`skip_decay`](Self::skip_decay)).
+    pub fn skips_decay(&self, p: &Param) -> bool {
+        self.no_decay.contains(&p.id())
     }
 
     /// Steps taken so far.
@@ -151,8 +163,10 @@ impl Optimizer for AdamW {
             lr,
             decay: 1.0 - lr * c.weight_decay,
         };
+        let plain = Coefficients { decay: 1.0, ..k };
         for p in super::distinct(params) {
             let Some(g) = grads.get(p) else { continue };
+            let k = if self.no_decay.contains(&p.id()) { &plain } else { &k };
             // The whole parameter, or this rank's slice of a sharded one (the gradients are slices then).
             let w = p.update_view()?;
             if g.dims() != w.dims() {
@@ -179,16 +193,16 @@ impl Optimizer for AdamW {
                     None => w.to_dtype(precision.master())?,
                 };
                 let (master, m, v) = match route {
-                    Route::Cpu => cpu::update_master(master, &gf, m, v, &k)?,
-                    Route::Generic => generic::update(&master, &gf, m, v, &k)?,
+                    Route::Cpu => cpu::update_master(master, &gf, m, v, k)?,
+                    Route::Generic => generic::update(&master, &gf, m, v, k)?,
                 };
                 p.set_update(master.to_dtype(w.dtype())?)?;
                 self.masters.insert(p.id(), master);
                 (m, v)
             } else {
                 let (new, m, v) = match route {
-                    Route::Cpu => cpu::update(&w, &gf, m, v, &k)?,
-                    Route::Generic => generic::update(&w, &gf, m, v, &k)?,
+                    Route::Cpu => cpu::update(&w, &gf, m, v, k)?,
+                    Route::Generic => generic::update(&w, &gf, m, v, k)?,
                 };
                 p.set_update(new)?;
                 (m, v)
@@ -318,6 +332,32 @@ mod tests {
             assert!(generic_calls() >= before + 3, "the forced steps must select the generic kernel");
             assert_eq!(run(Kernels::Auto), generic, "{dtype:?}");
         }
+    }
+
+    #[test]
+    fn parameters_that_skip_decay_are_updated_as_with_no_decay() {
+        let grads_of = |p: &Param| {
+            let mut g = Gradients::new();
+            g.insert(p, (p.tensor() * 0.5).unwrap());
+            g
+        };
+        let w = p32(&[3, 4], 7);
+        let decayed = Param::new("w", w.clone());
+        let skipped = Param::new("norm.weight", w.clone());
+        let reference = Param::new("r", w);
+        let cfg = AdamWConfig { weight_decay: 0.1, ..AdamWConfig::default() };
+        let mut opt = AdamW::new(cfg).unwrap();
+        opt.skip_decay(std::slice::from_ref(&skipped));
+        let mut no_decay = AdamW::new(AdamWConfig { weight_decay: 0.0, ..cfg }).unwrap();
+        for _ in 0..3 {
+            let mut both = grads_of(&decayed);
+            both.insert(&skipped, (skipped.tensor() * 0.5).unwrap());
+            opt.step(&[decayed.clone(), skipped.clone()], &both, 1e-2).unwrap();
+            no_decay.step(std::slice::from_ref(&reference), &grads_of(&reference), 1e-2).unwrap();
+        }
+        assert!(opt.skips_decay(&skipped) && !opt.skips_decay(&decayed));
+        assert_eq!(f64s(&skipped.tensor()), f64s(&reference.tensor()), "skipped: as with weight_decay 0");
+        assert_ne!(f64s(&decayed.tensor()), f64s(&reference.tensor()), "the others decay");
     }
 
     #[test]
