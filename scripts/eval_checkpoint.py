@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Scores a llama_longctx checkpoint in transformers: the mean next-token loss of token ids, as one sequence.
+"""Scores a llama_longctx checkpoint in transformers: the mean next-token loss of token ids, each line of the
+ids file a sequence of its own (the windows `--eval-data` scores), the mean over every target.
 
 Loads the checkpoint directory (config.json + model.safetensors, as llama_longctx saves it) with
 `AutoModelForCausalLM.from_pretrained` in float32 and computes the loss of the ids in --ids (whitespace-
-separated, the format of `--eval-tokens` and of the `heldout-ids.txt` that `--eval-data` writes), with the
-labels equal to the ids (transformers shifts them: n - 1 targets, the same ones llama_longctx scores).
+separated, one window per line: the `heldout-ids.txt` that `--eval-data` writes; an `--eval-tokens` file on
+one line is one sequence), with the labels equal to the ids (transformers shifts them: n - 1 targets per line,
+the same ones llama_longctx scores).
 With --expect (llama_longctx's loss on the same ids: its `--eval-tokens` output) or --metrics (the run's
 `--metrics` file: its summary's held-out loss after training, at full precision), prints the difference and
 exits 1 when the relative difference is above --rtol.
@@ -28,7 +30,7 @@ from transformers import AutoModelForCausalLM
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="a step-N directory written by llama_longctx")
-    ap.add_argument("--ids", required=True, help="whitespace-separated token ids (one sequence)")
+    ap.add_argument("--ids", required=True, help="whitespace-separated token ids, one sequence per line")
     ap.add_argument("--expect", type=float, help="the loss llama_longctx reported for the same ids")
     ap.add_argument("--metrics", help="llama_longctx's --metrics file: expect its summary's held-out loss after")
     # f32 on both sides; the two differ only in the order of floating-point sums (attention, matmuls, the
@@ -45,19 +47,24 @@ def main():
         if not ends:
             sys.exit(f"{a.metrics}: no summary line with a held-out loss (was the run given --eval-data?)")
         a.expect = ends[-1]["eval"]["after"]
-    ids = [int(t) for t in open(a.ids).read().split()]
-    if len(ids) < 2:
-        sys.exit(f"{a.ids}: needs at least 2 token ids, found {len(ids)}")
+    windows = [[int(t) for t in line.split()] for line in open(a.ids) if line.split()]
+    if not windows or any(len(w) < 2 for w in windows):
+        sys.exit(f"{a.ids}: every line needs at least 2 token ids")
     model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.float32)
     model.eval()
     t0 = time.time()
+    total, targets = 0.0, 0
     with torch.no_grad():
-        x = torch.tensor([ids], dtype=torch.long)
-        loss = model(input_ids=x, labels=x).loss.item()
+        for w in windows:
+            x = torch.tensor([w], dtype=torch.long)
+            total += model(input_ids=x, labels=x).loss.item() * (len(w) - 1)
+            targets += len(w) - 1
+    loss = total / targets
     out = {
         "eval_loss": loss,
-        "tokens": len(ids),
-        "targets": len(ids) - 1,
+        "tokens": sum(len(w) for w in windows),
+        "windows": len(windows),
+        "targets": targets,
         "checkpoint": a.checkpoint,
         "seconds": round(time.time() - t0, 1),
     }

@@ -237,18 +237,41 @@ fn eval_data_is_scored_before_and_after_and_the_checkpoint_scores_the_same() {
     let sum = metrics_summary(&metrics);
     assert_eq!(sum["eval"]["before"].as_f64().unwrap(), evals[0].1);
     assert_eq!(sum["eval"]["after"].as_f64().unwrap(), evals[2].1);
-    assert_eq!(sum["eval"]["tokens"], 512, "the first --seq-len (512) tokens are scored");
-    assert!(out.contains("held-out loss before training") && out.contains("| held-out loss "), "{out}");
-    // The ids scored were written out; scoring them on the saved checkpoint gives the run's last held-out
-    // loss (the same forward pass on the same weights: equal to the last bit).
+    assert_eq!(sum["eval"]["tokens"], 700, "every token, in windows of --seq-len (512 and 188)");
+    assert!(out.contains("held-out loss before training") && out.contains("in 2 window(s) of at most 512"), "{out}");
+    assert!(out.contains("| held-out loss "), "{out}");
+    // The ids scored were written out, one window per line; scoring each window on the saved checkpoint and
+    // weighing them by their targets gives the run's last held-out loss (the same forward passes on the same
+    // weights, summed in the same order: equal to the last bit).
     let written = save.join("heldout-ids.txt");
-    let kept: Vec<&str> = ids[..512].iter().map(String::as_str).collect();
-    assert_eq!(std::fs::read_to_string(&written).unwrap().split_whitespace().collect::<Vec<_>>(), kept);
+    let text = std::fs::read_to_string(&written).unwrap();
+    let windows: Vec<&str> = text.lines().collect();
+    assert_eq!(windows.iter().map(|w| w.split_whitespace().count()).collect::<Vec<_>>(), vec![512, 188]);
+    assert_eq!(text.split_whitespace().collect::<Vec<_>>(), ids.iter().map(String::as_str).collect::<Vec<_>>());
     let ckpt = save.join("step-12");
-    let again = run_ok(t, &["--model", s(&ckpt), "--eval-tokens", s(&written)]);
-    let line = again.lines().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON line:\n{again}"));
-    let loss = serde_json::from_str::<serde_json::Value>(line).unwrap()["eval_loss"].as_f64().unwrap();
-    assert_eq!(loss, evals[2].1, "the checkpoint's loss on heldout-ids.txt vs the run's held-out loss after");
+    let (mut sum, mut count) = (0.0f64, 0usize);
+    for (i, w) in windows.iter().enumerate() {
+        let f = t.join(format!("window{i}.txt"));
+        std::fs::write(&f, w).unwrap();
+        let again = run_ok(t, &["--model", s(&ckpt), "--eval-tokens", s(&f)]);
+        let line = again.lines().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON line:\n{again}"));
+        let v = serde_json::from_str::<serde_json::Value>(line).unwrap();
+        let targets = v["targets"].as_u64().unwrap() as usize;
+        sum += v["eval_loss"].as_f64().unwrap() * targets as f64;
+        count += targets;
+    }
+    assert_eq!(
+        sum / count as f64,
+        evals[2].1,
+        "the checkpoint's loss on heldout-ids.txt vs the run's held-out loss after"
+    );
+    // --eval-tokens-max keeps the first tokens only.
+    let capped = t.join("capped");
+    let out = run_ok(
+        t,
+        &["--quick", "--steps", "1", "--eval-data", &eval_data, "--eval-tokens-max", "300", "--save", s(&capped)],
+    );
+    assert!(out.contains("(300 tokens in 1 window(s)"), "{out}");
 }
 
 #[test]

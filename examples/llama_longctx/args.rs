@@ -145,14 +145,19 @@ pub struct Args {
     pub eval_tokens: Option<PathBuf>,
 
     /// Held-out data scored before training, every --eval-every steps and after (mean next-token loss,
-    /// forward only): a text or JSONL file (tokenised like --data) or `ids:FILE`; its first --seq-len tokens
-    /// are scored as one sequence. The ids scored are written to `heldout-ids.txt` in the --save directory.
+    /// forward only): a text or JSONL file (tokenised like --data) or `ids:FILE`; up to --eval-tokens-max of its
+    /// tokens are scored, in windows of --seq-len (each a sequence of its own; the mean weighs every target
+    /// alike). The ids scored are written to `heldout-ids.txt` in the --save directory, one window per line.
     #[arg(long)]
     pub eval_data: Option<String>,
 
     /// With --eval-data: also score it every N steps (0: only before and after training).
     #[arg(long, default_value_t = 0)]
     pub eval_every: usize,
+
+    /// With --eval-data: score at most N of its tokens (the first ones), in windows of --seq-len.
+    #[arg(long, default_value_t = 65536, value_name = "N")]
+    pub eval_tokens_max: usize,
 
     /// Write the gradients of the first step's mean token loss (before clipping), with HF parameter names,
     /// as safetensors to FILE.
@@ -237,6 +242,7 @@ impl Args {
             eval_tokens: a.eval_tokens,
             eval_data: a.eval_data,
             eval_every: a.eval_every,
+            eval_tokens_max: a.eval_tokens_max,
             dump_grads: a.dump_grads,
             seed: a.seed,
             metrics: a.metrics,

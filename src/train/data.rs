@@ -100,10 +100,12 @@ pub fn read_ids(path: &Path, vocab: usize) -> Result<Vec<u32>> {
     Ok(ids)
 }
 
-/// Writes `ids` whitespace-separated on one line (the format [`read_ids`] reads).
-pub fn write_ids(path: &Path, ids: &[u32]) -> Result<()> {
-    let text: Vec<String> = ids.iter().map(u32::to_string).collect();
-    std::fs::write(path, text.join(" ") + "\n").io(|| format!("writing {}", path.display()))
+/// Writes each of `lines` as whitespace-separated ids on a line of its own (the format [`read_ids`] reads, as
+/// one run of ids).
+pub fn write_ids<'a>(path: &Path, lines: impl IntoIterator<Item = &'a [u32]>) -> Result<()> {
+    let text: String =
+        lines.into_iter().map(|ids| ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ") + "\n").collect();
+    std::fs::write(path, text).io(|| format!("writing {}", path.display()))
 }
 
 /// The documents of a JSONL file (a "text" string on every non-empty line) or of a plain text file (the

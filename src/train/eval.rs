@@ -1,7 +1,7 @@
 //! Evaluation during training, forward only and collective (every rank calls it): [`HeldOut`], the mean
-//! next-token loss on held-out tokens (`--eval-data`: the first `seq_len` tokens of a text, JSONL or `ids:`
-//! file scored as one sequence), whose ids can be written out so other tools (`--eval-tokens`,
-//! `scripts/eval_checkpoint.py`) score exactly the same tokens; and [`answer_accuracy`], teacher-forced
+//! next-token loss on held-out tokens (`--eval-data`: a text, JSONL or `ids:` file, up to `--eval-tokens-max`
+//! tokens, scored in windows of `seq_len`), whose ids can be written out, one window per line, so other tools
+//! (`scripts/eval_checkpoint.py`) score exactly the same tokens; and [`answer_accuracy`], teacher-forced
 //! retrieval accuracy on samples with marked answers (the synthetic tasks).
 
 use std::path::Path;
@@ -14,21 +14,25 @@ use super::error::{Result, TrainError};
 use super::stream::Sample;
 use crate::Compiled;
 
-/// The held-out tokens.
+/// The held-out tokens, scored in windows.
 #[derive(Clone, Debug)]
 pub struct HeldOut {
     /// Where they came from (`--eval-data` as given).
     pub source: String,
-    /// At most `seq_len` token ids, at least 2.
+    /// The token ids scored, at least 2: the windows one after the other.
     pub ids: Vec<u32>,
+    /// Tokens per window (the training sequence length); the last window may be shorter (at least 2 tokens).
+    pub window: usize,
 }
 
 impl HeldOut {
-    /// Reads `spec` (a text or JSONL file, tokenised with `tokenizer` with `eos` after each document like
-    /// `--data`, or `ids:FILE`) and keeps its first `seq_len` tokens.
+    /// Reads `spec` (a text or JSONL file, tokenised with `tokenizer` and `eos` like `--data`, or `ids:FILE`)
+    /// and keeps its first `max_tokens` tokens (all when fewer), to score in windows of `window` tokens (a
+    /// last window of a single token, which has no target, is dropped).
     pub fn load(
         spec: &str,
-        seq_len: usize,
+        window: usize,
+        max_tokens: usize,
         vocab: usize,
         tokenizer: Option<&Tokenizer>,
         eos: Option<u32>,
@@ -45,29 +49,50 @@ impl HeldOut {
                 ids.len()
             )));
         }
-        ids.truncate(seq_len);
-        Ok(Self { source: spec.to_string(), ids })
+        if window < 2 || max_tokens < 2 {
+            return Err(TrainError::Config(format!(
+                "--eval-data {spec}: windows of {window} and at most {max_tokens} tokens: both need at least 2"
+            )));
+        }
+        ids.truncate(max_tokens);
+        if ids.len() % window == 1 {
+            ids.pop();
+        }
+        Ok(Self { source: spec.to_string(), ids, window })
     }
 
-    /// Held-out tokens given as ids (`source` names them in reports); at least 2.
+    /// Held-out tokens given as ids (`source` names them in reports), scored as one window; at least 2.
     pub fn from_ids(source: impl Into<String>, ids: Vec<u32>) -> Result<Self> {
         let source = source.into();
         if ids.len() < 2 {
             return Err(TrainError::Data(format!("{source}: needs at least 2 tokens to score, found {}", ids.len())));
         }
-        Ok(Self { source, ids })
+        let window = ids.len();
+        Ok(Self { source, ids, window })
     }
 
-    /// The mean next-token loss of the held-out tokens and the number of targets scored (one forward pass;
-    /// collective: every rank calls it).
+    /// The windows, in order.
+    pub fn windows(&self) -> impl Iterator<Item = &[u32]> {
+        self.ids.chunks(self.window)
+    }
+
+    /// The mean next-token loss over every window's targets (each window scored as a sequence of its own, one
+    /// forward pass each; the mean weighs each window by its targets) and the number of targets (collective:
+    /// every rank calls it).
     pub fn evaluate(&self, c: &Compiled<LlamaModel>) -> Result<(f64, usize)> {
-        let n = self.ids.len();
-        Ok(c.eval_loss(&Tensor::from_vec(self.ids.clone(), (1, n), &Device::Cpu)?, None)?)
+        let (mut sum, mut count) = (0.0, 0usize);
+        for w in self.windows() {
+            let (loss, targets) = c.eval_loss(&Tensor::from_vec(w.to_vec(), (1, w.len()), &Device::Cpu)?, None)?;
+            sum += loss * targets as f64;
+            count += targets;
+        }
+        Ok((sum / count as f64, count))
     }
 
-    /// Writes the ids, whitespace-separated on one line (the `--eval-tokens` / `ids:` format).
+    /// Writes the ids, one window per line, whitespace-separated (`scripts/eval_checkpoint.py --ids` scores
+    /// each line as a sequence; `ids:FILE` reads them all).
     pub fn write_ids(&self, path: &Path) -> Result<()> {
-        data::write_ids(path, &self.ids)
+        data::write_ids(path, self.windows())
     }
 }
 
@@ -107,29 +132,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ids_are_cut_to_the_sequence_length_and_written_back_readable() {
+    fn ids_are_cut_into_windows_up_to_the_maximum_and_written_back_one_window_per_line() {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("ids.txt");
-        std::fs::write(&f, "5 6 7\n8 9").unwrap();
-        let h = HeldOut::load(&format!("ids:{}", f.display()), 4, 10, None, None).unwrap();
-        assert_eq!(h.ids, vec![5, 6, 7, 8]);
+        std::fs::write(&f, "5 6 7\n8 9 1 2 3 4").unwrap();
+        // Windows of 4, at most 8 tokens: two windows.
+        let h = HeldOut::load(&format!("ids:{}", f.display()), 4, 8, 10, None, None).unwrap();
+        assert_eq!(h.windows().collect::<Vec<_>>(), vec![&[5, 6, 7, 8][..], &[9, 1, 2, 3][..]]);
+        // All 9 tokens: a last window of one token has no target and is dropped; of 3 tokens it is kept.
+        let h = HeldOut::load(&format!("ids:{}", f.display()), 4, 100, 10, None, None).unwrap();
+        assert_eq!(h.ids.len(), 8);
+        let h = HeldOut::load(&format!("ids:{}", f.display()), 3, 100, 10, None, None).unwrap();
+        assert_eq!(h.windows().count(), 3);
         let out = dir.path().join("out.txt");
         h.write_ids(&out).unwrap();
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "5 6 7\n8 9 1\n2 3 4\n");
         assert_eq!(data::read_ids(&out, 10).unwrap(), h.ids);
     }
 
     #[test]
     fn passkey_text_without_a_tokenizer_and_a_single_token_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let e = HeldOut::load("passkey", 8, 10, None, None).unwrap_err().to_string();
+        let e = HeldOut::load("passkey", 8, 64, 10, None, None).unwrap_err().to_string();
         assert!(e.contains("needs a file"), "{e}");
         let t = dir.path().join("t.txt");
         std::fs::write(&t, "some text").unwrap();
-        let e = HeldOut::load(t.to_str().unwrap(), 8, 10, None, None).unwrap_err().to_string();
+        let e = HeldOut::load(t.to_str().unwrap(), 8, 64, 10, None, None).unwrap_err().to_string();
         assert!(e.contains("ids:FILE") && e.contains("tokenizer"), "{e}");
         let one = dir.path().join("one.txt");
         std::fs::write(&one, "3").unwrap();
-        let e = HeldOut::load(&format!("ids:{}", one.display()), 8, 10, None, None).unwrap_err().to_string();
+        let e = HeldOut::load(&format!("ids:{}", one.display()), 8, 64, 10, None, None).unwrap_err().to_string();
         assert!(e.contains("at least 2 tokens"), "{e}");
         assert!(HeldOut::from_ids("x", vec![1]).is_err());
     }

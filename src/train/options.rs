@@ -62,6 +62,8 @@ pub struct RunOptions {
     pub eval_data: Option<String>,
     /// `--eval-every`.
     pub eval_every: usize,
+    /// `--eval-tokens-max`: the most held-out tokens `--eval-data` scores (in `seq_len` windows).
+    pub eval_tokens_max: usize,
     /// `--dump-grads`.
     pub dump_grads: Option<PathBuf>,
     /// `--seed`.
@@ -103,6 +105,7 @@ impl Default for RunOptions {
             eval_tokens: None,
             eval_data: None,
             eval_every: 0,
+            eval_tokens_max: 65536,
             dump_grads: None,
             seed: 0,
             metrics: None,

@@ -220,7 +220,9 @@ impl Job {
             None => None,
         };
         let heldout = match &o.eval_data {
-            Some(spec) => Some(HeldOut::load(spec, o.seq_len, vocab, loaded.tokenizer.as_ref(), eos)?),
+            Some(spec) => {
+                Some(HeldOut::load(spec, o.seq_len, o.eval_tokens_max, vocab, loaded.tokenizer.as_ref(), eos)?)
+            }
             None => None,
         };
         let save_root = match (&o.save, &resume) {
@@ -382,8 +384,11 @@ impl Job {
                 let ids = self.save_root.join("heldout-ids.txt");
                 h.write_ids(&ids)?;
                 say(format!(
-                    "held-out loss before training: {loss:.4} ({} tokens, {n} next-token targets, of {}; ids in {})",
+                    "held-out loss before training: {loss:.4} ({} tokens in {} window(s) of at most {}, {n} next-token \
+                     targets, of {}; ids in {}, one window per line)",
                     h.ids.len(),
+                    h.windows().count(),
+                    h.window,
                     h.source,
                     ids.display()
                 ));
