@@ -31,7 +31,7 @@ pub enum Error {
     )]
     UnknownRopeType { path: PathBuf, field: String, rope_type: String },
     /// The model_type is not one of the Llama family.
-    #[error("{path}: model_type `{model_type}` is not supported; supported: llama, mistral, qwen2, qwen3, phi3")]
+    #[error("{path}: model_type `{model_type}` is not supported; supported: llama, mistral, qwen2, qwen3, phi3, gemma3_text")]
     UnknownModelType { path: PathBuf, model_type: String },
     /// A safetensors file could not be parsed: bad header, truncated data, bad dtype.
     #[error("{path}: not a valid safetensors file ({message}); the file is corrupted or truncated, download or save it again")]
