@@ -188,7 +188,7 @@ pub fn pack(ids: &[u32], seq_len: usize, source: &str) -> Result<Vec<Vec<u32>>> 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -216,8 +216,9 @@ mod tests {
         assert_eq!(DataSource::parse("a.jsonl"), DataSource::Text("a.jsonl".into()));
     }
 
-    /// A word-level tokenizer whose post-processor puts `<s>` (id 1) before each text, as Llama 3's does.
-    fn with_bos() -> Tokenizer {
+    /// A word-level tokenizer whose post-processor puts `<s>` (id 1) before each text, as Llama 3's does (other
+    /// words than `a` and `b` are `<unk>`, 0).
+    pub(crate) fn with_bos() -> Tokenizer {
         let json = r#"{"version": "1.0", "truncation": null, "padding": null,
           "added_tokens": [{"id": 1, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false,
                             "normalized": false, "special": true}],

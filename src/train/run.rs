@@ -28,7 +28,7 @@ use super::metrics::{Accuracy, EvalLoss, Score, Summary};
 use super::model;
 use super::options::{checkpoint_flag, strategy_flag, RunOptions};
 use super::stream::{Sample, Stream};
-use super::synthetic::{Needles, Passkey, PasskeyVocab, VALUES};
+use super::synthetic::{Needles, NeedlesVocab, Passkey, PasskeyVocab, VALUES};
 use super::trainer::{Ended, Trainer};
 use crate::compile::{build_sharded, Mesh};
 use crate::{compile, CompileConfig};
@@ -187,8 +187,14 @@ impl Job {
         let mut probes = Vec::new();
         let stream = match &source_kind {
             DataSource::Needles => {
-                probes = Needles::probes(vocab, o.seed, if o.quick { 4 } else { 16 }, o.seq_len)?;
-                Stream::Needles(Needles::new(vocab, o.seed)?)
+                // A model with a tokenizer: only its ordinary tokens and its own BOS (no special or reserved id).
+                let bos = loaded.model.config.bos_token_id;
+                let nv = match &loaded.tokenizer {
+                    Some(t) => NeedlesVocab::of_tokenizer(t, vocab, bos)?,
+                    None => NeedlesVocab::new(vocab, bos.unwrap_or(1))?,
+                };
+                probes = Needles::probes(&nv, o.seed, if o.quick { 4 } else { 16 }, o.seq_len)?;
+                Stream::Needles(Needles::new(nv, o.seed))
             }
             DataSource::Passkey => {
                 let pv = match &loaded.tokenizer {

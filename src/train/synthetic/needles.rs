@@ -37,35 +37,56 @@ pub fn copies(n: usize) -> usize {
 /// and the question span (an eighth, two tokens per question) for [`CLASSES`] questions.
 pub const MIN_LEN: usize = 256;
 
-/// The token ids of the task in a vocabulary: filler, the classes' values (class c: `values.start + c *
-/// VALUES ..`), the question tokens (class c: `questions.start + c`).
+/// The token ids of the task: filler, the classes' values (class c: `values[c * VALUES ..]`), the question
+/// tokens (class c: `questions[c]`), and the BOS that starts every sample.
 #[derive(Clone, Debug)]
 pub struct Vocab {
     /// Filler tokens.
-    pub filler: std::ops::Range<u32>,
-    /// The classes' values.
-    pub values: std::ops::Range<u32>,
-    /// The question tokens.
-    pub questions: std::ops::Range<u32>,
+    pub filler: Vec<u32>,
+    /// The classes' values, [`VALUES`] per class.
+    pub values: Vec<u32>,
+    /// The question tokens, one per class.
+    pub questions: Vec<u32>,
+    /// The first token of every sample.
+    pub bos: u32,
 }
 
 impl Vocab {
-    /// The task's tokens in a model vocabulary of `vocab` ids: values and questions at the top, the rest
-    /// (above the special ids 0-2) filler. Refuses a vocabulary too small for at least 16 filler tokens.
-    pub fn new(vocab: usize) -> Result<Self> {
-        let needed = CLASSES * VALUES + CLASSES + 3 + 16;
-        if vocab < needed {
+    /// The task's tokens in a model vocabulary of `vocab` ids with no tokenizer (the demo model): values and
+    /// questions at the top, the rest above the special ids 0-2 filler, BOS `bos` (the demo's 1).
+    pub fn new(vocab: usize, bos: u32) -> Result<Self> {
+        Self::from_ordinary((3..vocab as u32).collect(), bos, "the model's vocabulary")
+    }
+
+    /// The task's tokens among the ordinary tokens of `tokenizer` (never a special or added token, such as
+    /// Llama 3's reserved ones, nor an id past the tokenizer's or the model's `vocab`), with the model's own
+    /// `bos` (the tokenizer's first special token when the model has none).
+    pub fn of_tokenizer(tokenizer: &autosp_models::Tokenizer, vocab: usize, bos: Option<u32>) -> Result<Self> {
+        let added = tokenizer.get_added_tokens_decoder();
+        let known = tokenizer.get_vocab_size(true).min(vocab) as u32;
+        let ordinary: Vec<u32> = (0..known).filter(|id| !added.contains_key(id)).collect();
+        let bos = bos.or_else(|| added.iter().filter(|(_, t)| t.special).map(|(&id, _)| id).min()).unwrap_or(1);
+        Self::from_ordinary(ordinary, bos, "the tokenizer's ordinary tokens")
+    }
+
+    /// Values and questions from the top of `ordinary` (ascending), the rest filler; refuses fewer than 16
+    /// filler tokens.
+    fn from_ordinary(mut ordinary: Vec<u32>, bos: u32, what: &str) -> Result<Self> {
+        let needed = CLASSES * VALUES + CLASSES + 16;
+        if ordinary.len() < needed {
             return Err(TrainError::Config(format!(
-                "the needles task needs a vocabulary of at least {needed} tokens; the model has {vocab}"
+                "the needles task needs at least {needed} tokens to draw from; {what} has {}",
+                ordinary.len()
             )));
         }
-        let values_start = (vocab - CLASSES * VALUES) as u32;
-        let questions_start = values_start - CLASSES as u32;
-        Ok(Self {
-            filler: 3..questions_start,
-            values: values_start..vocab as u32,
-            questions: questions_start..values_start,
-        })
+        let values = ordinary.split_off(ordinary.len() - CLASSES * VALUES);
+        let questions = ordinary.split_off(ordinary.len() - CLASSES);
+        Ok(Self { filler: ordinary, values, questions, bos })
+    }
+
+    /// The class of value token `t`, if it is one.
+    pub fn class_of(&self, t: u32) -> Option<usize> {
+        self.values.iter().position(|&v| v == t).map(|i| i / VALUES)
     }
 }
 
@@ -78,9 +99,9 @@ pub struct Needles {
 }
 
 impl Needles {
-    /// A generator for a model vocabulary of `vocab` ids.
-    pub fn new(vocab: usize, seed: u64) -> Result<Self> {
-        Ok(Self { vocab: Vocab::new(vocab)?, rng: Rng::new(seed ^ 0x4EED_1E5C_1A55_E500) })
+    /// A generator drawing from `vocab` (see [`Vocab::new`] and [`Vocab::of_tokenizer`]).
+    pub fn new(vocab: Vocab, seed: u64) -> Self {
+        Self { vocab, rng: Rng::new(seed ^ 0x4EED_1E5C_1A55_E500) }
     }
 
     /// The evidence span of an `n`-token sample: positions 1 .. n/8 (0 holds the BOS token).
@@ -118,11 +139,9 @@ impl Needles {
             )));
         }
         let v = self.vocab.clone();
-        let mut ids: Vec<u32> =
-            (0..n).map(|_| self.rng.below(v.filler.start as usize..v.filler.end as usize) as u32).collect();
-        ids[0] = 1;
-        let needles: Vec<u32> =
-            (0..CLASSES).map(|c| v.values.start + (c * VALUES + self.rng.below(0..VALUES)) as u32).collect();
+        let mut ids: Vec<u32> = (0..n).map(|_| v.filler[self.rng.below(0..v.filler.len())]).collect();
+        ids[0] = v.bos;
+        let needles: Vec<u32> = (0..CLASSES).map(|c| v.values[c * VALUES + self.rng.below(0..VALUES)]).collect();
         let ev = Self::evidence(n);
         for (i, at) in self.distinct(ev.len(), CLASSES * copies(n)).into_iter().enumerate() {
             ids[ev.start + at] = needles[i % CLASSES];
@@ -133,7 +152,7 @@ impl Needles {
         let mut answers = Vec::with_capacity(CLASSES);
         for (slot, c) in slots.into_iter().zip(order) {
             let at = qs.start + 2 * slot;
-            ids[at] = v.questions.start + c as u32;
+            ids[at] = v.questions[c];
             ids[at + 1] = needles[c];
             answers.push(at + 1);
         }
@@ -141,10 +160,10 @@ impl Needles {
         Ok(Sample { ids, answers })
     }
 
-    /// `n` held-out samples of `seq_len` tokens for a model vocabulary of `vocab` ids, from their own seed
-    /// (derived from `seed`, so they never meet the training samples' random state).
-    pub fn probes(vocab: usize, seed: u64, n: usize, seq_len: usize) -> Result<Vec<Sample>> {
-        let mut held_out = Needles::new(vocab, held_out_seed(seed))?;
+    /// `n` held-out samples of `seq_len` tokens drawn from `vocab`, from their own seed (derived from `seed`,
+    /// so they never meet the training samples' random state).
+    pub fn probes(vocab: &Vocab, seed: u64, n: usize, seq_len: usize) -> Result<Vec<Sample>> {
+        let mut held_out = Needles::new(vocab.clone(), held_out_seed(seed));
         (0..n).map(|_| held_out.sample(seq_len)).collect()
     }
 
@@ -205,8 +224,8 @@ mod tests {
 
     #[test]
     fn every_answer_is_stated_only_in_the_evidence_far_before_its_question() {
-        let mut g = Needles::new(128, 7).unwrap();
-        let v = Vocab::new(128).unwrap();
+        let v = Vocab::new(128, 1).unwrap();
+        let mut g = Needles::new(v.clone(), 7);
         for n in [256, 1024, 4096] {
             let s = g.sample(n).unwrap();
             assert_eq!(s.ids.len(), n);
@@ -215,13 +234,12 @@ mod tests {
             for &a in &s.answers {
                 assert!(qs.contains(&(a - 1)) && qs.contains(&a), "answer {a} outside the question span");
                 let q = s.ids[a - 1];
-                assert!(v.questions.contains(&q), "the token before an answer is a question");
-                let class = (q - v.questions.start) as usize;
+                let class = v.questions.iter().position(|&x| x == q).expect("the token before an answer is a question");
                 let ans = s.ids[a];
-                assert_eq!((ans - v.values.start) as usize / VALUES, class, "the answer is of the asked class");
+                assert_eq!(v.class_of(ans), Some(class), "the answer is of the asked class");
                 // Before the question, the class's tokens occur only in the evidence, and only as the answer.
                 for (i, &t) in s.ids[..a - 1].iter().enumerate() {
-                    if v.values.contains(&t) && (t - v.values.start) as usize / VALUES == class {
+                    if v.class_of(t) == Some(class) {
                         assert_eq!(t, ans, "position {i}: another token of the class");
                         assert!(ev.contains(&i), "position {i}: the needle outside the evidence");
                     }
@@ -233,5 +251,51 @@ mod tests {
         }
         assert_eq!(Needles::min_distance(4096), 2049);
         assert!(g.sample(MIN_LEN - 1).is_err());
+    }
+
+    /// A word-level tokenizer of 200 tokens whose ids 0-2 are special and 150 an added (reserved) token.
+    fn tokenizer() -> autosp_models::Tokenizer {
+        let vocab: Vec<String> = (0..200).map(|i| format!("\"t{i}\": {i}")).collect();
+        let added: Vec<String> = [(0, true), (1, true), (2, true), (150, false)]
+            .iter()
+            .map(|(id, special)| {
+                format!(
+                    r#"{{"id": {id}, "content": "t{id}", "single_word": false, "lstrip": false, "rstrip": false,
+                       "normalized": false, "special": {special}}}"#
+                )
+            })
+            .collect();
+        format!(
+            r#"{{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [{}], "normalizer": null,
+               "pre_tokenizer": {{"type": "Whitespace"}}, "post_processor": null, "decoder": null,
+               "model": {{"type": "WordLevel", "vocab": {{{}}}, "unk_token": "t0"}}}}"#,
+            added.join(","),
+            vocab.join(",")
+        )
+        .parse()
+        .unwrap()
+    }
+
+    #[test]
+    fn with_a_tokenizer_only_ordinary_tokens_are_drawn_and_the_models_bos_starts_each_sample() {
+        // The model's vocabulary (210) is larger than the tokenizer's (200): ids past it are never drawn.
+        let v = Vocab::of_tokenizer(&tokenizer(), 210, Some(1)).unwrap();
+        let mut g = Needles::new(v.clone(), 3);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..20 {
+            let s = g.sample(256).unwrap();
+            assert_eq!(s.ids[0], 1, "the model's BOS");
+            seen.extend(s.ids[1..].iter().copied());
+        }
+        for bad in [0, 1, 2, 150] {
+            assert!(!seen.contains(&bad), "special or added token {bad} drawn");
+        }
+        assert!(seen.iter().all(|&t| t < 200), "an id past the tokenizer's vocabulary drawn");
+        assert!(v.questions.iter().chain(&v.values).all(|t| ![0, 1, 2, 150].contains(t) && *t < 200));
+        // No BOS in the model: the tokenizer's first special token.
+        assert_eq!(Vocab::of_tokenizer(&tokenizer(), 210, None).unwrap().bos, 0);
+        // Too few ordinary tokens: refused, saying so.
+        let e = Vocab::of_tokenizer(&tokenizer(), 100, Some(1)).unwrap_err().to_string();
+        assert!(e.contains("ordinary tokens"), "{e}");
     }
 }

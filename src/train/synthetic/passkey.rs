@@ -3,7 +3,7 @@
 //! standard English prompt through the model's tokenizer.
 
 use autosp_models::rng::SplitMix64 as Rng;
-use autosp_models::tokenizer::encode;
+use autosp_models::tokenizer::{encode, encode_document};
 use autosp_models::Tokenizer;
 
 use crate::train::error::{Result, TrainError};
@@ -90,8 +90,12 @@ impl Passkey {
                 let key_text: String = key.iter().map(|d| char::from(b'0' + *d as u8)).collect();
                 let enc = |s: &str| -> Result<Vec<u32>> { Ok(encode(tok, s)?) };
                 Ok(Parts {
-                    start: enc("There is important information hidden inside a lot of irrelevant text. Find it and \
-                         memorize it. ")?,
+                    // The prompt starts as the tokenizer starts a text (the model's BOS where it adds one).
+                    start: encode_document(
+                        tok,
+                        "There is important information hidden inside a lot of irrelevant text. Find it and memorize \
+                         it. ",
+                    )?,
                     phrase: enc(
                         "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ",
                     )?,
@@ -187,5 +191,15 @@ mod tests {
         let e = Passkey::new(PasskeyVocab::Ids { vocab: 64 }, 20, 3).err().unwrap().to_string();
         assert!(e.contains("--seq-len 20 is too short for the passkey task"), "{e}");
         assert!(Passkey::new(PasskeyVocab::Ids { vocab: 39 }, 128, 3).is_err());
+    }
+
+    /// With a tokenizer whose post-processor adds BOS (id 1), every sample starts with it, once.
+    #[test]
+    fn a_text_sample_starts_with_the_tokenizers_bos() {
+        let tok = crate::train::data::tests::with_bos();
+        let mut g = Passkey::new(PasskeyVocab::Text(Box::new(tok)), 256, 5).unwrap();
+        let s = g.sample().unwrap();
+        assert_eq!(s.ids[0], 1, "the sample starts with the tokenizer's BOS");
+        assert_eq!(s.ids.iter().filter(|&&t| t == 1).count(), 1, "and has it once");
     }
 }
