@@ -132,14 +132,17 @@ fn check(name: &str) -> LlamaModel {
     model
 }
 
-/// The loss of `model` with every layer's own window taken off.
-fn loss_without_windows(mut model: LlamaModel, ids: &Tensor) -> f64 {
+/// The fixture's window is live: with every layer's own window taken off, `model` (fixture `name`) gives
+/// another loss than transformers' windowed one (by more than 1e-3).
+fn assert_window_is_live(name: &str, mut model: LlamaModel) {
+    let g = golden(name);
     // Each rank builds its model from the config and weights: the window goes from the config too.
     model.config.sliding_window = None;
     for layer in &mut model.layers.0 {
         layer.self_attn.window = None;
     }
-    step(&model, 1, Strategy::Auto, ids).0
+    let off = step(&model, 1, Strategy::Auto, &g.ids).0;
+    assert!((off - g.loss).abs() > 1e-3, "{name}: the window must change the loss: {off} vs {}", g.loss);
 }
 
 #[test]
@@ -155,17 +158,14 @@ fn qwen3_tied_with_biases_and_a_window_on_one_layer_matches_transformers() {
     let windows: Vec<_> = m.layers.0.iter().map(|l| l.self_attn.window).collect();
     assert_eq!(windows, vec![None, Some(7)], "sliding_window 8: a query sees itself and the 7 tokens before");
     assert!(m.lm_head.is_none() && m.config.o_proj_bias());
-    let g = golden("qwen3_window_tied");
-    assert!((loss_without_windows(m, &g.ids) - g.loss).abs() > 1e-3, "the window must change the loss");
+    assert_window_is_live("qwen3_window_tied", m);
 }
 
 #[test]
 fn mistral_with_a_sliding_window_matches_transformers() {
     let m = check("mistral_window");
     assert!(m.layers.0.iter().all(|l| l.self_attn.window == Some(3)));
-    let g = golden("mistral_window");
-    let off = loss_without_windows(m, &g.ids);
-    assert!((off - g.loss).abs() > 1e-3, "the window must change the loss: {off} vs {}", g.loss);
+    assert_window_is_live("mistral_window", m);
 }
 
 #[test]
@@ -173,8 +173,7 @@ fn qwen2_with_use_sliding_window_matches_transformers() {
     let m = check("qwen2_window");
     let windows: Vec<_> = m.layers.0.iter().map(|l| l.self_attn.window).collect();
     assert_eq!(windows, vec![None, Some(7)]);
-    let g = golden("qwen2_window");
-    assert!((loss_without_windows(m, &g.ids) - g.loss).abs() > 1e-3, "the window must change the loss");
+    assert_window_is_live("qwen2_window", m);
 }
 
 /// A window the model has from its checkpoint survives `compile()` with a default config, and one asked for
@@ -210,13 +209,10 @@ fn the_checkpoint_window_survives_compile() {
 fn phi3_with_fused_projections_and_a_window_matches_transformers() {
     let m = check("phi3_window");
     assert!(m.layers.0.iter().all(|l| l.self_attn.window == Some(3)));
-    let g = golden("phi3_window");
-    let off = loss_without_windows(m, &g.ids);
-    assert!((off - g.loss).abs() > 1e-3, "the window must change the loss: {off} vs {}", g.loss);
     // The saved files are Phi-3's own: fused, as transformers reads them.
     let dir = tempfile::tempdir().unwrap();
-    let model = LlamaModel::load(fixture("phi3_window").to_str().unwrap(), DType::F32).unwrap();
-    model.save(dir.path(), &SaveOptions::default()).unwrap();
+    m.save(dir.path(), &SaveOptions::default()).unwrap();
+    assert_window_is_live("phi3_window", m);
     let saved = candle_core::safetensors::load(dir.path().join("model.safetensors"), &Device::Cpu).unwrap();
     let file = candle_core::safetensors::load(fixture("phi3_window").join("model.safetensors"), &Device::Cpu).unwrap();
     assert_eq!(saved.len(), file.len());
@@ -234,7 +230,5 @@ fn gemma3_text_matches_transformers() {
     assert!(m.lm_head.is_none() && m.layers.0.iter().all(|l| l.feedforward_norms.is_some()));
     let windows: Vec<_> = m.layers.0.iter().map(|l| (l.self_attn.window, l.local_rope)).collect();
     assert_eq!(windows, vec![(Some(3), true), (None, false)]);
-    let g = golden("gemma3");
-    let off = loss_without_windows(m, &g.ids);
-    assert!((off - g.loss).abs() > 1e-3, "the window must change the loss: {off} vs {}", g.loss);
+    assert_window_is_live("gemma3", m);
 }

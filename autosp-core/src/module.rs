@@ -85,11 +85,7 @@ impl AttentionSlot {
 
     /// `spec` with this slot's window applied.
     fn spec(&self, spec: &AttentionSpec) -> AttentionSpec {
-        let max_distance = match (spec.max_distance, self.max_distance) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        AttentionSpec { max_distance, ..*spec }
+        spec.narrowed(self.max_distance)
     }
 
     /// Replaces the implementation.

@@ -1,8 +1,7 @@
-//! `LlamaConfig`: the architecture of a Llama-family model (llama, mistral, qwen2, qwen3, phi3, gemma3_text) read from an
-//! HF
-//! `config.json`, in both the older spelling (`rope_theta`, `rope_scaling`, `torch_dtype`) and the current
-//! one (`rope_parameters`, `dtype`); written back as a config.json HF transformers loads; and the list of
-//! HF tensor names and shapes the config implies.
+//! `LlamaConfig`: the architecture of a Llama-family model (llama, mistral, qwen2, qwen3, phi3, gemma3_text)
+//! read from an HF `config.json`, in both the older spelling (`rope_theta`, `rope_scaling`, `torch_dtype`) and
+//! the current one (`rope_parameters`, `dtype`); written back as a config.json HF transformers loads; and the
+//! list of HF tensor names and shapes the config implies.
 
 use crate::error::{Error, Result};
 use candle_core::DType;
@@ -109,6 +108,13 @@ pub enum LayerType {
 }
 
 impl LayerType {
+    /// Gemma's pattern over `layers` layers: every `every`-th layer global, the others sliding (Gemma 3's
+    /// `sliding_window_pattern`, 6 by default and in llama.cpp).
+    pub fn every_nth_global(layers: usize, every: usize) -> Vec<LayerType> {
+        let every = every.max(1);
+        (0..layers).map(|i| if (i + 1) % every != 0 { LayerType::Sliding } else { LayerType::Full }).collect()
+    }
+
     fn as_str(self) -> &'static str {
         match self {
             LayerType::Full => "full_attention",
@@ -360,13 +366,7 @@ fn parse_windows(
             let w = window(Some(4096))?;
             let types = match f.get("layer_types") {
                 Some(_) => layer_types(f, layers)?,
-                None => {
-                    // Every `sliding_window_pattern`-th layer (default 6) is global, the others sliding.
-                    let every = f.usize_opt("sliding_window_pattern")?.unwrap_or(6).max(1);
-                    (0..layers)
-                        .map(|i| if (i + 1) % every != 0 { LayerType::Sliding } else { LayerType::Full })
-                        .collect()
-                }
+                None => LayerType::every_nth_global(layers, f.usize_opt("sliding_window_pattern")?.unwrap_or(6)),
             };
             Ok((w, types))
         }

@@ -1,10 +1,11 @@
-//! Imports GGUF files (llama.cpp) of the llama, qwen2, qwen3, phi3 and gemma3 architectures: reads and dequantises every
-//! tensor with candle's GGUF reader (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q8_K), renames the
-//! tensors to HF names, undoes llama's Q/K row permutation and builds the [`LlamaConfig`] from the metadata
-//! (keys `{architecture}.*`); the tokenizer comes from `tokenizer.ggml.*` (see `gguf_tokenizer`). Mistral's
-//! GGUF files are llama ones. What llama.cpp implies for an architecture instead of storing it is taken as
-//! llama.cpp takes it (Gemma 3: the window pattern, the sliding layers' RoPE base, the softmax scale; its norms
-//! stored plus one). Other architectures are refused, naming `general.architecture`.
+//! Imports GGUF files (llama.cpp) of the llama, qwen2, qwen3, phi3 and gemma3 architectures: reads and
+//! dequantises every tensor with candle's GGUF reader (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+//! Q2_K..Q8_K), renames the tensors to HF names, undoes llama's Q/K row permutation and builds the
+//! [`LlamaConfig`] from the metadata (keys `{architecture}.*`); the tokenizer comes from `tokenizer.ggml.*` (see
+//! `gguf_tokenizer`). Mistral's GGUF files are llama ones. What llama.cpp implies for an architecture instead
+//! of storing it is taken as llama.cpp takes it (Gemma 3: the window pattern, the sliding layers' RoPE base,
+//! the softmax scale; its norms stored plus one). Other architectures are refused, naming
+//! `general.architecture`.
 
 use crate::config::{LayerType, LlamaConfig, ModelType, RopeScaling};
 use crate::error::{Error, Result};
@@ -114,7 +115,7 @@ impl Meta<'_> {
     }
 }
 
-/// Builds the config of a llama, qwen2 or qwen3 GGUF from its metadata.
+/// Builds the config of a llama, qwen2, qwen3, phi3 or gemma3 GGUF from its metadata.
 pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
     let m = Meta { ct, path: path.into() };
     let arch = m.string("general.architecture").unwrap_or_default();
@@ -183,14 +184,12 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
         _ => None,
     };
     let gemma = model_type == ModelType::Gemma3;
-    let layer_types = (0..layers)
-        .map(|i| match (gemma, window) {
-            // llama.cpp's Gemma 3: every 6th layer global, the others sliding (set_swa_pattern(6)).
-            (true, _) if (i + 1) % 6 == 0 => LayerType::Full,
-            (true, _) | (false, Some(_)) => LayerType::Sliding,
-            (false, None) => LayerType::Full,
-        })
-        .collect();
+    let layer_types = match (gemma, window) {
+        // llama.cpp's Gemma 3: every 6th layer global, the others sliding (set_swa_pattern(6)).
+        (true, _) => LayerType::every_nth_global(layers, 6),
+        (false, Some(_)) => vec![LayerType::Sliding; layers],
+        (false, None) => vec![LayerType::Full; layers],
+    };
     // llama.cpp's Gemma 3 softmax scale: 1/sqrt(hidden / heads) for the 27B (62 layers), 1/sqrt(head_dim) for
     // the others; its sliding layers' RoPE base is 10^4, unscaled. Neither is in the file.
     let query_pre_attn_scalar = gemma.then(|| if layers == 62 { (hidden / heads) as f64 } else { head_dim as f64 });
@@ -239,7 +238,6 @@ pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufMod
         let permuted = config.model_type == ModelType::Llama;
         let (heads, kv_heads) = (config.num_attention_heads, config.num_key_value_heads);
         let named = family_hf_name(config.model_type, gguf_name, heads, kv_heads, permuted);
-        // Phi-3's fused projections: `attn_qkv` is `qkv_proj`, and its `ffn_up` is the fused `gate_up_proj`.
         let hf = named.ok_or_else(|| Error::UnexpectedTensor {
             name: gguf_name.clone(),
             found: ct.tensor_infos[gguf_name].shape.dims().to_vec(),

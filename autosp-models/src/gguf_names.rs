@@ -1,6 +1,7 @@
-//! llama.cpp tensor names to HF names for the llama, qwen2, qwen3 and phi3 architectures, and the undoing of the
-//! Q/K row permutation that `convert_hf_to_gguf.py` applies to llama ones (its `permute`: llama.cpp's llama
-//! RoPE rotates interleaved pairs; qwen2/qwen3 use the NEOX RoPE, HF's own pairing, and are stored as they are).
+//! llama.cpp tensor names to HF names for the llama, qwen2, qwen3, phi3 and gemma3 architectures, and the
+//! undoing of the Q/K row permutation that `convert_hf_to_gguf.py` applies to llama ones (its `permute`:
+//! llama.cpp's llama RoPE rotates interleaved pairs; qwen2/qwen3/phi3/gemma3 use the NEOX RoPE, HF's own
+//! pairing, and are stored as they are).
 
 use crate::config::ModelType;
 use crate::error::Result;

@@ -26,8 +26,8 @@ impl Default for SaveOptions {
 }
 
 /// Writes `config` and `weights` (HF name -> tensor, exactly the names and shapes of
-/// [`LlamaConfig::expected_tensors`], or Phi-3's fused projections split as the model holds them) into `dir`, replacing a model already there only once the new one
-/// is complete.
+/// [`LlamaConfig::expected_tensors`], or Phi-3's fused projections split as the model holds them) into `dir`,
+/// replacing a model already there only once the new one is complete.
 pub fn save_model(
     dir: &Path,
     config: &LlamaConfig,

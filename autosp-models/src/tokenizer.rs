@@ -13,15 +13,17 @@ pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
 
 /// Token ids of `text`, without special tokens added.
 pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
-    tok.encode(text, false)
-        .map(|e| e.get_ids().to_vec())
-        .map_err(|e| Error::Tokenizer { source_name: "encode".into(), message: e.to_string() })
+    encode_with(tok, text, false)
 }
 
 /// Token ids of a document as transformers' `tokenizer(text)` makes them: with the special tokens the
 /// tokenizer's post-processor adds (Llama 3's and Gemma's BOS; none for Qwen or SmolLM2).
 pub fn encode_document(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
-    tok.encode(text, true)
+    encode_with(tok, text, true)
+}
+
+fn encode_with(tok: &Tokenizer, text: &str, special: bool) -> Result<Vec<u32>> {
+    tok.encode(text, special)
         .map(|e| e.get_ids().to_vec())
         .map_err(|e| Error::Tokenizer { source_name: "encode".into(), message: e.to_string() })
 }

@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use autosp_core::comm::{contiguous_groups, ProcessGroup};
 use autosp_core::module::visit_mut;
+use autosp_core::ops::AttentionSpec;
 use autosp_core::shard::ShardLevel;
 use autosp_core::{Attention, CausalLm, CheckpointPolicy};
 use candle_core::DType;
@@ -233,9 +234,7 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
             s.set(attention.clone());
             // A window asked for narrows the one the slot has (set on the model before compiling); none asked
             // for keeps it.
-            if let Some(w) = config.max_attention_distance {
-                s.set_max_distance(Some(s.max_distance().map_or(w, |had| had.min(w))));
-            }
+            s.set_max_distance(AttentionSpec::narrower(s.max_distance(), config.max_attention_distance));
             slots += 1;
         }
         if let Some(r) = m.region_slot() {

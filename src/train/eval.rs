@@ -37,6 +37,12 @@ impl HeldOut {
         tokenizer: Option<&Tokenizer>,
         eos: Option<u32>,
     ) -> Result<Self> {
+        if window < 2 || max_tokens < 2 {
+            return Err(TrainError::Config(format!(
+                "--eval-data {spec} with --eval-tokens-max {max_tokens} and windows of --seq-len {window}: a window \
+                 needs at least 2 tokens (an input and its target); give both 2 or more"
+            )));
+        }
         let Some(mut ids) = DataSource::parse(spec).file_ids("--eval-data", "the model", vocab, tokenizer, eos)? else {
             return Err(TrainError::Config(format!(
                 "--eval-data {spec}: held-out evaluation needs a file (text, JSONL or ids:FILE); the synthetic tasks \
@@ -47,11 +53,6 @@ impl HeldOut {
             return Err(TrainError::Data(format!(
                 "--eval-data {spec}: needs at least 2 tokens to score, found {}",
                 ids.len()
-            )));
-        }
-        if window < 2 || max_tokens < 2 {
-            return Err(TrainError::Config(format!(
-                "--eval-data {spec}: windows of {window} and at most {max_tokens} tokens: both need at least 2"
             )));
         }
         ids.truncate(max_tokens);
@@ -164,5 +165,7 @@ mod tests {
         let e = HeldOut::load(&format!("ids:{}", one.display()), 8, 64, 10, None, None).unwrap_err().to_string();
         assert!(e.contains("at least 2 tokens"), "{e}");
         assert!(HeldOut::from_ids("x", vec![1]).is_err());
+        let e = HeldOut::load("passkey", 8, 1, 10, None, None).unwrap_err().to_string();
+        assert!(e.contains("--eval-tokens-max 1") && e.contains("at least 2"), "{e}");
     }
 }

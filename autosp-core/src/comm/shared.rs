@@ -41,7 +41,23 @@ pub fn all_gather_once(group: &dyn ProcessGroup, x: &Tensor, dim: usize) -> Resu
     let empty = Tensor::zeros(0, x.dtype(), x.device())?;
     let to_root = (0..size).map(|j| if j == 0 { x.clone() } else { empty.clone() }).collect();
     let parts = group.all_to_all(to_root)?;
-    let joined = if rank == 0 { Tensor::cat(&parts, dim)? } else { empty };
+    let joined = if rank == 0 {
+        match Tensor::cat(&parts, dim) {
+            Ok(t) => t,
+            Err(e) => {
+                // The others wait in the broadcast below: tell them now, not at their timeout.
+                let msg = format!(
+                    "all_gather_once on group `{}`: the ranks' tensors do not join along dim {dim} ({e}); every \
+                     rank must pass the same shape except along dim {dim}",
+                    group.name()
+                );
+                group.abort(&msg);
+                return Err(Error::InvalidArgument { op: "all_gather_once", msg });
+            }
+        }
+    } else {
+        empty
+    };
     drop(parts);
     broadcast(group, &joined, 0)
 }
@@ -71,5 +87,20 @@ mod tests {
         }
         // One storage for the three ranks.
         assert!(out.iter().all(|o| o.2 == out[0].2), "each rank holds its own copy");
+    }
+
+    /// Tensors that do not join fail on rank 0, and the other ranks, waiting for the joined tensor, stop at
+    /// once with rank 0's error instead of at their timeout.
+    #[test]
+    fn tensors_that_do_not_join_stop_every_rank_at_once() {
+        let start = std::time::Instant::now();
+        let out = run_ranks(2, Duration::from_secs(30), |g| {
+            let mine = Tensor::zeros((1, 2 + g.rank()), candle_core::DType::F32, &Device::Cpu)?;
+            all_gather_once(g.as_ref(), &mine, 0).map(|_| ())
+        });
+        let errors: Vec<String> = out.into_iter().map(|r| r.unwrap().unwrap_err().to_string()).collect();
+        assert!(errors[0].contains("do not join along dim 0"), "{errors:?}");
+        assert!(errors[1].contains("rank 0") && errors[1].contains("do not join"), "{errors:?}");
+        assert!(start.elapsed() < Duration::from_secs(10), "rank 1 waited for its timeout: {errors:?}");
     }
 }

@@ -1,7 +1,8 @@
 //! [`LlamaAttention`]: the self-attention of a decoder layer — q/k/v projections (with Qwen2's biases when
-//! the config has them), Qwen3's and Gemma 3's per-head q/k RMSNorm, Gemma 3's softmax scale, RoPE at explicit positions, the layer's own window
-//! (Mistral's and Qwen's `sliding_window`), the attention held in an [`AttentionSlot`] (GQA/MQA is the slot's
-//! job: k/v keep their `kv_heads`), and the output projection.
+//! the config has them), Qwen3's and Gemma 3's per-head q/k RMSNorm, Gemma 3's softmax scale, RoPE at
+//! explicit positions, the layer's own window (Mistral's, Qwen's, Phi-3's and Gemma 3's `sliding_window`), the
+//! attention held in an [`AttentionSlot`] (GQA/MQA is the slot's job: k/v keep their `kv_heads`), and the
+//! output projection.
 
 use std::sync::Arc;
 
@@ -23,7 +24,7 @@ pub struct RotaryTables {
 }
 
 /// Self-attention: `q_proj: [heads * head_dim, hidden]`, `k_proj, v_proj: [kv_heads * head_dim, hidden]`,
-/// `o_proj: [hidden, heads * head_dim]`; with q/k norms (Qwen3) `q_norm, k_norm: [head_dim]`.
+/// `o_proj: [hidden, heads * head_dim]`; with q/k norms (Qwen3, Gemma 3) `q_norm, k_norm: [head_dim]`.
 #[derive(Clone, Debug)]
 pub struct LlamaAttention {
     pub q_proj: Linear,
@@ -33,7 +34,7 @@ pub struct LlamaAttention {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
-    /// RMSNorm of each query head before RoPE (Qwen3), with `k_norm` of each key head.
+    /// RMSNorm of each query head before RoPE (Qwen3, Gemma 3), with `k_norm` of each key head.
     pub q_norm: Option<RmsNorm>,
     pub k_norm: Option<RmsNorm>,
     /// The layer's own attention window from the checkpoint (a query sees keys at most this many positions
@@ -79,7 +80,7 @@ impl LlamaAttention {
         Self { scale, ..self }
     }
 
-    /// With per-head q/k RMSNorms (Qwen3): `q_norm, k_norm: [head_dim]`.
+    /// With per-head q/k RMSNorms (Qwen3, Gemma 3): `q_norm, k_norm: [head_dim]`.
     pub fn with_qk_norm(self, q_norm: RmsNorm, k_norm: RmsNorm) -> Self {
         Self { q_norm: Some(q_norm), k_norm: Some(k_norm), ..self }
     }
@@ -125,11 +126,7 @@ impl LlamaAttention {
                 (k, v)
             }
         };
-        let mut spec = match (self.window, spec.max_distance) {
-            (Some(w), Some(s)) => spec.with_max_distance(w.min(s)),
-            (Some(w), None) => spec.with_max_distance(w),
-            (None, _) => *spec,
-        };
+        let mut spec = spec.narrowed(self.window);
         if self.scale.is_some() {
             spec.scale = self.scale;
         }

@@ -1,6 +1,7 @@
-//! [`LlamaModel`]: a Llama-family causal LM (llama, mistral, qwen2, qwen3, phi3, gemma3_text, SmolLM) on the autosp tape, built from
-//! autosp-core modules: embedding, decoder layers, final norm, LM head (tied or not). Parameters carry their
-//! HF tensor names, so a model goes to and from an HF weights map unchanged.
+//! [`LlamaModel`]: a Llama-family causal LM (llama, mistral, qwen2, qwen3, phi3, gemma3_text, SmolLM) on the
+//! autosp tape, built from autosp-core modules: embedding, decoder layers, final norm, LM head (tied or not).
+//! Parameters carry their HF tensor names, so a model goes to and from an HF weights map unchanged (Phi-3's
+//! fused projections are split on the way in and fused on the way out: `crate::fused`).
 //!
 //! Every forward takes an explicit position per token, so a shard of a sequence can start anywhere.
 

@@ -71,6 +71,21 @@ impl AttentionSpec {
         Self { max_distance: Some(distance), ..self }
     }
 
+    /// The same spec with `window` on top of its own: the narrower of the two wins (`None` adds nothing).
+    /// Every window that stacks on another (a layer's own, an attention slot's, the compile step's) goes
+    /// through [`narrower`](Self::narrower).
+    pub fn narrowed(self, window: Option<usize>) -> Self {
+        Self { max_distance: Self::narrower(self.max_distance, window), ..self }
+    }
+
+    /// The narrower of two windows (`None`: no window).
+    pub fn narrower(a: Option<usize>, b: Option<usize>) -> Option<usize> {
+        match (a, b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
     /// The same spec with the rows and keys moved on: row 0 at `q_offset + rows`, key 0 at `k_offset + keys`
     /// (a block of a larger call, such as one Ring step's pair of shards).
     pub fn shifted(self, rows: usize, keys: usize) -> Self {
