@@ -78,11 +78,8 @@ impl Tiny {
                 let s = 100 * (i as u64 + 1);
                 Layer {
                     norm: norm("norm", s),
-                    qkv: Linear {
-                        weight: param("qkv", &[(HEADS + 2 * kv_heads) * HD, HIDDEN], s + 1, 0.3),
-                        bias: None,
-                    },
-                    out: Linear { weight: param("out", &[HIDDEN, HEADS * HD], s + 2, 0.3), bias: None },
+                    qkv: Linear::new(param("qkv", &[(HEADS + 2 * kv_heads) * HD, HIDDEN], s + 1, 0.3), None),
+                    out: Linear::new(param("out", &[HIDDEN, HEADS * HD], s + 2, 0.3), None),
                     attention: AttentionSlot::new(Arc::new(autosp_core::module::NaiveAttention)),
                     region: RegionSlot::default(),
                     kv_heads,
@@ -93,7 +90,7 @@ impl Tiny {
             embed: Embedding { table: param("embed", &[VOCAB, HIDDEN], 1, 1.0) },
             layers,
             norm: norm("final_norm", 2),
-            head: Linear { weight: param("head", &[VOCAB, HIDDEN], 3, 0.3), bias: None },
+            head: Linear::new(param("head", &[VOCAB, HIDDEN], 3, 0.3), None),
             kv_heads,
         }
     }

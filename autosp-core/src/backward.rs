@@ -156,6 +156,7 @@ impl Inner {
                     inputs: saved_in,
                     outputs: saved_out,
                     input_meta: inputs.iter().map(|&i| (&self.values[i].shape, self.values[i].dtype)).collect(),
+                    needs_grad: Some(inputs.iter().map(|&i| self.values[i].requires_grad).collect()),
                 };
                 op.backward(&saved, &gouts)?
             };

@@ -210,6 +210,16 @@ pub trait Module: Send + Sync {
     fn region_slot(&mut self) -> Option<&mut RegionSlot> {
         None
     }
+
+    /// The module as a linear layer, if it is one (LoRA adds its adapters there: [`crate::lora`]).
+    fn as_linear_mut(&mut self) -> Option<&mut crate::nn::Linear> {
+        None
+    }
+
+    /// The module as a linear layer, read-only.
+    fn as_linear(&self) -> Option<&crate::nn::Linear> {
+        None
+    }
 }
 
 /// Every distinct parameter of `m` and its descendants, depth first, in child order. A parameter shared by
@@ -220,6 +230,12 @@ pub fn all_params(m: &dyn Module) -> Vec<Param> {
     let mut out = Vec::new();
     collect_params(m, &mut seen, &mut out);
     out
+}
+
+/// The parameters of `m` that train: [`all_params`] without the frozen ones ([`Param::is_frozen`]: a LoRA
+/// model's base weights). Gradients, optimizers and sharding work on these.
+pub fn trainable_params(m: &dyn Module) -> Vec<Param> {
+    all_params(m).into_iter().filter(|p| !p.is_frozen()).collect()
 }
 
 /// Appends the parameters of `m` and its descendants not yet in `seen` (by [`Param::id`]) to `out`.

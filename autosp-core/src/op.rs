@@ -59,6 +59,8 @@ pub struct SavedTensors<'a> {
     pub(crate) inputs: Vec<Option<Tensor>>,
     pub(crate) outputs: Vec<Option<Tensor>>,
     pub(crate) input_meta: Vec<(&'a Shape, DType)>,
+    /// Whether input `i` takes a gradient (`None`: every input does).
+    pub(crate) needs_grad: Option<Vec<bool>>,
 }
 
 impl<'a> SavedTensors<'a> {
@@ -70,7 +72,14 @@ impl<'a> SavedTensors<'a> {
             inputs: inputs.iter().cloned().map(Some).collect(),
             outputs: outputs.iter().cloned().map(Some).collect(),
             input_meta: inputs.iter().map(|t| (t.shape(), t.dtype())).collect(),
+            needs_grad: None,
         }
+    }
+
+    /// Whether input `i` takes a gradient: a backward may return `None` for one that does not (a frozen
+    /// weight, a constant) and skip the work of computing it.
+    pub fn needs_grad(&self, i: usize) -> bool {
+        self.needs_grad.as_ref().is_none_or(|n| n.get(i).copied().unwrap_or(true))
     }
 
     /// Saved input `i`.

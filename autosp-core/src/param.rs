@@ -4,7 +4,7 @@
 //! optimisers and the compile step work on this rank's slice of its state.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use candle_core::Tensor;
@@ -25,6 +25,7 @@ struct ParamInner {
     name: String,
     tensor: RwLock<Tensor>,
     shard: RwLock<Option<Arc<ParamShard>>>,
+    frozen: AtomicBool,
 }
 
 /// A trainable tensor. Clones share it: a model and its optimiser see the same parameter.
@@ -35,7 +36,13 @@ impl Param {
     /// A new parameter named `name` (use the checkpoint's tensor name, e.g. `model.layers.0.mlp.up_proj.weight`).
     pub fn new(name: impl Into<String>, tensor: Tensor) -> Self {
         let id = ParamId(NEXT_PARAM.fetch_add(1, Ordering::Relaxed));
-        Self(Arc::new(ParamInner { id, name: name.into(), tensor: RwLock::new(tensor), shard: RwLock::new(None) }))
+        Self(Arc::new(ParamInner {
+            id,
+            name: name.into(),
+            tensor: RwLock::new(tensor),
+            shard: RwLock::new(None),
+            frozen: AtomicBool::new(false),
+        }))
     }
 
     /// Its identity.
@@ -46,6 +53,18 @@ impl Param {
     /// Its name.
     pub fn name(&self) -> &str {
         &self.0.name
+    }
+
+    /// Freezes the parameter (`true`) or makes it trainable again: a frozen parameter is a constant on the
+    /// tape (no gradient, no `dW` product), has no optimizer state and is never sharded
+    /// ([`crate::module::trainable_params`] leaves it out). LoRA freezes a model's base weights.
+    pub fn set_frozen(&self, frozen: bool) {
+        self.0.frozen.store(frozen, Ordering::Relaxed);
+    }
+
+    /// Whether the parameter is frozen ([`set_frozen`](Self::set_frozen)).
+    pub fn is_frozen(&self) -> bool {
+        self.0.frozen.load(Ordering::Relaxed)
     }
 
     /// The stored tensor (a cheap handle clone): the whole parameter, or this rank's slice `[chunk]` when it is
@@ -71,9 +90,10 @@ impl Param {
     /// it whole. At `Parameters` the stored tensor becomes this rank's slice. At `Optimizer` and `Gradients`
     /// on ranks that share memory (threads), every rank then holds rank 0's tensor: one copy in the process,
     /// as after every update ([`set_update`](Self::set_update)). Every rank of `group` calls it with the same
-    /// whole parameter (collective). Fails when the parameter is sharded already.
+    /// whole parameter (collective). Fails when the parameter is sharded already. A frozen parameter
+    /// ([`set_frozen`](Self::set_frozen)) has no gradient or optimizer state to shard and stays whole.
     pub fn shard_over(&self, level: ShardLevel, group: Arc<dyn ProcessGroup>) -> Result<()> {
-        if level == ShardLevel::None {
+        if level == ShardLevel::None || self.is_frozen() {
             return Ok(());
         }
         let whole = self.tensor();

@@ -161,7 +161,13 @@ impl Tape {
     /// that makes it whole (gathering it at `Parameters`: collective) and reduce-scatters its gradient in
     /// backward; the leaf's gradient is then this rank's reduced slice. An inference tape gets the whole
     /// weight (gathered at `Parameters`).
+    ///
+    /// A frozen parameter ([`Param::set_frozen`]) is a constant: no gradient reaches it, and the ops that use
+    /// it skip the products that would only feed its gradient.
     pub fn param(&self, p: &Param) -> Result<Value> {
+        if p.is_frozen() {
+            return Ok(Value::constant(p.whole()?));
+        }
         if p.shard().is_some_and(|s| s.level >= ShardLevel::Gradients) && !self.is_recording() {
             return Ok(Value::constant(p.whole()?));
         }

@@ -108,6 +108,23 @@ pub fn chunked_mlp_backward(
     dy: &Tensor,
     chunk_rows: usize,
 ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    let (dx, dw) = chunked_mlp_grads(x, wg, wu, wd, dy, chunk_rows, true)?;
+    let (dwg, dwu, dwd) = dw.expect("weight gradients were asked for");
+    Ok((dx, dwg, dwu, dwd))
+}
+
+/// [`chunked_mlp_backward`], with the weights' gradients only when `weights` asks for them (frozen weights
+/// skip three of the five products per chunk).
+#[allow(clippy::type_complexity)]
+fn chunked_mlp_grads(
+    x: &Tensor,
+    wg: &Tensor,
+    wu: &Tensor,
+    wd: &Tensor,
+    dy: &Tensor,
+    chunk_rows: usize,
+    weights: bool,
+) -> Result<(Tensor, Option<(Tensor, Tensor, Tensor)>)> {
     let (w, m) = prepare(x, wg, wu, wd, chunk_rows)?;
     if dy.dims() != x.dims() {
         return Err(mismatch(OP, "grad", dy.dims(), "x", x.dims(), "the output gradient must have x's shape".into()));
@@ -120,14 +137,16 @@ pub fn chunked_mlp_backward(
         let rows = chunk_rows.min(m - start);
         let (xc, dyc) = (w.x.narrow(0, start, rows)?, dy.narrow(0, start, rows)?);
         let (g, u) = gate_up(&xc, &w)?;
-        let s = swiglu_forward(&g, &u)?;
-        add_to(&mut dwd, dyc.t()?.matmul(&s)?)?;
-        drop(s);
+        if weights {
+            add_to(&mut dwd, dyc.t()?.matmul(&swiglu_forward(&g, &u)?)?)?;
+        }
         let ds = dyc.matmul(&w.wd)?;
         let (dg, du) = swiglu_backward(&g, &u, &ds)?;
         drop((g, u, ds));
-        add_to(&mut dwg, dg.t()?.matmul(&xc)?)?;
-        add_to(&mut dwu, du.t()?.matmul(&xc)?)?;
+        if weights {
+            add_to(&mut dwg, dg.t()?.matmul(&xc)?)?;
+            add_to(&mut dwu, du.t()?.matmul(&xc)?)?;
+        }
         dx_parts.push((dg.matmul(&w.wg)? + du.matmul(&w.wu)?)?);
         start += rows;
     }
@@ -143,12 +162,12 @@ pub fn chunked_mlp_backward(
         }
         .to_dtype(dtype)?)
     };
-    Ok((
-        dx.reshape(x.shape())?.to_dtype(x.dtype())?,
-        or_zeros(dwg, &w.wg, wg.dtype())?,
-        or_zeros(dwu, &w.wu, wu.dtype())?,
-        or_zeros(dwd, &w.wd, wd.dtype())?,
-    ))
+    let dw = if weights {
+        Some((or_zeros(dwg, &w.wg, wg.dtype())?, or_zeros(dwu, &w.wu, wu.dtype())?, or_zeros(dwd, &w.wd, wd.dtype())?))
+    } else {
+        None
+    };
+    Ok((dx.reshape(x.shape())?.to_dtype(x.dtype())?, dw))
 }
 
 impl Op for ChunkedMlpOp {
@@ -166,9 +185,13 @@ impl Op for ChunkedMlpOp {
     }
     fn backward(&self, s: &SavedTensors<'_>, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
         let Some(g) = &g[0] else { return Ok(vec![None; 4]) };
-        let (dx, dwg, dwu, dwd) =
-            chunked_mlp_backward(s.input(0)?, s.input(1)?, s.input(2)?, s.input(3)?, g, self.chunk_rows)?;
-        Ok(vec![Some(dx), Some(dwg), Some(dwu), Some(dwd)])
+        let weights = (1..4).any(|i| s.needs_grad(i));
+        let (dx, dw) =
+            chunked_mlp_grads(s.input(0)?, s.input(1)?, s.input(2)?, s.input(3)?, g, self.chunk_rows, weights)?;
+        Ok(match dw {
+            Some((dwg, dwu, dwd)) => vec![Some(dx), Some(dwg), Some(dwu), Some(dwd)],
+            None => vec![Some(dx), None, None, None],
+        })
     }
 }
 

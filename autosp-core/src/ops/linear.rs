@@ -62,11 +62,12 @@ impl Op for Linear {
         let Some(g) = &g[0] else { return Ok(vec![None; 2 + self.bias as usize]) };
         let (x, w) = (s.input(0)?, s.input(1)?);
         let g2 = flat(g)?;
-        let dx = g2.matmul(w)?.reshape(x.shape())?;
-        let dw = g2.t()?.matmul(&flat(x)?)?;
-        let mut out = vec![Some(dx), Some(dw)];
+        let dx = if s.needs_grad(0) { Some(g2.matmul(w)?.reshape(x.shape())?) } else { None };
+        // A frozen weight (LoRA's base) takes no gradient: its product, as large as dx's, is skipped.
+        let dw = if s.needs_grad(1) { Some(g2.t()?.matmul(&flat(x)?)?) } else { None };
+        let mut out = vec![dx, dw];
         if self.bias {
-            out.push(Some(g2.sum(0)?));
+            out.push(if s.needs_grad(2) { Some(g2.sum(0)?) } else { None });
         }
         Ok(out)
     }

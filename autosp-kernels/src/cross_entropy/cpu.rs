@@ -61,14 +61,16 @@ fn chunk_dlogits<T: Real>(logits: &[T], vocab: usize, targets: &[i64], g: T, pat
     dl
 }
 
-/// The loss sum (f64) and, when `grad` is given, `(d_hidden, d_lm_head)` scaled by it; all in `T`.
+/// The loss sum (f64) and, when `grad` is given, `(d_hidden, d_lm_head)` scaled by it (`d_lm_head` only when
+/// `weight`: a frozen head skips its product); all in `T`.
 fn run_typed<T: Real>(
     hidden: &Tensor,
     lm_head: &Tensor,
     targets: &[i64],
     chunk_rows: usize,
     grad: Option<f64>,
-) -> Result<(f64, Option<(Tensor, Tensor)>)> {
+    weight: bool,
+) -> Result<(f64, super::LossGrads)> {
     let (m, _) = hidden.dims2()?;
     let vocab = lm_head.dim(0)?;
     let wt = lm_head.t()?;
@@ -100,6 +102,7 @@ fn run_typed<T: Real>(
                 // product or sum besides the accumulator (1 GiB each at a 128K vocabulary and hidden 2048 in
                 // f32). The first chunk's product is the accumulator, owned by nothing else.
                 match &dw {
+                    _ if !weight => {}
                     Some(acc) => acc.inplace_op3(&dl, &h, &AccumulateProduct)?,
                     None => dw = Some(dl.t()?.matmul(&h)?),
                 }
@@ -112,8 +115,9 @@ fn run_typed<T: Real>(
         Some(_) => {
             let dh = if dh_chunks.is_empty() { hidden.zeros_like()? } else { Tensor::cat(&dh_chunks, 0)? };
             let dw = match dw {
-                Some(dw) => dw,
-                None => lm_head.zeros_like()?,
+                Some(dw) => Some(dw),
+                None if weight => Some(lm_head.zeros_like()?),
+                None => None,
             };
             Some((dh, dw))
         }
@@ -122,7 +126,8 @@ fn run_typed<T: Real>(
 }
 
 /// The loss sum (f64) of checked inputs and, when `grad` is given, `(d_hidden, d_lm_head)` scaled by it in
-/// the dtypes of hidden and lm_head. Out-of-range targets are refused here, as they are read on the host.
+/// the dtypes of hidden and lm_head (`d_lm_head` only when `weight`). Out-of-range targets are refused here,
+/// as they are read on the host.
 pub(crate) fn run(
     hidden: &Tensor,
     lm_head: &Tensor,
@@ -130,16 +135,17 @@ pub(crate) fn run(
     vocab: usize,
     chunk_rows: usize,
     grad: Option<f64>,
-) -> Result<(f64, Option<(Tensor, Tensor)>)> {
+    weight: bool,
+) -> Result<(f64, super::LossGrads)> {
     let ids = target_ids(targets, vocab)?;
     let cd = Precision::float(hidden.dtype()).compute();
     let (h, w) = (hidden.to_dtype(cd)?.contiguous()?, lm_head.to_dtype(cd)?.contiguous()?);
     let (loss, grads) = match cd {
-        DType::F64 => run_typed::<f64>(&h, &w, &ids, chunk_rows, grad)?,
-        _ => run_typed::<f32>(&h, &w, &ids, chunk_rows, grad)?,
+        DType::F64 => run_typed::<f64>(&h, &w, &ids, chunk_rows, grad, weight)?,
+        _ => run_typed::<f32>(&h, &w, &ids, chunk_rows, grad, weight)?,
     };
     let grads = match grads {
-        Some((dh, dw)) => Some((dh.to_dtype(hidden.dtype())?, dw.to_dtype(lm_head.dtype())?)),
+        Some((dh, dw)) => Some((dh.to_dtype(hidden.dtype())?, dw.map(|d| d.to_dtype(lm_head.dtype())).transpose()?)),
         None => None,
     };
     Ok((loss, grads))

@@ -11,14 +11,15 @@ use autosp_core::{Precision, Result};
 use crate::running_sum::add_to;
 
 /// The loss sum (`[]` in the compute dtype) of checked inputs (`hidden: [m, d]`) and, when `grad` is given,
-/// `(d_hidden, d_lm_head)` scaled by it in the inputs' dtypes.
+/// `(d_hidden, d_lm_head)` scaled by it in the inputs' dtypes (`d_lm_head` only when `weight`).
 pub(crate) fn run(
     hidden: &Tensor,
     lm_head: &Tensor,
     targets: &Tensor,
     chunk_rows: usize,
     grad: Option<f64>,
-) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+    weight: bool,
+) -> Result<(Tensor, super::LossGrads)> {
     let m = hidden.dim(0)?;
     let cd = Precision::float(hidden.dtype()).compute();
     let (h, w) = (hidden.to_dtype(cd)?.contiguous()?, lm_head.to_dtype(cd)?.contiguous()?);
@@ -55,7 +56,9 @@ pub(crate) fn run(
                 let dl = ex.broadcast_mul(&scale)?.scatter_add(&ic, &minus_g, 1)?;
                 drop(ex);
                 dh_chunks.push(dl.matmul(&w)?);
-                add_to(&mut dw, dl.t()?.matmul(&hc)?)?;
+                if weight {
+                    add_to(&mut dw, dl.t()?.matmul(&hc)?)?;
+                }
             }
         }
         start += rows;
@@ -69,10 +72,11 @@ pub(crate) fn run(
         Some(_) => {
             let dh = if dh_chunks.is_empty() { h.zeros_like()? } else { Tensor::cat(&dh_chunks, 0)? };
             let dw = match dw {
-                Some(dw) => dw,
-                None => w.zeros_like()?,
+                Some(dw) => Some(dw),
+                None if weight => Some(w.zeros_like()?),
+                None => None,
             };
-            Some((dh.to_dtype(hidden.dtype())?, dw.to_dtype(lm_head.dtype())?))
+            Some((dh.to_dtype(hidden.dtype())?, dw.map(|d| d.to_dtype(lm_head.dtype())).transpose()?))
         }
     };
     Ok((loss, grads))

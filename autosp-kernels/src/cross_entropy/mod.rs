@@ -36,17 +36,21 @@ pub fn chunked_cross_entropy_forward(
     let (_, _, vocab) = check(hidden, lm_head, targets, chunk_rows)?;
     let loss = match select(hidden) {
         Route::Cpu => {
-            let (loss, _) = cpu::run(hidden, lm_head, targets, vocab, chunk_rows, None)?;
+            let (loss, _) = cpu::run(hidden, lm_head, targets, vocab, chunk_rows, None, false)?;
             // The loss stays in the accumulation dtype (f32, f64 for f64): never rounded to a bf16/f16 hidden dtype.
             Tensor::new(loss, hidden.device())?.to_dtype(Precision::float(hidden.dtype()).accumulate())?
         }
         Route::Generic => {
             check_targets(targets, vocab)?;
-            generic::run(hidden, lm_head, targets, chunk_rows, None)?.0
+            generic::run(hidden, lm_head, targets, chunk_rows, None, false)?.0
         }
     };
     Ok((loss, count_valid(targets)?))
 }
+
+/// What a chunked loss pass returns besides the loss when asked for gradients: `(d_hidden, d_lm_head)`, the
+/// head's only when asked for.
+pub(crate) type LossGrads = Option<(Tensor, Option<Tensor>)>;
 
 /// The chunked loss's backward without a tape: the gradients of `grad * sum of token losses` with respect to
 /// `hidden: [m, d]` and `lm_head: [vocab, d]`, as `(d_hidden: [m, d], d_lm_head: [vocab, d])` in the dtypes of
@@ -58,12 +62,26 @@ pub fn chunked_cross_entropy_backward(
     chunk_rows: usize,
     grad: f64,
 ) -> Result<(Tensor, Tensor)> {
+    let (dh, dw) = backward(hidden, lm_head, targets, chunk_rows, grad, true)?;
+    Ok((dh, dw.ok_or_else(|| Error::Internal(format!("{OP}: backward produced no head gradient")))?))
+}
+
+/// [`chunked_cross_entropy_backward`], with the head's gradient only when `weight` asks for it (a frozen head
+/// skips its `[vocab, d]` product).
+fn backward(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &Tensor,
+    chunk_rows: usize,
+    grad: f64,
+    weight: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     let (_, _, vocab) = check(hidden, lm_head, targets, chunk_rows)?;
     let grads = match select(hidden) {
-        Route::Cpu => cpu::run(hidden, lm_head, targets, vocab, chunk_rows, Some(grad))?.1,
+        Route::Cpu => cpu::run(hidden, lm_head, targets, vocab, chunk_rows, Some(grad), weight)?.1,
         Route::Generic => {
             check_targets(targets, vocab)?;
-            generic::run(hidden, lm_head, targets, chunk_rows, Some(grad))?.1
+            generic::run(hidden, lm_head, targets, chunk_rows, Some(grad), weight)?.1
         }
     };
     grads.ok_or_else(|| Error::Internal(format!("{OP}: backward produced no gradients")))
@@ -94,8 +112,8 @@ impl Op for ChunkedCrossEntropyOp {
     fn backward(&self, s: &SavedTensors<'_>, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
         let Some(g) = &g[0] else { return Ok(vec![None; 3]) };
         let g = g.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        let (dh, dw) = chunked_cross_entropy_backward(s.input(0)?, s.input(1)?, s.input(2)?, self.chunk_rows, g)?;
-        Ok(vec![Some(dh), Some(dw), None])
+        let (dh, dw) = backward(s.input(0)?, s.input(1)?, s.input(2)?, self.chunk_rows, g, s.needs_grad(1))?;
+        Ok(vec![Some(dh), dw, None])
     }
 }
 
