@@ -130,6 +130,10 @@ struct Args {
     /// The compute dtype: bf16 | f16 | f32 (default: f32 on the CPU, bf16 on a GPU).
     #[arg(long, value_parser = autosp::precision::parse_dtype)]
     dtype: Option<DType>,
+    /// Train LoRA adapters of rank R (`R[:ALPHA]`, every projection) on the frozen model instead of the whole
+    /// model: the base weights have no gradients, moments or masters.
+    #[arg(long, value_name = "R[:ALPHA]")]
+    lora: Option<String>,
 }
 
 impl Args {
@@ -212,13 +216,17 @@ fn preset_config(name: &str, max_n: usize) -> Result<LlamaConfig> {
 
 fn load_model(args: &Args, max_n: usize, device: &Device) -> Result<LlamaModel> {
     let dtype = args.dtype();
-    Ok(match &args.model {
+    let mut model = match &args.model {
         Some(m) => LlamaModel::load_on(m, dtype, device)?,
         None => {
             let cfg = preset_config(&args.preset, max_n)?;
             LlamaModel::from_weights(&cfg, random_weights(&cfg, 1234, dtype, device)?)?
         }
-    })
+    };
+    if let Some(spec) = &args.lora {
+        model.add_lora(&autosp::core::lora::LoraConfig::parse(spec)?)?;
+    }
+    Ok(model)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -335,7 +343,7 @@ fn run_rank(
         autosp::core::alloc::phase("step", "AdamW");
         opt.step(&params, &out.grads, 1e-4)?;
         if step > 0 {
-            held = Some(ModelStateBytes::held(&params, &out.grads, &opt));
+            held = Some(ModelStateBytes::held(&autosp::core::module::all_params(c.model()), &out.grads, &opt));
         }
         drop(out.grads);
         let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
@@ -367,6 +375,8 @@ fn run_rank(
         "sharding": c.sharding().name(),
         "sharding_reason": c.sharding_reason(),
         "param_count": elems,
+        "trainable_param_count": params.iter().map(|p| p.shape().elem_count()).sum::<usize>(),
+        "lora": args.lora,
         "model_state_bytes_per_rank": state_json(&accounted),
         "model_state_bytes_per_param": accounted.total() as f64 / elems as f64,
         "model_state_bytes_held": held.as_ref().map(state_json),
@@ -675,6 +685,8 @@ fn account(args: &Args) -> Result<()> {
                     "world": world,
                     "sharding": level.to_string(),
                     "param_count": params,
+                    "trainable_param_count": counts.elems.iter().sum::<usize>(),
+                    "lora": args.lora,
                     "model_state_bytes_per_rank": state_json(&bytes),
                     "model_state_bytes_per_param": bytes.total() as f64 / params as f64,
                     "gathered_bytes_per_param": bytes.gathered as f64 / params as f64,

@@ -3,7 +3,9 @@
 ids file a sequence of its own (the windows `--eval-data` scores), the mean over every target.
 
 Loads the checkpoint directory (config.json + model.safetensors, as llama_longctx saves it) with
-`AutoModelForCausalLM.from_pretrained` in float32 and computes the loss of the ids in --ids (whitespace-
+`AutoModelForCausalLM.from_pretrained` in float32 (a LoRA run's checkpoint, which holds the adapter in PEFT's
+layout, loads as `peft.PeftModel.from_pretrained(base, checkpoint)`: the base from --base, else the base model
+the adapter names) and computes the loss of the ids in --ids (whitespace-
 separated, one window per line: the `heldout-ids.txt` that `--eval-data` writes; an `--eval-tokens` file on
 one line is one sequence), with the labels equal to the ids (transformers shifts them: n - 1 targets per line,
 the same ones llama_longctx scores).
@@ -20,6 +22,7 @@ Prints one JSON line: {"eval_loss", "tokens", "targets", "checkpoint", "seconds"
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -30,6 +33,7 @@ from transformers import AutoModelForCausalLM
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="a step-N directory written by llama_longctx")
+    ap.add_argument("--base", help="for an adapter checkpoint: the base model (default: the adapter's own)")
     ap.add_argument("--ids", required=True, help="whitespace-separated token ids, one sequence per line")
     ap.add_argument("--expect", type=float, help="the loss llama_longctx reported for the same ids")
     ap.add_argument("--metrics", help="llama_longctx's --metrics file: expect its summary's held-out loss after")
@@ -50,7 +54,15 @@ def main():
     windows = [[int(t) for t in line.split()] for line in open(a.ids) if line.split()]
     if not windows or any(len(w) < 2 for w in windows):
         sys.exit(f"{a.ids}: every line needs at least 2 token ids")
-    model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.float32)
+    adapter = os.path.join(a.checkpoint, "adapter_config.json")
+    if os.path.exists(adapter):
+        from peft import PeftModel
+
+        base = a.base or json.load(open(adapter))["base_model_name_or_path"]
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        model = PeftModel.from_pretrained(model, a.checkpoint)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.float32)
     model.eval()
     t0 = time.time()
     total, targets = 0.0, 0

@@ -8,6 +8,11 @@ and hard line breaks removed, no-break spaces made plain); tables and code, whic
 they are. Writes DIR/train.txt and DIR/heldout.txt (plain text, for llama_longctx's --data and --eval-data)
 and prints one JSON line with their sizes.
 
+It also writes the lexicon as conversations, for chat fine-tuning (--data with "messages"): each entry
+(`:term: pronunciation, part of speech` and its definitions) becomes a user question ("What does “term” mean in
+hacker jargon?") and the assistant's answer (the entry's text). Every 20th entry is held out: DIR/chat_train.jsonl
+and DIR/chat_heldout.jsonl.
+
     apt-get install jargon-text            # /usr/share/doc/jargon-text/jargon.txt.gz
     python3 scripts/prepare_jargon.py --out runs/jargon
 """
@@ -46,6 +51,32 @@ def unwrap(para):
     return "\n".join(l[3:] if l.startswith("   ") else l for l in para)
 
 
+def entries(lines):
+    """The lexicon's entries: (term, text), an entry running from its `   :term: ...` line to the next one."""
+    term, body = None, []
+    for line in lines:
+        if line.startswith("   :") and line.count(":") >= 2 and not line.startswith("    "):
+            if term:
+                yield term, body
+            rest = line[4:]
+            term, head = rest.split(":", 1)
+            body = [head.strip(" ,")] if head.strip(" ,") else []
+            body.append("")
+        elif term:
+            body.append(line)
+    if term:
+        yield term, body
+
+
+def conversation(term, body):
+    """One entry as a chat: the question and the entry's unwrapped text as the answer."""
+    answer = "\n\n".join(unwrap(p) for p in paragraphs(["   " + body[0]] + body[1:] if body and body[0] else body))
+    return {"messages": [
+        {"role": "user", "content": f"What does “{term}” mean in hacker jargon?"},
+        {"role": "assistant", "content": answer.strip()},
+    ]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", default=SOURCE, help="jargon.txt or jargon.txt.gz (default: %(default)s)")
@@ -70,6 +101,15 @@ def main():
         with open(path, "w", encoding="utf-8") as f:
             f.write(body)
         report[name] = {"path": path, "chars": len(body), "words": len(body.split())}
+    chats = [conversation(t, b) for t, b in entries(parts["train"])]
+    chats = [c for c in chats if c["messages"][1]["content"]]
+    for name, keep in (("chat_train", lambda i: i % 20 != 19), ("chat_heldout", lambda i: i % 20 == 19)):
+        path = os.path.join(a.out, f"{name}.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            rows = [c for i, c in enumerate(chats) if keep(i)]
+            for c in rows:
+                f.write(json.dumps(c, ensure_ascii=False) + "\n")
+        report[name] = {"path": path, "conversations": len(rows)}
     print(json.dumps(report))
 
 

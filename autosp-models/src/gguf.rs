@@ -32,6 +32,26 @@ pub fn gguf_tokenizer(path: &Path) -> Result<Tokenizer> {
     tokenizer_from_gguf(&ct, path)
 }
 
+/// The chat template a GGUF file carries (`tokenizer.chat_template`), with the text of its BOS and EOS tokens
+/// (`tokenizer.ggml.bos_token_id` / `eos_token_id` looked up in `tokenizer.ggml.tokens`); `None` without one.
+pub fn gguf_chat_template(path: &Path) -> Result<Option<crate::ChatTemplate>> {
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let ct = read_content(&mut file, path)?;
+    let Some(source) = ct.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned() else {
+        return Ok(None);
+    };
+    let tokens = ct.metadata.get("tokenizer.ggml.tokens").and_then(|v| v.to_vec().ok());
+    let text = |key: &str| -> String {
+        let id = ct.metadata.get(key).and_then(|v| v.to_u32().ok());
+        match (id, tokens) {
+            (Some(id), Some(t)) => t.get(id as usize).and_then(|v| v.to_string().ok()).cloned().unwrap_or_default(),
+            _ => String::new(),
+        }
+    };
+    let (bos, eos) = (text("tokenizer.ggml.bos_token_id"), text("tokenizer.ggml.eos_token_id"));
+    Ok(Some(crate::ChatTemplate::new(&source, &bos, &eos)?))
+}
+
 /// The ggml type ids candle's reader does not know, by name (ggml.h's `ggml_type`).
 fn ggml_type_name(id: u32) -> &'static str {
     match id {

@@ -216,6 +216,10 @@ impl HubRepo {
         match (config, weights) {
             (Some(config), Some(weights)) => {
                 let tokenizer = self.get("tokenizer.json")?;
+                // Its config (the chat template) lands beside it in the cache, where the template is looked for.
+                if tokenizer.is_some() {
+                    self.get("tokenizer_config.json")?;
+                }
                 Ok(ResolvedModel { config, weights, tokenizer })
             }
             _ => Err(self.miss(missing)),

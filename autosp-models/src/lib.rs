@@ -2,6 +2,7 @@
 //! safetensors weights (single or sharded, memory-mapped), hub resolution (cache first, offline aware),
 //! HF-compatible saving, tiny random checkpoints, GGUF import and tokenizers.
 
+pub mod chat;
 pub mod config;
 pub mod error;
 pub mod fused;
@@ -10,6 +11,7 @@ pub mod gguf_names;
 pub mod gguf_tokenizer;
 pub mod hub;
 pub mod llama;
+pub mod peft;
 pub mod rng;
 pub mod rope;
 pub mod save;
@@ -17,11 +19,13 @@ pub mod tiny;
 pub mod tokenizer;
 pub mod weights;
 
+pub use chat::ChatTemplate;
 pub use config::{LayerType, LlamaConfig, ModelType, RopeScaling};
 pub use error::{Error, Result};
-pub use gguf::{config_from_gguf, gguf_tokenizer, import_gguf, GgufModel};
+pub use gguf::{config_from_gguf, gguf_chat_template, gguf_tokenizer, import_gguf, GgufModel};
 pub use hub::{resolve_model, HubOptions, ModelSpec, ResolvedModel};
 pub use llama::{GenerateConfig, Generation, KvCache, LlamaModel, ModelError, ModelResult, Sampling};
+pub use peft::{is_adapter, load_adapter, save_adapter, Adapter};
 pub use rope::rope_inv_freq;
 pub use save::{save_model, SaveOptions};
 pub use tiny::{random_weights, write_tiny, TinySpec};

@@ -157,7 +157,7 @@ pub fn match_permissions(path: &Path, like: &Path) -> Result<()> {
 }
 
 /// `.<name>.<tag>-<pid>` next to `dir`.
-fn sibling(dir: &Path, tag: &str) -> Result<PathBuf> {
+pub(crate) fn sibling(dir: &Path, tag: &str) -> Result<PathBuf> {
     let name = dir.file_name().ok_or_else(|| {
         Error::io(dir, std::io::Error::new(std::io::ErrorKind::InvalidInput, "save path has no directory name"))
     })?;
@@ -170,7 +170,7 @@ fn sibling(dir: &Path, tag: &str) -> Result<PathBuf> {
 }
 
 /// Moves the complete `tmp` to `dir`; an old `dir` is moved aside first and deleted after.
-fn replace_dir(tmp: &Path, dir: &Path) -> Result<()> {
+pub(crate) fn replace_dir(tmp: &Path, dir: &Path) -> Result<()> {
     if dir.exists() {
         let old = sibling(dir, "old")?;
         if old.exists() {

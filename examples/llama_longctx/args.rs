@@ -97,11 +97,21 @@ pub struct Args {
 
     /// Training data: `needles` (synthetic multi-needle retrieval across the shards: the evidence in the
     /// first eighth of each sequence, the questions after 5/8 of it; trained on the answers only, with a
-    /// length curriculum), `passkey` (synthetic passkey retrieval), a JSONL file with a "text" field per line or
-    /// a plain text file (tokenised with the model's tokenizer, packed to --seq-len), or `ids:FILE`
-    /// (whitespace-separated token ids, used as they are).
+    /// length curriculum), `passkey` (synthetic passkey retrieval), a JSONL file with a "text" field per line
+    /// (documents, each with the BOS the tokenizer adds and an EOS after it, packed to --seq-len), a JSONL file
+    /// with a "messages" list per line (conversations rendered with the model's chat template; only the
+    /// assistant's tokens train; see --chat-layout), a plain text file (one document), or `ids:FILE`
+    /// (whitespace-separated token ids, used as they are). Text is tokenised once into a cache file beside the
+    /// data (`.NAME.autosp-KEY.tokens`, remade when the data, tokenizer or template change) and read a window at
+    /// a time.
     #[arg(long, default_value = "needles")]
     pub data: String,
+
+    /// How conversations (`--data` JSONL with "messages") fill the --seq-len windows: `pack` (one after
+    /// another; a conversation may span two windows) or `truncate` (one per window, cut at --seq-len, padded
+    /// with the model's EOS, which does not train).
+    #[arg(long, default_value = "pack")]
+    pub chat_layout: autosp::train::corpus::ChatLayout,
 
     /// Sequence lengths before --seq-len (`--data needles` only): `L1:S1,L2:S2,...` trains S1 steps on
     /// sequences of L1 tokens, then S2 steps at L2, ..., and the remaining steps at --seq-len; every step
@@ -189,6 +199,40 @@ pub struct Args {
     #[arg(long)]
     pub no_progress: bool,
 
+    /// Train LoRA adapters of rank R (alpha ALPHA, default 2R: the update is scaled by ALPHA / R) on the
+    /// frozen model instead of the whole model: the base weights get no gradients and no optimizer state.
+    /// Checkpoints then hold the adapter in PEFT's layout (adapter_config.json + adapter_model.safetensors,
+    /// which `peft.PeftModel.from_pretrained(base, dir)` loads) beside the optimizer and trainer state. The
+    /// default --lr becomes 2e-4 with --model.
+    #[arg(long, value_name = "R[:ALPHA]")]
+    pub lora: Option<String>,
+
+    /// With --lora: the projections that get adapters, comma-separated from q, k, v, o, gate, up, down
+    /// (default: all seven).
+    #[arg(long, value_name = "LIST")]
+    pub lora_targets: Option<String>,
+
+    /// With --lora: dropout on the adapters' input while training (default 0).
+    #[arg(long, value_name = "P")]
+    pub lora_dropout: Option<f32>,
+
+    /// With --lora: also train the embedding (`embed`) and/or every norm (`norm`), comma-separated, as
+    /// LongLoRA does to extend the context; PEFT saves them as modules_to_save.
+    #[arg(long, value_name = "LIST")]
+    pub lora_train: Option<String>,
+
+    /// Start from the LoRA adapter in DIR (PEFT's layout: ours or one PEFT wrote) on --model (default: the
+    /// base model the adapter names): for --eval-tokens, --eval-data or further training. Its settings
+    /// (rank, alpha, targets) come with it.
+    #[arg(long, value_name = "DIR")]
+    pub lora_adapter: Option<PathBuf>,
+
+    /// With LoRA: at the end, write the base model with the final adapter merged in (W + ALPHA/R · B A,
+    /// computed in f32 from the files) as an HF checkpoint in DIR. With `--lora-adapter` and `--steps 0`: merge
+    /// that adapter into its base and stop, training nothing.
+    #[arg(long, value_name = "DIR")]
+    pub merge_lora: Option<PathBuf>,
+
     /// The device: `cpu`, `cuda`, `cuda:N` or `metal` (default: the first CUDA device when this binary has
     /// CUDA (`--features cuda`) and one exists, else the CPU). Thread ranks share the device; under MPI, plain
     /// `cuda` gives each rank `cuda:(local rank mod device count)`.
@@ -249,6 +293,13 @@ impl Args {
             explain: a.explain,
             quick: a.quick,
             device: a.device,
+            lora: a.lora,
+            lora_targets: a.lora_targets,
+            lora_dropout: a.lora_dropout,
+            lora_train: a.lora_train,
+            lora_adapter: a.lora_adapter,
+            merge_lora: a.merge_lora,
+            chat_layout: a.chat_layout,
         }
     }
 }

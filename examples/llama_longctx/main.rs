@@ -53,6 +53,18 @@ fn main() -> ExitCode {
         Err(e) => e.exit(),
     };
     interrupt::install();
+    // `--steps 0 --lora-adapter DIR --merge-lora OUT`: merge only, no training.
+    match autosp::train::lora::merge_only(&args.options()) {
+        Ok(Some(out)) => {
+            println!("merged {} into {}", args.lora_adapter.clone().unwrap_or_default().display(), out.display());
+            return ExitCode::SUCCESS;
+        }
+        Ok(None) => {}
+        Err(e) => {
+            report(&e.into());
+            return ExitCode::FAILURE;
+        }
+    }
     let result = match args.launcher.as_str() {
         "mpi" => run_mpi(args),
         _ => run_threads(args),

@@ -138,9 +138,10 @@ impl<M: CausalLm> Compiled<M> {
         &self.attention_groups
     }
 
-    /// Every parameter, in model order.
+    /// Every parameter that trains, in model order (all of them, unless the model has frozen parameters:
+    /// LoRA's base weights).
     pub fn params(&self) -> Vec<autosp_core::Param> {
-        autosp_core::module::all_params(&self.model)
+        autosp_core::module::trainable_params(&self.model)
     }
 
     /// The tape's policy (blocks may override it under a byte budget).
@@ -153,7 +154,9 @@ impl<M: CausalLm> Compiled<M> {
 
     /// The device the model's parameters live on (where every step runs; inputs are moved there).
     pub fn device(&self) -> candle_core::Device {
-        self.params().first().map_or(candle_core::Device::Cpu, |p| p.tensor().device().clone())
+        autosp_core::module::all_params(&self.model)
+            .first()
+            .map_or(candle_core::Device::Cpu, |p| p.tensor().device().clone())
     }
 
     /// Gives back the model.
@@ -251,7 +254,8 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
     }
     let dims = model.dims();
     let counts = ParamCounts::of(&mut model, &dims);
-    let built = sharding::built_level(&params, &world, config.sharding)?;
+    let trainable: Vec<_> = params.iter().filter(|p| !p.is_frozen()).cloned().collect();
+    let built = sharding::built_level(&trainable, &world, config.sharding)?;
     let sharding = match (built, config.sharding, w) {
         (Some(level), Some(_), _) => (level, "asked for; the model was built sharded (build_sharded)".to_string()),
         (Some(level), None, _) => (level, "the model was built sharded (build_sharded)".to_string()),
@@ -260,7 +264,7 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
         (None, None, _) => sharding::default_level(&counts, config.dtype, w, world.shares_memory()),
     };
     if built.is_none() && sharding.0 != ShardLevel::None {
-        for param in &params {
+        for param in &trainable {
             param.shard_over(sharding.0, world.clone())?;
         }
     }

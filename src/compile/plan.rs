@@ -330,7 +330,7 @@ impl<M: CausalLm> Compiled<M> {
         if w == 1 {
             return 0;
         }
-        let params = autosp_core::module::all_params(&self.model);
+        let params = autosp_core::module::trainable_params(&self.model);
         let size_of = |p: &Param| Precision::float(p.tensor().dtype()).reduce().size_in_bytes();
         let level = self.sharding();
         if level <= ShardLevel::Optimizer {

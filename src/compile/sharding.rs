@@ -5,12 +5,12 @@
 //! parameters `n·b`; gradients in the reduction dtype, `n·4` (whole below `Gradients`: the tape holds them
 //! whole until they are reduced); AdamW's two moments `n·8`; f32 masters of bf16/f16 weights `n·4`. At `Parameters` a whole weight exists only while an op
 //! uses it: the largest block's weights (or the largest single weight outside the blocks) at once, counted as
-//! `gathered`.
+//! `gathered`. Frozen parameters (LoRA's base weights) count `N·b` whole on every rank and nothing else.
 
 use std::sync::Arc;
 
 use autosp_core::comm::ProcessGroup;
-use autosp_core::module::{all_params, visit_mut};
+use autosp_core::module::{all_params, trainable_params, visit_mut};
 use autosp_core::optim::AdamW;
 use autosp_core::shard::{ShardLayout, ShardLevel};
 use autosp_core::{Gradients, LmDims, Module, Param, Precision};
@@ -47,7 +47,8 @@ impl ModelStateBytes {
 }
 
 impl ModelStateBytes {
-    /// What this rank holds, measured from the tensors' storages, each counted once (a view counts the whole
+    /// What this rank holds of `params` (pass every parameter: frozen ones count as stored, with nothing
+    /// else), measured from the tensors' storages, each counted once (a view counts the whole
     /// storage it keeps alive; gradients that are views of one reduced bucket count the bucket once): `params`
     /// as stored (a slice at `Parameters`), `grads` as a step returned them, AdamW's moments and master
     /// weights; `gathered` is 0 (the gathered weights live only inside a step: the tape's bytes count them).
@@ -95,8 +96,11 @@ impl std::fmt::Display for ModelStateBytes {
 /// the LM head (a causal LM's only `[vocab, hidden]` parameter), which a step uses twice.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ParamCounts {
-    /// Whole element counts, one per distinct parameter.
+    /// Whole element counts, one per distinct parameter that trains.
     pub elems: Vec<usize>,
+    /// The elements of the frozen parameters (LoRA's base weights): held whole on every rank, with no
+    /// gradient, moments or masters.
+    pub frozen: usize,
     /// The largest unit gathered at once.
     pub largest_unit: usize,
     /// The parameters of modules with a checkpoint region.
@@ -113,27 +117,30 @@ impl ParamCounts {
         let mut largest = 0;
         visit_mut(model, "", &mut |_, m| {
             if m.region_slot().is_some() {
-                let ps = all_params(m);
+                let ps = trainable_params(m);
                 largest = largest.max(ps.iter().map(|p| p.shape().elem_count()).sum::<usize>());
                 in_blocks.extend(ps.iter().map(Param::id));
             }
         });
-        let params = all_params(model);
+        let all = all_params(model);
+        let frozen = all.iter().filter(|p| p.is_frozen()).map(|p| p.shape().elem_count()).sum();
+        let params: Vec<Param> = all.into_iter().filter(|p| !p.is_frozen()).collect();
         let outside =
             params.iter().filter(|p| !in_blocks.contains(&p.id())).map(|p| p.shape().elem_count()).max().unwrap_or(0);
         let heads: Vec<&Param> = params.iter().filter(|p| p.shape().dims() == [dims.vocab, dims.hidden]).collect();
         let tied = if heads.len() == 1 { Some(heads[0].id()) } else { None };
         Self {
             elems: params.iter().map(|p| p.shape().elem_count()).collect(),
+            frozen,
             largest_unit: largest.max(outside),
             in_block: in_blocks,
             tied,
         }
     }
 
-    /// Every parameter's elements together.
+    /// Every parameter's elements together (the frozen ones included).
     pub fn total(&self) -> usize {
-        self.elems.iter().sum()
+        self.elems.iter().sum::<usize>() + self.frozen
     }
 }
 
@@ -150,7 +157,7 @@ pub fn model_state_bytes(counts: &ParamCounts, dtype: DType, level: ShardLevel, 
     let state = sum(sharded);
     let gathered = if level == ShardLevel::Parameters && world > 1 { counts.largest_unit * b } else { 0 };
     ModelStateBytes {
-        params: sum(level == ShardLevel::Parameters && world > 1) * b,
+        params: (sum(level == ShardLevel::Parameters && world > 1) + counts.frozen) * b,
         grads: sum(level >= ShardLevel::Gradients && world > 1) * wide,
         moments: 2 * state * precision.master().size_in_bytes(),
         masters: if precision.needs_master() { state * precision.master().size_in_bytes() } else { 0 },

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use autosp_core::comm::{ProcessGroup, ReduceOp};
-use autosp_core::module::all_params;
+use autosp_core::module::trainable_params;
 use autosp_core::ops::{self, IGNORE_INDEX};
 use autosp_core::shard::ShardLevel;
 use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Param, Precision, Tape};
@@ -235,7 +235,7 @@ impl<M: CausalLm> Compiled<M> {
     ///
     /// On one rank the gradients are only converted.
     fn reduce_grads(&self, mut local: Gradients) -> Result<Gradients, CompileError> {
-        let params = all_params(&self.model);
+        let params = trainable_params(&self.model);
         let level = self.sharding();
         let mut out = Gradients::new();
         if self.world.size() == 1 || level >= ShardLevel::Gradients {
@@ -315,7 +315,7 @@ impl<M: CausalLm> Compiled<M> {
     /// parameter's, in model order); whole gradients pass through. For inspecting or dumping gradients.
     pub fn whole_grads(&self, grads: &Gradients) -> Result<Gradients, CompileError> {
         let mut out = Gradients::new();
-        for p in all_params(&self.model) {
+        for p in trainable_params(&self.model) {
             let Some(g) = grads.get(&p) else { continue };
             let whole = match p.shard() {
                 Some(s) if g.dims() != s.shape.dims() => s.gather(g)?,

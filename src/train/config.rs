@@ -61,6 +61,9 @@ pub struct TrainConfig {
     pub metrics: Option<PathBuf>,
     /// Write the first step's gradients (of the mean token loss, before clipping; HF names) as safetensors here.
     pub dump_grads: Option<PathBuf>,
+    /// The base model of a LoRA run (`--model` as given), which checkpoints name in `adapter_config.json` and
+    /// `trainer_state.json`; `None` for full fine-tuning.
+    pub base_model: Option<String>,
 }
 
 impl TrainConfig {
@@ -86,6 +89,7 @@ impl TrainConfig {
             save_dir: None,
             metrics: None,
             dump_grads: None,
+            base_model: None,
         }
     }
 

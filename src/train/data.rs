@@ -1,13 +1,9 @@
 //! Training data from files: where it comes from ([`DataSource`], as `--data` spells it), token-id files,
-//! JSONL and plain-text documents, tokenisation with the model's tokenizer (each document as transformers'
-//! `tokenizer(text)` makes it, BOS where the tokenizer adds one, then EOS), and packing into sequences of
-//! `seq_len` tokens. [`super::Stream`] hands the sequences out with a position a
+//! and packing ids into sequences of `seq_len` tokens. Text, JSONL documents and conversations are tokenised
+//! into a cache on disk by [`super::corpus`]. [`super::Stream`] hands the sequences out with a position a
 //! checkpoint can save.
 
 use std::path::{Path, PathBuf};
-
-use autosp_models::tokenizer::encode_document;
-use autosp_models::Tokenizer;
 
 use super::error::{IoContext, Result, TrainError};
 
@@ -20,8 +16,8 @@ pub enum DataSource {
     Needles,
     /// Whitespace-separated token ids ([`read_ids`]).
     Ids(PathBuf),
-    /// A JSONL file with a "text" field, or plain text (decided by the extension `.jsonl`/`.json`;
-    /// [`read_documents`]).
+    /// A JSONL file of documents (`"text"`) or conversations (`"messages"`), or plain text (decided by the
+    /// extension `.jsonl`/`.json`; [`super::corpus`]).
     Text(PathBuf),
 }
 
@@ -36,34 +32,6 @@ impl DataSource {
             DataSource::Ids(PathBuf::from(f))
         } else {
             DataSource::Text(PathBuf::from(s))
-        }
-    }
-
-    /// The token ids of a file source: `Ids` read as they are (each below `vocab`); `Text` read as documents and
-    /// tokenised with `tokenizer` ([`tokenize`], `eos` after each). `option` names the setting and `model` the
-    /// model (`` `owner/name` ``, `the model`) in errors. `None` for the synthetic sources.
-    pub fn file_ids(
-        &self,
-        option: &str,
-        model: &str,
-        vocab: usize,
-        tokenizer: Option<&Tokenizer>,
-        eos: Option<u32>,
-    ) -> Result<Option<Vec<u32>>> {
-        match self {
-            DataSource::Passkey | DataSource::Needles => Ok(None),
-            DataSource::Ids(f) => read_ids(f, vocab).map(Some),
-            DataSource::Text(f) => {
-                let docs = read_documents(f)?;
-                let tok = tokenizer.ok_or_else(|| {
-                    TrainError::Config(format!(
-                        "{option} {}: text needs the model's tokenizer, and {model} has no tokenizer.json; give token \
-                         ids with {option} ids:FILE",
-                        f.display()
-                    ))
-                })?;
-                tokenize(tok, &docs, eos).map(Some)
-            }
         }
     }
 }
@@ -108,73 +76,6 @@ pub fn write_ids<'a>(path: &Path, lines: impl IntoIterator<Item = &'a [u32]>) ->
     std::fs::write(path, text).io(|| format!("writing {}", path.display()))
 }
 
-/// The documents of a JSONL file (a "text" string on every non-empty line) or of a plain text file (the
-/// whole file), by extension: `.jsonl` and `.json` are JSONL.
-pub fn read_documents(path: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(path).io(|| format!("reading training data {}", path.display()))?;
-    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
-    if text.trim().is_empty() {
-        return Err(TrainError::Data(format!(
-            "training data {} is empty: give a file with text (or --data passkey)",
-            path.display()
-        )));
-    }
-    if ext != "jsonl" && ext != "json" {
-        return Ok(vec![text]);
-    }
-    let mut docs = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| {
-            TrainError::Data(format!(
-                "{} line {}: not JSON ({e}); a JSONL data file holds one JSON object with a \"text\" string per \
-                 line (use a .txt extension for plain text)",
-                path.display(),
-                i + 1
-            ))
-        })?;
-        match v.get("text").and_then(|t| t.as_str()) {
-            Some(t) => docs.push(t.to_string()),
-            None => {
-                return Err(TrainError::Data(format!(
-                    "{} line {}: no \"text\" string field in {}",
-                    path.display(),
-                    i + 1,
-                    short(line)
-                )))
-            }
-        }
-    }
-    Ok(docs)
-}
-
-fn short(s: &str) -> String {
-    if s.len() > 60 {
-        format!("{}...", &s[..s.char_indices().take_while(|(i, _)| *i < 60).last().map_or(0, |(i, _)| i)])
-    } else {
-        s.to_string()
-    }
-}
-
-/// Tokenises `docs` and joins them: each document with the special tokens the tokenizer's post-processor adds
-/// (as transformers' `tokenizer(text)`: Llama 3's and Gemma's BOS; nothing for Qwen or SmolLM2), then `eos`
-/// when the model has one and the tokenizer did not end the document with it, so packed documents are
-/// separated by EOS.
-pub fn tokenize(tok: &Tokenizer, docs: &[String], eos: Option<u32>) -> Result<Vec<u32>> {
-    let mut ids = Vec::new();
-    for d in docs {
-        let doc = encode_document(tok, d)?;
-        let ended = doc.last().is_some_and(|&t| Some(t) == eos);
-        ids.extend(doc);
-        if !ended {
-            ids.extend(eos);
-        }
-    }
-    Ok(ids)
-}
-
 /// Cuts `ids` into sequences of `seq_len` tokens (the remainder is dropped); at least one must fit. `source`
 /// names the data in the error.
 pub fn pack(ids: &[u32], seq_len: usize, source: &str) -> Result<Vec<Vec<u32>>> {
@@ -190,9 +91,10 @@ pub fn pack(ids: &[u32], seq_len: usize, source: &str) -> Result<Vec<Vec<u32>>> 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use autosp_models::Tokenizer;
 
     #[test]
-    fn ids_and_documents_are_read_and_packed() {
+    fn ids_are_read_and_packed() {
         let dir = tempfile::tempdir().unwrap();
         let ids = dir.path().join("ids.txt");
         std::fs::write(&ids, "1 2\n3 4 5").unwrap();
@@ -202,15 +104,6 @@ pub(crate) mod tests {
         assert_eq!(pack(&[1, 2, 3, 4, 5], 2, "x").unwrap(), vec![vec![1, 2], vec![3, 4]]);
         let e = pack(&[1, 2, 3], 4, "x").unwrap_err().to_string();
         assert!(e.contains("--seq-len 4 is longer than the 3 tokens available in x"), "{e}");
-        let jsonl = dir.path().join("d.jsonl");
-        std::fs::write(&jsonl, "{\"text\": \"a\"}\n\n{\"text\": \"b c\"}\n").unwrap();
-        assert_eq!(read_documents(&jsonl).unwrap(), vec!["a".to_string(), "b c".to_string()]);
-        std::fs::write(&jsonl, "{\"text\": \"a\"}\n{\"body\": 1}\n").unwrap();
-        let e = read_documents(&jsonl).unwrap_err().to_string();
-        assert!(e.contains("line 2: no \"text\" string field"), "{e}");
-        let txt = dir.path().join("d.txt");
-        std::fs::write(&txt, "{not json} plain text").unwrap();
-        assert_eq!(read_documents(&txt).unwrap(), vec!["{not json} plain text".to_string()]);
         assert_eq!(DataSource::parse("ids:f"), DataSource::Ids("f".into()));
         assert_eq!(DataSource::parse("needles"), DataSource::Needles);
         assert_eq!(DataSource::parse("a.jsonl"), DataSource::Text("a.jsonl".into()));
@@ -230,13 +123,5 @@ pub(crate) mod tests {
           "decoder": null,
           "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4}, "unk_token": "<unk>"}}"#;
         json.parse().unwrap()
-    }
-
-    #[test]
-    fn documents_get_the_tokenizers_bos_and_an_eos_between_them() {
-        let docs = vec!["a b".to_string(), "b".to_string()];
-        assert_eq!(tokenize(&with_bos(), &docs, Some(2)).unwrap(), vec![1, 3, 4, 2, 1, 4, 2]);
-        // No EOS in the model: documents run on (nothing is invented).
-        assert_eq!(tokenize(&with_bos(), &docs, None).unwrap(), vec![1, 3, 4, 1, 4]);
     }
 }

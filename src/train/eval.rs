@@ -6,9 +6,10 @@
 
 use std::path::Path;
 
-use autosp_models::{LlamaModel, Tokenizer};
+use autosp_models::LlamaModel;
 use candle_core::{Device, Tensor};
 
+use super::corpus::{Corpus, Tokenising};
 use super::data::{self, DataSource};
 use super::error::{Result, TrainError};
 use super::stream::Sample;
@@ -23,19 +24,21 @@ pub struct HeldOut {
     pub ids: Vec<u32>,
     /// Tokens per window (the training sequence length); the last window may be shorter (at least 2 tokens).
     pub window: usize,
+    /// For conversations: which tokens are scored (the assistant's); `None`: every one.
+    pub trained: Option<Vec<bool>>,
 }
 
 impl HeldOut {
-    /// Reads `spec` (a text or JSONL file, tokenised with `tokenizer` and `eos` like `--data`, or `ids:FILE`)
-    /// and keeps its first `max_tokens` tokens (all when fewer), to score in windows of `window` tokens (a
-    /// last window of a single token, which has no target, is dropped).
+    /// Reads `spec` (a text or JSONL file, tokenised by `tokenising` into its cache like `--data`, or
+    /// `ids:FILE`) and keeps its first `max_tokens` tokens (all when fewer), to score in windows of `window`
+    /// tokens (a last window of a single token, which has no target, is dropped). Conversations score the
+    /// assistant's tokens only, as they train.
     pub fn load(
         spec: &str,
         window: usize,
         max_tokens: usize,
         vocab: usize,
-        tokenizer: Option<&Tokenizer>,
-        eos: Option<u32>,
+        tokenising: Option<&Tokenising<'_>>,
     ) -> Result<Self> {
         if window < 2 || max_tokens < 2 {
             return Err(TrainError::Config(format!(
@@ -43,11 +46,25 @@ impl HeldOut {
                  needs at least 2 tokens (an input and its target); give both 2 or more"
             )));
         }
-        let Some(mut ids) = DataSource::parse(spec).file_ids("--eval-data", "the model", vocab, tokenizer, eos)? else {
-            return Err(TrainError::Config(format!(
-                "--eval-data {spec}: held-out evaluation needs a file (text, JSONL or ids:FILE); the synthetic tasks \
-                 (passkey, needles) already report their accuracy on held-out samples"
-            )));
+        let (mut ids, mut trained) = match (DataSource::parse(spec), tokenising) {
+            (DataSource::Ids(f), _) => (data::read_ids(&f, vocab)?, None),
+            (DataSource::Text(f), Some(t)) => {
+                let corpus = Corpus::prepare(&f, t)?;
+                let (ids, trained) = corpus.read(0, max_tokens.min(corpus.tokens as usize))?;
+                (ids, corpus.chat.then_some(trained))
+            }
+            (DataSource::Text(f), None) => {
+                return Err(TrainError::Config(format!(
+                    "--eval-data {}: text needs the model's tokenizer; give token ids as ids:FILE",
+                    f.display()
+                )))
+            }
+            _ => {
+                return Err(TrainError::Config(format!(
+                    "--eval-data {spec}: held-out evaluation needs a file (text, JSONL or ids:FILE); the synthetic \
+                     tasks (passkey, needles) already report their accuracy on held-out samples"
+                )))
+            }
         };
         if ids.len() < 2 {
             return Err(TrainError::Data(format!(
@@ -59,7 +76,10 @@ impl HeldOut {
         if ids.len() % window == 1 {
             ids.pop();
         }
-        Ok(Self { source: spec.to_string(), ids, window })
+        if let Some(t) = &mut trained {
+            t.truncate(ids.len());
+        }
+        Ok(Self { source: spec.to_string(), ids, window, trained })
     }
 
     /// Held-out tokens given as ids (`source` names them in reports), scored as one window; at least 2.
@@ -69,7 +89,7 @@ impl HeldOut {
             return Err(TrainError::Data(format!("{source}: needs at least 2 tokens to score, found {}", ids.len())));
         }
         let window = ids.len();
-        Ok(Self { source, ids, window })
+        Ok(Self { source, ids, window, trained: None })
     }
 
     /// The windows, in order.
@@ -82,8 +102,17 @@ impl HeldOut {
     /// every rank calls it).
     pub fn evaluate(&self, c: &Compiled<LlamaModel>) -> Result<(f64, usize)> {
         let (mut sum, mut count) = (0.0, 0usize);
-        for w in self.windows() {
-            let (loss, targets) = c.eval_loss(&Tensor::from_vec(w.to_vec(), (1, w.len()), &Device::Cpu)?, None)?;
+        for (k, w) in self.windows().enumerate() {
+            let labels = match &self.trained {
+                Some(t) => {
+                    let t = &t[k * self.window..k * self.window + w.len()];
+                    let l: Vec<i64> = w.iter().zip(t).map(|(&id, &on)| if on { i64::from(id) } else { -100 }).collect();
+                    Some(Tensor::from_vec(l, (1, w.len()), &Device::Cpu)?)
+                }
+                None => None,
+            };
+            let ids = Tensor::from_vec(w.to_vec(), (1, w.len()), &Device::Cpu)?;
+            let (loss, targets) = c.eval_loss(&ids, labels.as_ref())?;
             sum += loss * targets as f64;
             count += targets;
         }
@@ -138,12 +167,12 @@ mod tests {
         let f = dir.path().join("ids.txt");
         std::fs::write(&f, "5 6 7\n8 9 1 2 3 4").unwrap();
         // Windows of 4, at most 8 tokens: two windows.
-        let h = HeldOut::load(&format!("ids:{}", f.display()), 4, 8, 10, None, None).unwrap();
+        let h = HeldOut::load(&format!("ids:{}", f.display()), 4, 8, 10, None).unwrap();
         assert_eq!(h.windows().collect::<Vec<_>>(), vec![&[5, 6, 7, 8][..], &[9, 1, 2, 3][..]]);
         // All 9 tokens: a last window of one token has no target and is dropped; of 3 tokens it is kept.
-        let h = HeldOut::load(&format!("ids:{}", f.display()), 4, 100, 10, None, None).unwrap();
+        let h = HeldOut::load(&format!("ids:{}", f.display()), 4, 100, 10, None).unwrap();
         assert_eq!(h.ids.len(), 8);
-        let h = HeldOut::load(&format!("ids:{}", f.display()), 3, 100, 10, None, None).unwrap();
+        let h = HeldOut::load(&format!("ids:{}", f.display()), 3, 100, 10, None).unwrap();
         assert_eq!(h.windows().count(), 3);
         let out = dir.path().join("out.txt");
         h.write_ids(&out).unwrap();
@@ -154,18 +183,18 @@ mod tests {
     #[test]
     fn passkey_text_without_a_tokenizer_and_a_single_token_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let e = HeldOut::load("passkey", 8, 64, 10, None, None).unwrap_err().to_string();
+        let e = HeldOut::load("passkey", 8, 64, 10, None).unwrap_err().to_string();
         assert!(e.contains("needs a file"), "{e}");
         let t = dir.path().join("t.txt");
         std::fs::write(&t, "some text").unwrap();
-        let e = HeldOut::load(t.to_str().unwrap(), 8, 64, 10, None, None).unwrap_err().to_string();
+        let e = HeldOut::load(t.to_str().unwrap(), 8, 64, 10, None).unwrap_err().to_string();
         assert!(e.contains("ids:FILE") && e.contains("tokenizer"), "{e}");
         let one = dir.path().join("one.txt");
         std::fs::write(&one, "3").unwrap();
-        let e = HeldOut::load(&format!("ids:{}", one.display()), 8, 64, 10, None, None).unwrap_err().to_string();
+        let e = HeldOut::load(&format!("ids:{}", one.display()), 8, 64, 10, None).unwrap_err().to_string();
         assert!(e.contains("at least 2 tokens"), "{e}");
         assert!(HeldOut::from_ids("x", vec![1]).is_err());
-        let e = HeldOut::load("passkey", 8, 1, 10, None, None).unwrap_err().to_string();
+        let e = HeldOut::load("passkey", 8, 1, 10, None).unwrap_err().to_string();
         assert!(e.contains("--eval-tokens-max 1") && e.contains("at least 2"), "{e}");
     }
 }

@@ -232,7 +232,15 @@ impl Summary {
         }
         rows.push((
             "checkpoint".to_string(),
-            format!("{} (HF layout; optimizer and trainer state beside)", self.checkpoint.display()),
+            format!(
+                "{} ({}; optimizer and trainer state beside)",
+                self.checkpoint.display(),
+                if autosp_models::is_adapter(&self.checkpoint) {
+                    "the LoRA adapter in PEFT's layout"
+                } else {
+                    "HF layout"
+                }
+            ),
         ));
         rows
     }

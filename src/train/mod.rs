@@ -69,6 +69,7 @@
 
 pub mod checkpoint;
 mod config;
+pub mod corpus;
 mod curriculum;
 pub mod data;
 mod error;
@@ -76,6 +77,7 @@ mod eval;
 mod events;
 pub mod interrupt;
 mod launch;
+pub mod lora;
 mod metrics;
 pub mod model;
 mod options;

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use autosp_models::{gguf_tokenizer, load_tokenizer, Tokenizer};
+use autosp_models::{gguf_chat_template, gguf_tokenizer, load_tokenizer, ChatTemplate, Tokenizer};
 use autosp_models::{random_weights, resolve_model, save_model, HubOptions, LlamaModel, SaveOptions, TinySpec};
 use candle_core::{DType, Device};
 
@@ -69,6 +69,44 @@ pub struct Loaded {
     pub tokenizer_json: Option<String>,
     /// The tokenizer itself (from tokenizer.json or the GGUF file).
     pub tokenizer: Option<Tokenizer>,
+    /// The text of `tokenizer_config.json` (written into checkpoints beside `tokenizer.json`), when the model
+    /// has one; for a GGUF file with a chat template, one holding that template and its BOS and EOS.
+    pub tokenizer_config_json: Option<String>,
+    /// The model's chat template, for conversations (`--data` with "messages").
+    pub chat_template: Option<ChatTemplate>,
+}
+
+impl Loaded {
+    /// What tokenising `--data` or `--eval-data` (`what`, for messages) needs from this model (`source`, for
+    /// messages) and the run's options: fails when the model has no tokenizer.
+    pub fn tokenising(&self, what: &str, source: &str, o: &super::RunOptions) -> Result<super::corpus::Tokenising<'_>> {
+        let (Some(tokenizer), Some(tokenizer_json)) = (&self.tokenizer, &self.tokenizer_json) else {
+            return Err(TrainError::Config(format!(
+                "{what}: text needs the model's tokenizer, and `{source}` has no tokenizer.json; give token ids as \
+                 ids:FILE"
+            )));
+        };
+        Ok(super::corpus::Tokenising {
+            tokenizer,
+            tokenizer_json,
+            template: self.chat_template.as_ref(),
+            eos: self.model.config.eos_token_id,
+            layout: o.chat_layout,
+            seq_len: o.seq_len,
+        })
+    }
+
+    /// The tokenizer files a checkpoint of this model holds: `tokenizer.json` and `tokenizer_config.json`.
+    pub fn tokenizer_files(&self) -> Vec<(String, String)> {
+        let mut files = Vec::new();
+        if let Some(t) = &self.tokenizer_json {
+            files.push(("tokenizer.json".to_string(), t.clone()));
+        }
+        if let Some(c) = &self.tokenizer_config_json {
+            files.push(("tokenizer_config.json".to_string(), c.clone()));
+        }
+        files
+    }
 }
 
 /// Loads `source` (a directory, hub id or `.gguf` file) in `dtype`. The job loads in the optimizer's master
@@ -80,28 +118,26 @@ pub fn load(source: &str, dtype: DType) -> Result<Loaded> {
         cause: Box::new(cause),
     })?;
     let path = Path::new(source);
-    let (tokenizer_json, tokenizer) =
-        if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
-            match gguf_tokenizer(path) {
-                Ok(t) => {
-                    let text = t.to_string(false).map_err(|e| {
-                        TrainError::from(autosp_models::Error::Tokenizer {
-                            source_name: path.display().to_string(),
-                            message: format!("serialising the GGUF tokenizer: {e}"),
-                        })
-                    })?;
-                    (Some(text), Some(t))
-                }
-                Err(_) => (None, None),
-            }
-        } else {
-            match resolve_model(source, &HubOptions::default())?.tokenizer {
-                Some(f) => {
-                    let text = std::fs::read_to_string(&f).io(|| format!("reading {}", f.display()))?;
-                    (Some(text), Some(load_tokenizer(&f)?))
-                }
-                None => (None, None),
-            }
-        };
-    Ok(Loaded { model, tokenizer_json, tokenizer })
+    let mut loaded =
+        Loaded { model, tokenizer_json: None, tokenizer: None, tokenizer_config_json: None, chat_template: None };
+    if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        if let Ok(t) = gguf_tokenizer(path) {
+            let text = t.to_string(false).map_err(|e| {
+                TrainError::from(autosp_models::Error::Tokenizer {
+                    source_name: path.display().to_string(),
+                    message: format!("serialising the GGUF tokenizer: {e}"),
+                })
+            })?;
+            (loaded.tokenizer_json, loaded.tokenizer) = (Some(text), Some(t));
+            loaded.chat_template = gguf_chat_template(path)?;
+            loaded.tokenizer_config_json = loaded.chat_template.as_ref().map(ChatTemplate::to_tokenizer_config);
+        }
+    } else if let Some(f) = resolve_model(source, &HubOptions::default())?.tokenizer {
+        let text = std::fs::read_to_string(&f).io(|| format!("reading {}", f.display()))?;
+        (loaded.tokenizer_json, loaded.tokenizer) = (Some(text), Some(load_tokenizer(&f)?));
+        let config = f.with_file_name("tokenizer_config.json");
+        loaded.tokenizer_config_json = std::fs::read_to_string(&config).ok();
+        loaded.chat_template = ChatTemplate::beside_tokenizer(&f)?;
+    }
+    Ok(loaded)
 }

@@ -76,6 +76,20 @@ pub struct RunOptions {
     pub quick: bool,
     /// `--device`; `None`: [`DeviceSpec::default_for_build`].
     pub device: Option<DeviceSpec>,
+    /// `--lora R[:ALPHA]`: train LoRA adapters of rank R on the frozen model ([`super::lora`]).
+    pub lora: Option<String>,
+    /// `--lora-targets`: the projections adapted (`q,k,v,o,gate,up,down`; default all of them).
+    pub lora_targets: Option<String>,
+    /// `--lora-dropout` (default 0).
+    pub lora_dropout: Option<f32>,
+    /// `--lora-train`: `embed`, `norm` or both, trained beside the adapters.
+    pub lora_train: Option<String>,
+    /// `--lora-adapter DIR`: start from a saved adapter (PEFT's layout) on `--model`.
+    pub lora_adapter: Option<PathBuf>,
+    /// `--merge-lora DIR`: write the base with the final adapter merged in, as an HF checkpoint.
+    pub merge_lora: Option<PathBuf>,
+    /// `--chat-layout`: how conversations fill the training windows (pack or truncate).
+    pub chat_layout: super::corpus::ChatLayout,
 }
 
 impl Default for RunOptions {
@@ -112,19 +126,27 @@ impl Default for RunOptions {
             explain: false,
             quick: false,
             device: None,
+            lora: None,
+            lora_targets: None,
+            lora_dropout: None,
+            lora_train: None,
+            lora_adapter: None,
+            merge_lora: None,
+            chat_layout: super::corpus::ChatLayout::Pack,
         }
     }
 }
 
 impl RunOptions {
-    /// The learning rate of a run that does not give `--lr` and resumes nothing: 2e-5 for a model the user
-    /// brings (`pretrained`; the usual rate for fine-tuning a 0.1-8B model whole, as TRL's SFT default), 1e-2
-    /// for the built-in demo model, which trains from random weights.
-    pub fn default_lr(pretrained: bool) -> f64 {
-        if pretrained {
-            2e-5
-        } else {
-            1e-2
+    /// The learning rate of a run that does not give `--lr` and resumes nothing: for a model the user brings
+    /// (`pretrained`), 2e-5 (the usual rate for fine-tuning a 0.1-8B model whole, as TRL's SFT default) or, with
+    /// LoRA (`lora`), [`super::lora::DEFAULT_LORA_LR`]; 1e-2 for the built-in demo model, which trains from
+    /// random weights.
+    pub fn default_lr(pretrained: bool, lora: bool) -> f64 {
+        match (pretrained, lora) {
+            (true, true) => super::lora::DEFAULT_LORA_LR,
+            (true, false) => 2e-5,
+            (false, _) => 1e-2,
         }
     }
 

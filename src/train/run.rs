@@ -18,12 +18,14 @@ use serde_json::json;
 
 use super::checkpoint::{self, RunShape, SaveLock, TrainerState};
 use super::config::{micro_batches, NonFinite, TrainConfig};
+use super::corpus::Corpus;
 use super::curriculum::Curriculum;
 use super::data::{self, DataSource};
 use super::error::{Result, TrainError};
 use super::eval::{answer_accuracy, Answers, HeldOut};
 use super::events::Event;
 use super::launch::Carrier;
+use super::lora::{merge_into, LoraRun};
 use super::metrics::{Accuracy, EvalLoss, Score, Summary};
 use super::model;
 use super::options::{checkpoint_flag, strategy_flag, RunOptions};
@@ -53,8 +55,8 @@ pub struct Job {
     pub base: std::sync::Mutex<Option<Arc<HashMap<String, Tensor>>>>,
     /// Where the model came from (for the report).
     pub source: String,
-    /// `tokenizer.json`'s text, written into every checkpoint.
-    pub tokenizer_json: Option<String>,
+    /// The tokenizer's files (`tokenizer.json`, `tokenizer_config.json`), written into every checkpoint.
+    pub tokenizer_files: Vec<(String, String)>,
     /// The training data.
     pub stream: Stream,
     /// Held-out samples for the accuracy probe (passkey and needles data only), at `seq_len`.
@@ -80,6 +82,8 @@ pub struct Job {
     pub heap: Option<&'static TrackingAllocator>,
     /// The program's name, which starts the first line describing the run (`training` unless set).
     pub name: String,
+    /// The LoRA adapters the ranks add to the model, when the run trains adapters.
+    pub lora: Option<LoraRun>,
 }
 
 /// The kernel switches from the environment (`AUTOSP_KERNELS`, `AUTOSP_SIMD`), checked so that a typo or a
@@ -150,7 +154,24 @@ impl Job {
             None => None,
         };
         let saved = resumed.as_ref().map(|(_, s)| s);
-        let lr = o.lr.or(saved.and_then(|s| s.lr)).unwrap_or_else(|| RunOptions::default_lr(o.model.is_some()));
+        let lora = LoraRun::from_options(o, resumed.as_ref().map(|(d, s)| (d.as_path(), s.base_model.as_deref())))?;
+        // The model the run starts from: the checkpoint resumed (a LoRA checkpoint holds only the adapter: its
+        // base), --model, an adapter's base, or the demo model.
+        let base = o.model.clone().or_else(|| lora.as_ref().and_then(|l| l.base.clone()));
+        let source = match (&resumed, &base) {
+            (Some((dir, _)), _) if !autosp_models::is_adapter(dir) => dir.display().to_string(),
+            (Some((dir, _)), None) => {
+                return Err(TrainError::Config(format!(
+                    "--resume {}: the LoRA checkpoint does not name its base model; give it with --model",
+                    dir.display()
+                )))
+            }
+            (_, Some(m)) => m.clone(),
+            (None, None) => model::tiny_model(o.seed)?.display().to_string(),
+        };
+        let pretrained = base.is_some();
+        let lr =
+            o.lr.or(saved.and_then(|s| s.lr)).unwrap_or_else(|| RunOptions::default_lr(pretrained, lora.is_some()));
         let decay_all = o.decay_all
             || match saved {
                 Some(s) => s.decay_all.unwrap_or(true),
@@ -169,6 +190,7 @@ impl Job {
             warmup: o.warmup,
             max_attention_distance: o.max_attention_distance,
             curriculum: curriculum.flag(),
+            base_model: lora.as_ref().map(|_| source.clone()),
         };
         let (resume, resume_changes) = match resumed {
             Some((dir, state)) => {
@@ -177,13 +199,8 @@ impl Job {
             }
             None => (None, Vec::new()),
         };
-        let source = match (&resume, &o.model) {
-            (Some((dir, _)), _) => dir.display().to_string(),
-            (None, Some(m)) => m.clone(),
-            (None, None) => model::tiny_model(o.seed)?.display().to_string(),
-        };
         let loaded = model::load(&source, Precision::float(dtype).master())?;
-        let (vocab, eos) = (loaded.model.config.vocab_size, loaded.model.config.eos_token_id);
+        let vocab = loaded.model.config.vocab_size;
         let mut probes = Vec::new();
         let stream = match &source_kind {
             DataSource::Needles => {
@@ -204,11 +221,24 @@ impl Job {
                 probes = Passkey::probes(pv.clone(), o.seed, if o.quick { 4 } else { 8 }, o.seq_len)?;
                 Stream::Passkey(Passkey::new(pv, o.seq_len, o.seed)?)
             }
-            DataSource::Ids(f) | DataSource::Text(f) => {
-                let who = format!("`{source}`");
-                let ids =
-                    source_kind.file_ids("--data", &who, vocab, loaded.tokenizer.as_ref(), eos)?.unwrap_or_default();
+            DataSource::Ids(f) => {
+                let ids = data::read_ids(f, vocab)?;
                 Stream::packed(data::pack(&ids, o.seq_len, &f.display().to_string())?)
+            }
+            DataSource::Text(f) => {
+                let t = loaded.tokenising(&format!("--data {}", f.display()), &source, o);
+                // Bad data is reported before a missing tokenizer.
+                let t = t.or_else(|e| Corpus::check(f).and(Err(e)))?;
+                let corpus = Corpus::prepare(f, &t)?;
+                if corpus.windows(o.seq_len) == 0 {
+                    return Err(TrainError::Data(format!(
+                        "--seq-len {} is longer than the {} tokens available in {}: lower --seq-len or give more data",
+                        o.seq_len,
+                        corpus.tokens,
+                        f.display()
+                    )));
+                }
+                Stream::Corpus { corpus: Arc::new(corpus), seq_len: o.seq_len, next: 0 }
             }
         };
         let eval_ids = match &o.eval_tokens {
@@ -227,7 +257,11 @@ impl Job {
         };
         let heldout = match &o.eval_data {
             Some(spec) => {
-                Some(HeldOut::load(spec, o.seq_len, o.eval_tokens_max, vocab, loaded.tokenizer.as_ref(), eos)?)
+                let t = match DataSource::parse(spec) {
+                    DataSource::Text(_) => Some(loaded.tokenising(&format!("--eval-data {spec}"), &source, o)?),
+                    _ => None,
+                };
+                Some(HeldOut::load(spec, o.seq_len, o.eval_tokens_max, vocab, t.as_ref())?)
             }
             None => None,
         };
@@ -254,11 +288,13 @@ impl Job {
             save_dir: Some(save_root.clone()),
             metrics: o.metrics.clone(),
             dump_grads: o.dump_grads.clone(),
+            base_model: shape.base_model.clone(),
         };
         train.validate()?;
         let config = loaded.model.config.clone();
         let base = loaded.model.to_weights();
-        drop(loaded.model);
+        let tokenizer_files = loaded.tokenizer_files();
+        drop(loaded);
         Ok(Job {
             p,
             mesh,
@@ -267,7 +303,7 @@ impl Job {
             config,
             base: std::sync::Mutex::new(Some(Arc::new(base))),
             source,
-            tokenizer_json: loaded.tokenizer_json,
+            tokenizer_files,
             stream,
             probes,
             train,
@@ -278,6 +314,7 @@ impl Job {
             save_root,
             device,
             carrier: if threads { Carrier::Threads } else { Carrier::Mpi },
+            lora,
             heap: None,
             name: "training".into(),
             options,
@@ -314,7 +351,11 @@ impl Job {
                 .iter()
                 .map(|(k, t)| Ok((k.clone(), t.to_device(&device)?.to_dtype(self.dtype)?)))
                 .collect::<Result<HashMap<String, Tensor>>>()?;
-            Ok(LlamaModel::from_weights(&self.config, weights)?)
+            let mut model = LlamaModel::from_weights(&self.config, weights)?;
+            if let Some(l) = &self.lora {
+                l.apply(&mut model)?;
+            }
+            Ok(model)
         };
         // At `parameters` the ranks build in turn, each keeping its slices before the next builds: one whole
         // model in `dtype` at a time, not one per rank.
@@ -364,9 +405,14 @@ impl Job {
         for line in self.describe(&c, &device)? {
             say(line);
         }
+        // The f32 masters start from the base weights, and from the adapter a LoRA run starts from.
+        let masters = match self.lora.as_ref().and_then(|l| l.weights.as_ref()) {
+            Some(w) => base.iter().chain(w.iter()).map(|(k, t)| (k.clone(), t.clone())).collect(),
+            None => (*base).clone(),
+        };
         let mut trainer = Trainer::new(c, self.train.clone(), self.stream.clone())?
-            .with_masters(&base)?
-            .with_tokenizer(self.tokenizer_json.clone())
+            .with_masters(&masters)?
+            .with_tokenizer(self.tokenizer_files.clone())
             .with_heldout(self.heldout.clone())
             .with_probes(self.probes.clone());
         if let Some(heap) = self.heap {
@@ -450,9 +496,18 @@ impl Job {
             skipped: out.skipped,
             checkpoint: out.checkpoint.unwrap_or_default(),
         };
+        let adapter = summary.checkpoint.clone();
         trainer.record(&summary.to_json())?;
         if rank0 {
             observe(Event::Summary(Box::new(summary)));
+        }
+        if let (Some(out), true) = (&o.merge_lora, rank0) {
+            let merged = merge_into(&self.source, &adapter, out)?;
+            observe(Event::Info(format!(
+                "merged the adapter of {} into the base model: {} (an HF checkpoint transformers loads as it is)",
+                adapter.display(),
+                merged.display()
+            )));
         }
         Ok(Ended::Done)
     }
@@ -499,24 +554,40 @@ impl Job {
             ),
             self.carrier.describe(device),
             format!("model states (--shard {}: {}): {}", c.sharding(), c.sharding_reason(), c.model_state_bytes()),
-            format!(
-                "optimizer: AdamW, peak lr {:e}{}, weight decay {} {}",
-                self.train.lr,
-                match (o.lr, &self.resume, o.model.is_some()) {
-                    (Some(_), _, _) => " (--lr)",
-                    (None, Some(_), _) => " (the checkpoint's)",
-                    (None, None, true) => " (the default for a pretrained --model; --lr to change it)",
-                    (None, None, false) => " (the demo model's default)",
-                },
-                self.train.adamw.weight_decay,
-                if self.train.decay_all {
-                    "on every parameter"
-                } else {
-                    "on the projection matrices only (norms, biases and the embedding are not decayed; --decay-all to \
-                     decay them)"
-                }
-            ),
         ];
+        if let Some(lora) = c.model().lora_config() {
+            let all: usize = autosp_core::module::all_params(c.model()).iter().map(|p| p.shape().elem_count()).sum();
+            let trained: usize = c.params().iter().map(|p| p.shape().elem_count()).sum();
+            lines.push(format!(
+                "LoRA: {} (scale {}); {trained} of {all} parameters train ({:.2}%), the base is frozen{}",
+                super::lora::describe(&lora),
+                lora.alpha / lora.r as f64,
+                100.0 * trained as f64 / all.max(1) as f64,
+                match self.lora.as_ref().and_then(|l| l.weights.as_ref()) {
+                    Some(_) => "; starting from a saved adapter",
+                    None => "",
+                }
+            ));
+        }
+        lines.extend([format!(
+            "optimizer: AdamW, peak lr {:e}{}, weight decay {} {}",
+            self.train.lr,
+            match (o.lr, &self.resume, o.model.is_some()) {
+                (Some(_), _, _) => " (--lr)",
+                (None, Some(_), _) => " (the checkpoint's)",
+                (None, None, true) if self.lora.is_some() =>
+                    " (the LoRA default for a pretrained --model; --lr to change it)",
+                (None, None, true) => " (the default for a pretrained --model; --lr to change it)",
+                (None, None, false) => " (the demo model's default)",
+            },
+            self.train.adamw.weight_decay,
+            if self.train.decay_all {
+                "on every parameter"
+            } else {
+                "on the projection matrices only (norms, biases and the embedding are not decayed; --decay-all to \
+                     decay them)"
+            }
+        )]);
         if let Some(w) = c.max_attention_distance() {
             lines.push(format!(
                 "attention window (--max-attention-distance {w}): each token sees only the {} tokens at most {w} \

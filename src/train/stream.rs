@@ -35,6 +35,15 @@ pub enum Stream {
     Passkey(Passkey),
     /// Fresh needles samples (trained on their answers only), of the curriculum's length.
     Needles(Needles),
+    /// The windows of a tokenised corpus on disk, in order, cycling (read one at a time).
+    Corpus {
+        /// The corpus ([`super::corpus::Corpus`]).
+        corpus: std::sync::Arc<super::corpus::Corpus>,
+        /// Tokens per window.
+        seq_len: usize,
+        /// The index of the next one (modulo the count).
+        next: usize,
+    },
     /// Packed sequences, in order, cycling.
     Packed {
         /// The sequences ([`super::data::pack`]).
@@ -61,7 +70,11 @@ impl Stream {
 
     /// Whether training scores only each sample's answers (the needles task) rather than every token.
     pub fn answers_only(&self) -> bool {
-        matches!(self, Stream::Needles(_))
+        match self {
+            Stream::Needles(_) => true,
+            Stream::Corpus { corpus, .. } => corpus.chat,
+            _ => false,
+        }
     }
 
     /// The next training sequence, of `len` tokens (only the needles task takes other lengths than the
@@ -70,6 +83,11 @@ impl Stream {
         match self {
             Stream::Passkey(p) => p.sample(),
             Stream::Needles(g) => g.sample(len),
+            Stream::Corpus { corpus, seq_len, next } => {
+                let s = corpus.window(*next % corpus.windows(*seq_len).max(1), *seq_len)?;
+                *next += 1;
+                Ok(s)
+            }
             Stream::Packed { seqs, next } => {
                 let s = &seqs[*next % seqs.len()];
                 *next += 1;
@@ -83,7 +101,7 @@ impl Stream {
         match self {
             Stream::Passkey(p) => Position { drawn, rng: p.rng.state() },
             Stream::Needles(g) => Position { drawn, rng: g.rng.state() },
-            Stream::Packed { .. } => Position { drawn, rng: 0 },
+            Stream::Packed { .. } | Stream::Corpus { .. } => Position { drawn, rng: 0 },
         }
     }
 
@@ -92,7 +110,7 @@ impl Stream {
         match self {
             Stream::Passkey(p) => p.rng = Rng::new(pos.rng),
             Stream::Needles(g) => g.rng = Rng::new(pos.rng),
-            Stream::Packed { next, .. } => *next = pos.drawn as usize,
+            Stream::Packed { next, .. } | Stream::Corpus { next, .. } => *next = pos.drawn as usize,
         }
     }
 }

@@ -77,7 +77,7 @@ pub struct Trainer {
     drawn: u64,
     first_step: usize,
     last_saved: Option<PathBuf>,
-    tokenizer: Option<String>,
+    tokenizer: Vec<(String, String)>,
     heldout: Option<HeldOut>,
     probes: Vec<Sample>,
     heap: Option<&'static TrackingAllocator>,
@@ -109,7 +109,7 @@ impl Trainer {
             drawn: 0,
             first_step: 0,
             last_saved: None,
-            tokenizer: None,
+            tokenizer: Vec::new(),
             heldout: None,
             probes: Vec::new(),
             heap: None,
@@ -118,22 +118,27 @@ impl Trainer {
     }
 
     /// Starts the optimizer's f32 master weights (bf16/f16 compute) from `weights` (HF name -> tensor,
-    /// f32), not from the parameters' rounding: pass the weights the model was built from. A no-op in f32.
+    /// f32), not from the parameters' rounding: pass the weights the model was built from (and the adapter a
+    /// LoRA run starts from). A fresh LoRA adapter, which no file holds, starts from its own values. A no-op
+    /// in f32.
     pub fn with_masters(mut self, weights: &HashMap<String, Tensor>) -> Result<Self> {
         if Precision::float(self.compiled.dtype()).needs_master() {
             for p in &self.params {
-                let w = weights
-                    .get(p.name())
-                    .ok_or_else(|| TrainError::Config(format!("the loaded model has no `{}`", p.name())))?;
+                let w = match weights.get(p.name()) {
+                    Some(w) => w,
+                    None if p.name().contains(".lora_") => continue,
+                    None => return Err(TrainError::Config(format!("the loaded model has no `{}`", p.name()))),
+                };
                 self.opt.set_master(p, w)?;
             }
         }
         Ok(self)
     }
 
-    /// Writes `tokenizer_json` (the text of `tokenizer.json`) into every checkpoint.
-    pub fn with_tokenizer(mut self, tokenizer_json: Option<String>) -> Self {
-        self.tokenizer = tokenizer_json;
+    /// Writes the tokenizer's files (name and text: `tokenizer.json`, and `tokenizer_config.json` with the
+    /// chat template when the model has one) into every checkpoint.
+    pub fn with_tokenizer(mut self, files: Vec<(String, String)>) -> Self {
+        self.tokenizer = files;
         self
     }
 
@@ -221,6 +226,7 @@ impl Trainer {
             warmup: c.warmup,
             max_attention_distance: self.compiled.max_attention_distance(),
             curriculum: c.curriculum.flag(),
+            base_model: c.base_model.clone(),
         }
     }
 
@@ -236,11 +242,11 @@ impl Trainer {
             let state = TrainerState::new(self.step, self.opt.steps(), self.stream.position(self.drawn), &self.shape());
             let model = self.compiled.model();
             let world = self.compiled.group();
-            checkpoint::save_sharded(world, &root, model, &self.opt, &self.params, &state, self.tokenizer.as_deref())?
+            checkpoint::save_sharded(world, &root, model, &self.opt, &self.params, &state, &self.tokenizer)?
         } else if self.is_reporting() {
             let state = TrainerState::new(self.step, self.opt.steps(), self.stream.position(self.drawn), &self.shape());
             let model = self.compiled.model();
-            checkpoint::save(&root, model, &self.opt, &self.params, &state, self.tokenizer.as_deref())?
+            checkpoint::save(&root, model, &self.opt, &self.params, &state, &self.tokenizer)?
         } else {
             Saved { dir: checkpoint::step_dir(&root, self.step), cleaned: Vec::new() }
         };
@@ -381,6 +387,8 @@ impl Trainer {
         let replicas = self.compiled.mesh().data;
         let mut grads = Gradients::new();
         let (mut loss_sum, mut count, mut tape_peak) = (0f64, 0usize, 0usize);
+        // LoRA's dropout masks follow the step, so a resumed run draws the ones an uninterrupted run drew.
+        autosp_core::lora::seed_dropout(self.compiled.model(), self.step as u64);
         for _ in 0..micro {
             let (mut ids, mut labels) = (Vec::with_capacity(seq_len), Vec::with_capacity(seq_len));
             for _ in 0..replicas * seq_len / len {

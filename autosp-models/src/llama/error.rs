@@ -32,6 +32,9 @@ pub enum ModelError {
     /// A generation request that cannot run (empty prompt, bad sampling parameters, prompt too long).
     #[error("generation: {0}")]
     Generate(String),
+    /// LoRA cannot be added, or an adapter does not fit the model.
+    #[error("LoRA: {0}")]
+    Lora(String),
     /// A tape op failed.
     #[error(transparent)]
     Core(#[from] autosp_core::Error),

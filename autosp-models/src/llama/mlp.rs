@@ -2,7 +2,7 @@
 //! Gemma's GeGLU (`act` = gelu, tanh approximation). SwiGLU inside a checkpoint region that recomputes (Full,
 //! SequenceAware) runs as one chunked op that saves only its input and recomputes the `[n, intermediate]`
 //! gate and up projections chunk by chunk in backward; elsewhere (no region, policy None, inference, and
-//! GeGLU always) as three linears and the gate, keeping every intermediate.
+//! GeGLU and LoRA-adapted projections always) as three linears and the gate, keeping every intermediate.
 
 use autosp_core::module::Module;
 use autosp_core::nn::Linear;
@@ -51,10 +51,11 @@ impl LlamaMlp {
     }
 
     /// Whether to run as the chunked op: inside a recomputing region, only SwiGLU, and only without biases
-    /// (Llama's MLP has none).
+    /// (Llama's MLP has none) or LoRA adapters (which run as linears of their own).
     fn chunked(&self, tape: &Tape) -> bool {
-        let biased = [&self.gate_proj, &self.up_proj, &self.down_proj].iter().any(|l| l.bias.is_some());
-        tape.region_recomputes() && !biased && self.activation == Activation::Silu
+        let plain =
+            [&self.gate_proj, &self.up_proj, &self.down_proj].iter().all(|l| l.bias.is_none() && l.lora.is_none());
+        tape.region_recomputes() && plain && self.activation == Activation::Silu
     }
 }
 

@@ -8,6 +8,7 @@ pub mod causal_lm;
 pub mod error;
 pub mod generate;
 pub mod kv_cache;
+mod lora;
 pub mod mlp;
 pub mod model;
 mod norm;

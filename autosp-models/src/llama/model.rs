@@ -76,7 +76,7 @@ fn linear(
 ) -> ModelResult<Linear> {
     let weight = take(weights, &format!("{prefix}.weight"), &[out, inp])?;
     let bias = if bias { Some(take(weights, &format!("{prefix}.bias"), &[out])?) } else { None };
-    Ok(Linear { weight, bias })
+    Ok(Linear::new(weight, bias))
 }
 
 impl LlamaModel {

@@ -11,12 +11,20 @@ use crate::train::error::{IoContext, Result, TrainError};
 /// Bytes read at a time when hashing a file.
 pub(super) const HASH_CHUNK: usize = 1 << 20;
 
+/// FNV-1a's starting value.
+pub(crate) const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// FNV-1a (64-bit) of `bytes`, continuing from `h` ([`FNV_OFFSET`] to start).
+pub(crate) fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
 /// FNV-1a (64-bit) of a file's bytes and its length, read in [`HASH_CHUNK`] pieces (a checkpoint's files
 /// can be larger than the memory left).
-pub(super) fn fingerprint(path: &Path) -> Result<(u64, String)> {
+pub(crate) fn fingerprint(path: &Path) -> Result<(u64, String)> {
     let mut f = std::fs::File::open(path).io(|| format!("reading {}", path.display()))?;
     let mut buf = vec![0u8; HASH_CHUNK];
-    let (mut h, mut len) = (0xcbf2_9ce4_8422_2325u64, 0u64);
+    let (mut h, mut len) = (FNV_OFFSET, 0u64);
     loop {
         let n = match f.read(&mut buf) {
             Ok(0) => break,
@@ -24,7 +32,7 @@ pub(super) fn fingerprint(path: &Path) -> Result<(u64, String)> {
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(TrainError::io(format!("reading {}", path.display()), e)),
         };
-        h = buf[..n].iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+        h = fnv1a(h, &buf[..n]);
         len += n as u64;
     }
     Ok((len, format!("{h:016x}")))

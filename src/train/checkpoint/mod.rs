@@ -28,11 +28,13 @@ use std::path::{Path, PathBuf};
 use autosp_core::optim::AdamW;
 use autosp_core::Param;
 use autosp_core::Precision;
-use autosp_models::{save_model, LlamaModel, SaveOptions};
+use autosp_models::peft::ADAPTER_CONFIG;
+use autosp_models::{save_adapter, save_model, LlamaModel, SaveOptions};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
 pub use atomic::clean_stale;
+pub(crate) use atomic::{fingerprint, fnv1a, FNV_OFFSET};
 pub use lock::{SaveLock, LOCK_FILE};
 pub use sharded::{rank_file, restore_sharded, save_sharded};
 
@@ -73,6 +75,8 @@ pub struct RunShape {
     pub max_attention_distance: Option<usize>,
     /// The sequence-length curriculum as `--curriculum` spells it (`none` without one).
     pub curriculum: String,
+    /// The base model a LoRA run trains adapters on (`--model` as given); `None` for full fine-tuning.
+    pub base_model: Option<String>,
 }
 
 /// What a checkpoint records besides the tensors.
@@ -115,6 +119,9 @@ pub struct TrainerState {
     /// The sequence-length curriculum of `--data needles` as `--curriculum` spells it (`none` for other
     /// data; `None` in checkpoints written before it was recorded).
     pub curriculum: Option<String>,
+    /// The base model of a LoRA run, whose checkpoints hold the adapter instead of the model; `None` for full
+    /// fine-tuning.
+    pub base_model: Option<String>,
 }
 
 impl TrainerState {
@@ -137,6 +144,7 @@ impl TrainerState {
             warmup: Some(shape.warmup),
             max_attention_distance: shape.max_attention_distance,
             curriculum: Some(shape.curriculum.clone()),
+            base_model: shape.base_model.clone(),
         }
     }
 
@@ -176,6 +184,11 @@ impl TrainerState {
             ("--data", self.data_source.clone(), now.data_source.clone()),
             ("--seed", self.seed.to_string(), now.seed.to_string()),
             ("--dtype", self.dtype.as_str().to_string(), now.dtype.as_str().to_string()),
+            (
+                "base model (LoRA's --model)",
+                self.base_model.clone().unwrap_or_else(|| "none (full fine-tuning)".into()),
+                now.base_model.clone().unwrap_or_else(|| "none (full fine-tuning)".into()),
+            ),
         ];
         for (what, saved, now) in same {
             if saved != now {
@@ -206,7 +219,8 @@ pub struct Saved {
 
 /// Writes the checkpoint of `state.step` into `root/step-{step}` atomically (see the module doc): the model
 /// (`params` by HF name, from the optimizer's master weights where it keeps them, in `model`'s config dtype),
-/// AdamW's state, `tokenizer` (the text of `tokenizer.json`) when given, and `state` with every file's hash.
+/// AdamW's state, the `tokenizer` files (name and text: `tokenizer.json`, `tokenizer_config.json`), and `state`
+/// with every file's hash.
 /// On failure nothing is replaced ([`TrainError::Save`]).
 pub fn save(
     root: &Path,
@@ -214,7 +228,7 @@ pub fn save(
     opt: &AdamW,
     params: &[Param],
     state: &TrainerState,
-    tokenizer: Option<&str>,
+    tokenizer: &[(String, String)],
 ) -> Result<Saved> {
     std::fs::create_dir_all(root).io(|| format!("creating the checkpoint directory {}", root.display()))?;
     let cleaned = clean_stale(root)?;
@@ -240,7 +254,7 @@ fn write_into(
     opt: &AdamW,
     params: &[Param],
     state: &TrainerState,
-    tokenizer: Option<&str>,
+    tokenizer: &[(String, String)],
 ) -> Result<()> {
     // The model's own dtype on disk, from the masters where the optimizer has them.
     let disk = model.config.torch_dtype.unwrap_or(DType::F32);
@@ -258,34 +272,56 @@ fn write_into(
             moments.insert(format!("{}.exp_avg_sq", p.name()), v.clone());
         }
     }
-    write_model(tmp, model, disk, &weights)?;
+    write_model(tmp, model, disk, &weights, state.base_model.as_deref())?;
     drop(weights);
     candle_core::safetensors::save(&moments, tmp.join(OPTIMIZER_FILE))?;
     drop(moments);
     write_rest(tmp, state, tokenizer, None)
 }
 
-/// Makes `tmp` holding the model in the HF layout (`weights` by HF name, saved in `disk`); it must be the
-/// first thing written there (the model is written atomically, replacing the directory).
-fn write_model(tmp: &Path, model: &LlamaModel, disk: DType, weights: &HashMap<String, Tensor>) -> Result<()> {
-    save_model(tmp, &model.config, weights, &SaveOptions { dtype: Some(disk), ..SaveOptions::default() })?;
+/// Makes `tmp` holding the model in the HF layout (`weights` by HF name, saved in `disk`), or, for a model
+/// with LoRA adapters, the adapter in PEFT's layout (`weights`: what trains, saved in f32; `base_model` names
+/// the base); it must be the first thing written there (written atomically, replacing the directory).
+fn write_model(
+    tmp: &Path,
+    model: &LlamaModel,
+    disk: DType,
+    weights: &HashMap<String, Tensor>,
+    base_model: Option<&str>,
+) -> Result<()> {
+    match model.lora_config() {
+        Some(lora) => {
+            let tied = model.config.tie_word_embeddings;
+            save_adapter(tmp, &lora, weights, base_model.unwrap_or_default(), tied, Some(DType::F32))?
+        }
+        None => save_model(tmp, &model.config, weights, &SaveOptions { dtype: Some(disk), ..SaveOptions::default() })?,
+    }
     Ok(())
+}
+
+/// The file every checkpoint's permissions follow: `config.json`, or an adapter's `adapter_config.json`.
+fn model_config_file(dir: &Path) -> PathBuf {
+    if dir.join(ADAPTER_CONFIG).is_file() {
+        dir.join(ADAPTER_CONFIG)
+    } else {
+        dir.join("config.json")
+    }
 }
 
 /// Finishes `tmp` (which holds the model and the optimizer state already): the optimizer files get the model
 /// files' permissions, the tokenizer is written, then `trainer_state.json` with `state`, `extra`'s fields and
 /// every file's size and hash.
-fn write_rest(tmp: &Path, state: &TrainerState, tokenizer: Option<&str>, extra: Option<Value>) -> Result<()> {
+fn write_rest(tmp: &Path, state: &TrainerState, tokenizer: &[(String, String)], extra: Option<Value>) -> Result<()> {
     for entry in std::fs::read_dir(tmp).io(|| format!("listing {}", tmp.display()))? {
         let path = entry.io(|| format!("listing {}", tmp.display()))?.path();
         let name = path.file_name().unwrap_or_default().to_string_lossy();
         if name.starts_with("optimizer") && name.ends_with(".safetensors") {
-            autosp_models::save::match_permissions(&path, &tmp.join("config.json"))?;
+            autosp_models::save::match_permissions(&path, &model_config_file(tmp))?;
         }
     }
-    if let Some(t) = tokenizer {
-        let path = tmp.join("tokenizer.json");
-        std::fs::write(&path, t).io(|| format!("writing {}", path.display()))?;
+    for (name, text) in tokenizer {
+        let path = tmp.join(name);
+        std::fs::write(&path, text).io(|| format!("writing {}", path.display()))?;
     }
     let mut files = BTreeMap::new();
     for entry in std::fs::read_dir(tmp).io(|| format!("listing {}", tmp.display()))? {
@@ -311,6 +347,7 @@ fn write_rest(tmp: &Path, state: &TrainerState, tokenizer: Option<&str>, extra: 
         "warmup": state.warmup,
         "max_attention_distance": state.max_attention_distance,
         "curriculum": state.curriculum,
+        "base_model": state.base_model,
         "files": files,
     });
     if let (Some(Value::Object(extra)), Some(map)) = (extra, doc.as_object_mut()) {
@@ -373,7 +410,8 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
         Some((_, list)) => list.keys().cloned().collect(),
         None => vec![OPTIMIZER_FILE.to_string()],
     };
-    for name in std::iter::once("config.json".to_string()).chain(optimizer) {
+    let model_file = if files.contains_key(ADAPTER_CONFIG) { ADAPTER_CONFIG } else { "config.json" };
+    for name in std::iter::once(model_file.to_string()).chain(optimizer) {
         if !files.contains_key(&name) {
             return Err(damaged(format!("{STATE_FILE} does not list {name}")));
         }
@@ -426,6 +464,7 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
             })? as usize),
         },
         curriculum: doc.get("curriculum").and_then(Value::as_str).map(str::to_string),
+        base_model: doc.get("base_model").and_then(Value::as_str).map(str::to_string),
     })
 }
 

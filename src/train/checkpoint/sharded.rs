@@ -59,7 +59,7 @@ pub fn save_sharded(
     opt: &AdamW,
     params: &[Param],
     state: &TrainerState,
-    tokenizer: Option<&str>,
+    tokenizer: &[(String, String)],
 ) -> Result<Saved> {
     let (rank, size) = (world.rank(), world.size());
     let rank0 = rank == 0;
@@ -104,7 +104,7 @@ pub fn save_sharded(
             if tmp.exists() {
                 std::fs::remove_dir_all(&tmp).io(|| format!("removing {}", tmp.display()))?;
             }
-            write_model(&tmp, model, disk, &weights)?;
+            write_model(&tmp, model, disk, &weights, state.base_model.as_deref())?;
             Ok(cleaned)
         })()
     } else {
