@@ -85,9 +85,9 @@ fn the_token_cache_packs_or_truncates_conversations_with_their_masks() {
     assert_eq!(ids, cases.iter().flat_map(|g| g.ids.clone()).collect::<Vec<_>>());
     assert_eq!(trained, cases.iter().flat_map(|g| g.mask.clone()).collect::<Vec<_>>());
     // A window's answers are its trained positions.
-    let w = packed.window(1, 32).unwrap();
+    let (_, answers) = packed.window(1, 32).unwrap();
     let want: Vec<usize> = (0..32).filter(|&k| trained[32 + k]).collect();
-    assert_eq!(w.answers, want);
+    assert_eq!(answers, want);
     // Truncated: each conversation starts a window of its own, cut at 48 tokens or padded with EOS (untrained).
     let cut = Corpus::prepare(&data, &t(ChatLayout::Truncate, 48)).unwrap();
     assert_ne!(cut.path, packed.path, "the layout is part of the cache key");

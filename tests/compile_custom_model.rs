@@ -262,3 +262,47 @@ fn tied_weights_train_the_same_at_p2_as_on_one_rank() {
         );
     }
 }
+
+/// `CompileConfig::with_lora` adapts any model's linears by module name (here the custom `qkv` and `out`):
+/// the base freezes and gets no gradient, the adapters train, and at P = 2 their gradients equal one rank's
+/// (Ring's tolerance, DESIGN.md: 1e-5 · P relative).
+#[test]
+fn compile_adds_lora_adapters_to_a_custom_model() {
+    let n = 45;
+    let grads_at = |p: usize| {
+        let out = run_ranks(p, std::time::Duration::from_secs(60), move |pg| {
+            let mut lora = autosp_core::lora::LoraConfig::new(2);
+            lora.targets = vec!["qkv".into(), "out".into()];
+            let cfg =
+                CompileConfig::new(pg, Strategy::Ring, Checkpointing::Policy(CheckpointPolicy::Full)).with_lora(lora);
+            let c = compile(Tiny::new(2), cfg).map_err(|e| e.to_string())?;
+            let (ids, labels) = common::batch(n, VOCAB);
+            // B starts at zero: give it values so that A gets a gradient too.
+            for (i, p) in c.params().iter().filter(|p| p.name().contains("lora_B")).enumerate() {
+                let t = autosp_core::gradcheck::probe(p.shape().dims(), 50 + i as u64, &candle_core::Device::Cpu);
+                p.set((t.unwrap() * 0.1).unwrap().to_dtype(candle_core::DType::F32).unwrap()).unwrap();
+            }
+            let step = c.train_step(&ids, Some(&labels)).map_err(|e| e.to_string())?;
+            let names: Vec<String> = c.params().iter().map(|p| p.name().to_string()).collect();
+            let frozen = all_params(c.model()).iter().filter(|p| p.is_frozen()).count();
+            let grads: Vec<(String, Vec<f32>)> = c
+                .params()
+                .iter()
+                .map(|p| (p.name().to_string(), step.grads.get(p).unwrap().flatten_all().unwrap().to_vec1().unwrap()))
+                .collect();
+            Ok::<_, String>((names, frozen, grads, step.grads.len()))
+        });
+        out.into_iter().next().unwrap().expect("rank failed").expect("step failed")
+    };
+    let (names, frozen, one, count) = grads_at(1);
+    assert_eq!(names.len(), 2 * 2 * 2, "A and B of qkv and out in 2 layers: {names:?}");
+    assert!(names.iter().all(|n| n.contains(".lora_")), "{names:?}");
+    assert_eq!(frozen, all_params(&Tiny::new(2)).len(), "every base parameter is frozen");
+    assert_eq!(count, names.len(), "only the adapters get gradients");
+    let (_, _, two, _) = grads_at(2);
+    for ((name, a), (_, b)) in one.iter().zip(&two) {
+        let scale = a.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12);
+        let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(scale > 0.0 && d <= 2e-5 * scale, "{name}: P=1 vs P=2 differ by {d} (max {scale})");
+    }
+}

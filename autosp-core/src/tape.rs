@@ -166,12 +166,14 @@ impl Tape {
     /// it skip the products that would only feed its gradient.
     pub fn param(&self, p: &Param) -> Result<Value> {
         if p.is_frozen() {
-            return Ok(Value::constant(p.whole()?));
+            // One leaf per frozen parameter that takes no gradient; like every parameter's, its bytes are the
+            // model's, not the tape's.
+            return self.param_leaf(p, false, || p.whole());
         }
         if p.shard().is_some_and(|s| s.level >= ShardLevel::Gradients) && !self.is_recording() {
             return Ok(Value::constant(p.whole()?));
         }
-        let Some((leaf, shard)) = self.param_slice(p)? else { return self.param_leaf(p, || Ok(p.tensor())) };
+        let Some((leaf, shard)) = self.param_slice(p)? else { return self.param_leaf(p, true, || Ok(p.tensor())) };
         Ok(self.apply(ShardedParam { param: p.clone(), shard }, &[&leaf])?.remove(0))
     }
 
@@ -183,7 +185,7 @@ impl Tape {
         if !self.is_recording() {
             return Ok(None);
         }
-        let leaf = self.param_leaf(p, || match shard.level {
+        let leaf = self.param_leaf(p, true, || match shard.level {
             ShardLevel::Parameters => Ok(p.tensor()),
             _ => shard.slice(&p.tensor()),
         })?;
@@ -191,8 +193,8 @@ impl Tape {
     }
 
     /// The leaf of parameter `p` on this tape, registered with `tensor()` the first time (a constant on an
-    /// inference tape).
-    fn param_leaf(&self, p: &Param, tensor: impl FnOnce() -> Result<Tensor>) -> Result<Value> {
+    /// inference tape); `requires_grad: false` for a frozen one.
+    fn param_leaf(&self, p: &Param, requires_grad: bool, tensor: impl FnOnce() -> Result<Tensor>) -> Result<Value> {
         if !self.is_recording() {
             return Ok(Value::constant(tensor()?));
         }
@@ -203,7 +205,7 @@ impl Tape {
         }
         let tensor = tensor()?;
         let mut inner = self.inner.borrow_mut();
-        let index = inner.push_value(Origin::Param(p.id()), &tensor, true);
+        let index = inner.push_value(Origin::Param(p.id()), &tensor, requires_grad);
         inner.values[index].tensor = Some(tensor.clone());
         inner.params.insert(p.id(), index);
         Ok(Value { tensor, id: Some(ValueRef { tape: self.id, index }) })

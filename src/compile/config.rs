@@ -68,6 +68,9 @@ pub struct CompileConfig {
     /// that shows whether a task uses context further away than `d` (`llama_longctx
     /// --max-attention-distance`).
     pub max_attention_distance: Option<usize>,
+    /// LoRA adapters to add before compiling ([`autosp_core::lora::add_lora`]: the base freezes, the target
+    /// linears get adapters); `None`: the model as it is (which may have adapters already).
+    pub lora: Option<autosp_core::lora::LoraConfig>,
 }
 
 impl CompileConfig {
@@ -82,7 +85,15 @@ impl CompileConfig {
             dtype: DType::F32,
             seq_len: None,
             max_attention_distance: None,
+            lora: None,
         }
+    }
+
+    /// The same configuration adding LoRA adapters to the model (see [`CompileConfig::lora`]). Every rank adds
+    /// the same ones (their initialisation is seeded by `lora.seed`).
+    pub fn with_lora(mut self, lora: autosp_core::lora::LoraConfig) -> Self {
+        self.lora = Some(lora);
+        self
     }
 
     /// The same configuration on a data × sequence mesh (D·S must be the group's size).

@@ -203,6 +203,16 @@ pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compi
             config.dtype
         )));
     }
+    if let Some(lora) = &config.lora {
+        if autosp_core::module::all_params(&model).iter().any(|p| p.shard().is_some()) {
+            return Err(CompileError::Input(
+                "CompileConfig::lora on a model built sharded: add the adapters before sharding \
+                 (autosp_core::lora::add_lora inside build_sharded's closure)"
+                    .into(),
+            ));
+        }
+        autosp_core::lora::add_lora(&mut model, lora)?;
+    }
     if let Some(bad) = autosp_core::module::all_params(&model).into_iter().find(|x| x.tensor().dtype() != config.dtype)
     {
         return Err(CompileError::Input(format!(

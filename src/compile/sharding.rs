@@ -168,12 +168,15 @@ pub fn model_state_bytes(counts: &ParamCounts, dtype: DType, level: ShardLevel, 
 /// The level a compile uses when none is asked for, and why: `None` on one rank and below
 /// [`SHARD_FROM_BYTES`] of unsharded model state, `Gradients` from it. Over one process per rank the bytes
 /// are one rank's; over thread ranks (`shares_memory`) the process's, W copies of it: sharded, thread ranks
-/// hold one copy of the parameters between them (they gather into one tensor) and 1/W each of the rest.
+/// hold one copy of the parameters between them (they gather into one tensor) and 1/W each of the rest. Frozen
+/// parameters, which no level shards, are left out of the decision.
 pub fn default_level(counts: &ParamCounts, dtype: DType, world: usize, shares_memory: bool) -> (ShardLevel, String) {
     if world == 1 {
         return (ShardLevel::None, "one rank: nothing to shard".into());
     }
-    let whole = model_state_bytes(counts, dtype, ShardLevel::None, world).total();
+    // Frozen parameters (LoRA's base) are never sharded: only what trains decides the level.
+    let whole =
+        model_state_bytes(counts, dtype, ShardLevel::None, world).total() - counts.frozen * dtype.size_in_bytes();
     let (held, whose) = if shares_memory {
         (whole * world, format!("{} for this process's {world} thread ranks", mib(whole * world)))
     } else {
@@ -282,5 +285,8 @@ mod tests {
         assert!(why.contains("thread ranks") && why.contains("one copy all ranks share"), "{why}");
         // 80M: 1280 MB per rank, above the line either way.
         assert_eq!(default_level(&counts(80 << 20), DType::F32, 2, false).0, ShardLevel::Gradients);
+        // A LoRA model: 80M frozen, 1M training: nothing worth sharding.
+        let lora = ParamCounts { elems: vec![1 << 20], frozen: 80 << 20, largest_unit: 1 << 20, ..Default::default() };
+        assert_eq!(default_level(&lora, DType::F32, 2, true).0, ShardLevel::None);
     }
 }

@@ -20,9 +20,8 @@ use std::path::{Path, PathBuf};
 use autosp_models::tokenizer::encode_document;
 use autosp_models::{ChatTemplate, Tokenizer};
 
-use super::checkpoint::{fingerprint, fnv1a, FNV_OFFSET};
 use super::error::{IoContext, Result, TrainError};
-use super::stream::Sample;
+use super::fingerprint::{fingerprint, fnv1a, FNV_OFFSET};
 
 /// The cache format's version (part of the key).
 const FORMAT: &str = "autosp-corpus-v1";
@@ -173,12 +172,12 @@ impl Corpus {
         (self.tokens / seq_len as u64) as usize
     }
 
-    /// Window `index` (`seq_len` tokens from token `index · seq_len`), with the positions of its tokens that
-    /// train as the sample's answers (chat data; none for text, which trains on every token).
-    pub fn window(&self, index: usize, seq_len: usize) -> Result<Sample> {
+    /// Window `index` (`seq_len` tokens from token `index · seq_len`): its ids and the positions of its tokens
+    /// that train (chat data; none for text, which trains on every token).
+    pub fn window(&self, index: usize, seq_len: usize) -> Result<(Vec<u32>, Vec<usize>)> {
         let (ids, trained) = self.read(index as u64 * seq_len as u64, seq_len)?;
         let answers = if self.chat { (0..ids.len()).filter(|&i| trained[i]).collect() } else { Vec::new() };
-        Ok(Sample { ids, answers })
+        Ok((ids, answers))
     }
 
     /// `len` tokens from token `start` (fewer at the end): the ids and whether each trains.
@@ -249,8 +248,13 @@ fn for_each_doc(data: &Path, kind: Kind, mut each: impl FnMut(Doc<'_>) -> Result
             continue;
         }
         let at = || format!("{} line {}", data.display(), i + 1);
-        let v: serde_json::Value =
-            serde_json::from_str(&line).map_err(|e| TrainError::Data(format!("{}: not JSON ({e})", at())))?;
+        let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| {
+            TrainError::Data(format!(
+                "{}: not JSON ({e}); a JSONL data file holds one JSON object with a \"text\" string or a \
+                     \"messages\" list per line (use a .txt extension for plain text)",
+                at()
+            ))
+        })?;
         let doc = match kind {
             Kind::Chat => Doc::Chat(v.get("messages").and_then(|m| m.as_array()).ok_or_else(|| {
                 TrainError::Data(format!("{}: no \"messages\" list (the file's first line has one)", at()))
@@ -324,8 +328,7 @@ mod tests {
         assert_eq!(c.tokens, 7);
         assert_eq!(c.read(0, 10).unwrap().0, vec![1, 3, 4, 2, 1, 4, 2]);
         assert_eq!(c.windows(3), 2);
-        let w = c.window(1, 3).unwrap();
-        assert_eq!((w.ids, w.answers), (vec![2, 1, 4], vec![]));
+        assert_eq!(c.window(1, 3).unwrap(), (vec![2, 1, 4], vec![]));
         assert!(
             c.path.parent() == Some(dir.path())
                 && c.path.file_name().unwrap().to_string_lossy().starts_with(".d.jsonl.autosp-")

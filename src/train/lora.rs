@@ -5,8 +5,7 @@
 //!
 //! Defaults: alpha `2r` (the common choice: the update's scale stays 2 whatever the rank), dropout 0, every
 //! projection adapted (QLoRA's finding: adapting all linear layers matches full fine-tuning best), nothing
-//! else trained, peak learning rate 2e-4 with `--model` (PEFT's and TRL's usual LoRA rate, ten times a full
-//! fine-tune's: the update starts at zero and is low rank).
+//! else trained, peak learning rate [`super::options::DEFAULT_LORA_LR`] with `--model`.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -18,9 +17,6 @@ use candle_core::{DType, Tensor};
 
 use super::error::{Result, TrainError};
 use super::options::RunOptions;
-
-/// The learning rate of a LoRA run on a model the user brings, when `--lr` is not given.
-pub const DEFAULT_LORA_LR: f64 = 2e-4;
 
 /// A LoRA run's adapters: their settings, the tensors they start from, and the base model.
 #[derive(Clone, Debug)]

@@ -75,6 +75,7 @@ pub mod data;
 mod error;
 mod eval;
 mod events;
+mod fingerprint;
 pub mod interrupt;
 mod launch;
 pub mod lora;

@@ -10,6 +10,10 @@ use candle_core::DType;
 use crate::compile::{Checkpointing, Strategy};
 use crate::device::DeviceSpec;
 
+/// The learning rate of a LoRA run on a model the user brings, when `--lr` is not given: PEFT's and TRL's usual
+/// LoRA rate, ten times a full fine-tune's (the update starts at zero and is low rank).
+pub const DEFAULT_LORA_LR: f64 = 2e-4;
+
 /// The settings of a fine-tuning run, one per `llama_longctx` option (see its `--help` for each); the
 /// defaults are the options' defaults.
 #[derive(Clone, Debug)]
@@ -140,11 +144,11 @@ impl Default for RunOptions {
 impl RunOptions {
     /// The learning rate of a run that does not give `--lr` and resumes nothing: for a model the user brings
     /// (`pretrained`), 2e-5 (the usual rate for fine-tuning a 0.1-8B model whole, as TRL's SFT default) or, with
-    /// LoRA (`lora`), [`super::lora::DEFAULT_LORA_LR`]; 1e-2 for the built-in demo model, which trains from
+    /// LoRA (`lora`), [`DEFAULT_LORA_LR`]; 1e-2 for the built-in demo model, which trains from
     /// random weights.
     pub fn default_lr(pretrained: bool, lora: bool) -> f64 {
         match (pretrained, lora) {
-            (true, true) => super::lora::DEFAULT_LORA_LR,
+            (true, true) => DEFAULT_LORA_LR,
             (true, false) => 2e-5,
             (false, _) => 1e-2,
         }

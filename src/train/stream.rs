@@ -84,9 +84,9 @@ impl Stream {
             Stream::Passkey(p) => p.sample(),
             Stream::Needles(g) => g.sample(len),
             Stream::Corpus { corpus, seq_len, next } => {
-                let s = corpus.window(*next % corpus.windows(*seq_len).max(1), *seq_len)?;
+                let (ids, answers) = corpus.window(*next % corpus.windows(*seq_len).max(1), *seq_len)?;
                 *next += 1;
-                Ok(s)
+                Ok(Sample { ids, answers })
             }
             Stream::Packed { seqs, next } => {
                 let s = &seqs[*next % seqs.len()];

@@ -34,11 +34,11 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
 pub use atomic::clean_stale;
-pub(crate) use atomic::{fingerprint, fnv1a, FNV_OFFSET};
 pub use lock::{SaveLock, LOCK_FILE};
 pub use sharded::{rank_file, restore_sharded, save_sharded};
 
 use super::error::{IoContext, Result, TrainError};
+use super::fingerprint::fingerprint;
 use super::stream::Position;
 
 /// The state file's name.
@@ -326,7 +326,7 @@ fn write_rest(tmp: &Path, state: &TrainerState, tokenizer: &[(String, String)], 
     let mut files = BTreeMap::new();
     for entry in std::fs::read_dir(tmp).io(|| format!("listing {}", tmp.display()))? {
         let path = entry.io(|| format!("listing {}", tmp.display()))?.path();
-        let (bytes, fnv) = atomic::fingerprint(&path)?;
+        let (bytes, fnv) = fingerprint(&path)?;
         let name = path.file_name().unwrap_or_default().to_string_lossy().to_string();
         files.insert(name, json!({ "bytes": bytes, "fnv1a64": fnv }));
     }
@@ -423,7 +423,7 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
         if !p.is_file() {
             return Err(damaged(format!("{name} is missing")));
         }
-        let (bytes, hash) = atomic::fingerprint(&p)?;
+        let (bytes, hash) = fingerprint(&p)?;
         if Some(bytes) != want_bytes {
             return Err(damaged(format!(
                 "{name} has {bytes} bytes but was saved with {} (truncated or changed after saving)",
