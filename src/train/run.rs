@@ -572,7 +572,7 @@ impl Job {
         lines.extend([format!(
             "optimizer: AdamW, peak lr {:e}{}, weight decay {} {}",
             self.train.lr,
-            match (o.lr, &self.resume, o.model.is_some()) {
+            match (o.lr, &self.resume, o.model.is_some() || self.lora.as_ref().is_some_and(|l| l.base.is_some())) {
                 (Some(_), _, _) => " (--lr)",
                 (None, Some(_), _) => " (the checkpoint's)",
                 (None, None, true) if self.lora.is_some() =>
