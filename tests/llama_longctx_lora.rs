@@ -111,11 +111,12 @@ fn an_adapter_loads_for_evaluation_and_merges_into_a_model_with_the_same_loss() 
     }
 }
 
-/// The adapters' gradients of the first step (`--dump-grads`) on 2 ranks against 1 rank, under every
-/// strategy, policy and sharding level, with the norms training too. Tolerance: DESIGN.md's 1e-5 · P relative
-/// to each tensor's largest element (partial softmaxes merged in another order).
+/// The adapters' gradients of the first step (`--dump-grads`) on 2 ranks (4 for Hybrid) against 1 rank, under
+/// every strategy, policy and sharding level, with the norms and the embedding training too. Tolerance:
+/// DESIGN.md's 1e-5 · P relative to each tensor's largest element (partial softmaxes merged in another order),
+/// at P = 4.
 #[test]
-fn lora_gradients_agree_between_one_rank_and_two_on_every_strategy_policy_and_shard_level() {
+fn lora_gradients_agree_between_one_rank_and_several_on_every_strategy_policy_and_shard_level() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
     let dump = |tag: &str, extra: &[&str]| -> HashMap<String, Tensor> {
@@ -137,8 +138,10 @@ fn lora_gradients_agree_between_one_rank_and_two_on_every_strategy_policy_and_sh
         &["--strategy", "ulysses", "--shard", "gradients"],
         &["--strategy", "ring", "--shard", "parameters"],
     ];
-    for (i, case) in cases.iter().enumerate() {
-        let mut args = vec!["--sp", "2"];
+    // Hybrid needs 4 ranks: Ulysses over 2 of them inside Ring over 2 (the tolerance then 1e-5 · 4).
+    let hybrid: &[&str] = &["--sp", "4", "--strategy", "hybrid:2", "--checkpoint", "sequence-aware"];
+    for (i, case) in cases.iter().chain([&hybrid]).enumerate() {
+        let mut args = if case.contains(&"--sp") { vec![] } else { vec!["--sp", "2"] };
         args.extend(case.iter());
         let two = dump(&format!("two{i}"), &args);
         assert_eq!(one.len(), two.len(), "{case:?}");
@@ -146,7 +149,7 @@ fn lora_gradients_agree_between_one_rank_and_two_on_every_strategy_policy_and_sh
             let b = &two[name];
             let scale = a.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1e-12);
             let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(d <= 2e-5 * scale, "{case:?} {name}: 1 vs 2 ranks differ by {d} (max {scale})");
+            assert!(d <= 4e-5 * scale, "{case:?} {name}: 1 rank vs several differ by {d} (max {scale})");
         }
     }
 }
