@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 
 use autosp_models::LlamaModel;
 use candle_core::{DType, Tensor};
-use longctx_cli::{command, losses, metrics_summary, run, run_err, run_ok, s, snapshot, tensors};
+use longctx_cli::{
+    command, eval_loss, ids_file, losses, max_diff, metrics_summary, run, run_err, run_ok, s, snapshot, tensors,
+};
 
 #[test]
 fn quick_default_run_trains_and_saves_a_loadable_checkpoint() {
@@ -180,14 +182,8 @@ fn a_bf16_checkpoint_is_saved_in_bf16_and_f32_training_of_it_resumes_exactly() {
 fn eval_tokens_and_dump_grads_agree_between_sp1_and_sp2() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    let ids: Vec<String> = (0..301u32).map(|i| ((i * 37 + 11) % 128).to_string()).collect();
-    let f = t.join("ids.txt");
-    std::fs::write(&f, ids.join(" ")).unwrap();
-    let eval = |sp: &str| -> f64 {
-        let out = run_ok(t, &["--eval-tokens", s(&f), "--sp", sp]);
-        let line = out.lines().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON line:\n{out}"));
-        serde_json::from_str::<serde_json::Value>(line).unwrap()["eval_loss"].as_f64().unwrap()
-    };
+    let f = ids_file(t);
+    let eval = |sp: &str| -> f64 { eval_loss(t, &["--eval-tokens", s(&f), "--sp", sp]) };
     let (e1, e2) = (eval("1"), eval("2"));
     // Ring attention at P = 2 merges partial softmaxes in another order: DESIGN.md's 1e-5 * P.
     assert!((e1 - e2).abs() <= 2e-5 * e1.abs(), "eval loss sp1 {e1} vs sp2 {e2}");
@@ -204,9 +200,7 @@ fn eval_tokens_and_dump_grads_agree_between_sp1_and_sp2() {
     assert_eq!(g1.len(), 2 + 2 * 9 + 1, "one gradient per parameter (embedding, 2 layers of 9, norm, head)");
     assert!(g1.contains_key("model.layers.0.self_attn.q_proj.weight"), "HF names");
     for (name, a) in &g1 {
-        let b = &g2[name];
-        let scale = a.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1e-12);
-        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let (d, scale) = max_diff(a, &g2[name]);
         // Relative to the tensor's largest element, DESIGN.md's Ring tolerance 1e-5 * P.
         assert!(d <= 2e-5 * scale, "{name}: sp1 vs sp2 gradients differ by {d} (max {scale})");
     }

@@ -7,25 +7,10 @@
 mod longctx_cli;
 
 use std::collections::HashMap;
-use std::path::Path;
 
 use autosp_models::LlamaModel;
 use candle_core::{DType, Tensor};
-use longctx_cli::{losses, run_err, run_ok, s, tensors};
-
-/// The mean token loss `--eval-tokens` prints for `args`.
-fn eval_loss(t: &Path, args: &[&str]) -> f64 {
-    let out = run_ok(t, args);
-    let line = out.lines().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON line:\n{out}"));
-    serde_json::from_str::<serde_json::Value>(line).unwrap()["eval_loss"].as_f64().unwrap()
-}
-
-fn ids_file(t: &Path) -> std::path::PathBuf {
-    let ids: Vec<String> = (0..301u32).map(|i| ((i * 37 + 11) % 128).to_string()).collect();
-    let f = t.join("ids.txt");
-    std::fs::write(&f, ids.join(" ")).unwrap();
-    f
-}
+use longctx_cli::{eval_loss, ids_file, losses, max_diff, run_err, run_ok, s, tensors};
 
 #[test]
 fn lora_trains_the_adapters_saves_them_for_peft_and_resumes_bit_for_bit() {
@@ -146,9 +131,7 @@ fn lora_gradients_agree_between_one_rank_and_several_on_every_strategy_policy_an
         let two = dump(&format!("two{i}"), &args);
         assert_eq!(one.len(), two.len(), "{case:?}");
         for (name, a) in &one {
-            let b = &two[name];
-            let scale = a.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1e-12);
-            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            let (d, scale) = max_diff(a, &two[name]);
             assert!(d <= 4e-5 * scale, "{case:?} {name}: 1 rank vs several differ by {d} (max {scale})");
         }
     }

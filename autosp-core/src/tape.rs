@@ -162,8 +162,8 @@ impl Tape {
     /// backward; the leaf's gradient is then this rank's reduced slice. An inference tape gets the whole
     /// weight (gathered at `Parameters`).
     ///
-    /// A frozen parameter ([`Param::set_frozen`]) is a constant: no gradient reaches it, and the ops that use
-    /// it skip the products that would only feed its gradient.
+    /// A frozen parameter ([`Param::set_frozen`]) is a leaf that takes no gradient (the whole weight; frozen
+    /// parameters are never sharded): the ops that use it skip the products that would only feed its gradient.
     pub fn param(&self, p: &Param) -> Result<Value> {
         if p.is_frozen() {
             // One leaf per frozen parameter that takes no gradient; like every parameter's, its bytes are the

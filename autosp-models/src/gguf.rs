@@ -32,11 +32,18 @@ pub fn gguf_tokenizer(path: &Path) -> Result<Tokenizer> {
     tokenizer_from_gguf(&ct, path)
 }
 
-/// The chat template a GGUF file carries (`tokenizer.chat_template`), with the text of its BOS and EOS tokens
-/// (`tokenizer.ggml.bos_token_id` / `eos_token_id` looked up in `tokenizer.ggml.tokens`); `None` without one.
-pub fn gguf_chat_template(path: &Path) -> Result<Option<crate::ChatTemplate>> {
+/// The tokenizer of a GGUF file ([`gguf_tokenizer`]) and, apart, its chat template ([`chat_template_of`]:
+/// its own error, so a template that does not parse does not lose the tokenizer), from one read of the header.
+#[allow(clippy::type_complexity)]
+pub fn gguf_tokenizer_and_template(path: &Path) -> Result<(Tokenizer, Result<Option<crate::ChatTemplate>>)> {
     let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let ct = read_content(&mut file, path)?;
+    Ok((tokenizer_from_gguf(&ct, path)?, chat_template_of(&ct)))
+}
+
+/// The chat template a GGUF header carries (`tokenizer.chat_template`), with the text of its BOS and EOS tokens
+/// (`tokenizer.ggml.bos_token_id` / `eos_token_id` looked up in `tokenizer.ggml.tokens`); `None` without one.
+fn chat_template_of(ct: &Content) -> Result<Option<crate::ChatTemplate>> {
     let Some(source) = ct.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned() else {
         return Ok(None);
     };

@@ -22,7 +22,7 @@ pub mod weights;
 pub use chat::ChatTemplate;
 pub use config::{LayerType, LlamaConfig, ModelType, RopeScaling};
 pub use error::{Error, Result};
-pub use gguf::{config_from_gguf, gguf_chat_template, gguf_tokenizer, import_gguf, GgufModel};
+pub use gguf::{config_from_gguf, gguf_tokenizer, gguf_tokenizer_and_template, import_gguf, GgufModel};
 pub use hub::{resolve_model, HubOptions, ModelSpec, ResolvedModel};
 pub use llama::{GenerateConfig, Generation, KvCache, LlamaModel, ModelError, ModelResult, Sampling};
 pub use peft::{is_adapter, load_adapter, save_adapter, Adapter};

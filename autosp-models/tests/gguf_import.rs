@@ -311,3 +311,20 @@ fn family_gguf_files_import_like_the_hf_model() {
     let e = autosp_models::config_from_gguf(&meta_only, &path).expect_err("gemma2 must be refused").to_string();
     assert!(e.contains("`gemma2`") && e.contains("HF checkpoint"), "{e}");
 }
+
+/// SmolLM2's GGUF carries its chat template (ChatML) and BOS/EOS texts: read with the tokenizer from one header
+/// read, it renders a conversation as the model expects, the default system turn first.
+#[test]
+fn the_gguf_chat_template_renders_chatml() {
+    let (_, template) = autosp_models::gguf_tokenizer_and_template(&smollm2_path()).unwrap();
+    let template = template.unwrap().expect("SmolLM2's GGUF has a chat template");
+    let m = serde_json::json!([{"role": "user", "content": "Hi"}]);
+    let text = template.render(m.as_array().unwrap(), true).unwrap();
+    assert!(
+        text.starts_with("<|im_start|>system\n")
+            && text.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
+        "{text}"
+    );
+    let cfg: serde_json::Value = serde_json::from_str(&template.to_tokenizer_config()).unwrap();
+    assert_eq!(cfg["eos_token"], "<|im_end|>", "{cfg}");
+}

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use autosp_models::{gguf_chat_template, gguf_tokenizer, load_tokenizer, ChatTemplate, Tokenizer};
+use autosp_models::{gguf_tokenizer_and_template, load_tokenizer, ChatTemplate, Tokenizer};
 use autosp_models::{random_weights, resolve_model, save_model, HubOptions, LlamaModel, SaveOptions, TinySpec};
 use candle_core::{DType, Device};
 
@@ -121,7 +121,7 @@ pub fn load(source: &str, dtype: DType) -> Result<Loaded> {
     let mut loaded =
         Loaded { model, tokenizer_json: None, tokenizer: None, tokenizer_config_json: None, chat_template: None };
     if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
-        if let Ok(t) = gguf_tokenizer(path) {
+        if let Ok((t, template)) = gguf_tokenizer_and_template(path) {
             let text = t.to_string(false).map_err(|e| {
                 TrainError::from(autosp_models::Error::Tokenizer {
                     source_name: path.display().to_string(),
@@ -129,7 +129,7 @@ pub fn load(source: &str, dtype: DType) -> Result<Loaded> {
                 })
             })?;
             (loaded.tokenizer_json, loaded.tokenizer) = (Some(text), Some(t));
-            loaded.chat_template = gguf_chat_template(path)?;
+            loaded.chat_template = template?;
             loaded.tokenizer_config_json = loaded.chat_template.as_ref().map(ChatTemplate::to_tokenizer_config);
         }
     } else if let Some(f) = resolve_model(source, &HubOptions::default())?.tokenizer {

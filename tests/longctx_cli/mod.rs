@@ -113,3 +113,26 @@ pub fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     out.sort();
     out
 }
+
+/// The mean token loss `--eval-tokens` prints (its JSON line) for `args`.
+pub fn eval_loss(tmp: &Path, args: &[&str]) -> f64 {
+    let out = run_ok(tmp, args);
+    let line = out.lines().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON line:\n{out}"));
+    serde_json::from_str::<serde_json::Value>(line).unwrap()["eval_loss"].as_f64().unwrap()
+}
+
+/// 301 token ids below 128, written as one line to `tmp/ids.txt` (an `--eval-tokens` file).
+pub fn ids_file(tmp: &Path) -> PathBuf {
+    let ids: Vec<String> = (0..301u32).map(|i| ((i * 37 + 11) % 128).to_string()).collect();
+    let f = tmp.join("ids.txt");
+    std::fs::write(&f, ids.join(" ")).unwrap();
+    f
+}
+
+/// `(max |a - b|, max |a|)` of two f32 tensors of one shape (the difference relative to `a`'s largest element
+/// is the first over the second).
+pub fn max_diff(a: &Tensor, b: &Tensor) -> (f32, f32) {
+    let scale = a.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1e-12);
+    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    (d, scale)
+}

@@ -2,7 +2,7 @@
 //! function of the op's seed and the element's index (splitmix64), so a checkpoint region that replays the op
 //! draws the same mask, and backward recomputes it instead of saving it.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::{Error, NodeKind, Op, Result, SavedTensors, Tape, Value};
 
@@ -24,14 +24,19 @@ fn mix(mut z: u64) -> u64 {
 }
 
 impl Dropout {
-    /// The scaled mask for a tensor like `x` (same shape, dtype and device).
+    /// The scaled mask for a tensor like `x` (same shape, dtype and device): `1 / (1 - p)` computed in f64,
+    /// rounded once to f64 or f32 (the narrower dtypes round the f32 mask).
     fn mask(&self, x: &Tensor) -> Result<Tensor> {
-        let keep = 1.0 / (1.0 - self.p);
+        let keep = 1.0 / (1.0 - f64::from(self.p));
         let threshold = (f64::from(self.p) * (1u64 << 53) as f64) as u64;
         let base = mix(self.seed);
-        let m: Vec<f32> =
-            (0..x.elem_count() as u64).map(|i| if mix(base ^ i) >> 11 < threshold { 0.0 } else { keep }).collect();
-        Ok(Tensor::from_vec(m, x.shape(), &candle_core::Device::Cpu)?.to_dtype(x.dtype())?.to_device(x.device())?)
+        let kept = (0..x.elem_count() as u64).map(|i| mix(base ^ i) >> 11 >= threshold);
+        let cpu = &candle_core::Device::Cpu;
+        let m = match x.dtype() {
+            DType::F64 => Tensor::from_vec(kept.map(|k| if k { keep } else { 0.0 }).collect(), x.shape(), cpu)?,
+            _ => Tensor::from_vec(kept.map(|k| if k { keep as f32 } else { 0.0 }).collect(), x.shape(), cpu)?,
+        };
+        Ok(m.to_dtype(x.dtype())?.to_device(x.device())?)
     }
 }
 
