@@ -23,6 +23,7 @@ pub mod comm;
 pub mod dispatch;
 pub mod error;
 pub mod gradcheck;
+pub mod host_read;
 pub mod lora;
 pub mod memory;
 pub mod module;
