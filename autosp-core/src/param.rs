@@ -151,9 +151,21 @@ impl Param {
         }
     }
 
-    /// Replaces the tensor; shape and dtype must stay the same.
+    /// Replaces the tensor; shape, dtype and device must stay the same (a tensor on another device is refused,
+    /// not moved: a CPU tensor written into a CUDA parameter would make the next step mix devices).
     pub fn set(&self, t: Tensor) -> Result<()> {
         let mut cur = self.0.tensor.write().expect("param lock poisoned");
+        if !cur.device().same_device(t.device()) {
+            return Err(Error::InvalidArgument {
+                op: "Param::set",
+                msg: format!(
+                    "parameter `{}` is on {:?} but the new tensor is on {:?}; move it with `to_device` first",
+                    self.name(),
+                    cur.device().location(),
+                    t.device().location()
+                ),
+            });
+        }
         if cur.shape() != t.shape() || cur.dtype() != t.dtype() {
             return Err(Error::ShapeMismatch(Box::new(crate::error::ShapeMismatch {
                 op: "Param::set",

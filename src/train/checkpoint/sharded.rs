@@ -201,7 +201,8 @@ pub fn restore_sharded(
             if Precision::float(p.tensor().dtype()).needs_master() {
                 opt.set_master(p, &master)?;
             } else {
-                p.set_update(master.to_dtype(p.tensor().dtype())?)?;
+                let w = p.tensor();
+                p.set_update(master.to_dtype(w.dtype())?.to_device(w.device())?)?;
             }
         }
     }

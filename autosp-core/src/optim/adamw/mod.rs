@@ -85,12 +85,16 @@ impl AdamW {
         self.moments.get(&p.id()).map(|(m, v)| (m, v))
     }
 
-    /// Restores a parameter's moments and the step count (resuming from a checkpoint). The optimiser
-    /// updates its moments in place on the CPU, so it takes its own copies of `m` and `v`. For a sharded
+    /// Restores a parameter's moments and the step count (resuming from a checkpoint), moved to the
+    /// parameter's device. The optimiser updates its moments in place on the CPU, so it takes its own copies
+    /// of `m` and `v`. For a sharded
     /// parameter, whole-shaped moments are cut to this rank's slice (a resume onto any mesh or sharding level
     /// reads the same whole moments).
     pub fn set_state(&mut self, step: u64, p: &Param, m: Tensor, v: Tensor) -> Result<()> {
         self.step = step;
+        // The moments live where the parameter does (a checkpoint is read on the host).
+        let device = p.tensor().device().clone();
+        let (m, v) = (m.to_device(&device)?, v.to_device(&device)?);
         let (m, v) = match p.shard() {
             Some(s) if m.dims() == s.shape.dims() => (s.slice(&m)?, s.slice(&v)?),
             _ => (m.copy()?, v.copy()?),
