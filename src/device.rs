@@ -124,6 +124,38 @@ pub fn cuda_device_count() -> usize {
     0
 }
 
+/// The peak of device memory in use on `device` so far, bytes: on CUDA the high-water mark of the device's
+/// default memory pool (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`), which every allocation candle makes comes from
+/// (cudarc allocates stream-ordered from it); the CUDA context, cuBLAS's workspace and other processes are not
+/// in it. Shared by the thread ranks on one GPU, as the process heap is. `None` on the CPU and Metal, and on a
+/// driver without stream-ordered allocation.
+pub fn device_memory_peak(device: &Device) -> Option<u64> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => cuda_pool_peak(d),
+        _ => None,
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_pool_peak(d: &candle_core::CudaDevice) -> Option<u64> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    let stream = d.cuda_stream();
+    let ctx = stream.context();
+    if !ctx.has_async_alloc() {
+        return None;
+    }
+    ctx.bind_to_thread().ok()?;
+    let mut high: u64 = 0;
+    // SAFETY: the device comes from a live context (bound above) and the attribute is a u64 (cuuint64_t).
+    unsafe {
+        let pool = result::device::get_default_mem_pool(ctx.cu_device()).ok()?;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        result::mem_pool::get_attribute(pool, attr, (&mut high as *mut u64).cast()).ok()?;
+    }
+    Some(high)
+}
+
 /// The local rank of this process among the ranks of its node under mpirun (OpenMPI's
 /// `OMPI_COMM_WORLD_LOCAL_RANK`, MPICH's `MPI_LOCALRANKID`, Slurm's `SLURM_LOCALID`), else `global_rank`.
 pub fn local_rank(global_rank: usize) -> usize {

@@ -68,6 +68,8 @@ pub(crate) struct Inner {
     /// The region whose dropped values backward regenerated, and those values.
     pub(crate) replay_region: Option<usize>,
     pub(crate) replayed: HashMap<usize, Tensor>,
+    /// The caller checked the token ids and targets on the host ([`Tape::inputs_checked`]).
+    pub(crate) inputs_checked: bool,
 }
 
 /// A reverse-mode autodiff tape over candle tensors, with checkpoint regions.
@@ -123,8 +125,23 @@ impl Tape {
                 replays: 0,
                 replay_region: None,
                 replayed: HashMap::new(),
+                inputs_checked: false,
             }),
         }
+    }
+
+    /// Declares that the token ids and targets this tape is fed were checked on the host by the caller (every
+    /// id inside the vocabulary; the compiled step checks each batch before it shards it): the ops then skip
+    /// their own range checks, each of which reads a device tensor back to the host
+    /// ([`crate::host_read`]). Only for callers that did check: an id out of range on a GPU is not caught
+    /// there.
+    pub fn set_inputs_checked(&self) {
+        self.inner.borrow_mut().inputs_checked = true;
+    }
+
+    /// Whether the caller checked the ids and targets ([`set_inputs_checked`](Self::set_inputs_checked)).
+    pub fn inputs_checked(&self) -> bool {
+        self.inner.borrow().inputs_checked
     }
 
     /// Whether this tape records (false for an inference tape).

@@ -150,6 +150,12 @@ pub struct Args {
     #[arg(long)]
     pub skip_nonfinite: bool,
 
+    /// Loss scaling: `auto` (dynamic from 65536, doubling every 2000 good steps, when --dtype f16; none in bf16
+    /// and f32), `off`, or `INIT[:INTERVAL]` (dynamic from INIT, a power of two). A step whose f16 gradients
+    /// overflow is skipped and the scale halved.
+    #[arg(long, default_value = "auto", value_parser = autosp::train::LossScaling::parse)]
+    pub loss_scale: autosp::train::LossScaling,
+
     /// Print the model's mean token loss on the whitespace-separated token ids in FILE as one JSON line, and exit.
     #[arg(long)]
     pub eval_tokens: Option<PathBuf>,
@@ -283,6 +289,7 @@ impl Args {
             resume: a.resume,
             allow_changes: a.allow_changes,
             skip_nonfinite: a.skip_nonfinite,
+            loss_scale: a.loss_scale,
             eval_tokens: a.eval_tokens,
             eval_data: a.eval_data,
             eval_every: a.eval_every,

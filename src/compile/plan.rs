@@ -127,7 +127,7 @@ impl<M: CausalLm> Compiled<M> {
         let vocab = self.model.dims().vocab as u32;
         let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
         let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu)?;
-        self.run_step(&ids, None, policy.unwrap_or(self.tape_policy()), true)
+        self.run_step(&ids, None, policy.unwrap_or(self.tape_policy()), true, 1.0)
     }
 
     /// Probes two lengths `n1` and `n2 = 2 n1` and fits the tape's bytes through them. The bytes after the

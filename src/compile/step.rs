@@ -9,8 +9,10 @@
 use std::sync::Arc;
 
 use autosp_core::comm::{ProcessGroup, ReduceOp};
+use autosp_core::host_read;
 use autosp_core::module::trainable_params;
 use autosp_core::ops::{self, IGNORE_INDEX};
+use autosp_core::optim::sum_of_squares;
 use autosp_core::shard::ShardLevel;
 use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Param, Precision, Tape};
 use autosp_kernels::sp::layout::gather_unshard;
@@ -117,6 +119,12 @@ fn pad_ids(ids: &Tensor, n_pad: usize) -> Result<Tensor, CompileError> {
     Ok(Tensor::cat(&[ids, pad], 1)?)
 }
 
+/// `[x]` as an f64 tensor on the host, for the reductions of per-rank numbers (the communicators take host
+/// tensors; no f64 ever reaches a device).
+fn host_scalar(x: f64) -> candle_core::Result<Tensor> {
+    Tensor::new(&[x], &candle_core::Device::Cpu)
+}
+
 /// One rank's part of a batch (see `Compiled::local_batch`).
 struct LocalBatch {
     /// `[b / D, n_pad / P]` u32: this replica's rows, this rank's shard of them.
@@ -138,36 +146,63 @@ impl<M: CausalLm> Compiled<M> {
     /// Returns the global loss and the gradients reduced over the world; apply them with any optimiser (every
     /// rank applies the same update, or its slice of it when model states are sharded).
     pub fn train_step(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<StepOutput, CompileError> {
-        self.run_step(ids, labels, self.tape_policy(), false)
+        self.run_step(ids, labels, self.tape_policy(), false, 1.0)
+    }
+
+    /// [`train_step`](Self::train_step) with the loss multiplied by `loss_scale` before backward (f16's
+    /// dynamic loss scaling, [`autosp_core::optim::LossScaler`]): the gradients are computed scaled, so that
+    /// f16's small per-token terms stay above its subnormals, and divided by `loss_scale` again in f32 after
+    /// the reduction. `loss_scale` must be a power of two (the division is then exact); the loss returned is
+    /// the unscaled one. Non-finite gradients (an f16 overflow at this scale) come back as they are: the
+    /// caller checks the gradient norm and skips the step.
+    pub fn train_step_scaled(
+        &self,
+        ids: &Tensor,
+        labels: Option<&Tensor>,
+        loss_scale: f64,
+    ) -> Result<StepOutput, CompileError> {
+        if !(loss_scale > 0.0 && loss_scale.is_finite() && loss_scale.log2().fract() == 0.0) {
+            return Err(CompileError::Input(format!(
+                "loss_scale {loss_scale} must be a positive power of two (so that unscaling is exact)"
+            )));
+        }
+        self.run_step(ids, labels, self.tape_policy(), false, loss_scale)
     }
 
     /// A training step under the tape `policy` (blocks with their own policy keep it), tracing the tape's
-    /// memory when `trace`.
+    /// memory when `trace`, with the loss scaled by `loss_scale` for backward (a power of two).
     pub(crate) fn run_step(
         &self,
         ids: &Tensor,
         labels: Option<&Tensor>,
         policy: CheckpointPolicy,
         trace: bool,
+        loss_scale: f64,
     ) -> Result<StepOutput, CompileError> {
         let LocalBatch { ids_local, positions, targets_local, total, .. } = self.local_batch(ids, labels, true)?;
         let tape = Tape::new(policy);
+        // `local_batch` checked every id and label on the host.
+        tape.set_inputs_checked();
         if trace {
             tape.trace_memory();
         }
         let (sum, _) = self.model.loss(&tape, &ids_local, &positions, &targets_local)?;
-        let term = ops::scale(&tape, &sum, 1.0 / total)?;
+        let term = ops::scale(&tape, &sum, loss_scale / total)?;
         let after_forward = tape.memory();
         tape.backward(&term)?;
         let peak_bytes = tape.memory().peak_bytes;
         let memory_trace = tape.memory_trace();
 
-        let loss_local = term.tensor().to_dtype(DType::F64)?.reshape(1)?;
-        let loss = self.world.all_reduce(&loss_local, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        // One host read of this rank's share of the loss; the sum over ranks is taken on the host (f64).
+        let loss_local = host_read::read_f64(term.tensor())? / loss_scale;
+        let loss = self.world.all_reduce(&host_scalar(loss_local)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
         let local = tape.param_grads();
         drop(tape);
         autosp_core::alloc::phase("step", "gradient all-reduce");
-        let grads = self.reduce_grads(local)?;
+        let mut grads = self.reduce_grads(local)?;
+        if loss_scale != 1.0 {
+            grads.scale(1.0 / loss_scale)?;
+        }
         Ok(StepOutput { loss, valid_tokens: total as usize, grads, after_forward, peak_bytes, memory_trace })
     }
 
@@ -182,9 +217,10 @@ impl<M: CausalLm> Compiled<M> {
         let split = ids.dims2()?.0.is_multiple_of(self.mesh.data);
         let LocalBatch { ids_local, positions, targets_local, total, over } = self.local_batch(ids, labels, split)?;
         let tape = Tape::inference();
+        tape.set_inputs_checked();
         let (sum, _) = self.model.loss(&tape, &ids_local, &positions, &targets_local)?;
-        let local = ops::scale(&tape, &sum, 1.0 / total)?.tensor().to_dtype(DType::F64)?.reshape(1)?;
-        let loss = over.all_reduce(&local, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        let local = host_read::read_f64(ops::scale(&tape, &sum, 1.0 / total)?.tensor())?;
+        let loss = over.all_reduce(&host_scalar(local)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
         Ok((loss, total as usize))
     }
 
@@ -205,17 +241,20 @@ impl<M: CausalLm> Compiled<M> {
         };
         let (ids, labels) = (&ids, labels.as_ref());
         let n_pad = self.padded_len(n);
-        let device = self.device();
-        let (ids, labels) = (ids.to_device(&device)?, labels.map(|l| l.to_device(&device)).transpose()?);
+        // Shifted, padded and cut on the host (where the checked batch is), then moved: counting the valid
+        // targets reads no device tensor.
+        let host = candle_core::Device::Cpu;
+        let (ids, labels) = (ids.to_device(&host)?, labels.map(|l| l.to_device(&host)).transpose()?);
         let (ids, targets) = shift_and_pad(&ids, labels.as_ref(), n_pad)?;
         let positions = self.positions(n_pad, self.sp.rank())?;
-        let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
-        let ids_local = ids.index_select(&index, 1)?;
+        let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), &host)?;
         let targets_local = targets.index_select(&index, 1)?.flatten_all()?;
-
         let local_count = ops::cross_entropy::count_valid(&targets_local)?;
-        let counts = Tensor::new(&[local_count as f64], ids.device())?;
-        let total = over.all_reduce(&counts, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        let device = self.device();
+        let ids_local = ids.index_select(&index, 1)?.to_device(&device)?;
+        let targets_local = targets_local.to_device(&device)?;
+
+        let total = over.all_reduce(&host_scalar(local_count as f64)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
         if total == 0.0 {
             return Err(CompileError::Input("every target is ignored (-100): nothing to train on".into()));
         }
@@ -300,13 +339,9 @@ impl<M: CausalLm> Compiled<M> {
     /// order): of the whole gradients, or, when they are this rank's slices, of every rank's slices together
     /// (an all-reduce over the world; collective). Every rank gets the same norm.
     pub fn grad_norm(&self, grads: &Gradients) -> Result<f64, CompileError> {
-        let mut sq = 0.0f64;
-        for (_, g) in grads.sorted() {
-            sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
-        }
+        let mut sq = sum_of_squares(grads)?;
         if self.sharding() != ShardLevel::None && self.world.size() > 1 {
-            let t = Tensor::new(&[sq], &candle_core::Device::Cpu)?;
-            sq = self.world.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+            sq = self.world.all_reduce(&host_scalar(sq)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
         }
         Ok(sq.sqrt())
     }

@@ -4,7 +4,9 @@
 
 use std::path::PathBuf;
 
-use autosp_core::optim::{AdamWConfig, LrSchedule};
+use autosp_core::optim::loss_scale::{GROWTH_INTERVAL, INIT_SCALE};
+use autosp_core::optim::{AdamWConfig, LossScaler, LrSchedule};
+use candle_core::DType;
 
 use super::curriculum::Curriculum;
 use super::error::{Result, TrainError};
@@ -19,6 +21,59 @@ pub enum NonFinite {
     Stop,
     /// Skip the step (no update; reported as [`super::Event::Skipped`]) and go on.
     Skip,
+}
+
+/// Loss scaling ([`LossScaler`]: the loss multiplied by a power of two before backward, the gradients divided
+/// after; a step whose gradients overflow is skipped and the scale halved).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum LossScaling {
+    /// Dynamic scaling from 2^16, doubling every 2000 good steps (PyTorch's `GradScaler`), when the model
+    /// computes in f16; none in bf16 and f32, whose exponent range needs none.
+    #[default]
+    Auto,
+    /// No scaling (an f16 run then keeps its per-token gradients near or under f16's subnormals).
+    Off,
+    /// Dynamic scaling from `init` (a power of two), doubling after `growth_interval` good steps in a row.
+    Dynamic {
+        /// The first scale.
+        init: f64,
+        /// Good steps in a row before the scale doubles.
+        growth_interval: u32,
+    },
+}
+
+impl LossScaling {
+    /// Parses `--loss-scale`: `auto`, `off`, or `INIT[:INTERVAL]` (`65536`, `1024:100`).
+    pub fn parse(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(Self::Auto),
+            "off" | "none" => Ok(Self::Off),
+            other => {
+                let (init, interval) = other.split_once(':').unwrap_or((other, ""));
+                let init: f64 =
+                    init.parse().map_err(|_| format!("--loss-scale {other:?}: use auto, off or INIT[:INTERVAL]"))?;
+                let growth_interval = match interval {
+                    "" => GROWTH_INTERVAL,
+                    i => i
+                        .parse()
+                        .map_err(|_| format!("--loss-scale {other:?}: INTERVAL must be a whole number of steps"))?,
+                };
+                LossScaler::new(init, growth_interval).map_err(|e| format!("--loss-scale {other:?}: {e}"))?;
+                Ok(Self::Dynamic { init, growth_interval })
+            }
+        }
+    }
+
+    /// The scaler a run computing in `dtype` starts with (`None`: no scaling).
+    pub fn scaler(self, dtype: DType) -> Result<Option<LossScaler>> {
+        let (init, interval) = match self {
+            Self::Off => return Ok(None),
+            Self::Auto if dtype != DType::F16 => return Ok(None),
+            Self::Auto => (INIT_SCALE, GROWTH_INTERVAL),
+            Self::Dynamic { init, growth_interval } => (init, growth_interval),
+        };
+        LossScaler::new(init, interval).map(Some).map_err(|e| TrainError::Config(format!("--loss-scale: {e}")))
+    }
 }
 
 /// The settings of a training loop.
@@ -41,6 +96,8 @@ pub struct TrainConfig {
     pub curriculum: Curriculum,
     /// Non-finite loss or gradient norm: stop or skip.
     pub nonfinite: NonFinite,
+    /// Loss scaling (dynamic in f16 by default).
+    pub loss_scale: LossScaling,
     /// Save a checkpoint every N steps (0: only at the end, and when stopped). Needs `save_dir`.
     pub save_every: usize,
     /// Score the held-out tokens every N steps (0: never during training).
@@ -68,8 +125,8 @@ pub struct TrainConfig {
 
 impl TrainConfig {
     /// `steps` steps on sequences of `seq_len` tokens, with `llama_longctx`'s defaults: lr 1e-2, 10 warm-up
-    /// steps (at most `steps`), clipping at 1.0, one micro-batch, no curriculum, stop on non-finite, no
-    /// periodic saves or evaluations, AdamW's default betas, nothing written.
+    /// steps (at most `steps`), clipping at 1.0, one micro-batch, no curriculum, stop on non-finite, dynamic
+    /// loss scaling in f16 only, no periodic saves or evaluations, AdamW's default betas, nothing written.
     pub fn new(seq_len: usize, steps: usize) -> Self {
         Self {
             seq_len,
@@ -80,6 +137,7 @@ impl TrainConfig {
             micro_batches: 1,
             curriculum: Curriculum::none(),
             nonfinite: NonFinite::Stop,
+            loss_scale: LossScaling::Auto,
             save_every: 0,
             eval_every: 0,
             adamw: AdamWConfig::default(),

@@ -26,6 +26,18 @@ pub enum Event {
         /// The value found.
         value: f64,
     },
+    /// A step's f16 gradients overflowed at loss scale `scale` (its loss was finite): no update, and the
+    /// scale is now `halved` ([`super::LossScaling`]).
+    Overflow {
+        /// The step (1-based).
+        step: usize,
+        /// Steps of the run.
+        steps: usize,
+        /// The scale the step ran at.
+        scale: f64,
+        /// The scale from now on.
+        halved: f64,
+    },
     /// The first step's gradients were written to `path` ([`super::TrainConfig::dump_grads`]).
     GradientsWritten {
         /// The step (1-based).
@@ -97,6 +109,11 @@ impl fmt::Display for Event {
                 "step {step:>4}/{steps}: skipped, {}: no update (--skip-nonfinite)",
                 Event::nonfinite_reason(what, *step, *value)
             ),
+            Event::Overflow { step, steps, scale, halved } => write!(
+                f,
+                "step {step:>4}/{steps}: skipped, f16 gradients overflowed at loss scale {scale}: no update, scale \
+                 now {halved}"
+            ),
             Event::GradientsWritten { step, path } => {
                 write!(f, "gradients of step {step} written to {}", path.display())
             }
@@ -136,6 +153,11 @@ mod tests {
         assert_eq!(
             skipped.to_string(),
             "step    3/4: skipped, gradient norm is not finite at step 3 (NaN): no update (--skip-nonfinite)"
+        );
+        let overflow = Event::Overflow { step: 5, steps: 50, scale: 65536.0, halved: 32768.0 };
+        assert_eq!(
+            overflow.to_string(),
+            "step    5/50: skipped, f16 gradients overflowed at loss scale 65536: no update, scale now 32768"
         );
         let answers = Answers { right: 4, total: 24, whole: 0 };
         let stage = Event::Stage { len: 256, step: 10, seq_len: 512, answers, samples: 4 };

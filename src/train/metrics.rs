@@ -23,6 +23,11 @@ pub struct StepRecord {
     pub lr: f64,
     /// The gradients' global L2 norm before clipping.
     pub grad_norm: f64,
+    /// The loss scale the step ran at, when the run scales its loss (f16).
+    pub loss_scale: Option<f64>,
+    /// Reads of computed tensors back to the host during the step on rank 0 ([`autosp_core::host_read`]):
+    /// each one a device synchronisation on a GPU.
+    pub host_reads: u64,
     /// Tokens per second of the step (all ranks' tokens: the step's sequence tokens).
     pub tokens_per_s: f64,
     /// Each rank's tape peak during the step, bytes.
@@ -31,6 +36,9 @@ pub struct StepRecord {
     pub heap_peak: Vec<u64>,
     /// The largest heap peak of any rank over the run so far, bytes.
     pub heap_peak_max: u64,
+    /// On a GPU, the largest device-memory peak of any rank's GPU over the run so far, bytes
+    /// ([`crate::device::device_memory_peak`]); `None` on the CPU.
+    pub device_peak_max: Option<u64>,
 }
 
 impl std::fmt::Display for StepRecord {
@@ -49,7 +57,14 @@ impl std::fmt::Display for StepRecord {
             self.tokens_per_s,
             tape.join(", "),
             mib(self.heap_peak_max as f64)
-        )
+        )?;
+        if let Some(d) = self.device_peak_max {
+            write!(f, " device peak {:.1} MiB", mib(d as f64))?;
+        }
+        match self.loss_scale {
+            Some(s) => write!(f, " loss-scale {s}"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -59,7 +74,8 @@ impl StepRecord {
         json!({
             "step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
             "tokens_per_s": self.tokens_per_s, "tape_peak_bytes": self.tape_peak,
-            "process_peak_bytes": self.heap_peak,
+            "process_peak_bytes": self.heap_peak, "device_peak_bytes": self.device_peak_max,
+            "loss_scale": self.loss_scale, "host_reads": self.host_reads,
         })
     }
 }
@@ -115,6 +131,10 @@ pub struct Summary {
     pub threads: bool,
     /// Steps skipped for a non-finite loss or gradient norm (`--skip-nonfinite`).
     pub skipped: usize,
+    /// The loss scale at the end and the steps skipped for an f16 overflow, when the run scaled its loss.
+    pub loss_scale: Option<(f64, usize)>,
+    /// On a GPU, each rank's device-memory peak, bytes (`None` on the CPU).
+    pub device_peak: Option<Vec<f64>>,
     /// The checkpoint written at the end.
     pub checkpoint: PathBuf,
 }
@@ -227,8 +247,17 @@ impl Summary {
         } else {
             rows.push(("process heap peak per rank".to_string(), mib_list(&self.heap_peak)));
         }
+        if let Some(d) = &self.device_peak {
+            rows.push(("device memory peak per rank".to_string(), mib_list(d)));
+        }
         if self.skipped > 0 {
             rows.push(("skipped steps".to_string(), format!("{} (non-finite loss or gradient norm)", self.skipped)));
+        }
+        if let Some((scale, overflows)) = self.loss_scale {
+            rows.push((
+                "loss scale (f16)".to_string(),
+                format!("{scale} at the end; {overflows} step(s) skipped for a gradient overflow"),
+            ));
         }
         rows.push((
             "checkpoint".to_string(),
@@ -281,6 +310,9 @@ impl Summary {
             "tape_peak_bytes": self.tape_peak.iter().map(|b| *b as u64).collect::<Vec<_>>(),
             "process_peak_bytes": self.heap_peak.iter().map(|b| *b as u64).collect::<Vec<_>>(),
             "skipped": self.skipped,
+            "loss_scale": self.loss_scale.map(|l| l.0),
+            "overflow_skips": self.loss_scale.map(|l| l.1),
+            "device_peak_bytes": self.device_peak.as_ref().map(|d| d.iter().map(|b| *b as u64).collect::<Vec<_>>()),
             "checkpoint": self.checkpoint.display().to_string(),
         }})
     }
@@ -308,6 +340,8 @@ mod tests {
             heap_peak: vec![(100u64 << 20) as f64; 2],
             threads: true,
             skipped: 0,
+            loss_scale: None,
+            device_peak: None,
             checkpoint: PathBuf::from("runs/x/step-4"),
         }
     }
@@ -378,10 +412,13 @@ mod tests {
             loss: 5.08512,
             lr: 0.01,
             grad_norm: 4.4581,
+            loss_scale: None,
+            host_reads: 3,
             tokens_per_s: 17867.2,
             tape_peak: vec![943_718, 943_718],
             heap_peak: vec![7_235_174, 7_235_174],
             heap_peak_max: 7_235_174,
+            device_peak_max: None,
         };
         assert_eq!(
             r.to_string(),
@@ -391,5 +428,9 @@ mod tests {
         let j = r.to_json();
         assert_eq!((j["step"].as_u64(), j["loss"].as_f64()), (Some(3), Some(5.08512)));
         assert_eq!(j["tape_peak_bytes"][1], 943_718);
+        assert!(j["loss_scale"].is_null() && j["device_peak_bytes"].is_null());
+        let f16 = StepRecord { loss_scale: Some(32768.0), device_peak_max: Some(3 << 30), ..r };
+        assert!(f16.to_string().ends_with("process peak 6.9 MiB device peak 3072.0 MiB loss-scale 32768"), "{f16}");
+        assert_eq!(f16.to_json()["loss_scale"].as_f64(), Some(32768.0));
     }
 }

@@ -89,7 +89,7 @@ pub mod synthetic;
 mod trainer;
 
 pub use checkpoint::{RunShape, SaveLock, Saved, TrainerState};
-pub use config::{micro_batches, NonFinite, TrainConfig};
+pub use config::{micro_batches, LossScaling, NonFinite, TrainConfig};
 pub use curriculum::Curriculum;
 pub use data::DataSource;
 pub use error::{Result, TrainError};

@@ -60,6 +60,8 @@ pub struct RunOptions {
     pub allow_changes: bool,
     /// `--skip-nonfinite`.
     pub skip_nonfinite: bool,
+    /// `--loss-scale` (f16's dynamic loss scaling by default).
+    pub loss_scale: super::LossScaling,
     /// `--eval-tokens`: score these ids and stop.
     pub eval_tokens: Option<PathBuf>,
     /// `--eval-data`.
@@ -120,6 +122,7 @@ impl Default for RunOptions {
             resume: None,
             allow_changes: false,
             skip_nonfinite: false,
+            loss_scale: super::LossScaling::Auto,
             eval_tokens: None,
             eval_data: None,
             eval_every: 0,

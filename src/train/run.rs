@@ -279,6 +279,7 @@ impl Job {
             micro_batches: micro,
             curriculum,
             nonfinite: if o.skip_nonfinite { NonFinite::Skip } else { NonFinite::Stop },
+            loss_scale: o.loss_scale,
             save_every: o.save_every,
             eval_every: o.eval_every,
             adamw: Default::default(),
@@ -494,6 +495,8 @@ impl Job {
             heap_peak: out.heap_peak,
             threads: self.threads,
             skipped: out.skipped,
+            loss_scale: out.loss_scale,
+            device_peak: out.device_peak,
             checkpoint: out.checkpoint.unwrap_or_default(),
         };
         let adapter = summary.checkpoint.clone();

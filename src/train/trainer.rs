@@ -1,7 +1,8 @@
 //! [`Trainer`]: the training loop of one rank over a compiled model. Each optimizer step draws
 //! `micro_batches` micro-batches from the [`Stream`] (at the curriculum's length), runs the compiled model's
-//! sharded step on each and accumulates their gradients as a token-weighted mean, applies the non-finite
-//! policy, clips the global gradient norm, and takes an AdamW step at the warm-up + cosine schedule's rate.
+//! sharded step on each (with the loss scaled for backward in f16: [`super::LossScaling`]) and accumulates their
+//! gradients as a token-weighted mean, skips a step whose f16 gradients overflowed (halving the scale), applies
+//! the non-finite policy, clips the global gradient norm, and takes an AdamW step at the warm-up + cosine schedule's rate.
 //! Between steps it checks the caller's stop flag (agreed across ranks with one all-reduce), scores probes at
 //! the end of each curriculum stage and the held-out tokens every `eval_every` steps, and saves every
 //! `save_every` steps; rank 0 reports to the caller's observer ([`Event`]) and appends the metrics file.
@@ -13,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use autosp_core::comm::{ProcessGroup, ReduceOp};
-use autosp_core::optim::{clip_to_norm, AdamW, Optimizer};
+use autosp_core::optim::{clip_to_norm, AdamW, LossScaler, Optimizer, ScaleStep};
 use autosp_core::{Gradients, Param, TrackingAllocator};
 use autosp_core::{Precision, ShardLevel};
 use autosp_models::LlamaModel;
@@ -60,8 +61,14 @@ pub struct Outcome {
     pub tape_peak: Vec<f64>,
     /// The process heap's peak bytes on each rank (0 without a tracking allocator).
     pub heap_peak: Vec<f64>,
+    /// On a GPU, the device-memory peak on each rank ([`crate::device::device_memory_peak`]); `None` on the
+    /// CPU.
+    pub device_peak: Option<Vec<f64>>,
     /// Steps skipped for a non-finite loss or gradient norm.
     pub skipped: usize,
+    /// The loss scale at the end and the steps skipped for an f16 gradient overflow, when the run scales its
+    /// loss ([`super::LossScaling`]).
+    pub loss_scale: Option<(f64, usize)>,
     /// The checkpoint saved at the end (or when stopped after at least one step), when there is a save_dir.
     pub checkpoint: Option<PathBuf>,
 }
@@ -82,6 +89,7 @@ pub struct Trainer {
     probes: Vec<Sample>,
     heap: Option<&'static TrackingAllocator>,
     metrics: Option<MetricsLog>,
+    scaler: Option<LossScaler>,
 }
 
 impl Trainer {
@@ -95,6 +103,7 @@ impl Trainer {
             let exempt: Vec<_> = params.iter().filter(|p| exempt_from_decay(p.name())).cloned().collect();
             opt.skip_decay(&exempt);
         }
+        let scaler = config.loss_scale.scaler(compiled.dtype())?;
         let metrics = match (&config.metrics, compiled.group().rank() == 0) {
             (Some(f), true) => Some(MetricsLog::append(f)?),
             _ => None,
@@ -114,6 +123,7 @@ impl Trainer {
             probes: Vec::new(),
             heap: None,
             metrics,
+            scaler,
         })
     }
 
@@ -177,6 +187,13 @@ impl Trainer {
             )?,
             None => checkpoint::restore_optimizer(dir, &mut self.opt, &self.params, state.optimizer_step)?,
         }
+        if let (Some(scaler), Some((scale, good))) = (self.scaler.as_mut(), state.loss_scale) {
+            let interval = match self.config.loss_scale {
+                super::config::LossScaling::Dynamic { growth_interval, .. } => growth_interval,
+                _ => autosp_core::optim::loss_scale::GROWTH_INTERVAL,
+            };
+            *scaler = LossScaler::restored(scale, interval, good)?;
+        }
         self.stream.seek(state.data);
         self.step = state.step;
         self.first_step = state.step;
@@ -230,6 +247,19 @@ impl Trainer {
         }
     }
 
+    /// The loss scaler, when the run scales its loss (f16).
+    pub fn loss_scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// The trainer state to save: the step, AdamW's step, the data position, the run's shape and the loss
+    /// scaler's state.
+    fn state(&self) -> TrainerState {
+        let mut state = TrainerState::new(self.step, self.opt.steps(), self.stream.position(self.drawn), &self.shape());
+        state.loss_scale = self.scaler.map(|s| (s.scale(), s.good_steps()));
+        state
+    }
+
     /// Saves a checkpoint of the current step into `save_dir/step-N`. Unsharded, rank 0 writes it (the others,
     /// which hold the same weights, only return where it went). With sharded model states every rank takes
     /// part ([`checkpoint::save_sharded`]: collective).
@@ -239,12 +269,12 @@ impl Trainer {
                 TrainError::Config("saving a checkpoint needs a save_dir in the TrainConfig".to_string())
             })?;
         let saved = if self.compiled.sharding() != ShardLevel::None {
-            let state = TrainerState::new(self.step, self.opt.steps(), self.stream.position(self.drawn), &self.shape());
+            let state = self.state();
             let model = self.compiled.model();
             let world = self.compiled.group();
             checkpoint::save_sharded(world, &root, model, &self.opt, &self.params, &state, &self.tokenizer)?
         } else if self.is_reporting() {
-            let state = TrainerState::new(self.step, self.opt.steps(), self.stream.position(self.drawn), &self.shape());
+            let state = self.state();
             let model = self.compiled.model();
             checkpoint::save(&root, model, &self.opt, &self.params, &state, &self.tokenizer)?
         } else {
@@ -285,9 +315,12 @@ impl Trainer {
             seconds: 0.0,
             tape_peak: vec![0.0; p],
             heap_peak: vec![0.0; p],
+            device_peak: None,
             skipped: 0,
+            loss_scale: None,
             checkpoint: None,
         };
+        let mut overflows = 0;
         while self.step < steps {
             let flag = Tensor::new(&[f64::from(u8::from(stop()))], &Device::Cpu)?;
             if pg.all_reduce(&flag, ReduceOp::Max)?.to_vec1::<f64>()?[0] > 0.0 {
@@ -295,6 +328,7 @@ impl Trainer {
                 break;
             }
             let t0 = Instant::now();
+            let reads = autosp_core::host_read::host_reads();
             // The curriculum's length for this step: seq_len / len sequences of len tokens per micro-batch.
             let len = self.config.curriculum.len_at(self.step, seq_len);
             let (grads, loss, tape_peak) = self.accumulate(len)?;
@@ -311,6 +345,22 @@ impl Trainer {
             let mut grads = grads;
             // Loss and gradient norm are the same on every rank (all-reduced), so every rank decides alike.
             let norm = self.compiled.grad_norm(&grads)?;
+            let scale = self.scaler.map(|s| s.scale());
+            if let (Some(scaler), true) = (self.scaler.as_mut(), loss.is_finite()) {
+                // A finite loss with non-finite gradients: f16 overflowed at this scale (skip, halve), unless
+                // the scale is already below 1 (then the policy below decides).
+                if scaler.update(norm.is_finite()) == ScaleStep::Overflow {
+                    self.step += 1;
+                    overflows += 1;
+                    let halved = scaler.scale();
+                    if rank0 {
+                        observe(Event::Overflow { step: self.step, steps, scale: halved * 2.0, halved });
+                        let why = format!("f16 gradients overflowed at loss scale {}; halved", halved * 2.0);
+                        self.record(&json!({ "step": self.step, "skipped": why, "loss_scale": halved }))?;
+                    }
+                    continue;
+                }
+            }
             let nonfinite = match (loss.is_finite(), norm.is_finite()) {
                 (false, _) => Some(("loss", loss)),
                 (true, false) => Some(("gradient norm", norm)),
@@ -341,10 +391,16 @@ impl Trainer {
             out.tokens += tokens;
             out.seconds += dt;
             let heap = self.heap.map_or(0, |h| h.peak_bytes());
-            let peaks = gather(&pg, &[tape_peak as f64, heap as f64])?;
+            // -1: no device memory to report (the CPU).
+            let device = crate::device::device_memory_peak(&self.compiled.device()).map_or(-1.0, |d| d as f64);
+            let peaks = gather(&pg, &[tape_peak as f64, heap as f64, device])?;
             for (r, v) in peaks.iter().enumerate() {
                 out.tape_peak[r] = out.tape_peak[r].max(v[0]);
                 out.heap_peak[r] = out.heap_peak[r].max(v[1]);
+                if v[2] >= 0.0 {
+                    let d = out.device_peak.get_or_insert_with(|| vec![0.0; p]);
+                    d[r] = d[r].max(v[2]);
+                }
             }
             out.loss = Some((out.loss.map_or(loss, |l| l.0), loss));
             if rank0 {
@@ -354,10 +410,13 @@ impl Trainer {
                     loss,
                     lr,
                     grad_norm: norm,
+                    loss_scale: scale,
+                    host_reads: autosp_core::host_read::host_reads() - reads,
                     tokens_per_s: tokens as f64 / dt,
                     tape_peak: peaks.iter().map(|v| v[0] as u64).collect(),
                     heap_peak: peaks.iter().map(|v| v[1] as u64).collect(),
                     heap_peak_max: out.heap_peak.iter().cloned().fold(0.0, f64::max) as u64,
+                    device_peak_max: out.device_peak.as_ref().map(|d| d.iter().cloned().fold(0.0, f64::max) as u64),
                 };
                 let line = record.to_json();
                 observe(Event::Step(record));
@@ -366,6 +425,7 @@ impl Trainer {
             self.between_steps(len, observe)?;
         }
         out.last_step = self.step;
+        out.loss_scale = self.scaler.map(|s| (s.scale(), overflows));
         let stepped = self.step > self.first_step;
         if self.config.save_dir.is_some() && (out.ended == Ended::Done || stepped) {
             let saved = self.save()?;
@@ -403,7 +463,10 @@ impl Trainer {
                 false => None,
             };
             let ids = Tensor::from_vec(ids, (rows, len), &Device::Cpu)?;
-            let out = self.compiled.train_step(&ids, labels.as_ref())?;
+            let out = match self.scaler {
+                Some(s) => self.compiled.train_step_scaled(&ids, labels.as_ref(), s.scale())?,
+                None => self.compiled.train_step(&ids, labels.as_ref())?,
+            };
             tape_peak = tape_peak.max(out.peak_bytes);
             if micro == 1 {
                 grads = out.grads;

@@ -19,15 +19,8 @@ impl Op for Embedding {
     }
     fn forward(&self, i: &[&Tensor]) -> Result<Vec<Tensor>> {
         let (ids, table) = (i[0], i[1]);
-        let (vocab, hidden) = table.dims2()?;
+        let (_, hidden) = table.dims2()?;
         let flat = ids.flatten_all()?;
-        let max = flat.max(0)?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-        if flat.elem_count() > 0 && max >= vocab as f64 {
-            return Err(Error::InvalidArgument {
-                op: "embedding",
-                msg: format!("token id {max} is out of range for a table of {vocab} rows"),
-            });
-        }
         let mut dims = ids.dims().to_vec();
         dims.push(hidden);
         Ok(vec![table.index_select(&flat, 0)?.reshape(dims)?])
@@ -49,8 +42,28 @@ impl Op for Embedding {
 }
 
 /// Rows of `table: [vocab, hidden]` for `ids: [..]` -> `[.., hidden]`.
+/// Unless the caller checked the ids on the host ([`Tape::inputs_checked`]), refuses an id past the table
+/// (one host read of the largest id).
 pub fn embedding(tape: &Tape, ids: &Value, table: &Value) -> Result<Value> {
+    if !tape.inputs_checked() {
+        check_ids(ids.tensor(), table.tensor().dim(0)?)?;
+    }
     Ok(tape.apply(Embedding, &[ids, table])?.remove(0))
+}
+
+/// Refuses an id of `ids` (any shape, integer) at or past `vocab` rows, reading back only the largest id.
+pub(crate) fn check_ids(ids: &Tensor, vocab: usize) -> Result<()> {
+    if ids.elem_count() == 0 {
+        return Ok(());
+    }
+    let max = crate::host_read::read_f64(&ids.flatten_all()?.max_keepdim(0)?)?;
+    if max >= vocab as f64 {
+        return Err(Error::InvalidArgument {
+            op: "embedding",
+            msg: format!("token id {max} is out of range for a table of {vocab} rows"),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

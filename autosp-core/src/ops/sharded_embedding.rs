@@ -84,22 +84,16 @@ fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor) -> Result<Tensor> {
     // The rows of the table this rank's flat slice touches: [lo, hi).
     let owned = shard.layout.owned();
     let (lo, hi) = (owned.start / hidden, owned.end.div_ceil(hidden));
-    let all_ids = all.narrow(1, hidden, 1)?.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-    let (mut picked, mut local) = (Vec::new(), Vec::new());
-    for (pos, &id) in all_ids.iter().enumerate() {
-        if id >= lo as f64 && id < hi as f64 {
-            picked.push(pos as u32);
-            local.push((id as usize - lo) as u32);
-        }
-    }
-    let mut part = Tensor::zeros((hi - lo, hidden), acc, g.device())?;
-    if !picked.is_empty() {
-        let k = picked.len();
-        let picked = Tensor::from_vec(picked, k, g.device())?;
-        let local = Tensor::from_vec(local, k, g.device())?;
-        let sel = all.index_select(&picked, 0)?.narrow(1, 0, hidden)?.contiguous()?;
-        part = part.index_add(&local, &sel, 0)?;
-    }
+    // Every gathered row is added on the device (no host read): a row whose id falls in [lo, hi) to its row of
+    // the part, the others (and the pad, id -1) to one spare row past the end, dropped after. Ids are exact in
+    // `acc` (checked above), so `id - lo` is an exact whole number.
+    let ids = all.narrow(1, hidden, 1)?.flatten_all()?;
+    let inside = ids.ge(lo as f64)?.mul(&ids.lt(hi as f64)?)?;
+    let spare = Tensor::full((hi - lo) as f32, ids.shape(), g.device())?.to_dtype(acc)?;
+    let local = inside.where_cond(&(ids - lo as f64)?, &spare)?.to_dtype(DType::U32)?;
+    let rows = all.narrow(1, 0, hidden)?.contiguous()?;
+    let part = Tensor::zeros((hi - lo + 1, hidden), acc, g.device())?.index_add(&local, &rows, 0)?;
+    let part = part.narrow(0, 0, hi - lo)?;
     // The owned elements of those rows, rounded once to the gradient's dtype, padded to the slice's length.
     let part = part.flatten_all()?.narrow(0, owned.start - lo * hidden, owned.len())?;
     let part = part.to_dtype(g.dtype())?.to_dtype(precision.reduce())?;
@@ -112,6 +106,9 @@ fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor) -> Result<Tensor> {
 /// record (use [`super::embedding`] with [`Tape::param`] then).
 pub fn sharded_embedding(tape: &Tape, ids: &Value, table: &crate::Param) -> Result<Option<Value>> {
     let Some((leaf, shard)) = tape.param_slice(table)? else { return Ok(None) };
+    if !tape.inputs_checked() {
+        super::embedding::check_ids(ids.tensor(), shard.shape.dims()[0])?;
+    }
     let op = ShardedEmbedding { shard, stored: table.tensor() };
     Ok(Some(tape.apply(op, &[ids, &leaf])?.remove(0)))
 }

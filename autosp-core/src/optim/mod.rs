@@ -1,12 +1,14 @@
-//! Optimisers (AdamW, SGD), clipping by global norm, and learning-rate schedules.
+//! Optimisers (AdamW, SGD), clipping by global norm, learning-rate schedules and f16 loss scaling.
 
 pub mod adamw;
 pub mod clip;
+pub mod loss_scale;
 pub mod schedule;
 pub mod sgd;
 
 pub use adamw::{AdamW, AdamWConfig};
-pub use clip::{clip_grad_norm, clip_to_norm, global_norm};
+pub use clip::{clip_grad_norm, clip_to_norm, global_norm, sum_of_squares};
+pub use loss_scale::{LossScaler, ScaleStep};
 pub use schedule::LrSchedule;
 pub use sgd::Sgd;
 

@@ -228,15 +228,19 @@ impl LlamaModel {
         Ok(RotaryTables { cos: tape.constant(cos), sin: tape.constant(sin) })
     }
 
-    /// Checks `ids: [b, n]` u32 with every id in the vocabulary; returns `(b, n)`.
-    fn check_ids(&self, ids: &Tensor) -> ModelResult<(usize, usize)> {
+    /// Checks `ids: [b, n]` u32 with every id in the vocabulary (read back to the host, unless the caller
+    /// checked them there already: [`Tape::inputs_checked`]); returns `(b, n)`.
+    fn check_ids(&self, tape: &Tape, ids: &Tensor) -> ModelResult<(usize, usize)> {
         let bad = || ModelError::BadIds { dims: ids.dims().to_vec(), dtype: ids.dtype() };
         if ids.rank() != 2 || ids.dtype() != DType::U32 || ids.elem_count() == 0 {
             return Err(bad());
         }
         let (b, n) = ids.dims2()?;
+        if tape.inputs_checked() {
+            return Ok((b, n));
+        }
         let vocab = self.config.vocab_size;
-        let flat = ids.flatten_all()?.to_vec1::<u32>()?;
+        let flat = autosp_core::host_read::read_vec::<u32>(ids)?;
         if let Some((index, &id)) = flat.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
             return Err(ModelError::TokenOutOfVocab { id, index, vocab });
         }
@@ -247,7 +251,7 @@ impl LlamaModel {
     /// position of each token, shared by the batch) -> `[b, n, hidden]`. Attention is causal over the `n`
     /// tokens given, with offsets `q_offset = k_offset = positions[0]`.
     pub fn hidden_states(&self, tape: &Tape, ids: &Tensor, positions: &[usize]) -> ModelResult<Value> {
-        let (_, n) = self.check_ids(ids)?;
+        let (_, n) = self.check_ids(tape, ids)?;
         if positions.len() != n {
             return Err(ModelError::PositionsMismatch { positions: positions.len(), seq: n });
         }
@@ -314,7 +318,7 @@ impl LlamaModel {
         positions: &[usize],
         targets: &Tensor,
     ) -> ModelResult<(Value, usize)> {
-        let (b, n) = self.check_ids(ids)?;
+        let (b, n) = self.check_ids(tape, ids)?;
         if targets.rank() != 1 || targets.elem_count() != b * n {
             return Err(ModelError::TargetsMismatch { dims: targets.dims().to_vec(), expected: b * n });
         }
@@ -334,7 +338,7 @@ impl LlamaModel {
     /// their keys and values are appended to `cache`. Returns `[b, n, vocab]`. After an error the cache may
     /// hold some layers' new rows and not others: [`clear`](KvCache::clear) it before reuse.
     pub fn forward_cached(&self, tape: &Tape, ids: &Tensor, cache: &mut KvCache) -> ModelResult<Value> {
-        let (b, n) = self.check_ids(ids)?;
+        let (b, n) = self.check_ids(tape, ids)?;
         cache.check(b, self.layers.0.len())?;
         let start = cache.len();
         let positions: Vec<usize> = (start..start + n).collect();

@@ -122,6 +122,8 @@ pub struct TrainerState {
     /// The base model of a LoRA run, whose checkpoints hold the adapter instead of the model; `None` for full
     /// fine-tuning.
     pub base_model: Option<String>,
+    /// The f16 loss scaler's scale and good steps since it last changed, when the run scales its loss.
+    pub loss_scale: Option<(f64, u32)>,
 }
 
 impl TrainerState {
@@ -145,6 +147,7 @@ impl TrainerState {
             max_attention_distance: shape.max_attention_distance,
             curriculum: Some(shape.curriculum.clone()),
             base_model: shape.base_model.clone(),
+            loss_scale: None,
         }
     }
 
@@ -348,6 +351,7 @@ fn write_rest(tmp: &Path, state: &TrainerState, tokenizer: &[(String, String)], 
         "max_attention_distance": state.max_attention_distance,
         "curriculum": state.curriculum,
         "base_model": state.base_model,
+        "loss_scale": state.loss_scale.map(|(scale, good)| json!({ "scale": scale, "good_steps": good })),
         "files": files,
     });
     if let (Some(Value::Object(extra)), Some(map)) = (extra, doc.as_object_mut()) {
@@ -465,6 +469,15 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
         },
         curriculum: doc.get("curriculum").and_then(Value::as_str).map(str::to_string),
         base_model: doc.get("base_model").and_then(Value::as_str).map(str::to_string),
+        loss_scale: match doc.get("loss_scale") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some((
+                v.get("scale")
+                    .and_then(Value::as_f64)
+                    .ok_or_else(|| damaged(format!("{STATE_FILE}: bad `loss_scale`")))?,
+                v.get("good_steps").and_then(Value::as_u64).unwrap_or(0) as u32,
+            )),
+        },
     })
 }
 
@@ -509,7 +522,7 @@ pub fn restore_optimizer(dir: &Path, opt: &mut AdamW, params: &[Param], step: u6
             if Precision::float(w.dtype()).needs_master() {
                 opt.set_master(p, &master)?;
             } else {
-                let exact = master.to_dtype(w.dtype())?;
+                let exact = master.to_dtype(w.dtype())?.to_device(w.device())?;
                 match p.shard() {
                     Some(s) => p.set_update(s.slice(&exact)?)?,
                     None => p.set(exact)?,
