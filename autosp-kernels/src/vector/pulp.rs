@@ -579,6 +579,65 @@ mod tests {
 
     use super::*;
 
+    /// Both register blocks of the tile product, on every vector path this CPU runs, against the portable
+    /// loop: 6 × 2 vectors (what 16-register ISAs run) and 8 × 3 (what 32-register ones run: NEON). The 8 × 3
+    /// block is chosen by `S::REGISTER_COUNT`, so on x86 (AVX2, 16 registers) `gemm` never picks it; here it
+    /// runs on the AVX2 path all the same (the compiler spills what does not fit), which checks its blocking,
+    /// row remainders, panel and column tails and strided A on any machine. Shapes cover full blocks, every
+    /// row remainder up to 7, n with whole panels, single vectors and a scalar tail, and accumulation.
+    /// Tolerance 1e-5 relative to the largest |C|: the same sums in the same k order, FMA vs separate rounding.
+    #[test]
+    fn both_register_blocks_equal_the_portable_product() {
+        struct Blocks {
+            mr8: bool,
+            accumulate: bool,
+            m: usize,
+            n: usize,
+            k: usize,
+            a: Vec<f32>,
+            transposed: bool,
+            b: Vec<f32>,
+            c: Vec<f32>,
+        }
+        impl WithSimd for Blocks {
+            type Output = Vec<f32>;
+            #[inline(always)]
+            fn with_simd<S: Simd>(mut self, s: S) -> Vec<f32> {
+                let (m, n, k) = (self.m, self.n, self.k);
+                let (rs, cs) = if self.transposed { (1, m) } else { (k, 1) };
+                let (a, b, c) = (self.a.as_ptr(), self.b.as_ptr(), self.c.as_mut_ptr());
+                // SAFETY: A is m × k with the strides above, B is k × n (ldb n), C is m × n (ldc n).
+                unsafe {
+                    if self.mr8 {
+                        gemm_with::<S, 8, 3>(s, self.accumulate, m, n, k, a, rs, cs, b, n, c, n)
+                    } else {
+                        gemm_with::<S, 6, 2>(s, self.accumulate, m, n, k, a, rs, cs, b, n, c, n)
+                    }
+                }
+                self.c
+            }
+        }
+        let value = |i: usize, salt: usize| (((i * 7919 + salt * 104_729) % 2003) as f32 / 1001.0) - 1.0;
+        for path in supported_paths().into_iter().filter(|&p| p != SimdPath::Scalar) {
+            for (m, n, k) in [(16, 48, 9), (23, 61, 17), (7, 100, 5), (1, 3, 4), (15, 24, 33)] {
+                for (mr8, accumulate, transposed) in [(true, false, false), (true, true, true), (false, true, false)] {
+                    let a: Vec<f32> = (0..m * k).map(|i| value(i, 1)).collect();
+                    let b: Vec<f32> = (0..k * n).map(|i| value(i, 2)).collect();
+                    let c0: Vec<f32> = (0..m * n).map(|i| value(i, 3)).collect();
+                    let mut want = c0.clone();
+                    let (rs, cs) = if transposed { (1, m) } else { (k, 1) };
+                    // SAFETY: as above.
+                    unsafe { portable::gemm(accumulate, m, n, k, a.as_ptr(), rs, cs, b.as_ptr(), n, want.as_mut_ptr(), n) };
+                    let op = Blocks { mr8, accumulate, m, n, k, a, transposed, b, c: c0 };
+                    let got = vectorize(path, op).expect("a vector path");
+                    let scale = want.iter().fold(0f32, |x, y| x.max(y.abs()));
+                    let err = got.iter().zip(&want).fold(0f32, |x, (g, w)| x.max((g - w).abs()));
+                    assert!(err <= 1e-5 * scale, "{path} {m}x{n}x{k} 8x3={mr8} acc={accumulate}: error {err}");
+                }
+            }
+        }
+    }
+
     /// `e^x` on every vector path against f64's over [-86, 88]: within 3e-7 relative (Taylor truncation 5e-9
     /// plus the f32 rounding of r, the polynomial's steps and the result, about 2 ulp); exactly 0 below
     /// -88 and for -inf, NaN for NaN; tails take the scalar formula.
