@@ -25,8 +25,9 @@ pub struct Args {
     #[arg(long, default_value_t = 4096)]
     pub seq_len: usize,
 
-    /// Sequence-parallel ranks per replica: each sequence is split over them (threads: default 2; with
-    /// `--launcher mpi`: mpirun's process count / --dp).
+    /// Sequence-parallel ranks per replica: each sequence is split over them (threads: default 2 on the CPU, 1
+    /// on a GPU, where thread ranks would share its one stream and each hold a whole replica of the model
+    /// states; with `--launcher mpi`: mpirun's process count / --dp).
     #[arg(long)]
     pub sp: Option<usize>,
 

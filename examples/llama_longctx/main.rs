@@ -112,7 +112,7 @@ fn printer(args: &Args) -> impl FnMut(Event) + Send {
 
 /// D × S ranks as threads of this process.
 fn run_threads(args: Args) -> Result<Option<Ended>> {
-    let p = args.dp * args.sp.unwrap_or(2);
+    let p = args.dp * args.sp.unwrap_or_else(|| args.options().default_sp_threads());
     let print = Mutex::new(printer(&args));
     let mut job = Job::prepare(args.options(), p, true)?;
     (job.heap, job.name) = (Some(&ALLOC), "llama_longctx".into());

@@ -162,6 +162,19 @@ impl RunOptions {
         self.device.unwrap_or_else(DeviceSpec::default_for_build)
     }
 
+    /// Sequence-parallel thread ranks when `--sp` is not given: 2 on the CPU (each rank runs its kernels on its
+    /// share of the cores), 1 on a GPU. Thread ranks on one GPU gain nothing and cost much: each holds a whole
+    /// replica of the model states (P times their memory unless `--shard` splits them), all queue their
+    /// kernels on the device's one stream (the work is serialised, not parallel), and their collectives are
+    /// copies between tensors of that same GPU; more ranks are for more GPUs (`--launcher mpi`, one process per
+    /// GPU).
+    pub fn default_sp_threads(&self) -> usize {
+        match self.device_spec() {
+            DeviceSpec::Cpu => 2,
+            DeviceSpec::Cuda(_) | DeviceSpec::Metal(_) => 1,
+        }
+    }
+
     /// The compute dtype: `dtype`, else the device's default (f32 on the CPU, bf16 on a GPU).
     pub fn compute_dtype(&self) -> DType {
         self.dtype.unwrap_or_else(|| crate::precision::default_dtype(&self.device_spec()))
@@ -245,6 +258,14 @@ pub fn parse_checkpointing(s: &str) -> Result<Checkpointing, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn thread_ranks_default_to_two_on_the_cpu_and_one_on_a_gpu() {
+        let on = |device| RunOptions { device: Some(device), ..RunOptions::default() }.default_sp_threads();
+        assert_eq!(on(DeviceSpec::Cpu), 2);
+        assert_eq!(on(DeviceSpec::Cuda(None)), 1);
+        assert_eq!(on(DeviceSpec::Metal(0)), 1);
+    }
 
     #[test]
     fn strategies_and_checkpointing_parse_and_print_back() {

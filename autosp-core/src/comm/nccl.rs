@@ -468,6 +468,8 @@ impl NcclTransport {
             .map(|(i, &peer)| Transfer { peer, ptr: recv_ptr + (i * hb) as u64, bytes: hb })
             .collect();
         self.grouped(collective, comm, &sends, &recvs)?;
+        // A device-to-host copy: the host waits for the stream (counted as a host read).
+        crate::host_read::count();
         let got = self.stream.clone_dtoh(&recv_buf).map_err(err)?;
         Ok(got.chunks(HEADER_WORDS).take(from.len()).map(|c| c.to_vec()).collect())
     }
