@@ -396,6 +396,10 @@ fn run_rank(
         "tape_peak_bytes": peak,
         "process_peak_bytes": process_peak,
         "process_peak_phase": peak_phase,
+        "device_peak_bytes": autosp::device::device_memory_peak(device),
+        "device_peak_scope": "on CUDA: the high-water mark of the device's default memory pool since the process \
+                              started (every tensor candle allocates; not the CUDA context or cuBLAS's workspace); \
+                              null on the CPU",
         "process_baseline_bytes": baseline,
         "process_peak_scope": if own_heap {
             "this rank's own process (one process per rank)"

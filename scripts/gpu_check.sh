@@ -9,8 +9,12 @@
 #      forward when built);
 #   3. runs `llama_longctx --quick` on CUDA at P = 1 and 2 (thread ranks sharing the GPU) in f32 and bf16 and
 #      compares every step's loss with the CPU run (f32: 1e-4 relative; bf16: 2e-2);
-#   4. prints `bench_attention` on CUDA (generic attention vs candle-flash-attn forward, bf16, N = 16384,
-#      head_dim 64 and 128) and llama_longctx tokens/s at 8K tokens.
+#   4. on CUDA: saves and resumes a run (the resumed losses must equal the uninterrupted run's bit for bit);
+#      bf16 and f16 (dynamic loss scaling) against f32 over 20 steps (2e-2 relative); the host reads per step
+#      (`host_reads` in the metrics: the same on every step, at most 3);
+#   5. prints `bench_attention` on CUDA (generic attention vs candle-flash-attn forward, bf16, N = 16384,
+#      head_dim 64 and 128), llama_longctx tokens/s at 8K and 32K tokens, and bench_memory's device-memory
+#      peak at 8K against the plan's prediction (tape peak + model states).
 #
 # Results go to $OUT (default target/gpu_check): the logs, metrics and JSON lines.
 # Crates: with no network, run `cargo vendor vendor/` on a machine with one first and bring `vendor/` along;
@@ -40,12 +44,15 @@ fi
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-$(nproc)}"
 
 t0=$SECONDS
-cargo build "${cargo_flags[@]}" --features "$features" --example llama_longctx --example bench_attention 2>&1 | tail -3
+cargo build "${cargo_flags[@]}" --features "$features" --example llama_longctx --example bench_attention \
+  --example bench_memory 2>&1 | tail -3
 log "build (--features $features): $((SECONDS - t0)) s"
 
 t0=$SECONDS
 cargo test "${cargo_flags[@]}" --features "$features" -p autosp-kernels --test cuda_attention --test cuda_ops \
   -- --nocapture 2>&1 | tee "$OUT/cuda_tests.log" | grep -E "^test |test result|error|max relative" | tail -40
+cargo test "${cargo_flags[@]}" --features "$features" --test cuda_state 2>&1 | tee -a "$OUT/cuda_tests.log" \
+  | grep -E "^test |test result|error" | tail -10
 log "CUDA tests: $((SECONDS - t0)) s"
 
 bin=target/release/examples
@@ -76,9 +83,66 @@ for p in 1 2; do
   done
 done
 
+cuda() { # cuda NAME ARGS...: llama_longctx on CUDA with metrics $OUT/NAME.jsonl and a checkpoint under $OUT/NAME
+  local name=$1; shift
+  "$bin/llama_longctx" --no-progress --device cuda --save "$OUT/$name" --metrics "$OUT/$name.jsonl" "$@" > "$OUT/$name.log"
+}
+# Save and resume on CUDA: steps 7-12 of the resumed run must be the uninterrupted run's, bit for bit.
+cuda resume_a --quick --dtype bf16 --save-every 6 || status=1
+"$bin/llama_longctx" --no-progress --device cuda --quick --dtype bf16 --resume "$OUT/resume_a/step-6" \
+  --save "$OUT/resume_b" --metrics "$OUT/resume_b.jsonl" > "$OUT/resume_b.log" || status=1
+python3 - "$OUT/resume_a.jsonl" "$OUT/resume_b.jsonl" <<'PY' | tee -a "$OUT/summary.txt" || status=1
+import json, sys
+a = [j["loss"] for j in map(json.loads, open(sys.argv[1])) if "loss" in j]
+b = [j["loss"] for j in map(json.loads, open(sys.argv[2])) if "loss" in j]
+ok = len(a) == 12 and a[6:] == b
+print(f"gpu_check: save at step 6 and resume on CUDA: steps 7-12 {'bit-identical' if ok else 'DIFFER'}: {a[6:]} vs {b}")
+sys.exit(0 if ok else 1)
+PY
+# bf16 and f16 (dynamic loss scaling) against f32, 20 steps on CUDA; host reads per step from the same runs.
+for dtype in f32 bf16 f16; do cuda "steps20_$dtype" --quick --steps 20 --dtype "$dtype" || status=1; done
+for dtype in bf16 f16; do
+  compare "$OUT/steps20_$dtype.jsonl" "$OUT/steps20_f32.jsonl" 2e-2 "llama_longctx --quick --steps 20 cuda $dtype vs cuda f32" \
+    | tee -a "$OUT/summary.txt" || status=1
+done
+python3 - "$OUT"/steps20_*.jsonl <<'PY' | tee -a "$OUT/summary.txt" || status=1
+import json, sys
+ok = True
+for f in sys.argv[1:]:
+    lines = [json.loads(l) for l in open(f)]
+    reads = [j["host_reads"] for j in lines if "host_reads" in j]
+    scale = [j.get("loss_scale") for j in lines if "host_reads" in j]
+    good = len(set(reads)) == 1 and reads[0] <= 3
+    ok = ok and good
+    print(f"gpu_check: {f.split('/')[-1]}: host reads per step {sorted(set(reads))} ({'ok' if good else 'FAILED: not constant or above 3'}); "
+          f"loss scale at the end {scale[-1]}")
+sys.exit(0 if ok else 1)
+PY
+
 "$bin/bench_attention" --device cuda --kernel generic,flash-attn --dtype bf16 --causal --n 16384 --head-dim 64,128 \
   --repeats 3 --naive-max-gib 0 | tee "$OUT/bench_attention_cuda.jsonl" || status=1
-"$bin/llama_longctx" --no-progress --device cuda --seq-len 8192 --curriculum none --steps 6 --warmup 1 --save "$OUT/tput" \
-  --metrics "$OUT/tput_8k.jsonl" | grep -E "throughput|tape peak|training loss" | tee -a "$OUT/summary.txt" || status=1
+for n in 8192 32768; do
+  cuda "tput_$n" --seq-len "$n" --curriculum none --steps 6 --warmup 1 || status=1
+  grep -E "^\| (throughput|tape peak|device memory|training loss)" "$OUT/tput_$n.log" | sed "s/^/gpu_check: $n tokens: /" \
+    | tee -a "$OUT/summary.txt"
+done
+# Device memory at 8K against the plan's prediction (the tape's peak plus this rank's model states).
+"$bin/bench_memory" --device cuda --dtype bf16 --preset bench --n 8192 --steps 2 --checkpoint sequence-aware \
+  > "$OUT/bench_memory_cuda.jsonl" || status=1
+python3 - "$OUT/bench_memory_cuda.jsonl" <<'PY' | tee -a "$OUT/summary.txt" || status=1
+import json, sys
+for j in map(json.loads, open(sys.argv[1])):
+    if j.get("bench") != "memory":
+        continue
+    states = j["model_state_bytes_per_rank"]["total"]
+    pred = (j["predicted_peak_bytes"] or 0) + states
+    dev = j["device_peak_bytes"]
+    if dev is None:
+        print("gpu_check: bench_memory reported no device peak (the CUDA memory pool could not be read): FAILED")
+        sys.exit(1)
+    mib = lambda b: b / 2**20
+    print(f"gpu_check: bench_memory 8K bf16: device peak {mib(dev):.0f} MiB, predicted (tape peak + model states) "
+          f"{mib(pred):.0f} MiB, ratio {dev / pred:.2f}; {j['tokens_per_s']:.0f} tokens/s")
+PY
 log "done, status $status"
 exit $status
