@@ -55,3 +55,56 @@ fn a_step_reads_a_constant_few_times_whatever_the_layers() {
         assert!(counts[0].iter().all(|&c| c <= 3), "{run:?}: {:?} reads per step (at most 3)", counts[0]);
     }
 }
+
+/// The files of the training path a GPU runs (the generic kernels and their doors, the ops, the optimizers,
+/// the tape, the compiled step, the trainer, the model), where a raw read of a tensor back to the host
+/// (`to_scalar`, `to_vec0..3`, `to_device(&Device::Cpu)`) is allowed only on host data, said so in a `host data`
+/// comment on its line or the line before; every other read goes through `autosp_core::host_read`, which counts
+/// it. The CPU kernels (`cpu.rs`, `host.rs`, `vector/`) read CPU storage by design and are left out, as are the
+/// collectives' transports (NCCL counts its header copy; MPI carries device tensors through the host by design)
+/// and the test modules.
+#[test]
+fn no_uncounted_host_reads_on_the_training_path() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dirs = [
+        "autosp-kernels/src",
+        "autosp-core/src/ops",
+        "autosp-core/src/optim",
+        "autosp-core/src/nn",
+        "autosp-models/src/llama",
+        "src/compile",
+    ];
+    let files = ["autosp-core/src/tape.rs", "autosp-core/src/backward.rs", "autosp-core/src/lora.rs", "src/train/trainer.rs"];
+    let mut paths: Vec<std::path::PathBuf> = files.iter().map(|f| root.join(f)).collect();
+    for d in dirs {
+        let mut stack = vec![root.join(d)];
+        while let Some(dir) = stack.pop() {
+            for e in std::fs::read_dir(&dir).unwrap() {
+                let p = e.unwrap().path();
+                let name = p.file_name().unwrap().to_string_lossy().to_string();
+                if p.is_dir() {
+                    if name != "vector" {
+                        stack.push(p);
+                    }
+                } else if name.ends_with(".rs") && !["cpu.rs", "host.rs", "generate.rs"].contains(&name.as_str()) {
+                    paths.push(p);
+                }
+            }
+        }
+    }
+    let raw = ["to_scalar", "to_vec0", "to_vec1", "to_vec2", "to_vec3", "to_device(&Device::Cpu)"];
+    let mut found = Vec::new();
+    for p in &paths {
+        let text = std::fs::read_to_string(p).unwrap();
+        let code = text.split("#[cfg(test)]").next().unwrap();
+        let lines: Vec<&str> = code.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            let said = line.contains("host data") || (i > 0 && lines[i - 1].contains("host data"));
+            if raw.iter().any(|r| line.contains(r)) && !line.trim_start().starts_with("//") && !said {
+                found.push(format!("{}:{}: {}", p.strip_prefix(root).unwrap().display(), i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(paths.len() > 40, "the scan must see the training path's files ({} found)", paths.len());
+    assert!(found.is_empty(), "uncounted host reads (use autosp_core::host_read):\n{}", found.join("\n"));
+}

@@ -49,6 +49,7 @@ where
         let flag =
             Tensor::new(&[f64::from(u8::from(failed))], &Device::Cpu).map_err(|e| E::from(CompileError::from(e)))?;
         let any = world.all_reduce(&flag, ReduceOp::Max).map_err(|e| E::from(CompileError::from(e)))?;
+        // host data: a flag made on the host.
         if any.to_vec1::<f64>().map_err(|e| E::from(CompileError::from(e)))?[0] > 0.0 {
             return match mine {
                 Some(Err(e)) => Err(e),

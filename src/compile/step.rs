@@ -83,6 +83,7 @@ pub fn check_batch(ids: &Tensor, labels: Option<&Tensor>, vocab: usize, min_len:
                 t.dtype()
             )));
         }
+        // host data: the trainer's batches are made on the host (a batch kept on a GPU costs one read here).
         let rows = t.to_dtype(DType::I64)?.to_vec2::<i64>()?;
         for (r, row) in rows.iter().enumerate() {
             for (i, &id) in row.iter().enumerate() {
@@ -195,7 +196,8 @@ impl<M: CausalLm> Compiled<M> {
 
         // One host read of this rank's share of the loss; the sum over ranks is taken on the host (f64).
         let loss_local = host_read::read_f64(term.tensor())? / loss_scale;
-        let loss = self.world.all_reduce(&host_scalar(loss_local)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        let loss = self.world.all_reduce(&host_scalar(loss_local)?, ReduceOp::Sum)?;
+        let loss = loss.to_vec1::<f64>()?[0]; // host data
         let local = tape.param_grads();
         drop(tape);
         autosp_core::alloc::phase("step", "gradient all-reduce");
@@ -220,7 +222,7 @@ impl<M: CausalLm> Compiled<M> {
         tape.set_inputs_checked();
         let (sum, _) = self.model.loss(&tape, &ids_local, &positions, &targets_local)?;
         let local = host_read::read_f64(ops::scale(&tape, &sum, 1.0 / total)?.tensor())?;
-        let loss = over.all_reduce(&host_scalar(local)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        let loss = over.all_reduce(&host_scalar(local)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0]; // host data
         Ok((loss, total as usize))
     }
 
@@ -249,11 +251,12 @@ impl<M: CausalLm> Compiled<M> {
         let positions = self.positions(n_pad, self.sp.rank())?;
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), &host)?;
         let targets_local = targets.index_select(&index, 1)?.flatten_all()?;
-        let local_count = ops::cross_entropy::count_valid(&targets_local)?;
+        let local_count = targets_local.to_vec1::<i64>()?.iter().filter(|&&t| t >= 0).count(); // host data
         let device = self.device();
         let ids_local = ids.index_select(&index, 1)?.to_device(&device)?;
         let targets_local = targets_local.to_device(&device)?;
 
+        // host data: counted on the host, reduced as a host tensor.
         let total = over.all_reduce(&host_scalar(local_count as f64)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
         if total == 0.0 {
             return Err(CompileError::Input("every target is ignored (-100): nothing to train on".into()));
@@ -341,7 +344,7 @@ impl<M: CausalLm> Compiled<M> {
     pub fn grad_norm(&self, grads: &Gradients) -> Result<f64, CompileError> {
         let mut sq = sum_of_squares(grads)?;
         if self.sharding() != ShardLevel::None && self.world.size() > 1 {
-            sq = self.world.all_reduce(&host_scalar(sq)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+            sq = self.world.all_reduce(&host_scalar(sq)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0]; // host data
         }
         Ok(sq.sqrt())
     }

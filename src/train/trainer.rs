@@ -323,6 +323,7 @@ impl Trainer {
         let mut overflows = 0;
         while self.step < steps {
             let flag = Tensor::new(&[f64::from(u8::from(stop()))], &Device::Cpu)?;
+            // host data: a flag made on the host.
             if pg.all_reduce(&flag, ReduceOp::Max)?.to_vec1::<f64>()?[0] > 0.0 {
                 out.ended = Ended::Interrupted;
                 break;
@@ -542,7 +543,7 @@ impl Trainer {
 /// Gathers `values` from every rank (f64, exact for byte counts) to every rank: `[rank][i]`.
 fn gather(pg: &Arc<dyn ProcessGroup>, values: &[f64]) -> Result<Vec<Vec<f64>>> {
     let t = Tensor::new(values, &Device::Cpu)?;
-    let all = pg.all_gather(&t, 0)?.to_vec1::<f64>()?;
+    let all = pg.all_gather(&t, 0)?.to_vec1::<f64>()?; // host data
     Ok(all.chunks(values.len()).map(<[f64]>::to_vec).collect())
 }
 

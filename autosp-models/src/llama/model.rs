@@ -278,7 +278,7 @@ impl LlamaModel {
         let local = self.inv_freq_local.as_ref().map(|f| self.tables_of(tape, positions, f)).transpose()?;
         let mut h = self.embed_tokens.forward(tape, &tape.constant(ids.clone()))?;
         if let Some(s) = self.config.embed_scale() {
-            // Gemma: sqrt(hidden), rounded to the weights' dtype as transformers does.
+            // Gemma: sqrt(hidden), rounded to the weights' dtype as transformers does (host data).
             let s = Tensor::new(&[s], &Device::Cpu)?.to_dtype(self.dtype())?.to_dtype(DType::F64)?.to_vec1::<f64>()?[0];
             h = ops::scale(tape, &h, s)?;
         }
