@@ -12,7 +12,7 @@
 //!   `[vocab, d]` gradient; see that module for the algorithm, precision and memory.
 //!
 //! Forward keeps nothing but its inputs; backward recomputes the logits. Returns the sum of token losses and
-//! the valid-token count, as [`autosp_core::ops::cross_entropy`] does, for the global reduction of sequence
+//! the valid-token count, as [`autosp_core::ops::cross_entropy()`] does, for the global reduction of sequence
 //! parallelism; the loss in f32 (f64 for f64; [`Precision::accumulate`]). Both kernels sum in a fixed order:
 //! deterministic.
 //!
