@@ -3,6 +3,9 @@
 //! forward + backward. Run once at the full size: the unchunked loss holds an `[n, vocab]` f32 logits tensor.
 //!
 //! `cargo run --release --example bench_loss -- --n 16384 --vocab 32000 --hidden 512 --chunk 1024`
+//!
+//! `--dtype bf16` (or f16) runs hidden and head in that dtype; `AUTOSP_KERNELS=generic` times the
+//! device-generic kernel on the CPU.
 
 use std::time::Instant;
 
@@ -37,13 +40,16 @@ struct Args {
     /// else the CPU).
     #[arg(long)]
     device: Option<autosp::DeviceSpec>,
+    /// The dtype of hidden and head: f32, bf16, f16 or f64 (the loss is f32, f64 for f64).
+    #[arg(long, default_value = "f32")]
+    dtype: DType,
 }
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let dev = a.device.unwrap_or_else(autosp::DeviceSpec::default_for_build).open(None)?;
-    let hidden = probe(&[a.n, a.hidden], 1, &dev)?.to_dtype(DType::F32)?;
-    let w = Param::new("lm_head", (probe(&[a.vocab, a.hidden], 2, &dev)? * 0.05)?.to_dtype(DType::F32)?);
+    let hidden = probe(&[a.n, a.hidden], 1, &dev)?.to_dtype(a.dtype)?;
+    let w = Param::new("lm_head", (probe(&[a.vocab, a.hidden], 2, &dev)? * 0.05)?.to_dtype(a.dtype)?);
     let tg: Vec<i64> = (0..a.n).map(|i| if i % 97 == 0 { -100 } else { ((i * 7919) % a.vocab) as i64 }).collect();
     let tg = Tensor::new(tg, &dev)?;
     let mut variants: Vec<Option<usize>> = a.chunk.iter().map(|&c| Some(c)).collect();
@@ -65,11 +71,12 @@ fn main() -> anyhow::Result<()> {
         tape.backward(&loss)?;
         let fwd_bwd_s = t0.elapsed().as_secs_f64();
         let peak = tape.memory().peak_bytes;
-        let loss_value = loss.tensor().to_scalar::<f32>()? as f64 / count as f64;
+        let loss_value = loss.tensor().to_dtype(DType::F64)?.to_scalar::<f64>()? / count as f64;
         let line = serde_json::json!({
             "bench": "loss",
             "variant": if chunk.is_some() { "chunked" } else { "unchunked" },
-            "n": a.n, "vocab": a.vocab, "hidden": a.hidden, "chunk": chunk,
+            "n": a.n, "vocab": a.vocab, "hidden": a.hidden, "chunk": chunk, "dtype": format!("{:?}", a.dtype),
+            "kernels": format!("{:?}", autosp::kernels::kernels()),
             "tape_held_after_forward_bytes": held_after_forward,
             "tape_peak_bytes": peak,
             "process_heap_peak_above_start_bytes": ALLOC.peak_bytes().saturating_sub(base),

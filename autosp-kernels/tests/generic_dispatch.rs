@@ -4,9 +4,15 @@
 //! process-wide, so this binary holds exactly ONE test, which flips it once, after computing every reference.
 //!
 //! Tolerances are those of `generic_ops.rs` (max relative error `max_i |x_i - y_i| / max_i |y_i|`): f32 1e-5
-//! and f64 1e-10 (the same expressions summed in another order: a few ulps of the largest element), bf16 2^-7
-//! (one bf16 ulp of the largest element: both sides compute in f32 and round once). The chunked MLP also runs
-//! its matmuls through candle on both sides, so only the SwiGLU inside differs.
+//! and f64 1e-10 (the same expressions summed in another order: a few ulps of the largest element). The
+//! chunked MLP also runs its matmuls through candle on both sides, so only the SwiGLU inside differs. bf16:
+//! 2^-7 (one bf16 ulp of the largest element: both sides compute in f32 and round once), except downstream
+//! of the loss. The generic loss runs its GEMMs in bf16 (the fast kernel widens to f32 first), so each logit
+//! is rounded to bf16 (unit roundoff u = 2^-8) and so is `dlogits` before the gradient GEMMs. The loss (f32)
+//! is held to 2^-10 = u/4: a row's `lse - logit[target]` moves by at most 2u·max|logit|, but independent
+//! roundings cancel in the sum (measured 2.96e-4 = 0.08u, a third of the bound). The gradients, all
+//! downstream of the loss, are held to 2^-6, two bf16 ulps of the largest element (their own rounding plus
+//! the loss's; measured at most 7.75e-3, half of it).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,6 +47,16 @@ fn tol(dtype: DType) -> f64 {
         DType::F64 => 1e-10,
         DType::BF16 => 2f64.powi(-7),
         _ => 1e-5,
+    }
+}
+
+/// The tolerance of the block's output `name` run in `dtype`: [`tol`], but for bf16 the loss (f32) is held to
+/// 2^-10 and the gradients to 2^-6 (see the module doc).
+fn block_tol(name: &str, dtype: DType) -> f64 {
+    match (dtype, name) {
+        (DType::BF16, "loss") => 2f64.powi(-10),
+        (DType::BF16, _) => 2f64.powi(-6),
+        (dtype, _) => tol(dtype),
     }
 }
 
@@ -115,7 +131,7 @@ fn forcing_the_generic_kernels_gives_the_fast_kernels_results() {
     for (&dt, (fast_block, fast_ring)) in dtypes.iter().zip(&fast) {
         let generic_block = block(dt);
         for ((name, a), b) in names.iter().zip(&generic_block).zip(fast_block) {
-            let t = if *name == "loss" { tol(b.dtype()) } else { tol(dt) };
+            let t = block_tol(name, dt);
             let e = max_rel(a, b);
             assert!(e <= t, "{name} ({dt:?}): generic vs fast max relative error {e} > {t}");
         }

@@ -1,24 +1,37 @@
 //! The chunked linear + cross-entropy: the summed token loss of `hidden @ lm_head^T` against targets,
-//! computed in row chunks so that no `[m, vocab]` logits tensor ever exists. The op's one door: plain
-//! functions ([`chunked_cross_entropy_forward`], [`chunked_cross_entropy_backward`]), the tape op
-//! ([`ChunkedCrossEntropyOp`], [`chunked_cross_entropy`]), the checks, and the choice of kernel: the CPU kernel
-//! (`cpu.rs`: the softmax rows on the host, on the vector path) for CPU tensors, the candle-op kernel
-//! (`generic.rs`) elsewhere.
+//! computed in pieces so that no `[m, vocab]` logits tensor ever exists. The op's one door: plain functions
+//! ([`chunked_cross_entropy_forward`], [`chunked_cross_entropy_backward`]), the tape op
+//! ([`ChunkedCrossEntropyOp`], [`chunked_cross_entropy`]), the checks, and the choice of kernel:
 //!
-//! Forward keeps nothing but its inputs; backward recomputes each chunk's logits, turns them into
-//! `softmax - onehot`, and accumulates `d_hidden` (chunk by chunk) and `d_lm_head` (a running sum, chunks in
-//! order: deterministic). Returns the sum of token losses and the valid-token count, as
-//! [`autosp_core::ops::cross_entropy`] does, for the global reduction of sequence parallelism; the loss in f32
-//! (f64 for f64; [`Precision::accumulate`]).
+//! - the CPU kernel (`cpu.rs`, CPU tensors): row chunks of the caller's `chunk_rows`, the softmax rows on
+//!   the host on the vector path, `d_lm_head` a running sum accumulated in place;
+//! - the device-generic kernel (`generic.rs`, candle ops, every other device): `[rows, vocab]` tiles sized
+//!   from a byte budget per device ([`LossTiles::for_inputs`]; `chunk_rows` is not used), the GEMMs in the
+//!   inputs' dtype (bf16/f16 on a GPU) and the softmax statistics in f32 (f64 for f64), the backward tiled
+//!   over the vocabulary so each tile of `d_lm_head` is final at once and written into one preallocated
+//!   `[vocab, d]` gradient; see that module for the algorithm, precision and memory.
+//!
+//! Forward keeps nothing but its inputs; backward recomputes the logits. Returns the sum of token losses and
+//! the valid-token count, as [`autosp_core::ops::cross_entropy()`] does, for the global reduction of sequence
+//! parallelism; the loss in f32 (f64 for f64; [`Precision::accumulate`]). Both kernels sum in a fixed order:
+//! deterministic.
+//!
+//! Host reads ([`autosp_core::host_read`]): a forward call reads back one small tensor (the count of
+//! out-of-range targets, the largest target and the count of valid ones); on the generic route the op's own
+//! forward and backward read nothing (the upstream gradient stays on the device), and the plain backward
+//! reads that summary once to check its targets. On the CPU route the CPU kernel reads its targets on the
+//! host (CPU storage) and refuses out-of-range ones itself, and a backward reads the upstream gradient once.
 
 mod cpu;
 mod generic;
 
+pub use generic::{LossTiles, MIN_VOCAB_TILE, TILE_BYTES_CPU, TILE_BYTES_GPU};
+
 use autosp_core::dispatch::{select, Route};
-use autosp_core::ops::cross_entropy::count_valid;
+use autosp_core::host_read::{read_f64, read_vec};
 use autosp_core::ops::IGNORE_INDEX;
 use autosp_core::{Error, NodeKind, Op, Precision, Result, SavedTensors, Saves, Tape, Value};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::shape_error::mismatch;
 
@@ -26,26 +39,33 @@ const OP: &str = "chunked_cross_entropy";
 
 /// The chunked loss without a tape: `hidden: [m, d]`, `lm_head: [vocab, d]`, `targets: [m]` (i64 or u32,
 /// negative = ignored) -> `(sum of token losses: []` in f32, f64 for f64 inputs (a bf16/f16 hidden still gives
-/// an f32 loss)`, valid-token count)`. Transient memory is one `[chunk_rows, vocab]` logits block.
+/// an f32 loss)`, valid-token count)`. Transient memory: one `[chunk_rows, vocab]` logits block on the CPU
+/// kernel, a few tiles of [`LossTiles::for_inputs`] on the generic one. One host read.
 pub fn chunked_cross_entropy_forward(
     hidden: &Tensor,
     lm_head: &Tensor,
     targets: &Tensor,
     chunk_rows: usize,
 ) -> Result<(Tensor, usize)> {
-    let (_, _, vocab) = check(hidden, lm_head, targets, chunk_rows)?;
-    let loss = match select(hidden) {
+    let vocab = check(hidden, lm_head, targets, chunk_rows)?;
+    let route = select(hidden);
+    let count = read_targets(targets, vocab, route)?;
+    Ok((forward(route, hidden, lm_head, targets, chunk_rows)?, count))
+}
+
+/// The forward of checked inputs on `route`, reading nothing back but what the CPU kernel reads on the host.
+fn forward(route: Route, hidden: &Tensor, lm_head: &Tensor, targets: &Tensor, chunk_rows: usize) -> Result<Tensor> {
+    let (m, vocab) = (hidden.dim(0)?, lm_head.dim(0)?);
+    match route {
         Route::Cpu => {
             let (loss, _) = cpu::run(hidden, lm_head, targets, vocab, chunk_rows, None, false)?;
             // The loss stays in the accumulation dtype (f32, f64 for f64): never rounded to a bf16/f16 hidden dtype.
-            Tensor::new(loss, hidden.device())?.to_dtype(Precision::float(hidden.dtype()).accumulate())?
+            Ok(Tensor::new(loss, hidden.device())?.to_dtype(Precision::float(hidden.dtype()).accumulate())?)
         }
         Route::Generic => {
-            check_targets(targets, vocab)?;
-            generic::run(hidden, lm_head, targets, chunk_rows, None, false)?.0
+            generic::forward(hidden, lm_head, targets, LossTiles::for_inputs(hidden.device(), hidden.dtype(), m, vocab))
         }
-    };
-    Ok((loss, count_valid(targets)?))
+    }
 }
 
 /// What a chunked loss pass returns besides the loss when asked for gradients: `(d_hidden, d_lm_head)`, the
@@ -54,7 +74,7 @@ pub(crate) type LossGrads = Option<(Tensor, Option<Tensor>)>;
 
 /// The chunked loss's backward without a tape: the gradients of `grad * sum of token losses` with respect to
 /// `hidden: [m, d]` and `lm_head: [vocab, d]`, as `(d_hidden: [m, d], d_lm_head: [vocab, d])` in the dtypes of
-/// hidden and lm_head.
+/// hidden and lm_head. At most one host read.
 pub fn chunked_cross_entropy_backward(
     hidden: &Tensor,
     lm_head: &Tensor,
@@ -62,37 +82,85 @@ pub fn chunked_cross_entropy_backward(
     chunk_rows: usize,
     grad: f64,
 ) -> Result<(Tensor, Tensor)> {
-    let (dh, dw) = backward(hidden, lm_head, targets, chunk_rows, grad, true)?;
+    let vocab = check(hidden, lm_head, targets, chunk_rows)?;
+    let route = select(hidden);
+    if route == Route::Generic {
+        read_targets(targets, vocab, route)?;
+    }
+    let grad = Tensor::new(grad, &Device::Cpu)?;
+    let (dh, dw) = backward(route, hidden, lm_head, targets, chunk_rows, &grad, true)?;
     Ok((dh, dw.ok_or_else(|| Error::Internal(format!("{OP}: backward produced no head gradient")))?))
 }
 
-/// [`chunked_cross_entropy_backward`], with the head's gradient only when `weight` asks for it (a frozen head
-/// skips its `[vocab, d]` product).
+/// The backward of checked inputs on `route`: `grad` is the upstream gradient, a one-element float tensor
+/// (the CPU kernel reads it back, counted; the generic one keeps it on the device, moving it there when it
+/// is made on the host). The head's gradient only when `weight` asks for it (a frozen head skips its
+/// `[vocab, d]` products).
 fn backward(
+    route: Route,
     hidden: &Tensor,
     lm_head: &Tensor,
     targets: &Tensor,
     chunk_rows: usize,
+    grad: &Tensor,
+    weight: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (m, vocab) = (hidden.dim(0)?, lm_head.dim(0)?);
+    match route {
+        Route::Cpu => {
+            let g = read_f64(grad)?;
+            let grads = cpu::run(hidden, lm_head, targets, vocab, chunk_rows, Some(g), weight)?.1;
+            grads.ok_or_else(|| Error::Internal(format!("{OP}: backward produced no gradients")))
+        }
+        Route::Generic => {
+            // A host-made g is narrowed on the host (never f64 on the device unless the inputs are), then moved.
+            let g = grad.to_dtype(Precision::float(hidden.dtype()).accumulate())?.to_device(hidden.device())?;
+            let tiles = LossTiles::for_inputs(hidden.device(), hidden.dtype(), m, vocab);
+            generic::backward(hidden, lm_head, targets, tiles, &g, weight)
+        }
+    }
+}
+
+/// The device-generic kernel's forward in the given `tiles` (at least 1 x 1), on any device whatever the
+/// dispatch says: tests run many row and vocabulary tiles on small shapes, benchmarks time the generic kernel
+/// on the CPU. Checks as [`chunked_cross_entropy_forward`] (one host read). Not part of the stable API.
+#[doc(hidden)]
+pub fn generic_forward_with_tiles(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &Tensor,
+    tiles: LossTiles,
+) -> Result<(Tensor, usize)> {
+    let vocab = check(hidden, lm_head, targets, 1)?;
+    let count = read_targets(targets, vocab, Route::Generic)?;
+    Ok((generic::forward(hidden, lm_head, targets, tiles)?, count))
+}
+
+/// [`generic_forward_with_tiles`]'s backward: `(d_hidden, d_lm_head` when `weight``)` of `grad * loss`. Not
+/// part of the stable API.
+#[doc(hidden)]
+pub fn generic_backward_with_tiles(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &Tensor,
+    tiles: LossTiles,
     grad: f64,
     weight: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let (_, _, vocab) = check(hidden, lm_head, targets, chunk_rows)?;
-    let grads = match select(hidden) {
-        Route::Cpu => cpu::run(hidden, lm_head, targets, vocab, chunk_rows, Some(grad), weight)?.1,
-        Route::Generic => {
-            check_targets(targets, vocab)?;
-            generic::run(hidden, lm_head, targets, chunk_rows, Some(grad), weight)?.1
-        }
-    };
-    grads.ok_or_else(|| Error::Internal(format!("{OP}: backward produced no gradients")))
+    let vocab = check(hidden, lm_head, targets, 1)?;
+    read_targets(targets, vocab, Route::Generic)?;
+    let g = Tensor::new(grad, &Device::Cpu)?.to_dtype(Precision::float(hidden.dtype()).accumulate())?;
+    generic::backward(hidden, lm_head, targets, tiles, &g.to_device(hidden.device())?, weight)
 }
 
 /// The chunked loss as a tape op: inputs `hidden: [m, d]`, `lm_head: [vocab, d]`, `targets: [m]` (i64 or
 /// u32, negative = ignored, as [`IGNORE_INDEX`]); output the summed loss `[]` in f32 (f64 for f64 inputs).
-/// Kind [`NodeKind::Loss`].
+/// Kind [`NodeKind::Loss`]. Apply it through [`chunked_cross_entropy`], which checks the targets: the op
+/// itself reads nothing back on the generic route and trusts them there.
 #[derive(Debug)]
 pub struct ChunkedCrossEntropyOp {
-    /// Rows of `hidden` per chunk: the transient logits are `[chunk_rows, vocab]`.
+    /// Rows of `hidden` per chunk of the CPU kernel: its transient logits are `[chunk_rows, vocab]`. The
+    /// generic kernel sizes its own tiles ([`LossTiles::for_inputs`]).
     pub chunk_rows: usize,
 }
 
@@ -104,23 +172,25 @@ impl Op for ChunkedCrossEntropyOp {
         NodeKind::Loss
     }
     fn forward(&self, i: &[&Tensor]) -> Result<Vec<Tensor>> {
-        Ok(vec![chunked_cross_entropy_forward(i[0], i[1], i[2], self.chunk_rows)?.0])
+        check(i[0], i[1], i[2], self.chunk_rows)?;
+        Ok(vec![forward(select(i[0]), i[0], i[1], i[2], self.chunk_rows)?])
     }
     fn saves(&self) -> Saves {
         Saves::inputs(&[0, 1, 2])
     }
     fn backward(&self, s: &SavedTensors<'_>, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
         let Some(g) = &g[0] else { return Ok(vec![None; 3]) };
-        let g = g.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        let (dh, dw) = backward(s.input(0)?, s.input(1)?, s.input(2)?, self.chunk_rows, g, s.needs_grad(1))?;
+        let (h, w, t) = (s.input(0)?, s.input(1)?, s.input(2)?);
+        let (dh, dw) = backward(select(h), h, w, t, self.chunk_rows, g, s.needs_grad(1))?;
         Ok(vec![Some(dh), dw, None])
     }
 }
 
-/// Linear + cross-entropy in row chunks on the tape: `hidden: [m, d]`, `lm_head: [vocab, d]`, `targets: [m]`
+/// Linear + cross-entropy in chunks on the tape: `hidden: [m, d]`, `lm_head: [vocab, d]`, `targets: [m]`
 /// (i64 or u32; [`IGNORE_INDEX`] skipped). Returns `(sum of token losses: []` in f32 (f64 for f64)`, valid
 /// count)`, equal to `cross_entropy(linear(hidden, lm_head))` of autosp-core, while no `[m, vocab]` tensor is
-/// ever made: the tape holds only the inputs.
+/// ever made: the tape holds only the inputs. One host read (the targets' summary); on the generic route the
+/// op's backward reads nothing.
 pub fn chunked_cross_entropy(
     tape: &Tape,
     hidden: &Value,
@@ -128,14 +198,13 @@ pub fn chunked_cross_entropy(
     targets: &Value,
     chunk_rows: usize,
 ) -> Result<(Value, usize)> {
-    let (_, _, vocab) = check(hidden.tensor(), lm_head.tensor(), targets.tensor(), chunk_rows)?;
-    check_targets(targets.tensor(), vocab)?;
-    let count = count_valid(targets.tensor())?;
+    let vocab = check(hidden.tensor(), lm_head.tensor(), targets.tensor(), chunk_rows)?;
+    let count = read_targets(targets.tensor(), vocab, select(hidden.tensor()))?;
     Ok((tape.apply(ChunkedCrossEntropyOp { chunk_rows }, &[hidden, lm_head, targets])?.remove(0), count))
 }
 
-/// `(m, d, vocab)` after checking shapes, dtypes and the chunk size.
-fn check(hidden: &Tensor, lm_head: &Tensor, targets: &Tensor, chunk_rows: usize) -> Result<(usize, usize, usize)> {
+/// `vocab` after checking shapes, dtypes, the chunk size and that the vocabulary is not empty.
+fn check(hidden: &Tensor, lm_head: &Tensor, targets: &Tensor, chunk_rows: usize) -> Result<usize> {
     if chunk_rows == 0 {
         return Err(Error::InvalidArgument { op: OP, msg: "chunk_rows must be at least 1 (try 1024)".into() });
     }
@@ -189,17 +258,31 @@ fn check(hidden: &Tensor, lm_head: &Tensor, targets: &Tensor, chunk_rows: usize)
             ),
         });
     }
+    if vocab == 0 {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            msg: "lm_head has no rows: a vocabulary of 0 has no loss".into(),
+        });
+    }
     Precision::of(OP, hidden.dtype())?;
-    Ok((m, d, vocab))
+    Ok(vocab)
 }
 
-/// Refuses targets `>= vocab` (`targets: [m]`, i64 or u32) with a typed error, reading back only the count of
-/// such targets (and, when there are some, the largest).
-fn check_targets(targets: &Tensor, vocab: usize) -> Result<()> {
+/// The valid-target count of `targets: [m]` (i64 or u32, negative = ignored) in one counted host read of
+/// `[targets >= vocab, largest target, targets >= 0]` (i64 on the device, u32 sums); on the generic route
+/// out-of-range targets are a typed error naming the largest (the CPU kernel refuses them itself on the
+/// host). No read for `m = 0`.
+fn read_targets(targets: &Tensor, vocab: usize, route: Route) -> Result<usize> {
+    if targets.elem_count() == 0 {
+        return Ok(0);
+    }
     let t = targets.to_dtype(DType::I64)?;
-    let bad = t.ge(vocab as i64)?.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()?;
-    if bad > 0 {
-        let max = t.max_all()?.to_scalar::<i64>()?;
+    let count = |mask: Tensor| mask.to_dtype(DType::U32)?.sum_all()?.to_dtype(DType::I64);
+    let summary = Tensor::stack(&[count(t.ge(vocab as i64)?)?, t.max_all()?, count(t.ge(0i64)?)?], 0)?;
+    let &[bad, max, valid] = read_vec::<i64>(&summary)?.as_slice() else {
+        return Err(Error::Internal(format!("{OP}: the targets' summary is not three numbers")));
+    };
+    if route == Route::Generic && bad > 0 {
         return Err(Error::InvalidArgument {
             op: OP,
             msg: format!(
@@ -208,5 +291,5 @@ fn check_targets(targets: &Tensor, vocab: usize) -> Result<()> {
             ),
         });
     }
-    Ok(())
+    Ok(valid as usize)
 }
