@@ -74,7 +74,8 @@ fn no_uncounted_host_reads_on_the_training_path() {
         "autosp-models/src/llama",
         "src/compile",
     ];
-    let files = ["autosp-core/src/tape.rs", "autosp-core/src/backward.rs", "autosp-core/src/lora.rs", "src/train/trainer.rs"];
+    let files =
+        ["autosp-core/src/tape.rs", "autosp-core/src/backward.rs", "autosp-core/src/lora.rs", "src/train/trainer.rs"];
     let mut paths: Vec<std::path::PathBuf> = files.iter().map(|f| root.join(f)).collect();
     for d in dirs {
         let mut stack = vec![root.join(d)];

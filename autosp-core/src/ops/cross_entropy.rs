@@ -21,9 +21,10 @@ fn valid_and_index(targets: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
     Ok((valid.to_dtype(dtype)?.unsqueeze(1)?, index))
 }
 
-/// The number of targets that are not [`IGNORE_INDEX`].
+/// The number of targets that are not [`IGNORE_INDEX`] (one counted host read, [`crate::host_read`]).
 pub fn count_valid(targets: &Tensor) -> Result<usize> {
-    Ok(targets.to_dtype(DType::I64)?.ge(0i64)?.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize)
+    let count = targets.to_dtype(DType::I64)?.ge(0i64)?.to_dtype(DType::U32)?.sum_all()?;
+    Ok(crate::host_read::read_f64(&count)? as usize)
 }
 
 /// Per-row `log(sum(exp(x)))` of `x: [m, v]` as `[m, 1]`.
@@ -53,7 +54,7 @@ impl Op for CrossEntropy {
             })));
         }
         let t = targets.to_dtype(DType::I64)?;
-        let max = if m > 0 { t.max(0)?.to_scalar::<i64>()? } else { 0 };
+        let max = if m > 0 { crate::host_read::read_f64(&t.max_keepdim(0)?)? as i64 } else { 0 };
         if max >= vocab as i64 {
             return Err(Error::InvalidArgument {
                 op: "cross_entropy",

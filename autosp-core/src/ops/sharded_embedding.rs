@@ -60,8 +60,8 @@ fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor) -> Result<Tensor> {
     let acc = precision.accumulate();
     let group = shard.group.as_ref();
     let t = ids.elem_count();
-    // Ranks may hold different token counts: pad every rank's rows to the largest with the id -1 (host data:
-    // the counts are made and gathered on the host).
+    // Ranks may hold different token counts: pad every rank's rows to the largest with the id -1. The counts
+    // are host data (made and gathered on the host).
     let counts = group.all_gather(&Tensor::new(&[t as f64], &Device::Cpu)?, 0)?.to_vec1::<f64>()?;
     let most = counts.iter().fold(0.0f64, |a, &b| a.max(b)) as usize;
     if vocab as f64 >= f64::from(1u32 << 24) && acc == DType::F32 {

@@ -627,7 +627,9 @@ mod tests {
                     let mut want = c0.clone();
                     let (rs, cs) = if transposed { (1, m) } else { (k, 1) };
                     // SAFETY: as above.
-                    unsafe { portable::gemm(accumulate, m, n, k, a.as_ptr(), rs, cs, b.as_ptr(), n, want.as_mut_ptr(), n) };
+                    unsafe {
+                        portable::gemm(accumulate, m, n, k, a.as_ptr(), rs, cs, b.as_ptr(), n, want.as_mut_ptr(), n)
+                    };
                     let op = Blocks { mr8, accumulate, m, n, k, a, transposed, b, c: c0 };
                     let got = vectorize(path, op).expect("a vector path");
                     let scale = want.iter().fold(0f32, |x, y| x.max(y.abs()));
