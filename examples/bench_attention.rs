@@ -36,6 +36,9 @@
 //! `--simd avx2,avx512` (or `all`) runs the CPU kernel on each vector path in turn, one line each, with
 //! `"simd"` naming the path; without it the line names the path in force (`AUTOSP_SIMD`, else the best).
 //!
+//! `--sink-norm F` multiplies key 0 of every batch and kv head by F (a high-norm sink key, as the BOS keys of
+//! real checkpoints have); the other inputs stay standard normal.
+//!
 //! `--threads` sets RAYON_NUM_THREADS before anything starts, so both our kernels and candle's CPU ops
 //! (which size their pools from that variable) use that many threads.
 
@@ -107,6 +110,10 @@ struct Args {
     /// the CPU).
     #[arg(long)]
     device: Option<autosp::DeviceSpec>,
+    /// Scale key 0 of every batch and kv head by this factor: a high-norm "sink" key like the BOS keys of
+    /// real checkpoints (the other keys are standard normal, norm about sqrt(head_dim)).
+    #[arg(long)]
+    sink_norm: Option<f64>,
 }
 
 /// Which flash kernel a measurement runs (the generic one with its block size).
@@ -260,7 +267,12 @@ fn main() -> Result<()> {
     for (d, n, window) in runs {
         let spec = AttentionSpec { causal: args.causal, scale: None, q_offset: 0, k_offset: 0, max_distance: window };
         let q = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
-        let k = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?.to_dtype(dtype)?;
+        let k = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?;
+        let k = match args.sink_norm {
+            Some(f) => Tensor::cat(&[&(k.narrow(1, 0, 1)? * f)?, &k.narrow(1, 1, n - 1)?], 1)?,
+            None => k,
+        }
+        .to_dtype(dtype)?;
         let v = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?.to_dtype(dtype)?;
         let d_o = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
 
@@ -280,6 +292,7 @@ fn main() -> Result<()> {
                 "flop_convention": "fwd = 4*b*h*N^2*d (x0.5 causal, x window_pair_fraction); fwd_bwd = 3.5*fwd",
                 "scores_bytes_per_head": 4 * n * n,
                 "simd": simd_path.name(),
+                "sink_norm": args.sink_norm,
             });
             let mut fwd_times = HashMap::new();
             let mut fwd_bwd_times = HashMap::new();
