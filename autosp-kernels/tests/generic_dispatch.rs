@@ -5,7 +5,8 @@
 //!
 //! Tolerances are those of `generic_ops.rs` (max relative error `max_i |x_i - y_i| / max_i |y_i|`): f32 1e-5
 //! and f64 1e-10 (the same expressions summed in another order: a few ulps of the largest element), bf16 2^-7
-//! (one bf16 ulp of the largest element: both sides compute in f32 and round once). The chunked MLP also runs
+//! (one bf16 ulp of the largest element: both sides compute in f32 and round once), except Ring attention's
+//! o and lse in bf16: 3e-2 (`attention_tol`: the generic attention rounds its scores to bf16). The chunked MLP also runs
 //! its matmuls through candle on both sides, so only the SwiGLU inside differs.
 
 use std::sync::Arc;
@@ -41,6 +42,16 @@ fn tol(dtype: DType) -> f64 {
         DType::F64 => 1e-10,
         DType::BF16 => 2f64.powi(-7),
         _ => 1e-5,
+    }
+}
+
+/// The tolerance of Ring attention's o and lse for inputs in `dtype`: [`tol`], except bf16 3e-2, the generic
+/// attention's (its tile products are bf16 GEMMs, so its scores, and with them the f32 LSE, carry bf16
+/// rounding; `generic_attention.rs` measured 1.45e-2 at worst).
+fn attention_tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::BF16 => 3e-2,
+        _ => tol(dtype),
     }
 }
 
@@ -123,7 +134,8 @@ fn forcing_the_generic_kernels_gives_the_fast_kernels_results() {
         assert_eq!(generic_block[0].dtype(), if dt == DType::F64 { DType::F64 } else { DType::F32 });
         for (rank, ((go, glse), (fo, flse))) in ring(dt).iter().zip(fast_ring).enumerate() {
             let (eo, el) = (max_rel(go, fo), max_rel(glse, flse));
-            assert!(eo <= tol(dt) && el <= tol(flse.dtype()), "ring rank {rank} ({dt:?}): o {eo}, lse {el}");
+            let t = attention_tol(dt);
+            assert!(eo <= t && el <= t, "ring rank {rank} ({dt:?}): o {eo}, lse {el}");
         }
     }
     set_kernels(Kernels::Auto);
