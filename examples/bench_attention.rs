@@ -36,6 +36,9 @@
 //! `--simd avx2,avx512` (or `all`) runs the CPU kernel on each vector path in turn, one line each, with
 //! `"simd"` naming the path; without it the line names the path in force (`AUTOSP_SIMD`, else the best).
 //!
+//! `--sink-norm F` multiplies key 0 of every batch and kv head by F (a high-norm sink key, as the BOS keys of
+//! real checkpoints have); the other inputs stay standard normal.
+//!
 //! `--threads` sets RAYON_NUM_THREADS before anything starts, so both our kernels and candle's CPU ops
 //! (which size their pools from that variable) use that many threads.
 
@@ -45,9 +48,9 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
 use autosp_core::TrackingAllocator;
-use autosp_kernels::attention::{block_for, generic_backward_with_block, generic_forward_with_block};
+use autosp_kernels::attention::{generic_backward_with_block, generic_forward_with_block, TileSize};
 use autosp_kernels::simd::{self, SimdPath};
-use autosp_kernels::{attention_backward, attention_forward, attention_output};
+use autosp_kernels::{attention_backward, attention_forward, attention_output, with_kernels, Kernels};
 use candle_core::{Device, Tensor};
 use clap::Parser;
 
@@ -100,20 +103,25 @@ struct Args {
     /// Only the heap peak of one forward + backward per kernel: no timing, no naive attention.
     #[arg(long)]
     peak_only: bool,
-    /// Query rows and keys per tile of the generic kernel (default: the device's, `block_for`).
+    /// Query rows per block of the generic kernel, with `KEY_BLOCKS` times as many keys per chunk (default:
+    /// the call's own tiles, `TileSize::for_call`, through the door with the generic kernels forced).
     #[arg(long)]
     block: Option<usize>,
     /// cpu | cuda | cuda:N | metal (default: the first CUDA device when built with `cuda` and one exists, else
     /// the CPU).
     #[arg(long)]
     device: Option<autosp::DeviceSpec>,
+    /// Scale key 0 of every batch and kv head by this factor: a high-norm "sink" key like the BOS keys of
+    /// real checkpoints (the other keys are standard normal, norm about sqrt(head_dim)).
+    #[arg(long)]
+    sink_norm: Option<f64>,
 }
 
-/// Which flash kernel a measurement runs (the generic one with its block size).
+/// Which flash kernel a measurement runs (the generic one with its block size, or its default tiles).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kernel {
     Cpu,
-    Generic(usize),
+    Generic(Option<usize>),
     FlashAttn,
 }
 
@@ -140,7 +148,8 @@ impl Kernel {
     fn forward(self, q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<Option<(Tensor, Tensor)>> {
         Ok(match self {
             Kernel::Cpu => Some(attention_forward(q, k, v, spec)?),
-            Kernel::Generic(block) => Some(generic_forward_with_block(q, k, v, spec, block)?),
+            Kernel::Generic(Some(block)) => Some(generic_forward_with_block(q, k, v, spec, block)?),
+            Kernel::Generic(None) => Some(with_kernels(Kernels::Generic, || attention_forward(q, k, v, spec))?),
             Kernel::FlashAttn => {
                 attention_output(q, k, v, spec)?;
                 None
@@ -152,7 +161,10 @@ impl Kernel {
         let Some((o, lse)) = self.forward(q, k, v, spec)? else { bail!("{} has no backward", self.name()) };
         match self {
             Kernel::Cpu => attention_backward(q, k, v, &o, &lse, d_o, None, spec)?,
-            Kernel::Generic(block) => generic_backward_with_block(q, k, v, &o, &lse, d_o, None, spec, block)?,
+            Kernel::Generic(Some(block)) => generic_backward_with_block(q, k, v, &o, &lse, d_o, None, spec, block)?,
+            Kernel::Generic(None) => {
+                with_kernels(Kernels::Generic, || attention_backward(q, k, v, &o, &lse, d_o, None, spec))?
+            }
             Kernel::FlashAttn => unreachable!("forward returned None"),
         };
         Ok(())
@@ -234,7 +246,7 @@ fn main() -> Result<()> {
     };
     let dtype = autosp::precision::parse_dtype(&args.dtype).map_err(anyhow::Error::msg)?;
     let dev = args.device.unwrap_or_else(autosp::DeviceSpec::default_for_build).open(None)?;
-    let block = args.block.unwrap_or_else(|| block_for(&dev));
+    let block = args.block;
     let mut kernels = Vec::new();
     for name in args.kernel.split(',') {
         match name.trim() {
@@ -260,9 +272,18 @@ fn main() -> Result<()> {
     for (d, n, window) in runs {
         let spec = AttentionSpec { causal: args.causal, scale: None, q_offset: 0, k_offset: 0, max_distance: window };
         let q = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
-        let k = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?.to_dtype(dtype)?;
+        let k = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?;
+        let k = match args.sink_norm {
+            Some(f) => Tensor::cat(&[&(k.narrow(1, 0, 1)? * f)?, &k.narrow(1, 1, n - 1)?], 1)?,
+            None => k,
+        }
+        .to_dtype(dtype)?;
         let v = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?.to_dtype(dtype)?;
         let d_o = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
+        let tiles = match block {
+            Some(bl) => TileSize::from_block(bl),
+            None => TileSize::for_call(&spec.dims("bench_attention", &q, &k, &v)?, dtype, &dev),
+        };
 
         for (pi, &simd_path) in simd_paths.iter().enumerate() {
             simd::set_simd(Some(simd_path))?;
@@ -275,11 +296,12 @@ fn main() -> Result<()> {
                 "batch": b, "heads": h, "kv_heads": hkv, "head_dim": d, "n": n,
                 "causal": args.causal, "max_distance": window, "window_pair_fraction": fraction,
                 "dtype": args.dtype, "threads": threads, "repeats": args.repeats,
-                "generic_block": block, "device": format!("{:?}", dev.location()),
+                "generic_tiles": [tiles.rows, tiles.keys], "device": format!("{:?}", dev.location()),
                 "flash_attn_feature": cfg!(feature = "flash-attn"),
                 "flop_convention": "fwd = 4*b*h*N^2*d (x0.5 causal, x window_pair_fraction); fwd_bwd = 3.5*fwd",
                 "scores_bytes_per_head": 4 * n * n,
                 "simd": simd_path.name(),
+                "sink_norm": args.sink_norm,
             });
             let mut fwd_times = HashMap::new();
             let mut fwd_bwd_times = HashMap::new();

@@ -1,6 +1,6 @@
 //! The device-generic attention (`src/attention/generic.rs`, candle tensor ops only) against the
-//! fast CPU flash kernel on the CPU: forward o and lse, backward dq/dk/dv with and without d_lse, in f32, f64
-//! and bf16; causal and not, MHA/GQA/MQA, q_len != k_len, the position offsets Ring's shards use, rows that
+//! fast CPU flash kernel on the CPU: forward o and lse, backward dq/dk/dv with and without d_lse, in f32, f64,
+//! bf16 and f16, and with sink keys (a few keys of very large norm); causal and not, MHA/GQA/MQA, q_len != k_len, the position offsets Ring's shards use, rows that
 //! see no key. The generic functions are called directly with small blocks (several tiles, diagonal tiles,
 //! skipped tiles, a query block that sees no key) and once with the default block (through the door, with the
 //! generic kernels forced on the calling thread only, `with_kernels`); the CPU side is
@@ -10,18 +10,27 @@
 //! "max relative error" is `max_i |x_i - y_i| / max_i |y_i|` (scale-relative), over the finite entries of y;
 //! an lse entry of -inf must be -inf in both. Tolerances: f32 1e-5 (both accumulate in f32 over at most a
 //! few hundred keys, in different orders and with exp vs exp2, so they differ by a few f32 ulps of the
-//! largest element); f64 1e-10 (the same in f64, far above its rounding); bf16 2^-7 (both compute in f32
-//! from the same bf16 inputs and round the results to bf16, whose ulp is 2^-8 of the element: rounding can
-//! differ by one ulp, and dq/dk/dv are sums over tiles rounded once).
+//! largest element); f64 1e-10 (the same in f64, far above its rounding).
+//!
+//! bf16 and f16: the generic kernel's tile products are GEMMs in the input dtype, so unlike the CPU kernel
+//! (which widens the inputs and computes in f32) it rounds each product to the input dtype before converting
+//! it to f32: the scores carry `|S| · u` in the exponent (`u` the unit roundoff, 2^-9 for bf16, 2^-12 for
+//! f16), P and dS a relative `u` as GEMM operands, and the outputs a last rounding. With scores of a few
+//! units (|S| up to about 10 here) that is about 1e-2 of the largest element in bf16 and 1e-3 in f16. They
+//! are held against the f32 CPU kernel on the same rounded inputs (and, in bf16, against the CPU kernel in
+//! bf16, which also rounds its outputs), the generic backward reading its own forward's o and lse. Worst
+//! measured over the cases below, forward and backward: bf16 1.45e-2 (dq against the bf16 CPU kernel; 1.16e-2
+//! against f32), f16 1.7e-3; the tolerances, about twice that: bf16 3e-2, f16 4e-3. Sink keys, whose scores
+//! reach ±190, have their own (see `sink_keys_match_the_cpu_kernel`).
 
 mod common;
 
-use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
-use autosp_kernels::attention::{generic_backward_with_block, generic_forward_with_block};
+use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionDims, AttentionSpec};
+use autosp_kernels::attention::{generic_backward_with_block, generic_forward_with_block, TileSize, CHUNK_BUDGET_CPU};
 use autosp_kernels::dispatch::generic_calls;
 use autosp_kernels::{attention_backward, attention_forward, with_kernels, Error, Kernels};
-use candle_core::{DType, Tensor};
-use common::{inputs, spec, values, Case};
+use candle_core::{DType, Device, Tensor};
+use common::{inputs, spec, values, Case, Inputs};
 
 /// `f` with the device-generic kernels forced on this thread: `attention_forward` / `_backward` then run the
 /// generic kernel with its default block for the device.
@@ -76,44 +85,66 @@ fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
 #[derive(Clone, Copy, Debug)]
 enum Reference {
     CpuKernel,
+    /// The CPU kernel in f32 on the same inputs widened to f32 (for bf16/f16 inputs: the generic result,
+    /// widened, is held against the f32 attention of the rounded inputs).
+    CpuKernelF32,
     Naive,
 }
 
 /// Generic (with `block`, or the default when None) vs `reference` on one case: forward, backward with and
 /// without d_lse.
 fn check_case(c: &Case, seed: u64, dtype: DType, tol: f64, block: Option<usize>, reference: Reference) {
-    let x = inputs(c, seed, dtype);
+    check_inputs(c, &inputs(c, seed, dtype), tol, block, reference);
+}
+
+/// [`check_case`] on given inputs `x` (in one dtype).
+fn check_inputs(c: &Case, x: &Inputs, tol: f64, block: Option<usize>, reference: Reference) {
+    let dtype = x.q.dtype();
     let what = |name: &str| format!("{name} {dtype:?} block {block:?} {reference:?} {c:?}");
+    let wide = |t: &Tensor| match reference {
+        Reference::CpuKernelF32 => t.to_dtype(DType::F32).unwrap(),
+        _ => t.clone(),
+    };
+    let (q, k, v, d_o) = (wide(&x.q), wide(&x.k), wide(&x.v), wide(&x.d_o));
     let (o_ref, lse_ref) = match reference {
-        Reference::CpuKernel => attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap(),
-        Reference::Naive => naive_attention_forward(&x.q, &x.k, &x.v, &c.spec).unwrap(),
+        Reference::CpuKernel | Reference::CpuKernelF32 => attention_forward(&q, &k, &v, &c.spec).unwrap(),
+        Reference::Naive => naive_attention_forward(&q, &k, &v, &c.spec).unwrap(),
     };
     let (o, lse) = match block {
         Some(bl) => generic_forward_with_block(&x.q, &x.k, &x.v, &c.spec, bl),
         None => generic(|| attention_forward(&x.q, &x.k, &x.v, &c.spec)),
     }
     .unwrap();
-    assert_close(&what("o"), &o, &o_ref, tol);
+    assert_eq!((o.dtype(), lse.dtype()), (dtype, if dtype == DType::F64 { DType::F64 } else { DType::F32 }));
+    assert_close(&what("o"), &wide(&o), &o_ref, tol);
     assert_close(&what("lse"), &lse, &lse_ref, tol);
+    // Both backwards read the reference's o and lse, so the comparison is of the backward alone; except
+    // against the f32 kernel, where the generic backward reads its own forward's, as training runs it: its
+    // P = exp(S - lse) must see the scores rounded as its forward saw them (one bf16 score of 100 is off by up
+    // to 0.2, so against the f32 lse its P would be off by 20%, where against its own lse P still sums to 1).
+    let (o_in, lse_in) = match reference {
+        Reference::CpuKernelF32 => (o.clone(), lse.clone()),
+        Reference::CpuKernel | Reference::Naive => (o_ref.clone(), lse_ref.clone()),
+    };
     for d_lse in [None, Some(&x.d_lse)] {
         let want = match reference {
-            Reference::CpuKernel => {
-                attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, &x.d_o, d_lse, &c.spec).unwrap()
+            Reference::CpuKernel | Reference::CpuKernelF32 => {
+                attention_backward(&q, &k, &v, &o_ref, &lse_ref, &d_o, d_lse, &c.spec).unwrap()
             }
             Reference::Naive => {
-                naive_attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, Some(&x.d_o), d_lse, &c.spec).unwrap()
+                naive_attention_backward(&q, &k, &v, &o_ref, &lse_ref, Some(&d_o), d_lse, &c.spec).unwrap()
             }
         };
-        // Both backwards read the reference's o and lse, so the comparison is of the backward alone.
         let got = match block {
-            Some(bl) => generic_backward_with_block(&x.q, &x.k, &x.v, &o_ref, &lse_ref, &x.d_o, d_lse, &c.spec, bl),
-            None => generic(|| attention_backward(&x.q, &x.k, &x.v, &o_ref, &lse_ref, &x.d_o, d_lse, &c.spec)),
+            Some(bl) => generic_backward_with_block(&x.q, &x.k, &x.v, &o_in, &lse_in, &x.d_o, d_lse, &c.spec, bl),
+            None => generic(|| attention_backward(&x.q, &x.k, &x.v, &o_in, &lse_in, &x.d_o, d_lse, &c.spec)),
         }
         .unwrap();
+        assert_eq!((got.0.dtype(), got.1.dtype(), got.2.dtype()), (dtype, dtype, dtype));
         let tag = if d_lse.is_some() { " with d_lse" } else { "" };
-        assert_close(&what(&format!("dq{tag}")), &got.0, &want.0, tol);
-        assert_close(&what(&format!("dk{tag}")), &got.1, &want.1, tol);
-        assert_close(&what(&format!("dv{tag}")), &got.2, &want.2, tol);
+        assert_close(&what(&format!("dq{tag}")), &wide(&got.0), &want.0, tol);
+        assert_close(&what(&format!("dk{tag}")), &wide(&got.1), &want.1, tol);
+        assert_close(&what(&format!("dv{tag}")), &wide(&got.2), &want.2, tol);
     }
 }
 
@@ -143,14 +174,28 @@ fn any_block_size_gives_the_same_result() {
     }
 }
 
+/// The tolerance of bf16 and f16 inputs (see the module doc): 3e-2 and 4e-3.
+fn reduced_tol(dtype: DType) -> f64 {
+    if dtype == DType::BF16 {
+        3e-2
+    } else {
+        4e-3
+    }
+}
+
+/// bf16 and f16 inputs (the generic kernel's GEMMs in the input dtype) against the f32 CPU kernel on the same
+/// rounded inputs, every case, then a few against the CPU kernel in bf16 itself.
 #[test]
-fn bf16_matches_the_cpu_kernel() {
+fn bf16_and_f16_match_the_f32_cpu_kernel() {
+    for dtype in [DType::BF16, DType::F16] {
+        for (i, c) in cases().iter().enumerate() {
+            check_case(c, 500 + i as u64, dtype, reduced_tol(dtype), Some(BLOCK), Reference::CpuKernelF32);
+        }
+        check_case(&cases()[1], 590, dtype, reduced_tol(dtype), None, Reference::CpuKernelF32);
+    }
     let cs = cases();
     for (i, c) in [cs[0], cs[1], cs[3]].iter().enumerate() {
-        let x = inputs(c, 500 + i as u64, DType::BF16);
-        let (o, lse) = generic_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
-        assert_eq!((o.dtype(), lse.dtype()), (DType::BF16, DType::F32));
-        check_case(c, 500 + i as u64, DType::BF16, 1.0 / 128.0, Some(BLOCK), Reference::CpuKernel);
+        check_case(c, 600 + i as u64, DType::BF16, reduced_tol(DType::BF16), Some(BLOCK), Reference::CpuKernel);
     }
 }
 
@@ -299,39 +344,84 @@ fn keys_outside_the_window_are_never_read() {
     assert!(values(&dk.narrow(1, 0, 70).unwrap()).iter().all(|&v| v == 0.0));
 }
 
-/// The generic forward first bounds each row's scores by `|q_i| · max_j |k_j|` and takes the online pass
-/// only when that bound is too loose for f32. Here one key of each kv head has a large norm along a feature
-/// every query has 0 in, so its scores are 0 while it inflates every row's bound by `norm · |q_i| · scale`
-/// (|q_i| about 4.5 here, inputs uniform in [-2, 2) over 15 features; scale 1/4): norm 13 puts the bounds
-/// about 15 above the largest scores and norm 40 about 45 (terms near e^-45 ≈ 3e-20): both are within the
-/// bounded pass's range (row sums above the 40 · 2^-100 floor for rows with |q_i| up to about 6), and with
-/// the fallback disabled both still pass here (checked by hand) while norm 2500 turns to NaN. Norm 2500 (bounds about 2800
-/// above: every term underflows to 0) must be taken over by the online pass. Each must match the CPU kernel
-/// within the f32 tolerance of the other tests.
+/// `x` with the keys at `sinks` (position, factor) multiplied by their factor: "sink" keys of a norm far
+/// above the others', like the keys at the first position (BOS) of real checkpoints.
+fn with_sinks(c: &Case, x: Inputs, sinks: &[(usize, f64)]) -> Inputs {
+    let mut scale = vec![1f64; c.nk];
+    for &(j, f) in sinks {
+        scale[j] = f;
+    }
+    let scale = Tensor::from_vec(scale, (1, c.nk, 1, 1), x.k.device()).unwrap().to_dtype(x.k.dtype()).unwrap();
+    Inputs { k: x.k.broadcast_mul(&scale).unwrap(), ..x }
+}
+
+/// The largest `|q_i · k_j| · scale` of `x` over every pair (masked or not), in f32.
+fn max_abs_score(c: &Case, x: &Inputs) -> f64 {
+    let heads_major = |t: &Tensor| t.to_dtype(DType::F32).unwrap().transpose(1, 2).unwrap().contiguous().unwrap();
+    let q = heads_major(&x.q).reshape((c.b, c.hkv, c.h / c.hkv * c.nq, c.d)).unwrap();
+    let s = q.matmul(&heads_major(&x.k).t().unwrap()).unwrap();
+    values(&s).iter().fold(0f64, |m, v| m.max(v.abs())) * c.spec.scale_for(c.d)
+}
+
+/// Sink keys: one or a few keys of norm 20 – 50 times the others' (about 4.6 here), so each row's scores
+/// against them reach ±100 while its other scores stay within a few units: rows dominated by a sink, rows
+/// that give it no weight, causal and not, GQA/MQA, several tiles, a query block whose first chunk holds
+/// only a sink, and the default tiles. Against the CPU kernel: f32 within 1e-4 (the scores near 100 carry
+/// an f32 rounding of `|S| · 2^-24` ≈ 1e-5 in the exponent, differently in the two kernels, exp against
+/// exp2 of `S · log2 e`; dq sums it against keys 30 – 50 times the others' norm; worst measured 2.7e-5), f64
+/// within 1e-10. bf16 and f16 against the f32 CPU kernel on the same rounded inputs: the scores are rounded
+/// to the input dtype by its GEMM, `|S| · 2^-9` (bf16) or `|S| · 2^-12` (f16) in the exponent, up to 0.2 for
+/// a bf16 score of 100, which no tile or accumulator order can undo; so the tolerance is [`reduced_tol`] or
+/// `|S|max · u` with `u` that unit roundoff, whichever is larger (worst measured: 0.36 · |S|max · u in
+/// bf16, 0.28 in f16, for |S|max 80 – 190: 1e-1 and 8e-3 of the largest element).
 #[test]
-fn loose_score_bounds_keep_f32_precision_or_fall_back() {
-    let c = Case { b: 1, nq: 40, nk: 40, h: 4, hkv: 2, d: 16, spec: spec(true, 0, 0) };
-    for big in [13f32, 40.0, 2500.0] {
-        let x = inputs(&c, 7, DType::F32);
-        let mut keep = vec![1f32; c.d];
-        keep[0] = 0.0;
-        let keep = Tensor::new(keep.as_slice(), x.q.device()).unwrap();
-        let q = x.q.broadcast_mul(&keep).unwrap();
-        let mut first = vec![0f32; c.hkv * c.d];
-        for hk in 0..c.hkv {
-            first[hk * c.d] = big;
-        }
-        let first = Tensor::from_vec(first, (1, 1, c.hkv, c.d), q.device()).unwrap();
-        let k = Tensor::cat(&[&first, &x.k.narrow(1, 1, c.nk - 1).unwrap()], 1).unwrap();
-        let (o_ref, lse_ref) = attention_forward(&q, &k, &x.v, &c.spec).unwrap();
-        for block in [Some(BLOCK), None] {
-            let (o, lse) = match block {
-                Some(bl) => generic_forward_with_block(&q, &k, &x.v, &c.spec, bl),
-                None => generic(|| attention_forward(&q, &k, &x.v, &c.spec)),
+fn sink_keys_match_the_cpu_kernel() {
+    let cs = cases();
+    let sinks: [(Case, &[(usize, f64)]); 5] = [
+        (cs[0], &[(0, 30.0)]),                         // causal, one sink at the first key
+        (cs[1], &[(0, 50.0), (20, 20.0)]),             // GQA, full, batch 2: two sinks
+        (cs[2], &[(0, 40.0), (17, 25.0), (33, 30.0)]), // MQA causal: sinks in three key blocks
+        (cs[4], &[(0, 20.0)]),                         // keys start mid-queries: the sink is on the diagonal
+        (cs[5], &[(0, 30.0), (63, 30.0)]),             // Ring: a later chunk, sinks at both ends
+    ];
+    for (i, (c, at)) in sinks.iter().enumerate() {
+        let seed = 3000 + 10 * i as u64;
+        for (dtype, unit, reference) in [
+            (DType::F32, None, Reference::CpuKernel),
+            (DType::F64, None, Reference::CpuKernel),
+            (DType::BF16, Some(2f64.powi(-9)), Reference::CpuKernelF32),
+            (DType::F16, Some(2f64.powi(-12)), Reference::CpuKernelF32),
+        ] {
+            let x = with_sinks(c, inputs(c, seed, dtype), at);
+            let tol = match (dtype, unit) {
+                (DType::F32, _) => 1e-4,
+                (DType::F64, _) => 1e-10,
+                (_, Some(u)) => reduced_tol(dtype).max(max_abs_score(c, &x) * u),
+                (_, None) => unreachable!("bf16 and f16 have a unit roundoff"),
+            };
+            for block in [Some(BLOCK), None] {
+                check_inputs(c, &x, tol, block, reference);
             }
-            .unwrap();
-            assert_close(&format!("o, key norm {big}, block {block:?}"), &o, &o_ref, 1e-5);
-            assert_close(&format!("lse, key norm {big}, block {block:?}"), &lse, &lse_ref, 1e-5);
         }
+    }
+}
+
+/// The default tiles on the CPU: 256 rows × 1024 keys while one score chunk (f32, plus its bf16/f16 copy)
+/// fits `CHUNK_BUDGET_CPU`; halved, keys first, in multiples of 64 when batch · heads grows.
+#[test]
+fn default_tiles_fit_the_chunk_budget() {
+    let dims = |batch, heads| AttentionDims { batch, q_len: 8192, k_len: 8192, heads, kv_heads: heads, head_dim: 64 };
+    let cpu = Device::Cpu;
+    let tiles = |b, h, dtype| TileSize::for_call(&dims(b, h), dtype, &cpu);
+    assert_eq!(tiles(1, 8, DType::F32), TileSize { rows: 256, keys: 1024 });
+    assert_eq!(tiles(1, 8, DType::BF16), TileSize { rows: 256, keys: 1024 });
+    assert_eq!(tiles(1, 32, DType::F32), TileSize { rows: 256, keys: 1024 });
+    assert_eq!(tiles(1, 32, DType::BF16), TileSize { rows: 256, keys: 512 });
+    assert_eq!(tiles(4, 32, DType::F32), TileSize { rows: 256, keys: 256 });
+    for (b, h, dtype, bytes) in [(2, 32, DType::F64, 8), (8, 64, DType::F16, 6), (64, 64, DType::F32, 4)] {
+        let t = tiles(b, h, dtype);
+        assert!(t.rows.is_multiple_of(64) && t.keys.is_multiple_of(64) && t.keys >= t.rows, "{t:?}");
+        let fits = b * h * t.rows * t.keys * bytes <= CHUNK_BUDGET_CPU;
+        assert!(fits || t == TileSize { rows: 64, keys: 64 }, "{t:?} for batch {b}, heads {h}, {dtype:?}");
     }
 }

@@ -6,13 +6,14 @@
 //! Tolerances are those of `generic_ops.rs` (max relative error `max_i |x_i - y_i| / max_i |y_i|`): f32 1e-5
 //! and f64 1e-10 (the same expressions summed in another order: a few ulps of the largest element). The
 //! chunked MLP also runs its matmuls through candle on both sides, so only the SwiGLU inside differs. bf16:
-//! 2^-7 (one bf16 ulp of the largest element: both sides compute in f32 and round once), except downstream
-//! of the loss. The generic loss runs its GEMMs in bf16 (the fast kernel widens to f32 first), so each logit
-//! is rounded to bf16 (unit roundoff u = 2^-8) and so is `dlogits` before the gradient GEMMs. The loss (f32)
-//! is held to 2^-10 = u/4: a row's `lse - logit[target]` moves by at most 2u·max|logit|, but independent
-//! roundings cancel in the sum (measured 2.96e-4 = 0.08u, a third of the bound). The gradients, all
-//! downstream of the loss, are held to 2^-6, two bf16 ulps of the largest element (their own rounding plus
-//! the loss's; measured at most 7.75e-3, half of it).
+//! 2^-7 (one bf16 ulp of the largest element: both sides compute in f32 and round once), except where the
+//! generic kernels' GEMMs run in bf16. Ring attention's o and lse: 3e-2 (`attention_tol`: the generic
+//! attention rounds its scores to bf16). Downstream of the loss: the generic loss runs its GEMMs in bf16 (the
+//! fast kernel widens to f32 first), so each logit is rounded to bf16 (unit roundoff u = 2^-8) and so is
+//! `dlogits` before the gradient GEMMs. The loss (f32) is held to 2^-10 = u/4: a row's `lse - logit[target]`
+//! moves by at most 2u·max|logit|, but independent roundings cancel in the sum (measured 2.96e-4 = 0.08u, a
+//! third of the bound). The gradients, all downstream of the loss, are held to 2^-6, two bf16 ulps of the
+//! largest element (their own rounding plus the loss's; measured at most 7.75e-3, half of it).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -57,6 +58,16 @@ fn block_tol(name: &str, dtype: DType) -> f64 {
         (DType::BF16, "loss") => 2f64.powi(-10),
         (DType::BF16, _) => 2f64.powi(-6),
         (dtype, _) => tol(dtype),
+    }
+}
+
+/// The tolerance of Ring attention's o and lse for inputs in `dtype`: [`tol`], except bf16 3e-2, the generic
+/// attention's (its tile products are bf16 GEMMs, so its scores, and with them the f32 LSE, carry bf16
+/// rounding; `generic_attention.rs` measured 1.45e-2 at worst).
+fn attention_tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::BF16 => 3e-2,
+        _ => tol(dtype),
     }
 }
 
@@ -139,7 +150,8 @@ fn forcing_the_generic_kernels_gives_the_fast_kernels_results() {
         assert_eq!(generic_block[0].dtype(), if dt == DType::F64 { DType::F64 } else { DType::F32 });
         for (rank, ((go, glse), (fo, flse))) in ring(dt).iter().zip(fast_ring).enumerate() {
             let (eo, el) = (max_rel(go, fo), max_rel(glse, flse));
-            assert!(eo <= tol(dt) && el <= tol(flse.dtype()), "ring rank {rank} ({dt:?}): o {eo}, lse {el}");
+            let t = attention_tol(dt);
+            assert!(eo <= t && el <= t, "ring rank {rank} ({dt:?}): o {eo}, lse {el}");
         }
     }
     set_kernels(Kernels::Auto);

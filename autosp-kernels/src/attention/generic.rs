@@ -8,49 +8,72 @@
 //! `h / (heads / kv_heads)`.
 //!
 //! How it works:
-//! - Query blocks of `block` rows ([`block_for`] the device by default); each computes the keys its rows see
-//!   ([`AttentionSpec::key_range`]: the causal mask and sliding window `max_distance` at the absolute positions
-//!   `q_offset + i`, `k_offset + j`), in chunks of at most [`KEY_BLOCKS`] · `block` keys: the keys every row
-//!   of the block sees without a mask, the keys only some rows see (the causal diagonal, the window's two
-//!   edges) in chunks with a mask bias added (built from the rows' key intervals). Keys no row of the block sees are never computed, and the rows
-//!   that see no key at all (a prefix before the first key, a suffix past the last key's window) are not
-//!   computed either: lse = -inf, o = 0, and zero gradients.
+//! - Query blocks of [`TileSize::rows`] rows; each computes the keys its rows see ([`AttentionSpec::key_range`]:
+//!   the causal mask and sliding window `max_distance` at the absolute positions `q_offset + i`,
+//!   `k_offset + j`), in chunks of at most [`TileSize::keys`] keys: the keys every row of the block sees without
+//!   a mask, the keys only some rows see (the causal diagonal, the window's two edges) in chunks with a mask
+//!   bias added (built from the rows' key intervals). Keys no row of the block sees are never computed, and
+//!   the rows that see no key at all (a prefix before the first key, a suffix past the last key's window) are
+//!   not computed either: lse = -inf, o = 0, and zero gradients.
 //! - Repeated K/V are never materialised: a query block of the `group = heads / kv_heads` query heads of
 //!   each kv head is stacked into `[batch, kv_heads, group · rows, head_dim]`, so one batched matmul per
 //!   chunk covers every batch, kv head and group member against K, V in `[batch, kv_heads, k_len, head_dim]`
-//!   (copied heads-major once).
-//! - Forward: each row's scores are bounded first, `c_i = |q_i| · max_j |k_j| >= q_i · k_j` (Cauchy–Schwarz),
-//!   and the chunks of a block give `P = exp([Q, -c] [K, 1]ᵀ)` in one product and `P [V, 1]` (P V and the
-//!   row sums l) in another: no row max, no subtraction pass, no rescaling; `lse = c + ln l`. When a bound is
-//!   so far above its row's scores that l falls below `k_len · 2^-100` (f32; the row's terms would near the
-//!   subnormals), the block is done again with the online softmax of ALGORITHMS.md (running max m,
-//!   accumulator rescaled by exp(m - m')); the blocks' flags are read back together, one device
-//!   synchronisation per call. There the mask bias is the lowest finite value, not -inf: exp of it is 0 all
-//!   the same, and a row that sees no key of one chunk stays finite (its garbage gets weight
-//!   exp(lowest - m) = 0 once a later chunk shows it a key, and every computed row sees a key in some
-//!   chunk). The bound saved about a sixth of the forward's time on the CPU (docs/BENCHMARKS.md).
+//!   (copied heads-major once). Every operand keeps head_dim as its last dimension: no column is appended,
+//!   so the leading dimensions stay those of the inputs (64, 128, ...), aligned for the GEMMs.
+//! - Forward: the online softmax of ALGORITHMS.md, per chunk the row max m, `P = exp(S - m)`, the accumulator
+//!   and the row sum l rescaled by `exp(m - m')`; at the end `o = acc / l`, `lse = m + ln l`. The mask bias is
+//!   the lowest finite value, not -inf: exp of it is 0 all the same, and a row that sees no key of one chunk
+//!   stays finite (its garbage gets weight exp(lowest - m) = 0 once a later chunk shows it a key, and every
+//!   computed row sees a key in some chunk).
 //! - Backward (FlashAttention-2): per chunk `P = exp(S - lse)` recomputed from the saved LSE (a row with
 //!   `lse = -inf` uses the largest finite value, so its P is 0 and its gradients are 0, never NaN),
-//!   `dV += Pᵀ dO`, `dS = P ∘ (dP - D + d_lse)` with `dP = dO Vᵀ` and `D = rowsum(dO ∘ O)`, `dQ += dS K`,
+//!   `dV += Pᵀ dO`, `dS = P ∘ (dP - (D - d_lse))` with `dP = dO Vᵀ` and `D = rowsum(dO ∘ O)`, `dQ += dS K`,
 //!   `dK += dSᵀ Q` (the stacked rows sum the GQA group into its kv head); dK and dV are summed in key cells
-//!   of `block` keys, in query-block order. The per-row subtractions ride in the chunk products:
-//!   `[Q, -lse] [K, 1]ᵀ = S - lse` and `[dO, -(D - d_lse)] [V, 1]ᵀ = dP - D + d_lse`. Q is scaled once per
-//!   block, so `dK` needs no further scaling and `dQ` is scaled once.
-//! - Memory: O(N · head_dim) per call (the heads-major K and V, the outputs, one accumulator per block) plus
-//!   a few `[batch, heads, block, KEY_BLOCKS · block]` chunks; never an N × N tensor.
-//! - Precision: f32 (f64 for f64 inputs); bf16/f16 blocks are converted to f32 as they are read and the
-//!   results converted back to the input dtype; the LSE stays f32 (f64).
-//! - Block size: 256 query rows × 1024 keys per chunk on the CPU, 1024 × 4096 on a GPU. Each chunk costs
-//!   about a dozen candle ops (a kernel launch each on a GPU; on the CPU a pass over the chunk, a fresh
-//!   allocation and a round of candle's thread pool). On the CPU (2-core Zen 5, shared, one thread, N = 4096
-//!   causal, three interleaved runs; docs/BENCHMARKS.md "Generic attention (CPU)") forward + backward took
-//!   1.53 – 1.55 CPU-s at 256 × 1024, 1.61 – 1.92 at 512 × 1024 and 1.82 – 1.97 with the 512 × 512 tiles
-//!   before; at N = 8192 the work was the same as before (4.17 vs 4.13 CPU-s). Chunks above 32 MiB (glibc's
-//!   largest mmap threshold) come back from the OS as fresh pages each time: at 512 × 4096 page clearing
-//!   and faults took about a fifth of the time. candle-nn's fused `softmax_last_dim` was tried and lost
-//!   (forward 1.85 vs 1.4 CPU-s, one thread, N = 8192): its pass costs about what max, sub and exp cost
-//!   apart (the scalar `expf` is most of either), and the LSE then needs two more row reductions. The GPU
-//!   sizes are not measured yet.
+//!   of `rows` keys, in query-block order. Q is scaled once per block (in f32, then rounded to the input
+//!   dtype, exact when the scale is a power of two as for head_dim 16, 64 or 256), so `dK` needs no further
+//!   scaling and `dQ` is scaled once.
+//! - Precision: every tile product (`Q Kᵀ`, `P V`; `Pᵀ dO`, `dO Vᵀ`, `dS K`, `dSᵀ Q`) is a GEMM in the input
+//!   dtype (bf16/f16 GEMMs use the tensor cores on CUDA, where candle's cuBLAS calls accumulate in f32), and
+//!   its result is converted to f32 at once. The statistics (m, l, the LSE, D) and the softmax's exp are f32;
+//!   P and dS are rounded to the input dtype only as GEMM operands; the accumulators (o, dq, dk, dv, summed
+//!   over chunks) are f32 and converted to the input dtype once at the end; the LSE stays f32. No
+//!   subtraction rides in a GEMM (an earlier version computed `S - c` as `[Q, -c] [K, 1]ᵀ`, which rounds a
+//!   large offset c to the GEMM's precision under bf16 or TF32): m, lse and D are subtracted in f32 after the
+//!   product. For a bf16 input the scores carry the bf16 rounding of the product (`|S| · 2^-9` absolute
+//!   before the exp) and P, dS a relative `2^-9` as operands: about 1e-2 of the largest element for scores of
+//!   a few units (tests/generic_attention.rs measures it against the f32 CPU kernel), more where scores are
+//!   large: a sink key's score of 100 is off by up to 0.2 in the exponent (measured up to 1e-1 of the
+//!   largest element). candle's GEMMs return their result in the input dtype, so a product cannot be kept
+//!   in f32 as FlashAttention keeps S. f32 and f64 inputs compute in their own dtype throughout, as the CPU
+//!   kernel does.
+//! - No host synchronisation: nothing computed is read back to the host in forward or backward (the masks
+//!   are built on the host from the spec and uploaded). An earlier forward first tried a pass with a
+//!   Cauchy–Schwarz bound of each row's scores instead of the running max and redid a whole block online when
+//!   one row's bound was too loose, deciding on the host after reading back a flag per block (one device
+//!   synchronisation per call, so per layer). One high-norm key (the "sink" keys real checkpoints have at the
+//!   first position) loosens the bound of every row of every block, so the forward paid the bounded pass and
+//!   then the online pass. Measured here on the CPU (AMD EPYC Zen 3, 2 cores, AVX2, one thread, N = 8192
+//!   causal, 8 heads, head_dim 64, f32; docs/BENCHMARKS.md "Generic attention (CPU)"), that forward took
+//!   2.30 – 2.69 CPU-s on standard normal inputs and 6.44 – 6.78 CPU-s with key 0 scaled by 20 or 30: 2.4 –
+//!   2.9 times as long, every block redone. The online pass alone takes 2.67 – 2.73 CPU-s with the sink and
+//!   2.86 – 3.44 without. The bounded pass is gone: one pass whatever the keys, and no read-back.
+//! - Memory: O(N · head_dim) per call (the heads-major K and V, the outputs, the f32 accumulators) plus a
+//!   few score chunks of `batch · heads · rows · keys` elements; never an N × N tensor.
+//! - Tile sizes ([`TileSize::for_call`]): 256 query rows × 1024 keys on the CPU, 1024 × 4096 on a GPU, each
+//!   halved (keys first while they exceed the rows, so both stay multiples of 64) until one score chunk, f32
+//!   plus its input-dtype copy, fits a per-device budget: [`CHUNK_BUDGET_CPU`] (32 MiB: above glibc's largest
+//!   mmap threshold every chunk comes back from the OS as fresh pages, page clearing and faults took about a
+//!   fifth of the time at 512 × 4096) and [`CHUNK_BUDGET_GPU`] (256 MiB: the backward holds three or four
+//!   chunk-sized tensors at once, about 1 GiB, small against a training step's activations on a 40 – 80 GB
+//!   GPU; with 32 heads in f32 the tiles are still 1024 × 2048, GEMMs large enough to fill the GPU and to
+//!   amortise a chunk's dozen kernel launches, where the fixed 1024 × 4096 took 512 MiB per chunk there).
+//!   Each chunk costs about a dozen candle ops (a kernel launch each on a GPU; on the CPU a pass over the
+//!   chunk, a fresh allocation and a round of candle's thread pool). On the CPU (2-core Zen 5, shared, one
+//!   thread, N = 4096 causal, three interleaved runs; docs/BENCHMARKS.md "Generic attention (CPU)") forward +
+//!   backward took 1.53 – 1.55 CPU-s at 256 × 1024, 1.61 – 1.92 at 512 × 1024 and 1.82 – 1.97 with 512 × 512
+//!   tiles. candle-nn's fused `softmax_last_dim` was tried and lost (forward 1.85 vs 1.4 CPU-s, one thread,
+//!   N = 8192): its pass costs about what max, sub and exp cost apart (the scalar `expf` is most of either),
+//!   and the LSE then needs two more row reductions. The GPU sizes and budget are not measured yet.
 //!
 use std::collections::HashMap;
 use std::ops::Range;
@@ -62,39 +85,67 @@ use candle_core::{DType, Device, Tensor, D};
 use crate::running_sum::add_to;
 use crate::Result;
 
-/// Query rows per block on the CPU (see the module doc for the measurements behind it).
-pub const BLOCK_CPU: usize = 256;
-/// Query rows per block on a GPU (CUDA, Metal): larger blocks, fewer kernel launches.
-pub const BLOCK_GPU: usize = 1024;
+/// The bytes one score chunk may take on the CPU (see the module doc).
+pub const CHUNK_BUDGET_CPU: usize = 32 << 20;
+/// The bytes one score chunk may take on a GPU (CUDA, Metal; see the module doc).
+pub const CHUNK_BUDGET_GPU: usize = 256 << 20;
 
-/// The query block the generic kernel uses on `device`.
-pub fn block_for(device: &Device) -> usize {
-    if device.is_cpu() {
-        BLOCK_CPU
-    } else {
-        BLOCK_GPU
+/// Keys per chunk, in query blocks, for [`TileSize::from_block`].
+pub const KEY_BLOCKS: usize = 4;
+
+/// The tiles of the generic kernel: query rows per block and keys per chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TileSize {
+    /// Query rows per block (the dK/dV cells are as many keys).
+    pub rows: usize,
+    /// Keys per chunk.
+    pub keys: usize,
+}
+
+impl TileSize {
+    /// `block` rows (at least 1) and `KEY_BLOCKS · block` keys: the tiles tests and benchmarks set.
+    pub fn from_block(block: usize) -> Self {
+        let rows = block.max(1);
+        Self { rows, keys: KEY_BLOCKS * rows }
+    }
+
+    /// The default tiles of a call with `dims` in `dtype` on `device`: 256 rows × 1024 keys on the CPU, 1024 ×
+    /// 4096 on a GPU, halved (keys first while there are more keys than rows; never below 64) until one score
+    /// chunk, `batch · heads · rows · keys` elements in f32 (f64 for f64) plus their copy in `dtype` as a GEMM
+    /// operand, fits [`CHUNK_BUDGET_CPU`] or [`CHUNK_BUDGET_GPU`].
+    pub fn for_call(dims: &AttentionDims, dtype: DType, device: &Device) -> Self {
+        let (mut t, budget) = if device.is_cpu() {
+            (Self::from_block(256), CHUNK_BUDGET_CPU)
+        } else {
+            (Self::from_block(1024), CHUNK_BUDGET_GPU)
+        };
+        let compute = Precision::float(dtype).compute().size_in_bytes();
+        let operand = if dtype.size_in_bytes() == compute { 0 } else { dtype.size_in_bytes() };
+        let per_score = dims.batch * dims.heads * (compute + operand);
+        while per_score * t.rows * t.keys > budget && t.keys.max(t.rows) > 64 {
+            if t.keys > t.rows {
+                t.keys /= 2;
+            } else {
+                t.rows /= 2;
+            }
+        }
+        t
     }
 }
 
-/// Keys per chunk, in query blocks: a query block computes its keys in chunks of `KEY_BLOCKS · block`
-/// (see the module doc for the measurements behind it).
-pub const KEY_BLOCKS: usize = 4;
-
-/// Attention forward of checked inputs (`dims` from the door's checks) with `block` query rows per block (at
-/// least 1; the key chunks are a multiple of it). `q: [batch, q_len, heads, head_dim]`, `k, v: [batch,
-/// k_len, kv_heads, head_dim]`; returns `(o: [batch, q_len, heads, head_dim]` in q's dtype, `lse: [batch,
-/// heads, q_len]` in f32 (f64 for f64 inputs)`)` on q's device; a row that sees no key has `lse = -inf` and
-/// `o = 0`.
+/// Attention forward of checked inputs (`dims` from the door's checks) with `tiles`. `q: [batch, q_len,
+/// heads, head_dim]`, `k, v: [batch, k_len, kv_heads, head_dim]`; returns `(o: [batch, q_len, heads,
+/// head_dim]` in q's dtype, `lse: [batch, heads, q_len]` in f32 (f64 for f64 inputs)`)` on q's device; a row
+/// that sees no key has `lse = -inf` and `o = 0`.
 pub(crate) fn forward(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     spec: &AttentionSpec,
     dims: AttentionDims,
-    block: usize,
+    tiles: TileSize,
 ) -> Result<(Tensor, Tensor)> {
-    let cd = Precision::float(q.dtype()).compute();
-    let t = Tiles::new(dims, *spec, block, cd, q.device());
+    let t = Tiles::new(dims, *spec, tiles, q.dtype(), q.device());
     let (b, h, d) = (dims.batch, dims.heads, dims.head_dim);
     let seeing = t.rows_that_see_keys();
     if seeing.is_empty() {
@@ -102,126 +153,56 @@ pub(crate) fn forward(
         let o = Tensor::zeros(q.shape(), q.dtype(), q.device())?;
         return Ok((o, t.full((b, h, dims.q_len), f64::NEG_INFINITY)?));
     }
-    let (kh, vh) = (heads_major(k, cd)?, heads_major(v, cd)?);
-    // The largest key norm of each kv head, `[b, kv_heads, 1, 1]`, for the bound of the bounded pass.
-    let key_norm = kh.sqr()?.sum_keepdim(3)?.sqrt()?.max_keepdim(2)?;
-    // K and V with a column of ones, `[b, kv_heads, nk, d + 1]`: against a query block with a column -c the
-    // chunk product gives S - c, and P [V, 1] gives P V and the row sums of P in one product.
-    let ones = t.full((b, dims.kv_heads, dims.k_len, 1), 1.0)?;
-    let (kh1, vh1) = (Tensor::cat(&[&kh, &ones], 3)?, Tensor::cat(&[&vh, &ones], 3)?);
-    drop((kh, vh, ones));
-    let mut masks = Masks::default();
+    // K and V heads-major in the input dtype, `[b, kv_heads, nk, d]`: GEMM operands.
+    let (kh, vh) = (heads_major(k, t.dt)?, heads_major(v, t.dt)?);
+    let lowest = t.full((), -t.max_finite())?;
     let (mut o_blocks, mut lse_blocks) = (Vec::new(), Vec::new());
     // The rows before and after `seeing` see no key.
     let blind = |rows: usize, o_blocks: &mut Vec<Tensor>, lse_blocks: &mut Vec<Tensor>| -> Result<()> {
         if rows > 0 {
-            o_blocks.push(Tensor::zeros((b, h, rows, d), cd, q.device())?);
+            o_blocks.push(Tensor::zeros((b, h, rows, d), t.cd, q.device())?);
             lse_blocks.push(t.full((b, h, rows), f64::NEG_INFINITY)?);
         }
         Ok(())
     };
     blind(seeing.start, &mut o_blocks, &mut lse_blocks)?;
-    // Every block takes the bounded pass; its flags are read back once, after all of them (one device
-    // synchronisation per call), and the blocks whose bound was too loose are done again by the online pass.
-    let blocks: Vec<(usize, usize)> = t.query_blocks(seeing.clone()).collect();
-    let block = |i0: usize, rows: usize| -> Result<Block> {
-        Ok(Block { qb: t.stacked(q, i0, rows, Some(t.scale))?, i0, rows, kh1: &kh1, vh1: &vh1 })
-    };
-    let mut done = Vec::with_capacity(blocks.len());
-    let mut flags = Vec::with_capacity(blocks.len());
-    for &(i0, rows) in &blocks {
-        let (shift, acc, ok) = block(i0, rows)?.bounded(&t, &key_norm, &mut masks)?;
-        done.push((shift, acc));
-        flags.push(ok);
-    }
-    let flags = Tensor::cat(&flags, 0)?.to_vec1::<u8>()?;
-    for (((shift, acc), &(i0, rows)), ok) in done.into_iter().zip(&blocks).zip(flags) {
-        // (c, [P V, l]) with P = exp(S - c): o = P V / l and lse = c + ln l.
-        let (shift, acc) = if ok == 1 { (shift, acc) } else { block(i0, rows)?.online(&t, &mut masks)? };
-        let l = acc.narrow(3, d, 1)?;
-        o_blocks.push(acc.narrow(3, 0, d)?.broadcast_div(&l)?.reshape((b, h, rows, d))?);
-        lse_blocks.push((shift + l.log()?)?.reshape((b, h, rows))?);
+    let mut masks = Masks::default();
+    for (i0, rows) in t.query_blocks(seeing.clone()) {
+        let qb = t.stacked(q, i0, rows, Some(t.scale))?;
+        // The online softmax: (row max m, row sum l, accumulator P V), all f32 (f64), `[b, kv_heads, group ·
+        // rows, 1 | 1 | d]`.
+        let mut state: Option<(Tensor, Tensor, Tensor)> = None;
+        for ch in t.chunks(i0, rows) {
+            let s = t.chunk_scores(&qb, &kh, i0, rows, ch, &mut masks)?;
+            let chunk_max = s.max_keepdim(D::Minus1)?;
+            let m_new = match &state {
+                None => chunk_max.broadcast_maximum(&lowest)?,
+                Some((m, _, _)) => m.maximum(&chunk_max)?,
+            };
+            let p = s.broadcast_sub(&m_new)?.exp()?;
+            let pv = t.product(&p.to_dtype(t.dt)?, &vh.narrow(2, ch.j0, ch.len)?)?;
+            let l_c = p.sum_keepdim(D::Minus1)?;
+            state = Some(match state.take() {
+                None => (m_new, l_c, pv),
+                Some((m, l, acc)) => {
+                    let alpha = (m - &m_new)?.exp()?;
+                    (m_new, (l * &alpha + l_c)?, (acc.broadcast_mul(&alpha)? + pv)?)
+                }
+            });
+        }
+        let (m, l, acc) = state.expect("a row that sees a key has at least one chunk");
+        o_blocks.push(acc.broadcast_div(&l)?.reshape((b, h, rows, d))?);
+        lse_blocks.push((m + l.log()?)?.reshape((b, h, rows))?);
     }
     blind(dims.q_len - seeing.end, &mut o_blocks, &mut lse_blocks)?;
     let o = seq_major(&Tensor::cat(&o_blocks, 2)?, q.dtype())?;
     Ok((o, Tensor::cat(&lse_blocks, 2)?))
 }
 
-/// One query block of the forward against the keys it sees: the stacked, scaled rows `qb: [b, kv_heads,
-/// group · rows, d]` of query rows `i0..i0 + rows`, and K, V with their column of ones.
-struct Block<'a> {
-    qb: Tensor,
-    i0: usize,
-    rows: usize,
-    kh1: &'a Tensor,
-    vh1: &'a Tensor,
-}
-
-impl Block<'_> {
-    /// `P [V, 1]` summed over the block's chunks, with `P = exp([Q, -c] [K, 1]ᵀ + mask)` for the per-row
-    /// column `c: [b, kv_heads, group · rows, 1]`.
-    fn accumulate(&self, t: &Tiles, c: &Tensor, masks: &mut Masks) -> Result<Tensor> {
-        let qc = Tensor::cat(&[&self.qb, &c.neg()?], 3)?;
-        let mut acc = None;
-        for ch in t.chunks(self.i0, self.rows) {
-            let s = t.chunk_scores(&qc, self.kh1, self.i0, self.rows, ch, masks)?;
-            add_to(&mut acc, s.exp()?.matmul(&self.vh1.narrow(2, ch.j0, ch.len)?)?)?;
-        }
-        Ok(acc.expect("a row that sees a key has at least one chunk"))
-    }
-
-    /// The bounded pass: one product per chunk and no running max. Each row's `c` is an upper bound of its
-    /// scores, `|q_i| · max_j |k_j| >= q_i · k_j` (Cauchy–Schwarz; `key_norm: [b, kv_heads, 1, 1]` is the
-    /// largest key norm of each kv head), so exp never overflows. Returns `(c, [P V, l], ok)`; `ok: [1]` (u8,
-    /// on the device) is 0 when a row's sum `l = sum_j exp(s_ij - c_i)` is below [`Tiles::min_bounded_sum`]
-    /// (or not a number): the bound was so far above the row's largest score that its terms would lose
-    /// precision near the subnormals, and the block must take the online pass. Otherwise the largest term is
-    /// at least `l / k_len`, a normal number, and the result has the online pass's precision.
-    fn bounded(&self, t: &Tiles, key_norm: &Tensor, masks: &mut Masks) -> Result<(Tensor, Tensor, Tensor)> {
-        let bound = self.qb.sqr()?.sum_keepdim(3)?.sqrt()?.broadcast_mul(key_norm)?;
-        let acc = self.accumulate(t, &bound, masks)?;
-        let l = acc.narrow(3, t.dims.head_dim, 1)?;
-        // `ge` is false for NaN, so a NaN sum also falls back.
-        let ok = l.ge(t.min_bounded_sum())?.flatten_all()?.min_keepdim(0)?;
-        Ok((bound, acc, ok))
-    }
-
-    /// The online pass (ALGORITHMS.md): per chunk the row max m, the accumulator rescaled by exp(m - m').
-    /// The mask bias is the lowest finite value, not -inf: exp of it is 0 all the same, and a row that sees
-    /// no key of one chunk stays finite (its garbage gets weight exp(lowest - m) = 0 once a later chunk
-    /// shows it a key, and every computed row sees a key in some chunk).
-    fn online(&self, t: &Tiles, masks: &mut Masks) -> Result<(Tensor, Tensor)> {
-        // [Q, 0] [K, 1]ᵀ = S.
-        let qb0 = Tensor::cat(&[&self.qb, &self.qb.narrow(3, 0, 1)?.zeros_like()?], 3)?;
-        let lowest = t.full((), -t.max_finite())?;
-        let mut state: Option<(Tensor, Tensor)> = None;
-        for ch in t.chunks(self.i0, self.rows) {
-            let s = t.chunk_scores(&qb0, self.kh1, self.i0, self.rows, ch, masks)?;
-            let chunk_max = s.max_keepdim(D::Minus1)?;
-            let vc = self.vh1.narrow(2, ch.j0, ch.len)?;
-            state = Some(match state.take() {
-                None => {
-                    let m = chunk_max.broadcast_maximum(&lowest)?;
-                    let acc = s.broadcast_sub(&m)?.exp()?.matmul(&vc)?;
-                    (m, acc)
-                }
-                Some((m, acc)) => {
-                    let m_new = m.maximum(&chunk_max)?;
-                    let alpha = (m - &m_new)?.exp()?;
-                    let acc = (acc.broadcast_mul(&alpha)? + s.broadcast_sub(&m_new)?.exp()?.matmul(&vc)?)?;
-                    (m_new, acc)
-                }
-            });
-        }
-        Ok(state.expect("a row that sees a key has at least one chunk"))
-    }
-}
-
-/// Attention backward of checked inputs with `block` query rows per block, from the forward's saved
-/// `o: [batch, q_len, heads, head_dim]` and `lse: [batch, heads, q_len]`. `d_o` (like o) is the gradient of
-/// o; `d_lse: [batch, heads, q_len]`, when given, the gradient of lse (it adds `P ∘ d_lse` to dS). lse and
-/// d_lse may be f32 or f64. Returns `(dq, dk, dv)` shaped and typed like `q, k, v`; the dk/dv of a kv head
-/// sum its query-head group.
+/// Attention backward of checked inputs with `tiles`, from the forward's saved `o: [batch, q_len, heads,
+/// head_dim]` and `lse: [batch, heads, q_len]`. `d_o` (like o) is the gradient of o; `d_lse: [batch, heads,
+/// q_len]`, when given, the gradient of lse (it adds `P ∘ d_lse` to dS). lse and d_lse may be f32 or f64.
+/// Returns `(dq, dk, dv)` shaped and typed like `q, k, v`; the dk/dv of a kv head sum its query-head group.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     q: &Tensor,
@@ -233,23 +214,18 @@ pub(crate) fn backward(
     d_lse: Option<&Tensor>,
     spec: &AttentionSpec,
     dims: AttentionDims,
-    block: usize,
+    tiles: TileSize,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let cd = Precision::float(q.dtype()).compute();
-    let t = Tiles::new(dims, *spec, block, cd, q.device());
+    let t = Tiles::new(dims, *spec, tiles, q.dtype(), q.device());
     let seeing = t.rows_that_see_keys();
     if seeing.is_empty() {
         return Ok((q.zeros_like()?, k.zeros_like()?, v.zeros_like()?));
     }
     let (b, h, hkv, d) = (dims.batch, dims.heads, dims.kv_heads, dims.head_dim);
-    let (kh, vh) = (heads_major(k, cd)?, heads_major(v, cd)?);
-    // K and V with a column of ones, `[b, kv_heads, nk, d + 1]`: against Q with a column -lse (dO with a
-    // column -D) the tile product gives S - lse (dP - D) directly, one tile-sized pass less each.
-    let ones = t.full((b, hkv, dims.k_len, 1), 1.0)?;
-    let (kh1, vh1) = (Tensor::cat(&[&kh, &ones], 3)?, Tensor::cat(&[&vh, &ones], 3)?);
-    drop(ones);
-    // Per row `[b, h, nq]`: the LSE, with the largest finite value where it is -inf (a row that saw no key
-    // elsewhere; its P is then exp(S - MAX) = 0, never NaN), and D - d_lse with D = rowsum(dO ∘ O).
+    let cd = t.cd;
+    let (kh, vh) = (heads_major(k, t.dt)?, heads_major(v, t.dt)?);
+    // Per row `[b, h, nq]`, in f32 (f64): the LSE, with the largest finite value where it is -inf (a row that
+    // saw no key elsewhere; its P is then exp(S - MAX) = 0, never NaN), and D - d_lse with D = rowsum(dO ∘ O).
     let lse = lse.to_dtype(cd)?;
     let lse = lse.eq(f64::NEG_INFINITY)?.where_cond(&t.full(lse.shape(), t.max_finite())?, &lse)?;
     let delta = (d_o.to_dtype(cd)? * o.to_dtype(cd)?)?.sum(D::Minus1)?.transpose(1, 2)?;
@@ -257,7 +233,7 @@ pub(crate) fn backward(
         Some(d_lse) => (delta - d_lse.to_dtype(cd)?)?,
         None => delta.contiguous()?,
     };
-    // dK and dV in key cells of `block` keys, summed over the query blocks in order.
+    // dK and dV in key cells of `rows` keys, summed over the query blocks in order.
     let (mut dk_cells, mut dv_cells) = (t.cells(), t.cells());
     let mut masks = Masks::default();
     let mut dq_blocks = Vec::new();
@@ -268,18 +244,19 @@ pub(crate) fn backward(
     for (i0, rows) in t.query_blocks(seeing.clone()) {
         let qb = t.stacked(q, i0, rows, Some(t.scale))?;
         let dob = t.stacked(d_o, i0, rows, None)?;
-        let minus_per_row = |x: &Tensor| -> Result<Tensor> {
-            Ok(x.narrow(2, i0, rows)?.neg()?.reshape((b, hkv, t.group() * rows, 1))?)
-        };
-        let qb1 = Tensor::cat(&[&qb, &minus_per_row(&lse)?], 3)?;
-        let dob1 = Tensor::cat(&[&dob, &minus_per_row(&delta)?], 3)?;
+        let per_row =
+            |x: &Tensor| -> Result<Tensor> { Ok(x.narrow(2, i0, rows)?.reshape((b, hkv, t.group() * rows, 1))?) };
+        let (lse_b, delta_b) = (per_row(&lse)?, per_row(&delta)?);
         let mut dq = None;
         for c in t.chunks(i0, rows) {
-            let p = t.chunk_scores(&qb1, &kh1, i0, rows, c, &mut masks)?.exp()?;
-            t.add_to_cells(&mut dv_cells, c.j0, p.t()?.matmul(&dob)?)?;
-            let ds = (p * dob1.matmul(&vh1.narrow(2, c.j0, c.len)?.t()?)?)?;
-            add_to(&mut dq, ds.matmul(&kh.narrow(2, c.j0, c.len)?)?)?;
-            t.add_to_cells(&mut dk_cells, c.j0, ds.t()?.matmul(&qb)?)?;
+            // P and dS in f32 (f64), rounded to the input dtype as GEMM operands.
+            let p = t.chunk_scores(&qb, &kh, i0, rows, c, &mut masks)?.broadcast_sub(&lse_b)?.exp()?;
+            let p_op = p.to_dtype(t.dt)?;
+            t.add_to_cells(&mut dv_cells, c.j0, t.product(&p_op.t()?, &dob)?)?;
+            let dp = t.product(&dob, &vh.narrow(2, c.j0, c.len)?.t()?)?;
+            let ds = (p * dp.broadcast_sub(&delta_b)?)?.to_dtype(t.dt)?;
+            add_to(&mut dq, t.product(&ds, &kh.narrow(2, c.j0, c.len)?)?)?;
+            t.add_to_cells(&mut dk_cells, c.j0, t.product(&ds.t()?, &qb)?)?;
         }
         let dq = dq.expect("a row that sees a key has at least one chunk");
         dq_blocks.push((dq * t.scale)?.reshape((b, h, rows, d))?);
@@ -311,23 +288,26 @@ struct Chunk {
     masked: bool,
 }
 
-/// The blocking of one call: dimensions, mask, block size, compute dtype and device.
+/// The blocking of one call: dimensions, mask, tiles, input and compute dtypes, device.
 struct Tiles {
     dims: AttentionDims,
     spec: AttentionSpec,
     block: usize,
     key_chunk: usize,
+    /// The input dtype: the GEMMs' operands.
+    dt: DType,
+    /// The compute dtype (f32; f64 for f64 inputs): scores, statistics, accumulators.
     cd: DType,
     device: Device,
     scale: f64,
 }
 
 impl Tiles {
-    fn new(dims: AttentionDims, spec: AttentionSpec, block: usize, cd: DType, device: &Device) -> Self {
+    fn new(dims: AttentionDims, spec: AttentionSpec, tiles: TileSize, dt: DType, device: &Device) -> Self {
         let scale = spec.scale_for(dims.head_dim);
-        let block = block.max(1);
-        let key_chunk = block * KEY_BLOCKS;
-        Self { dims, spec, block, key_chunk, cd, device: device.clone(), scale }
+        let (block, key_chunk) = (tiles.rows.max(1), tiles.keys.max(1));
+        let cd = Precision::float(dt).compute();
+        Self { dims, spec, block, key_chunk, dt, cd, device: device.clone(), scale }
     }
 
     fn group(&self) -> usize {
@@ -379,24 +359,31 @@ impl Tiles {
         chunks
     }
 
-    /// `x [K, 1]ᵀ` for the keys of chunk `ch` (`x: [b, kv_heads, group · rows, d + 1]`, the stacked query
-    /// rows `i0..i0 + rows` with a per-row column; `kh1: [b, kv_heads, nk, d + 1]`, K with a column of ones),
-    /// with the entries the spec hides pushed to the lowest finite value when the chunk is masked.
+    /// The scores `x Kᵀ` for the keys of chunk `ch`, `[b, kv_heads, group · rows, ch.len]` in the compute
+    /// dtype (`x: [b, kv_heads, group · rows, d]`, the stacked, scaled query rows `i0..i0 + rows`; `kh: [b,
+    /// kv_heads, nk, d]`; both in the input dtype), with the entries the spec hides pushed to the lowest finite
+    /// value when the chunk is masked.
     fn chunk_scores(
         &self,
         x: &Tensor,
-        kh1: &Tensor,
+        kh: &Tensor,
         i0: usize,
         rows: usize,
         ch: Chunk,
         masks: &mut Masks,
     ) -> Result<Tensor> {
-        let s = x.matmul(&kh1.narrow(2, ch.j0, ch.len)?.t()?)?;
+        let s = self.product(x, &kh.narrow(2, ch.j0, ch.len)?.t()?)?;
         if ch.masked {
             masks.apply(self, s, i0, rows, ch.j0, ch.len)
         } else {
             Ok(s)
         }
+    }
+
+    /// The tile product `a b` of two operands in the input dtype (a bf16/f16 GEMM for bf16/f16 inputs),
+    /// converted to the compute dtype.
+    fn product(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        Ok(a.matmul(b)?.to_dtype(self.cd)?)
     }
 
     /// Empty accumulators, one per key cell of `block` keys.
@@ -432,14 +419,6 @@ impl Tiles {
         })
     }
 
-    /// The smallest row sum the bounded forward pass accepts: `k_len · 2^-100` in f32 (`k_len · 2^-1000`
-    /// in f64), so that the row's largest term, at least `l / k_len`, is 2^-100 or more, far above the
-    /// subnormals (2^-126; 2^-1022 in f64).
-    fn min_bounded_sum(&self) -> f64 {
-        let floor = if self.cd == DType::F64 { 2f64.powi(-1000) } else { 2f64.powi(-100) };
-        self.dims.k_len as f64 * floor
-    }
-
     /// The largest finite value of the compute dtype.
     fn max_finite(&self) -> f64 {
         if self.cd == DType::F64 {
@@ -449,13 +428,13 @@ impl Tiles {
         }
     }
 
-    /// Rows `i0..i0 + rows` of `x: [b, n, heads, d]` stacked per kv head, `[b, kv_heads, group · rows, d]`
-    /// (row `gi · rows + r` is query head `kv_head · group + gi`, row `i0 + r`), in the compute dtype, times
-    /// `mul` when given.
+    /// Rows `i0..i0 + rows` of `x: [b, n, heads, d]` (in the input dtype) stacked per kv head, `[b, kv_heads,
+    /// group · rows, d]` (row `gi · rows + r` is query head `kv_head · group + gi`, row `i0 + r`), in the input
+    /// dtype; times `mul` when given (in the compute dtype, then rounded to the input dtype once).
     fn stacked(&self, x: &Tensor, i0: usize, rows: usize, mul: Option<f64>) -> Result<Tensor> {
-        let x = x.narrow(1, i0, rows)?.transpose(1, 2)?.to_dtype(self.cd)?;
+        let x = x.narrow(1, i0, rows)?.transpose(1, 2)?;
         let x = match mul {
-            Some(mul) => x.affine(mul, 0.0)?,
+            Some(mul) => x.to_dtype(self.cd)?.affine(mul, 0.0)?.to_dtype(self.dt)?,
             None => x.contiguous()?,
         };
         let AttentionDims { batch, kv_heads, head_dim, .. } = self.dims;

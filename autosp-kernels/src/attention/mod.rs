@@ -33,7 +33,7 @@ use candle_core::{DType, Tensor};
 use crate::{Error, Result};
 use route::Backend;
 
-pub use generic::{block_for, BLOCK_CPU, BLOCK_GPU, KEY_BLOCKS};
+pub use generic::{TileSize, CHUNK_BUDGET_CPU, CHUNK_BUDGET_GPU, KEY_BLOCKS};
 pub use route::CPU_MAX_HEAD_DIM;
 
 const FWD: &str = "attention_forward";
@@ -47,7 +47,7 @@ pub fn attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpe
     let dims = check(FWD, q, k, v, spec, usize::MAX)?;
     match route::backend(q, dims.head_dim) {
         Backend::Cpu => Ok(cpu::forward(&dims, spec, q, k, v, false)?.0),
-        _ => generic::forward(q, k, v, spec, dims, block_for(q.device())),
+        _ => generic::forward(q, k, v, spec, dims, TileSize::for_call(&dims, q.dtype(), q.device())),
     }
 }
 
@@ -60,7 +60,9 @@ pub fn attention_output(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec
     let dims = check(OUT, q, k, v, spec, usize::MAX)?;
     match route::output_backend(q, dims.k_len, spec) {
         Backend::Cpu => Ok(cpu::forward(&dims, spec, q, k, v, false)?.0 .0),
-        Backend::Generic => Ok(generic::forward(q, k, v, spec, dims, block_for(q.device()))?.0),
+        Backend::Generic => {
+            Ok(generic::forward(q, k, v, spec, dims, TileSize::for_call(&dims, q.dtype(), q.device()))?.0)
+        }
         #[cfg(feature = "flash-attn")]
         Backend::FlashAttn(mask) => flash_attn::forward_output(q, k, v, spec, mask),
     }
@@ -85,7 +87,9 @@ pub fn attention_backward(
     check_backward(q, o, lse, d_o, d_lse, &dims)?;
     match route::backend(q, dims.head_dim) {
         Backend::Cpu => Ok(cpu::backward(&dims, spec, q, k, v, o, lse, d_o, d_lse, false)?.0),
-        _ => generic::backward(q, k, v, o, lse, d_o, d_lse, spec, dims, block_for(q.device())),
+        _ => {
+            generic::backward(q, k, v, o, lse, d_o, d_lse, spec, dims, TileSize::for_call(&dims, q.dtype(), q.device()))
+        }
     }
 }
 
@@ -271,7 +275,8 @@ fn checked_cpu_backward(
     cpu::backward(&dims, spec, q, k, v, o, lse, d_o, d_lse, poison)
 }
 
-/// The device-generic kernel with `block` query rows per block (at least 1), on any device whatever the
+/// The device-generic kernel with `block` query rows per block (at least 1) and `KEY_BLOCKS · block` keys per
+/// chunk ([`TileSize::from_block`]), on any device whatever the
 /// dispatch says: tests run many blocks, masked and merged chunks on small shapes, and benchmarks time the
 /// generic kernel on the CPU. Not part of the stable API.
 #[doc(hidden)]
@@ -283,7 +288,7 @@ pub fn generic_forward_with_block(
     block: usize,
 ) -> Result<(Tensor, Tensor)> {
     let dims = check(FWD, q, k, v, spec, usize::MAX)?;
-    generic::forward(q, k, v, spec, dims, block)
+    generic::forward(q, k, v, spec, dims, TileSize::from_block(block))
 }
 
 /// [`generic_forward_with_block`]'s backward. Not part of the stable API.
@@ -302,7 +307,7 @@ pub fn generic_backward_with_block(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let dims = check(BWD, q, k, v, spec, usize::MAX)?;
     check_backward(q, o, lse, d_o, d_lse, &dims)?;
-    generic::backward(q, k, v, o, lse, d_o, d_lse, spec, dims, block)
+    generic::backward(q, k, v, o, lse, d_o, d_lse, spec, dims, TileSize::from_block(block))
 }
 
 /// Shape, head_dim (`1..=max_head_dim`), dtype and device checks of `q, k, v`, shared by every kernel.
