@@ -344,8 +344,8 @@ impl<M: CausalLm> Compiled<M> {
     pub fn grad_norm(&self, grads: &Gradients) -> Result<f64, CompileError> {
         let mut sq = sum_of_squares(grads)?;
         if self.sharding() != ShardLevel::None && self.world.size() > 1 {
+            // host data: a sum made on the host.
             sq = self.world.all_reduce(&host_scalar(sq)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
-            // host data
         }
         Ok(sq.sqrt())
     }
