@@ -118,6 +118,11 @@ struct Args {
     /// Print rank 0's `explain()` (the rewritten module tree and the plan) to stderr before each run.
     #[arg(long)]
     explain: bool,
+    /// Time every op of the last measured step (forward, replay, backward; the gradient reduction and the
+    /// optimizer) and add `"profile"` to the JSON: seconds per op and role, grouped by kind (rank 0's thread;
+    /// wall time, exact on the CPU, queueing time only on a GPU).
+    #[arg(long)]
+    profile: bool,
     /// Print only the model-state accounting at these world sizes (e.g. 1,2,4), every sharding level: one
     /// `"bench":"model_state_accounting"` line each, from the model's parameter counts (built once in this
     /// process, nothing run). For meshes that do not fit this machine; runs report it measured beside.
@@ -322,6 +327,7 @@ fn run_rank(
     let mut baseline = 0;
     let mut maxrss = None;
     let mut maxrss_reset = false;
+    let (mut profile, mut allocations) = (None, None);
     for step in 0..=args.steps {
         pg.barrier()?;
         if step > 0 && (own_heap || pg.rank() == 0) {
@@ -338,10 +344,24 @@ fn run_rank(
             (Some(w), 0) => w,
             _ => &ids,
         };
+        let profiled = args.profile && step == args.steps;
+        if profiled {
+            autosp::core::profile::start();
+        }
+        let (allocated0, large0) = (ALLOC.allocated_bytes(), ALLOC.large_allocations());
         let out = c.train_step(step_ids, None)?;
         let fb = t0.elapsed().as_secs_f64();
         autosp::core::alloc::phase("step", "AdamW");
-        opt.step(&params, &out.grads, 1e-4)?;
+        {
+            let _span = autosp::core::profile::span("step", "optimizer (AdamW)", String::new);
+            opt.step(&params, &out.grads, 1e-4)?;
+        }
+        if step > 0 {
+            allocations = Some((ALLOC.allocated_bytes() - allocated0, ALLOC.large_allocations() - large0));
+        }
+        if profiled {
+            profile = autosp::core::profile::finish();
+        }
         if step > 0 {
             held = Some(ModelStateBytes::held(&autosp::core::module::all_params(c.model()), &out.grads, &opt));
         }
@@ -420,6 +440,11 @@ fn run_rank(
         "step_cpu_s": median(cpu_times),
         "step_cpu_scope": "CPU seconds of the whole process during the step (all ranks' threads)",
         "tokens_per_s": (n * c.mesh().data) as f64 / step_s,
+        "step_allocated_bytes": allocations.map(|a| a.0),
+        "step_large_allocations": allocations.map(|a| a.1),
+        "allocation_scope": "bytes the whole process allocated during the last measured step (all thread ranks), and \
+                             how many of those allocations were 1 MiB or more (fresh pages the kernel zeroes)",
+        "profile": profile.as_ref().map(|p| profile_json(p, &c.model().config, step_s)),
         "predicted_after_forward_bytes": plan.as_ref().map(|p| p.predicted_after_forward),
         "predicted_peak_bytes": plan.as_ref().map(|p| p.predicted_peak),
         "predicted_peak_error": plan.as_ref().map(|p| p.predicted_peak / peak as f64 - 1.0),
@@ -434,6 +459,62 @@ fn run_rank(
 }
 
 /// Model-state bytes as JSON, by kind, with their total.
+/// The kind of work an op is, for the profile's groups.
+fn op_kind(op: &str) -> &'static str {
+    match op {
+        "linear" | "matmul" => "matmuls",
+        o if o.contains("mlp") => "matmuls",
+        o if o.contains("attention") => "attention",
+        o if o.contains("all_to_all") || o.contains("gather") || o.contains("scatter") || o.contains("ring") => {
+            "communication"
+        }
+        o if o.contains("cross_entropy") => "loss",
+        o if o.contains("norm") || o.contains("rope") || o.contains("swiglu") || o.contains("silu") => {
+            "norm, rope, swiglu"
+        }
+        "optimizer (AdamW)" => "optimizer",
+        "gradient reduction" => "communication",
+        _ => "other",
+    }
+}
+
+/// The role of a linear layer from its weight's `[out, in]` (the profile's detail), by the model's dims.
+fn linear_role(detail: &str, cfg: &LlamaConfig) -> Option<&'static str> {
+    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let hd = cfg.head_dim;
+    let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    let shape = |o: usize, n: usize| format!("{:?}", [o, n]);
+    [
+        (shape(q, h), if q == h { "q_proj, o_proj" } else { "q_proj" }),
+        (shape(h, q), "o_proj"),
+        (shape(kv, h), "k_proj, v_proj"),
+        (shape(i, h), "gate_proj, up_proj"),
+        (shape(h, i), "down_proj"),
+        (shape(v, h), "lm_head"),
+    ]
+    .into_iter()
+    .find(|(s, _)| s == detail)
+    .map(|(_, r)| r)
+}
+
+/// The profile as JSON: every `(pass, op, role)` with its seconds and calls, the seconds per kind, and how
+/// much of the step the ops cover.
+fn profile_json(p: &autosp::core::profile::Profile, cfg: &LlamaConfig, step_s: f64) -> serde_json::Value {
+    let mut kinds: std::collections::BTreeMap<&str, f64> = Default::default();
+    let mut ops = Vec::new();
+    for ((pass, op, detail), t) in p {
+        let kind = op_kind(op);
+        *kinds.entry(kind).or_default() += t.seconds;
+        let role = if *op == "linear" { linear_role(detail, cfg) } else { None };
+        ops.push(json!({"pass": pass, "op": op, "shape": detail, "role": role, "kind": kind,
+                        "seconds": t.seconds, "calls": t.calls}));
+    }
+    let covered: f64 = kinds.values().sum();
+    json!({"by_kind_s": kinds, "ops": ops, "covered_s": covered, "step_s": step_s,
+           "scope": "rank 0's thread, the last measured step: wall seconds inside each op (an op inside another counts \
+                     in the outer one); step_s - covered_s is the step's time outside any op (data, tape bookkeeping)"})
+}
+
 fn state_json(b: &ModelStateBytes) -> serde_json::Value {
     json!({"params": b.params, "grads": b.grads, "moments": b.moments, "masters": b.masters,
            "gathered": b.gathered, "total": b.total()})

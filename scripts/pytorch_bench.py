@@ -33,7 +33,46 @@ import sys
 import time
 
 
-def run_one(n, gradient_checkpointing, steps):
+def op_kind(name):
+    """The kind of a torch op, for the profile's groups (as bench_memory's `op_kind`)."""
+    n = name.lower()
+    if "attention" in n or "sdpa" in n or "softmax" in n and "log_softmax" not in n:
+        return "attention"
+    if any(k in n for k in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")):
+        return "matmuls"
+    if any(k in n for k in ("cross_entropy", "log_softmax", "nll_loss")):
+        return "loss"
+    if any(k in n for k in ("pow", "rsqrt", "mean", "norm", "silu", "sigmoid", "rotary", "cos", "sin", "neg")):
+        return "norm, rope, swiglu"
+    if any(k in n for k in ("embedding",)):
+        return "embedding"
+    return "other"
+
+
+def profile_step(forward_backward, optimizer):
+    """Runs `forward_backward()` under torch.profiler (CPU) and then times `optimizer()` (the optimizer's own
+    elementwise ops would otherwise mix with the model's); returns the self CPU seconds of every op that took at
+    least a millisecond, and their sums by kind. Self time: an op's time without the ops it called (an autograd
+    node's `MmBackward0` counts only its own bookkeeping; its `aten::mm` counts as a matmul)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        forward_backward()
+    t0 = time.perf_counter()
+    optimizer()
+    ops, kinds = [], {"optimizer": time.perf_counter() - t0}
+    for e in prof.key_averages():
+        s = e.self_cpu_time_total / 1e6
+        kind = op_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + s
+        if s >= 1e-3:
+            ops.append({"op": e.key, "kind": kind, "self_s": s, "calls": e.count})
+    ops.sort(key=lambda o: -o["self_s"])
+    return {"by_kind_s": kinds, "ops": ops, "covered_s": sum(kinds.values()),
+            "scope": "torch.profiler, the last measured step, self CPU time of each op on the calling thread"}
+
+
+def run_one(n, gradient_checkpointing, steps, profiled=False):
     """One warm-up step and `steps` measured steps at length `n` in this process; the run's JSON object."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -61,15 +100,27 @@ def run_one(n, gradient_checkpointing, steps):
     ids = ids.unsqueeze(0)
     times, cpu_times = [], []
     loss = None
-    for step in range(steps + 1):
-        t0, c0 = time.perf_counter(), time.process_time()
+    prof = None
+
+    def forward_backward():
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
+        return out.loss.item()
+
+    def optimizer():
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    for step in range(steps + 1):
+        t0, c0 = time.perf_counter(), time.process_time()
+        if profiled and step == steps:
+            box = {}
+            prof = profile_step(lambda: box.setdefault("loss", forward_backward()), optimizer)
+            loss = box["loss"]
+        else:
+            loss = forward_backward()
+            optimizer()
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        loss = out.loss.item()
-        del out
         if step > 0:
             times.append(dt)
             cpu_times.append(dc)
@@ -89,6 +140,7 @@ def run_one(n, gradient_checkpointing, steps):
         "torch_threads": torch.get_num_threads(),
         "loadavg": loadavg(),
         "cpus": os.cpu_count(),
+        "profile": prof,
     }
 
 
@@ -235,6 +287,8 @@ def main():
     ap.add_argument("--budget", default="4Gi", help="byte budget of --capacity (K/M/G powers of ten, Ki/Mi/Gi powers of two)")
     ap.add_argument("--capacity-multiple", type=int, default=512, help="the predicted N is a multiple of this")
     ap.add_argument("--confirm", action="store_true", help="run once more at the predicted N (in a fresh process)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the last measured step with torch.profiler (one run only): self CPU s per op and kind")
     args = ap.parse_args()
 
     ns = [int(x) for x in args.n.split(",") if x]
@@ -250,8 +304,10 @@ def main():
 
     if len(ns) == 1 and len(settings) == 1 and not args.capacity:
         # One run: in this process (its peak RSS is its own anyway).
-        print(json.dumps(run_one(ns[0], settings[0], args.steps)), flush=True)
+        print(json.dumps(run_one(ns[0], settings[0], args.steps, args.profile)), flush=True)
         return
+    if args.profile:
+        sys.exit("--profile takes one --n and one --gradient-checkpointing setting")
     points = {gc: [] for gc in settings}
     for n in ns:
         for gc in settings:

@@ -32,12 +32,33 @@ pub fn phase(pass: &'static str, op: &'static str) {
 pub struct TrackingAllocator {
     live: AtomicUsize,
     peak: AtomicUsize,
+    allocated: AtomicUsize,
+    large: AtomicUsize,
 }
+
+/// The size from which [`TrackingAllocator::large_allocations`] counts an allocation: 1 MiB (glibc serves
+/// blocks this large from fresh mmap pages or a trimmed top, which the kernel zeroes and faults in).
+pub const LARGE_ALLOCATION: usize = 1 << 20;
 
 impl TrackingAllocator {
     /// A tracker with nothing counted yet.
     pub const fn new() -> Self {
-        Self { live: AtomicUsize::new(0), peak: AtomicUsize::new(0) }
+        Self {
+            live: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+            allocated: AtomicUsize::new(0),
+            large: AtomicUsize::new(0),
+        }
+    }
+
+    /// Bytes allocated since start (never decreases; a step's is the difference of two readings).
+    pub fn allocated_bytes(&self) -> usize {
+        self.allocated.load(Ordering::Relaxed)
+    }
+
+    /// Allocations of at least [`LARGE_ALLOCATION`] bytes since start.
+    pub fn large_allocations(&self) -> usize {
+        self.large.load(Ordering::Relaxed)
     }
 
     /// Heap bytes allocated and not yet freed.
@@ -64,6 +85,10 @@ impl TrackingAllocator {
     }
 
     fn added(&self, n: usize) {
+        self.allocated.fetch_add(n, Ordering::Relaxed);
+        if n >= LARGE_ALLOCATION {
+            self.large.fetch_add(1, Ordering::Relaxed);
+        }
         let now = self.live.fetch_add(n, Ordering::Relaxed) + n;
         if self.peak.fetch_max(now, Ordering::Relaxed) < now {
             PEAK_PHASE.store(PHASE.load(Ordering::Relaxed), Ordering::Relaxed);

@@ -150,6 +150,9 @@ impl Inner {
                 }
             }
             crate::alloc::phase("backward", op.name());
+            let _span = crate::profile::span("backward", op.name(), || {
+                crate::tape::role_of(inputs.get(1).map(|&i| self.values[i].shape.dims()))
+            });
             let gins = {
                 let saved = SavedTensors {
                     op: op.name(),
@@ -323,7 +326,10 @@ impl Inner {
             }
             let refs: Vec<&Tensor> = tensors.iter().collect();
             crate::alloc::phase("replay", op.name());
-            let outs = op.forward(&refs)?;
+            let outs = {
+                let _span = crate::profile::span("replay", op.name(), || crate::tape::role(&refs));
+                op.forward(&refs)?
+            };
             drop(tensors);
             self.replays += 1;
             for (t, &index) in outs.into_iter().zip(&self.nodes[n].outputs.clone()) {

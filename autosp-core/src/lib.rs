@@ -34,6 +34,7 @@ pub mod ops;
 pub mod optim;
 pub mod param;
 pub mod precision;
+pub mod profile;
 pub mod shard;
 pub mod simd;
 pub mod tape;

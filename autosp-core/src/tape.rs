@@ -265,7 +265,10 @@ impl Tape {
         }
         let tensors: Vec<&Tensor> = inputs.iter().map(|v| &v.tensor).collect();
         crate::alloc::phase("forward", op.name());
-        let outputs = op.forward(&tensors)?;
+        let outputs = {
+            let _span = crate::profile::span("forward", op.name(), || role(&tensors));
+            op.forward(&tensors)?
+        };
         let mut inner = self.inner.borrow_mut();
         let tracked =
             inner.recording && inputs.iter().any(|v| v.id.is_some_and(|r| inner.values[r.index].requires_grad));
@@ -532,5 +535,19 @@ impl Inner {
         if v.save_count > 0 || v.region_uses > 0 {
             self.hold(index, t);
         }
+    }
+}
+
+/// The profile's detail of an op with `inputs` ([`crate::profile`]): the second input's shape (a linear
+/// layer's weight `[out, in]`, which tells its role) when it has two dimensions, else nothing.
+pub(crate) fn role(inputs: &[&Tensor]) -> String {
+    role_of(inputs.get(1).map(|t| t.dims()))
+}
+
+/// [`role`] from the second input's dimensions.
+pub(crate) fn role_of(dims: Option<&[usize]>) -> String {
+    match dims {
+        Some(d) if d.len() == 2 => format!("{d:?}"),
+        _ => String::new(),
     }
 }

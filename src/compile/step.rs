@@ -201,7 +201,10 @@ impl<M: CausalLm> Compiled<M> {
         let local = tape.param_grads();
         drop(tape);
         autosp_core::alloc::phase("step", "gradient all-reduce");
-        let mut grads = self.reduce_grads(local)?;
+        let mut grads = {
+            let _span = autosp_core::profile::span("step", "gradient reduction", String::new);
+            self.reduce_grads(local)?
+        };
         if loss_scale != 1.0 {
             grads.scale(1.0 / loss_scale)?;
         }
