@@ -72,6 +72,7 @@ fn main() -> Result<()> {
         let line = serde_json::json!({
             "bench": "matmul", "m": m, "n": n, "k": k, "dtype": args.dtype,
             "threads": candle_core::utils::get_num_threads(), "avx512f": avx512f,
+            "matmul_kernels": autosp::cpu_matmul::kernels(),
             "s": s, "gflops": 2.0 * (m * n * k) as f64 / s / 1e9, "repeats": times.len(),
         });
         println!("{line}");

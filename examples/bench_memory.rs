@@ -405,6 +405,8 @@ fn run_rank(
                               step (parameters as stored, the step's gradients, AdamW's moments and masters)",
         "launcher": args.launcher,
         "device": format!("{:?}", device.location()),
+        "simd": device.is_cpu().then(|| autosp::core::simd::simd_path().name()),
+        "matmul_kernels": device.is_cpu().then(autosp::cpu_matmul::kernels),
         "dtype": args.dtype().as_str(),
         "strategy": format!("{:?}", c.resolved().strategy),
         "checkpoint": checkpoint_arg,
@@ -727,6 +729,9 @@ fn capacity_line(
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if let Some(w) = autosp::cpu_matmul::stand_in_warning() {
+        eprintln!("bench_memory: warning: {w}");
+    }
     if args.dp == 0 || args.sp == Some(0) {
         bail!("--dp and --sp must be 1 or more");
     }

@@ -8,6 +8,7 @@ pub use autosp_models as models;
 
 pub mod capacity;
 pub mod compile;
+pub mod cpu_matmul;
 pub mod device;
 pub mod precision;
 #[warn(missing_docs)]

@@ -121,8 +121,9 @@ pub struct Summary {
     pub accuracy: Option<Accuracy>,
     /// Tokens trained on and the seconds the steps took (none when no step ran).
     pub throughput: Option<(usize, f64)>,
-    /// The vector path the CPU kernels ran on (`avx512`, `avx2`, `neon`, `scalar`; `AUTOSP_SIMD`), none off the CPU.
-    pub vector_path: Option<&'static str>,
+    /// The vector path the CPU kernels ran on (`avx512`, `avx2`, `neon`, `scalar`; `AUTOSP_SIMD`) and the
+    /// kernels candle's matmuls ran on ([`crate::cpu_matmul::kernels`]), none off the CPU.
+    pub vector_path: Option<(&'static str, &'static str)>,
     /// The tape's peak bytes on each rank.
     pub tape_peak: Vec<f64>,
     /// The process heap's peak bytes on each rank (thread ranks share one process: every entry is the same).
@@ -232,7 +233,9 @@ impl Summary {
                     "{:.0} tokens/s ({tokens} tokens in {seconds:.1} s over {} steps{})",
                     tokens as f64 / seconds,
                     self.last_step - self.first_step,
-                    self.vector_path.map(|p| format!("; CPU kernels on the {p} vector path")).unwrap_or_default()
+                    self.vector_path
+                        .map(|(p, m)| format!("; CPU kernels on the {p} vector path, matmuls on gemm's {m}"))
+                        .unwrap_or_default()
                 ),
             ));
         }
@@ -306,7 +309,8 @@ impl Summary {
             "tokens": self.throughput.map(|t| t.0),
             "seconds": self.throughput.map(|t| t.1),
             "tokens_per_s": self.throughput.map(|(t, s)| t as f64 / s),
-            "vector_path": self.vector_path,
+            "vector_path": self.vector_path.map(|v| v.0),
+            "matmul_kernels": self.vector_path.map(|v| v.1),
             "tape_peak_bytes": self.tape_peak.iter().map(|b| *b as u64).collect::<Vec<_>>(),
             "process_peak_bytes": self.heap_peak.iter().map(|b| *b as u64).collect::<Vec<_>>(),
             "skipped": self.skipped,
@@ -335,7 +339,7 @@ mod tests {
                 chance: Some(0.1),
             }),
             throughput: Some((32768, 16.0)),
-            vector_path: Some("avx2"),
+            vector_path: Some(("avx2", "avx2")),
             tape_peak: vec![2.0 * (1 << 20) as f64, 3.0 * (1 << 20) as f64],
             heap_peak: vec![(100u64 << 20) as f64; 2],
             threads: true,
@@ -361,7 +365,7 @@ mod tests {
             "3.5000 -> 3.0000 (-0.5000; 8191 tokens of heldout.txt)",
             "| passkey accuracy ",
             "5.0% (2/40 answer tokens, 0/8 whole keys) -> 25.0% (10/40)",
-            "2048 tokens/s (32768 tokens in 16.0 s over 4 steps; CPU kernels on the avx2 vector path)",
+            "2048 tokens/s (32768 tokens in 16.0 s over 4 steps; CPU kernels on the avx2 vector path, matmuls on gemm's avx2)",
             "[2.0, 3.0] MiB",
             "100.0 MiB (one process holds all 2 thread ranks)",
             "runs/x/step-4",

@@ -490,7 +490,7 @@ impl Job {
                 after: score(f),
             }),
             throughput: (out.tokens > 0).then_some((out.tokens, out.seconds)),
-            vector_path: device.is_cpu().then(|| autosp_core::simd::simd_path().name()),
+            vector_path: device.is_cpu().then(|| (autosp_core::simd::simd_path().name(), crate::cpu_matmul::kernels())),
             tape_peak: out.tape_peak,
             heap_peak: out.heap_peak,
             threads: self.threads,
