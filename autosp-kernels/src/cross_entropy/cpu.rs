@@ -1,9 +1,17 @@
-//! The chunked linear + cross-entropy on the CPU: per chunk of rows the logits `h · Wᵀ` (candle's matmul),
-//! then the log-softmax and its gradient `softmax - onehot` row by row on the host, on the vector path in
-//! force; `d_hidden` chunk by chunk and `d_lm_head` as a running sum in chunk order (deterministic). Inputs
-//! are checked by the door (`mod.rs`); the targets are read on the host and refused here when out of range.
+//! The chunked linear + cross-entropy on the CPU: per chunk of rows the logits `h · Wᵀ`, then the
+//! log-softmax (forward) or its gradient `g · (softmax - onehot)` (backward) row by row on the host, on the
+//! vector path in force and in place in the logits; backward then writes `d_hidden`'s rows of the chunk and
+//! adds the chunk's `dlogitsᵀ · h` into `d_lm_head`. Inputs are checked by the door (`mod.rs`); the targets
+//! are read on the host and refused here when out of range.
+//!
+//! The three products run on gemm (the engine behind candle's CPU matmul) with explicit strides, straight
+//! into buffers made once per call: the logits of one chunk (reused by every chunk, so no chunk allocates or
+//! faults in fresh pages), `d_hidden` (each chunk writes its rows: no per-chunk tensors to concatenate) and
+//! `d_lm_head` (accumulated in place, chunks in order: deterministic). At the bench preset (vocabulary 32000,
+//! hidden 512, 8K tokens) the chunks' fresh `[rows, vocab]` logits and gradients were 7.5 GB allocated per step
+//! (docs/BENCHMARKS.md "Step profile").
 
-use candle_core::{CpuStorage, DType, InplaceOp3, Layout, Tensor};
+use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
 use autosp_core::ops::IGNORE_INDEX;
@@ -43,27 +51,69 @@ fn chunk_losses<T: Real>(logits: &[T], vocab: usize, targets: &[i64], path: Simd
         .collect()
 }
 
-/// `g * (softmax(x) - onehot(target))` of each row of a chunk's logits, 0 for ignored rows.
-fn chunk_dlogits<T: Real>(logits: &[T], vocab: usize, targets: &[i64], g: T, path: SimdPath) -> Vec<T> {
-    let mut dl = vec![T::ZERO; logits.len()];
-    dl.par_chunks_mut(vocab).zip(logits.par_chunks(vocab).zip(targets.par_iter())).for_each(|(dr, (row, &t))| {
+/// In place, each row of a chunk's logits `[rows, vocab]` becomes `g * (softmax(x) - onehot(target))`, 0 for
+/// ignored rows.
+fn chunk_dlogits<T: Real>(logits: &mut [T], vocab: usize, targets: &[i64], g: T, path: SimdPath) {
+    logits.par_chunks_mut(vocab).zip(targets.par_iter()).for_each(|(row, &t)| {
         if t < 0 {
+            row.fill(T::ZERO);
             return;
         }
         let m = T::max_row(path, row);
-        let sum = T::exp_row(path, dr, row, m);
-        let scale = g / sum;
-        for d in dr.iter_mut() {
-            *d *= scale;
-        }
-        dr[t as usize] -= g;
+        let sum = T::exp_row(path, row, m);
+        T::scale_row(path, row, g / sum);
+        row[t as usize] -= g;
     });
-    dl
+}
+
+/// `dst[m × n] (+)= lhs[m × k] · rhs[k × n]` on gemm, each operand given by its pointer and `(row stride,
+/// column stride)` in elements; `accumulate` adds to `dst` instead of overwriting it.
+///
+/// # Safety
+/// Every pointer valid for the elements its strides address, `dst` written by nothing else meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product<T: Real + 'static>(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut T,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: *const T,
+    (lhs_rs, lhs_cs): (usize, usize),
+    rhs: *const T,
+    (rhs_rs, rhs_cs): (usize, usize),
+) {
+    let parallelism = match rayon::current_num_threads() {
+        1 => gemm::Parallelism::None,
+        t => gemm::Parallelism::Rayon(t),
+    };
+    let one = T::from_f64(1.0);
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        accumulate,
+        lhs,
+        lhs_cs as isize,
+        lhs_rs as isize,
+        rhs,
+        rhs_cs as isize,
+        rhs_rs as isize,
+        one,
+        one,
+        false,
+        false,
+        false,
+        parallelism,
+    )
 }
 
 /// The loss sum (f64) and, when `grad` is given, `(d_hidden, d_lm_head)` scaled by it (`d_lm_head` only when
-/// `weight`: a frozen head skips its product); all in `T`.
-fn run_typed<T: Real>(
+/// `weight`: a frozen head skips its product); all in `T`. `hidden: [m, d]` and `lm_head: [vocab, d]` are
+/// contiguous `T`.
+fn run_typed<T: Real + candle_core::WithDType + 'static>(
     hidden: &Tensor,
     lm_head: &Tensor,
     targets: &[i64],
@@ -71,40 +121,50 @@ fn run_typed<T: Real>(
     grad: Option<f64>,
     weight: bool,
 ) -> Result<(f64, super::LossGrads)> {
-    let (m, _) = hidden.dims2()?;
+    let (m, d) = hidden.dims2()?;
     let vocab = lm_head.dim(0)?;
-    let wt = lm_head.t()?;
+    let (h_host, w_host) = (Host::new(OP, "hidden", hidden)?, Host::new(OP, "lm_head", lm_head)?);
+    let (h, w) = (h_host.slice::<T>()?, w_host.slice::<T>()?);
+    let path = simd_path();
+    let chunk_rows = chunk_rows.min(m).max(1);
+    let mut logits = vec![T::ZERO; chunk_rows * vocab];
     let mut total = 0.0f64;
-    let mut dh_chunks = Vec::new();
-    let mut dw: Option<Tensor> = None;
+    let (mut dh, mut dw) = match grad {
+        Some(_) => (vec![T::ZERO; m * d], if weight { vec![T::ZERO; vocab * d] } else { Vec::new() }),
+        None => (Vec::new(), Vec::new()),
+    };
     let mut start = 0;
     while start < m {
         let rows = chunk_rows.min(m - start);
-        let h = hidden.narrow(0, start, rows)?;
-        let logits = h.matmul(&wt)?;
-        let tg = &targets[start..start + rows];
+        let (hc, tg) = (&h[start * d..(start + rows) * d], &targets[start..start + rows]);
+        let lc = &mut logits[..rows * vocab];
+        // SAFETY (every product below): the slices hold exactly the elements their strides address, and each
+        // destination is a distinct buffer borrowed mutably for the call.
+        // logits [rows, vocab] = h_c [rows, d] · Wᵀ [d, vocab].
+        unsafe { product((rows, vocab, d), lc.as_mut_ptr(), vocab, false, hc.as_ptr(), (d, 1), w.as_ptr(), (1, d)) };
         match grad {
-            None => {
-                let logits = logits.contiguous()?;
-                let host = Host::new(OP, "logits", &logits)?;
-                total += chunk_losses::<T>(host.slice()?, vocab, tg, simd_path()).iter().sum::<f64>();
-            }
+            None => total += chunk_losses::<T>(lc, vocab, tg, path).iter().sum::<f64>(),
             Some(g) => {
-                let dl = {
-                    let logits = logits.contiguous()?;
-                    let host = Host::new(OP, "logits", &logits)?;
-                    chunk_dlogits::<T>(host.slice()?, vocab, tg, T::from_f64(g), simd_path())
+                chunk_dlogits::<T>(lc, vocab, tg, T::from_f64(g), path);
+                let dhc = &mut dh[start * d..(start + rows) * d];
+                // d_hidden's rows [rows, d] = dlogits [rows, vocab] · W [vocab, d].
+                unsafe {
+                    product((rows, d, vocab), dhc.as_mut_ptr(), d, false, lc.as_ptr(), (vocab, 1), w.as_ptr(), (d, 1))
                 };
-                drop(logits);
-                let dl = tensor_from(dl, (rows, vocab))?;
-                dh_chunks.push(dl.matmul(lm_head)?);
-                // `d_lm_head += dlᵀ · h` in place (gemm reading its destination): no whole `[vocab, hidden]`
-                // product or sum besides the accumulator (1 GiB each at a 128K vocabulary and hidden 2048 in
-                // f32). The first chunk's product is the accumulator, owned by nothing else.
-                match &dw {
-                    _ if !weight => {}
-                    Some(acc) => acc.inplace_op3(&dl, &h, &AccumulateProduct)?,
-                    None => dw = Some(dl.t()?.matmul(&h)?),
+                if weight {
+                    // d_lm_head [vocab, d] += dlogitsᵀ [vocab, rows] · h_c [rows, d].
+                    unsafe {
+                        product(
+                            (vocab, d, rows),
+                            dw.as_mut_ptr(),
+                            d,
+                            true,
+                            lc.as_ptr(),
+                            (1, vocab),
+                            hc.as_ptr(),
+                            (d, 1),
+                        )
+                    };
                 }
             }
         }
@@ -112,15 +172,7 @@ fn run_typed<T: Real>(
     }
     let grads = match grad {
         None => None,
-        Some(_) => {
-            let dh = if dh_chunks.is_empty() { hidden.zeros_like()? } else { Tensor::cat(&dh_chunks, 0)? };
-            let dw = match dw {
-                Some(dw) => Some(dw),
-                None if weight => Some(lm_head.zeros_like()?),
-                None => None,
-            };
-            Some((dh, dw))
-        }
+        Some(_) => Some((tensor_from(dh, (m, d))?, weight.then(|| tensor_from(dw, (vocab, d))).transpose()?)),
     };
     Ok((total, grads))
 }
@@ -151,73 +203,6 @@ pub(crate) fn run(
     Ok((loss, grads))
 }
 
-/// `acc += xᵀ · y` in place with gemm (the engine behind candle's CPU matmul), for `acc: [vocab, hidden]`
-/// contiguous, `x: [rows, vocab]` and `y: [rows, hidden]` (any strides), f32 or f64: the running sum of
-/// `d_lm_head`.
-struct AccumulateProduct;
-
-impl InplaceOp3 for AccumulateProduct {
-    fn name(&self) -> &'static str {
-        "chunked_cross_entropy_accumulate_product"
-    }
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<()> {
-        let (&[m, n], &[k, m2], &[k2, n2]) = (l1.dims(), l2.dims(), l3.dims()) else {
-            candle_core::bail!("{OP}: d_lm_head's sum needs 2-d operands");
-        };
-        if m2 != m || k2 != k || n2 != n || !l1.is_contiguous() {
-            candle_core::bail!("{OP}: d_lm_head {:?} += {:?}ᵀ · {:?} does not fit", l1.dims(), l2.dims(), l3.dims());
-        }
-        let (xs, ys) = (l2.stride(), l3.stride());
-        let parallelism = match rayon::current_num_threads() {
-            1 => gemm::Parallelism::None,
-            t => gemm::Parallelism::Rayon(t),
-        };
-        macro_rules! run {
-            ($acc:expr, $x:expr, $y:expr, $one:expr) => {
-                // SAFETY: the pointers are offset by each layout's start and read or written within its dims
-                // and strides (checked above against one another), and `acc` is borrowed mutably alone.
-                unsafe {
-                    gemm::gemm(
-                        m,
-                        n,
-                        k,
-                        $acc[l1.start_offset()..].as_mut_ptr(),
-                        1,
-                        n as isize,
-                        true,
-                        $x[l2.start_offset()..].as_ptr(),
-                        xs[0] as isize,
-                        xs[1] as isize,
-                        $y[l3.start_offset()..].as_ptr(),
-                        ys[1] as isize,
-                        ys[0] as isize,
-                        $one,
-                        $one,
-                        false,
-                        false,
-                        false,
-                        parallelism,
-                    )
-                }
-            };
-        }
-        match (s1, s2, s3) {
-            (CpuStorage::F32(a), CpuStorage::F32(x), CpuStorage::F32(y)) => run!(a, x, y, 1.0f32),
-            (CpuStorage::F64(a), CpuStorage::F64(x), CpuStorage::F64(y)) => run!(a, x, y, 1.0f64),
-            _ => candle_core::bail!("{OP}: d_lm_head's sum and its operands must all be f32 or all f64"),
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use autosp_core::simd::{supported_paths, SimdPath};
@@ -234,14 +219,19 @@ mod tests {
         let logits: Vec<f32> = (0..rows * vocab).map(|i| ((i * 7919) % 2001) as f32 / 100.0 - 10.0).collect();
         let targets = [5, -100, 1002, 640];
         let l0 = chunk_losses(&logits, vocab, &targets, SimdPath::Scalar);
-        let d0 = chunk_dlogits(&logits, vocab, &targets, 0.5, SimdPath::Scalar);
+        let dlogits = |p| {
+            let mut d = logits.clone();
+            chunk_dlogits(&mut d, vocab, &targets, 0.5, p);
+            d
+        };
+        let d0 = dlogits(SimdPath::Scalar);
         let dscale = d0.iter().fold(0f32, |m, v| m.max(v.abs()));
         for p in supported_paths() {
             let l = chunk_losses(&logits, vocab, &targets, p);
             for (a, b) in l.iter().zip(&l0) {
                 assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{p}: loss {a} vs {b}");
             }
-            let d = chunk_dlogits(&logits, vocab, &targets, 0.5, p);
+            let d = dlogits(p);
             let e = d.iter().zip(&d0).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / dscale;
             assert!(e <= 1e-6, "{p}: dlogits max relative error {e:e}");
         }

@@ -76,9 +76,9 @@ pub(crate) trait Real: Float {
         portable::exp_sum_row(x, m)
     }
 
-    /// `out[i] = e^(x[i] - m)`; returns their sum (equal lengths).
-    fn exp_row(_path: SimdPath, out: &mut [Self], x: &[Self], m: Self) -> Self {
-        portable::exp_row(out, x, m)
+    /// In place `x[i] = e^(x[i] - m)`; returns their sum.
+    fn exp_row(_path: SimdPath, x: &mut [Self], m: Self) -> Self {
+        portable::exp_row(x, m)
     }
 
     /// RoPE on one row's halves (all of one length): `y1 = x1 c - x2 s`, `y2 = x2 c + x1 s`; with `inverse`
@@ -199,8 +199,11 @@ impl Real for f32 {
         pulp::exp_sum_row(path, x, m).unwrap_or_else(|| portable::exp_sum_row(x, m))
     }
 
-    fn exp_row(path: SimdPath, out: &mut [f32], x: &[f32], m: f32) -> f32 {
-        pulp::exp_row(path, out, x, m).unwrap_or_else(|| portable::exp_row(out, x, m))
+    fn exp_row(path: SimdPath, x: &mut [f32], m: f32) -> f32 {
+        if let Some(sum) = pulp::exp_row(path, x, m) {
+            return sum;
+        }
+        portable::exp_row(x, m)
     }
 
     fn rotate(

@@ -102,12 +102,12 @@ pub(crate) fn exp_sum_row<T: Float>(x: &[T], m: T) -> T {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + s
 }
 
-/// `out[i] = e^(x[i] - m)`; returns their sum.
-pub(crate) fn exp_row<T: Float>(out: &mut [T], x: &[T], m: T) -> T {
+/// In place `x[i] = e^(x[i] - m)`; returns their sum.
+pub(crate) fn exp_row<T: Float>(x: &mut [T], m: T) -> T {
     let mut sum = T::ZERO;
-    for (o, &v) in out.iter_mut().zip(x) {
-        *o = (v - m).exp();
-        sum += *o;
+    for v in x.iter_mut() {
+        *v = (*v - m).exp();
+        sum += *v;
     }
     sum
 }
