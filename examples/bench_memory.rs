@@ -327,7 +327,7 @@ fn run_rank(
     let mut baseline = 0;
     let mut maxrss = None;
     let mut maxrss_reset = false;
-    let (mut profile, mut allocations) = (None, None);
+    let (mut profile, mut allocations, mut allocated_by_op) = (None, None, None);
     for step in 0..=args.steps {
         pg.barrier()?;
         if step > 0 && (own_heap || pg.rank() == 0) {
@@ -349,6 +349,7 @@ fn run_rank(
             autosp::core::profile::start();
         }
         let (allocated0, large0) = (ALLOC.allocated_bytes(), ALLOC.large_allocations());
+        let by_phase0 = if profiled { ALLOC.allocated_by_phase() } else { Vec::new() };
         let out = c.train_step(step_ids, None)?;
         let fb = t0.elapsed().as_secs_f64();
         autosp::core::alloc::phase("step", "AdamW");
@@ -361,6 +362,18 @@ fn run_rank(
         }
         if profiled {
             profile = autosp::core::profile::finish();
+            let before: std::collections::HashMap<String, usize> = by_phase0.into_iter().collect();
+            let mut grew: Vec<(String, usize)> = ALLOC
+                .allocated_by_phase()
+                .into_iter()
+                .map(|(name, b)| {
+                    let b0 = before.get(&name).copied().unwrap_or(0);
+                    (name, b - b0)
+                })
+                .filter(|(_, b)| *b > 0)
+                .collect();
+            grew.sort_by(|a, b| b.1.cmp(&a.1));
+            allocated_by_op = Some(grew);
         }
         if step > 0 {
             held = Some(ModelStateBytes::held(&autosp::core::module::all_params(c.model()), &out.grads, &opt));
@@ -447,6 +460,9 @@ fn run_rank(
         "allocation_scope": "bytes the whole process allocated during the last measured step (all thread ranks), and \
                              how many of those allocations were 1 MiB or more (fresh pages the kernel zeroes)",
         "profile": profile.as_ref().map(|p| profile_json(p, &c.model().config, step_s)),
+        "allocated_by_op": allocated_by_op.map(|v| v.into_iter().map(|(k, b)| json!({"phase": k, "bytes": b})).collect::<Vec<_>>()),
+        "allocated_by_op_scope": "with --profile: bytes the process allocated during the profiled step while each op ran (the \
+                                  tape's marks: pass and op; process-wide, so thread ranks' ops mix), largest first",
         "predicted_after_forward_bytes": plan.as_ref().map(|p| p.predicted_after_forward),
         "predicted_peak_bytes": plan.as_ref().map(|p| p.predicted_peak),
         "predicted_peak_error": plan.as_ref().map(|p| p.predicted_peak / peak as f64 - 1.0),

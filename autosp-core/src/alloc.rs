@@ -12,6 +12,9 @@ use std::sync::Mutex;
 static PHASE: AtomicUsize = AtomicUsize::new(0);
 static PEAK_PHASE: AtomicUsize = AtomicUsize::new(0);
 static PHASES: Mutex<Vec<(&'static str, &'static str)>> = Mutex::new(Vec::new());
+/// Bytes allocated while each phase was marked (index as `PHASE`; phases past the table count in slot 0).
+const PHASE_SLOTS: usize = 256;
+static PHASE_BYTES: [AtomicUsize; PHASE_SLOTS] = [const { AtomicUsize::new(0) }; PHASE_SLOTS];
 
 /// Marks what the process is doing now: `pass` (`forward`, `replay`, `backward`) of the op named `op`, for
 /// [`TrackingAllocator::peak_phase`]. Process-wide: with several threads marking, the last mark wins.
@@ -84,8 +87,28 @@ impl TrackingAllocator {
         i.checked_sub(1).and_then(|i| names.get(i)).map(|(pass, op)| format!("{pass} {op}"))
     }
 
+    /// Bytes allocated since start while each phase was marked, as `("pass op", bytes)` (phases that allocated
+    /// nothing left out; bytes allocated before any mark under `"unmarked"`). Process-wide, like the marks.
+    pub fn allocated_by_phase(&self) -> Vec<(String, usize)> {
+        let names = PHASES.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::new();
+        for (slot, bytes) in PHASE_BYTES.iter().enumerate() {
+            let b = bytes.load(Ordering::Relaxed);
+            if b > 0 {
+                let name = match slot.checked_sub(1).and_then(|i| names.get(i)) {
+                    Some((pass, op)) => format!("{pass} {op}"),
+                    None => "unmarked".to_string(),
+                };
+                out.push((name, b));
+            }
+        }
+        out
+    }
+
     fn added(&self, n: usize) {
         self.allocated.fetch_add(n, Ordering::Relaxed);
+        let phase = PHASE.load(Ordering::Relaxed);
+        PHASE_BYTES[if phase < PHASE_SLOTS { phase } else { 0 }].fetch_add(n, Ordering::Relaxed);
         if n >= LARGE_ALLOCATION {
             self.large.fetch_add(1, Ordering::Relaxed);
         }
