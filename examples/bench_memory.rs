@@ -372,7 +372,7 @@ fn run_rank(
                 })
                 .filter(|(_, b)| *b > 0)
                 .collect();
-            grew.sort_by(|a, b| b.1.cmp(&a.1));
+            grew.sort_by_key(|g| std::cmp::Reverse(g.1));
             allocated_by_op = Some(grew);
         }
         if step > 0 {
