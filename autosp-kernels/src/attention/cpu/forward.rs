@@ -87,26 +87,7 @@ unsafe fn query_tile<T: Real>(
         if g.tile_needs_mask(i0, rows, j0) {
             g.mask_tile(s, rows, i0, j0);
         }
-        for r in 0..rows {
-            let row = &mut s[r * BC..(r + 1) * BC];
-            let mx = T::max_row(g.path, row);
-            if mx == T::NEG_INF {
-                // This row sees no key of this tile: weight 0, state unchanged.
-                row.fill(T::ZERO);
-                continue;
-            }
-            let mx = mx * c;
-            let m_new = if m[r] > mx { m[r] } else { mx };
-            let sum = T::exp2_row(g.path, row, c, m_new);
-            if m[r] != m_new {
-                let alpha = (m[r] - m_new).exp2();
-                T::scale_row(g.path, &mut acc[r * d..(r + 1) * d], alpha);
-                l[r] = l[r] * alpha + sum;
-                m[r] = m_new;
-            } else {
-                l[r] += sum;
-            }
-        }
+        T::online_softmax(g.path, s, BC, c, &mut m[..rows], &mut l[..rows], &mut acc, d);
         T::gemm(g.path, true, rows, d, cols, s.as_ptr(), BC, 1, v.as_ptr().add(j0 * d), d, acc.as_mut_ptr(), d);
     }
 
