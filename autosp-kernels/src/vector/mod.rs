@@ -2,7 +2,9 @@
 //! row and tile operation they run, each on the [`SimdPath`] it is given. f32 runs the hand-written AVX-512
 //! kernels (`avx512.rs`; the attention tile product and softmax rows) where the path is AVX-512, the pulp
 //! kernels (`pulp.rs`; AVX2+FMA and NEON from one source) otherwise, and the portable loops (`portable.rs`,
-//! the reference) on the scalar path and for tails; f64 always runs the portable loops.
+//! the reference) on the scalar path and for tails; f64 always runs the portable loops. The flash forward's
+//! online-softmax step over a score tile ([`Real::online_softmax`]) is one fused pulp call on AVX2 and NEON
+//! and the row operations one row at a time elsewhere.
 //!
 //! The tile product `C[m × n] (+)= A[m × k] · B[k × n]` reads A through any (row, column) strides (so `Pᵀ`
 //! and `dSᵀ` need no transpose copy), B row-major with row stride `ldb` and contiguous columns, C row-major
@@ -54,6 +56,25 @@ pub(crate) trait Real: Float {
     /// The largest element of `x`: -inf for an empty or all -inf row, NaN when any element is NaN.
     fn max_row(_path: SimdPath, x: &[Self]) -> Self {
         portable::max_row(x)
+    }
+
+    /// One online-softmax step of the flash forward (ALGORITHMS.md, log2 domain) over the score rows of `s`
+    /// (`m.len()` rows of `ld` scores, hidden ones -inf): for row r with `mx = c · max(row)` and
+    /// `m' = max(m[r], mx)`, the row becomes `2^(c · s - m')`, `acc[r] *= 2^(m[r] - m')` (`acc: [rows, d]`),
+    /// `l[r] = l[r] · 2^(m[r] - m') + sum(row)` and `m[r] = m'`; a row with no visible score becomes 0 and
+    /// leaves its state as it was. A NaN score makes the row's state NaN.
+    #[allow(clippy::too_many_arguments)]
+    fn online_softmax(
+        path: SimdPath,
+        s: &mut [Self],
+        ld: usize,
+        c: Self,
+        m: &mut [Self],
+        l: &mut [Self],
+        acc: &mut [Self],
+        d: usize,
+    ) {
+        online_softmax_rows(path, s, ld, c, m, l, acc, d)
     }
 
     /// In place `ds = p ∘ (ds - delta)` (equal lengths).
@@ -115,6 +136,39 @@ pub(crate) trait Real: Float {
 
 impl Real for f64 {}
 
+/// [`Real::online_softmax`] from the row operations, one row at a time (f64, the scalar path, AVX-512).
+#[allow(clippy::too_many_arguments)]
+fn online_softmax_rows<T: Real>(
+    path: SimdPath,
+    s: &mut [T],
+    ld: usize,
+    c: T,
+    m: &mut [T],
+    l: &mut [T],
+    acc: &mut [T],
+    d: usize,
+) {
+    for (r, row) in s.chunks_exact_mut(ld).enumerate() {
+        let mx = T::max_row(path, row);
+        if mx == T::NEG_INF {
+            // This row sees no key of this tile: weight 0, state unchanged.
+            row.fill(T::ZERO);
+            continue;
+        }
+        let mx = mx * c;
+        let m_new = if m[r] > mx { m[r] } else { mx };
+        let sum = T::exp2_row(path, row, c, m_new);
+        if m[r] != m_new {
+            let alpha = (m[r] - m_new).exp2();
+            T::scale_row(path, &mut acc[r * d..(r + 1) * d], alpha);
+            l[r] = l[r] * alpha + sum;
+            m[r] = m_new;
+        } else {
+            l[r] += sum;
+        }
+    }
+}
+
 /// Whether the AVX-512 kernels run on `path` (the path asks for them and the CPU has them).
 #[cfg(target_arch = "x86_64")]
 #[inline]
@@ -165,6 +219,26 @@ impl Real for f32 {
             return unsafe { avx512::max_row(x) };
         }
         pulp::max_row(path, x).unwrap_or_else(|| portable::max_row(x))
+    }
+
+    fn online_softmax(
+        path: SimdPath,
+        s: &mut [f32],
+        ld: usize,
+        c: f32,
+        m: &mut [f32],
+        l: &mut [f32],
+        acc: &mut [f32],
+        d: usize,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if avx512(path) {
+            // AVX-512 keeps its own row kernels, one row at a time, as before the AVX2 kernel was fused.
+            return online_softmax_rows(path, s, ld, c, m, l, acc, d);
+        }
+        if pulp::online_softmax(path, s, ld, c, m, l, acc, d).is_none() {
+            online_softmax_rows(path, s, ld, c, m, l, acc, d)
+        }
     }
 
     #[inline]
@@ -344,6 +418,39 @@ mod tests {
             let mut w = vec![2.0f32; 35];
             f32::exp2_row(path, &mut w, 0.5, 1.0);
             assert!(w.iter().all(|&v| (v - 1.0).abs() <= 2e-7), "{path}: {w:?}");
+        }
+    }
+
+    /// The fused online-softmax step equals the row operations run one by one on the same path, bit for bit
+    /// (the same operations in the same order), over several steps: rows whose maximum rises, stays or falls,
+    /// rows with no visible score (-inf) and a NaN row, whole vectors and a tail.
+    #[test]
+    fn fused_online_softmax_equals_its_rows() {
+        let mut seed = 11;
+        for path in vector_paths() {
+            for (rows, ld, d) in [(7, 64, 16), (5, 19, 9)] {
+                let (mut m1, mut l1) = (vec![f32::NEG_INFINITY; rows], vec![0.0f32; rows]);
+                let (mut m2, mut l2) = (m1.clone(), l1.clone());
+                let mut acc1: Vec<f32> = (0..rows * d).map(|_| lcg(&mut seed)).collect();
+                let mut acc2 = acc1.clone();
+                for step in 0..4 {
+                    let mut s1: Vec<f32> = (0..rows * ld).map(|_| lcg(&mut seed) * (3 - step) as f32 * 4.0).collect();
+                    s1[ld..2 * ld].fill(f32::NEG_INFINITY);
+                    if step == 3 {
+                        s1[2 * ld + 1] = f32::NAN;
+                    }
+                    let mut s2 = s1.clone();
+                    f32::online_softmax(path, &mut s1, ld, 0.7, &mut m1, &mut l1, &mut acc1, d);
+                    online_softmax_rows(path, &mut s2, ld, 0.7, &mut m2, &mut l2, &mut acc2, d);
+                    // Bit for bit, or NaN in both (a NaN's payload is not compared).
+                    let same = |a: &[f32], b: &[f32]| {
+                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+                    };
+                    assert!(same(&s1, &s2) && same(&m1, &m2) && same(&l1, &l2), "{path} {rows}x{ld} step {step}");
+                    assert!(same(&acc1, &acc2), "{path} {rows}x{ld} step {step}: acc");
+                }
+                assert!(m1[2].is_nan() && l1[2].is_nan() && acc1[2 * d].is_nan(), "{path}: NaN row");
+            }
         }
     }
 

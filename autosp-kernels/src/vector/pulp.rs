@@ -239,28 +239,62 @@ pub(crate) unsafe fn gemm(
 }
 
 /// In place `x[i] = 2^(x[i] · mul - sub)`; returns the sum of the results (lane-wise, then reduced; the
-/// tail added last). `None` on the scalar path.
+/// tail added last).
+#[inline(always)]
+fn exp2_sum<S: Simd>(s: S, x: &mut [f32], mul: f32, sub: f32) -> f32 {
+    let (head, tail) = S::as_mut_simd_f32s(x);
+    let (mv, sv) = (s.splat_f32s(mul), s.splat_f32s(-sub));
+    let mut sum = s.splat_f32s(0.0);
+    for v in head.iter_mut() {
+        let e = exp2_v(s, s.mul_add_f32s(*v, mv, sv));
+        *v = e;
+        sum = s.add_f32s(sum, e);
+    }
+    let mut total = s.reduce_sum_f32s(sum);
+    for v in tail.iter_mut() {
+        *v = (*v * mul - sub).exp2();
+        total += *v;
+    }
+    total
+}
+
+/// The maximum of `x` (-inf for an empty or all -inf row, NaN when any element is NaN).
+#[inline(always)]
+fn max_of<S: Simd>(s: S, x: &[f32]) -> f32 {
+    let (head, tail) = S::as_simd_f32s(x);
+    let mut m = s.splat_f32s(f32::NEG_INFINITY);
+    let mut nan = s.splat_f32s(0.0);
+    for &v in head {
+        m = s.max_f32s(m, v);
+        nan = s.select_f32s(s.equal_f32s(v, v), nan, s.splat_f32s(1.0));
+    }
+    if s.reduce_max_f32s(nan) > 0.0 {
+        return f32::NAN;
+    }
+    tail.iter().fold(s.reduce_max_f32s(m), |m, &v| if v > m || v.is_nan() { v } else { m })
+}
+
+/// In place `x *= a`.
+#[inline(always)]
+fn scale<S: Simd>(s: S, x: &mut [f32], a: f32) {
+    let (h, t) = S::as_mut_simd_f32s(x);
+    let av = s.splat_f32s(a);
+    for v in h.iter_mut() {
+        *v = s.mul_f32s(*v, av);
+    }
+    for v in t.iter_mut() {
+        *v *= a;
+    }
+}
+
+/// In place `x[i] = 2^(x[i] · mul - sub)`; returns the sum of the results. `None` on the scalar path.
 pub(crate) fn exp2_row(path: SimdPath, x: &mut [f32], mul: f32, sub: f32) -> Option<f32> {
     struct Op<'a>(&'a mut [f32], f32, f32);
     impl WithSimd for Op<'_> {
         type Output = f32;
         #[inline(always)]
         fn with_simd<S: Simd>(self, s: S) -> f32 {
-            let Op(x, mul, sub) = self;
-            let (head, tail) = S::as_mut_simd_f32s(x);
-            let (mv, sv) = (s.splat_f32s(mul), s.splat_f32s(-sub));
-            let mut sum = s.splat_f32s(0.0);
-            for v in head.iter_mut() {
-                let e = exp2_v(s, s.mul_add_f32s(*v, mv, sv));
-                *v = e;
-                sum = s.add_f32s(sum, e);
-            }
-            let mut total = s.reduce_sum_f32s(sum);
-            for v in tail.iter_mut() {
-                *v = (*v * mul - sub).exp2();
-                total += *v;
-            }
-            total
+            exp2_sum(s, self.0, self.1, self.2)
         }
     }
     vectorize(path, Op(x, mul, sub))
@@ -274,20 +308,64 @@ pub(crate) fn max_row(path: SimdPath, x: &[f32]) -> Option<f32> {
         type Output = f32;
         #[inline(always)]
         fn with_simd<S: Simd>(self, s: S) -> f32 {
-            let (head, tail) = S::as_simd_f32s(self.0);
-            let mut m = s.splat_f32s(f32::NEG_INFINITY);
-            let mut nan = s.splat_f32s(0.0);
-            for &v in head {
-                m = s.max_f32s(m, v);
-                nan = s.select_f32s(s.equal_f32s(v, v), nan, s.splat_f32s(1.0));
-            }
-            if s.reduce_max_f32s(nan) > 0.0 {
-                return f32::NAN;
-            }
-            tail.iter().fold(s.reduce_max_f32s(m), |m, &v| if v > m || v.is_nan() { v } else { m })
+            max_of(s, self.0)
         }
     }
     vectorize(path, Op(x))
+}
+
+/// One online-softmax step of the flash forward over a whole score tile, in one dispatch (see
+/// [`super::Real::online_softmax`] for the formulas). Per row it is the max, `exp2` and rescale row
+/// operations run one after the other; fused, the tile pays pulp's dispatch (the CPU feature checks and a
+/// call that cannot be inlined) once rather than up to three times per row. `None` on the scalar path.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn online_softmax(
+    path: SimdPath,
+    s: &mut [f32],
+    ld: usize,
+    c: f32,
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+    d: usize,
+) -> Option<()> {
+    struct Op<'a> {
+        s: &'a mut [f32],
+        ld: usize,
+        c: f32,
+        m: &'a mut [f32],
+        l: &'a mut [f32],
+        acc: &'a mut [f32],
+        d: usize,
+    }
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, simd: S) {
+            let Op { s, ld, c, m, l, acc, d } = self;
+            for (r, row) in s.chunks_exact_mut(ld).enumerate() {
+                let mx = max_of(simd, row);
+                if mx == f32::NEG_INFINITY {
+                    // This row sees no key of this tile: weight 0, state unchanged.
+                    row.fill(0.0);
+                    continue;
+                }
+                let mx = mx * c;
+                let m_new = if m[r] > mx { m[r] } else { mx };
+                let sum = exp2_sum(simd, row, c, m_new);
+                if m[r] != m_new {
+                    let alpha = (m[r] - m_new).exp2();
+                    scale(simd, &mut acc[r * d..(r + 1) * d], alpha);
+                    l[r] = l[r] * alpha + sum;
+                    m[r] = m_new;
+                } else {
+                    l[r] += sum;
+                }
+            }
+        }
+    }
+    debug_assert!(s.len() == m.len() * ld && m.len() == l.len() && acc.len() >= m.len() * d);
+    vectorize(path, Op { s, ld, c, m, l, acc, d })
 }
 
 /// In place `ds = p ∘ (ds - delta)` (equal lengths). `None` on the scalar path.
@@ -320,14 +398,7 @@ pub(crate) fn scale_row(path: SimdPath, x: &mut [f32], a: f32) -> Option<()> {
         type Output = ();
         #[inline(always)]
         fn with_simd<S: Simd>(self, s: S) {
-            let (h, t) = S::as_mut_simd_f32s(self.0);
-            let av = s.splat_f32s(self.1);
-            for v in h.iter_mut() {
-                *v = s.mul_f32s(*v, av);
-            }
-            for v in t.iter_mut() {
-                *v *= self.1;
-            }
+            scale(s, self.0, self.1)
         }
     }
     vectorize(path, Op(x, a))

