@@ -190,8 +190,12 @@ fn bf16_halves_the_tape_and_the_plan_says_so() {
             eprintln!("{policy:?} {what}: bf16 {} / f32 {} = {ratio:.4}", b[i], a[i]);
             // Everything the tape holds is bf16 but the attention LSE (f32, one value per head and token: 4
             // bytes per 64 elements of attention output), the norms' and the loss's statistics and the u32
-            // ids: half, within the 5%.
-            assert!((ratio - 0.5).abs() <= 0.025, "{policy:?} {what}: bf16 / f32 = {ratio}");
+            // ids: half, within the 5%. The f32 run's tape also holds the loss's gradients from the
+            // end of the forward to the start of the backward (the CPU loss computes them in its own pass in
+            // f32; bf16 recomputes them in backward): `d_hidden: [n, hidden]` and `d_lm_head: [vocab,
+            // hidden]` in f32, which lowers the ratio after the forward (measured 0.40 - 0.48; the peaks, reached
+            // later, stay at 0.49 - 0.50) and never raises it.
+            assert!((0.35..=0.525).contains(&ratio), "{policy:?} {what}: bf16 / f32 = {ratio}");
         }
     }
 }

@@ -144,6 +144,13 @@ impl Tape {
         self.inner.borrow().inputs_checked
     }
 
+    /// Whether a gradient flows to `v` on this tape: it records, tracks `v`, and `v` is not a frozen leaf
+    /// (or a constant).
+    pub fn requires_grad(&self, v: &Value) -> bool {
+        let inner = self.inner.borrow();
+        inner.recording && v.id.is_some_and(|r| r.tape == self.id && inner.values[r.index].requires_grad)
+    }
+
     /// Whether this tape records (false for an inference tape).
     pub fn is_recording(&self) -> bool {
         self.inner.borrow().recording

@@ -52,18 +52,24 @@ fn chunk_losses<T: Real>(logits: &[T], vocab: usize, targets: &[i64], path: Simd
 }
 
 /// In place, each row of a chunk's logits `[rows, vocab]` becomes `g * (softmax(x) - onehot(target))`, 0 for
-/// ignored rows.
-fn chunk_dlogits<T: Real>(logits: &mut [T], vocab: usize, targets: &[i64], g: T, path: SimdPath) {
-    logits.par_chunks_mut(vocab).zip(targets.par_iter()).for_each(|(row, &t)| {
-        if t < 0 {
-            row.fill(T::ZERO);
-            return;
-        }
-        let m = T::max_row(path, row);
-        let sum = T::exp_row(path, row, m);
-        T::scale_row(path, row, g / sum);
-        row[t as usize] -= g;
-    });
+/// ignored rows; returns each row's loss `lse - x[target]` (0 for ignored rows) in f64, from the same pass.
+fn chunk_dlogits<T: Real>(logits: &mut [T], vocab: usize, targets: &[i64], g: T, path: SimdPath) -> Vec<f64> {
+    logits
+        .par_chunks_mut(vocab)
+        .zip(targets.par_iter())
+        .map(|(row, &t)| {
+            if t < 0 {
+                row.fill(T::ZERO);
+                return 0.0;
+            }
+            let picked = row[t as usize];
+            let m = T::max_row(path, row);
+            let sum = T::exp_row(path, row, m);
+            T::scale_row(path, row, g / sum);
+            row[t as usize] -= g;
+            (sum.ln() + m - picked).to_f64()
+        })
+        .collect()
 }
 
 /// `dst[m × n] (+)= lhs[m × k] · rhs[k × n]` on gemm, each operand given by its pointer and `(row stride,
@@ -111,7 +117,7 @@ unsafe fn product<T: Real + 'static>(
 }
 
 /// The loss sum (f64) and, when `grad` is given, `(d_hidden, d_lm_head)` scaled by it (`d_lm_head` only when
-/// `weight`: a frozen head skips its product); all in `T`. `hidden: [m, d]` and `lm_head: [vocab, d]` are
+/// `weight`: a frozen head skips its product), from one pass over the chunks; all in `T`. `hidden: [m, d]` and `lm_head: [vocab, d]` are
 /// contiguous `T`.
 fn run_typed<T: Real + candle_core::WithDType + 'static>(
     hidden: &Tensor,
@@ -145,7 +151,7 @@ fn run_typed<T: Real + candle_core::WithDType + 'static>(
         match grad {
             None => total += chunk_losses::<T>(lc, vocab, tg, path).iter().sum::<f64>(),
             Some(g) => {
-                chunk_dlogits::<T>(lc, vocab, tg, T::from_f64(g), path);
+                total += chunk_dlogits::<T>(lc, vocab, tg, T::from_f64(g), path).iter().sum::<f64>();
                 let dhc = &mut dh[start * d..(start + rows) * d];
                 // d_hidden's rows [rows, d] = dlogits [rows, vocab] · W [vocab, d].
                 unsafe {
@@ -221,7 +227,11 @@ mod tests {
         let l0 = chunk_losses(&logits, vocab, &targets, SimdPath::Scalar);
         let dlogits = |p| {
             let mut d = logits.clone();
-            chunk_dlogits(&mut d, vocab, &targets, 0.5, p);
+            let losses = chunk_dlogits(&mut d, vocab, &targets, 0.5, p);
+            // The gradient pass's losses are the loss pass's.
+            for (a, b) in losses.iter().zip(&chunk_losses(&logits, vocab, &targets, p)) {
+                assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{p}: loss {a} vs {b}");
+            }
             d
         };
         let d0 = dlogits(SimdPath::Scalar);
