@@ -287,6 +287,9 @@ fn main() -> Result<()> {
 
         for (pi, &simd_path) in simd_paths.iter().enumerate() {
             simd::set_simd(Some(simd_path))?;
+            if let Some(w) = autosp::cpu_matmul::stand_in_warning() {
+                eprintln!("bench_attention: warning: {w}");
+            }
             let fraction = window_pair_fraction(n, &spec);
             let fwd_flop =
                 4.0 * (b * h) as f64 * (n as f64).powi(2) * d as f64 * if args.causal { 0.5 } else { 1.0 } * fraction;

@@ -52,6 +52,9 @@ fn main() -> ExitCode {
         Ok(a) => a.finish(&matches),
         Err(e) => e.exit(),
     };
+    if let Some(w) = autosp::cpu_matmul::stand_in_warning() {
+        eprintln!("llama_longctx: warning: {w}");
+    }
     interrupt::install();
     // `--steps 0 --lora-adapter DIR --merge-lora OUT`: merge only, no training.
     match autosp::train::lora::merge_only(&args.options()) {

@@ -320,7 +320,6 @@ impl Trainer {
             loss_scale: None,
             checkpoint: None,
         };
-        let mut overflows = 0;
         while self.step < steps {
             let flag = Tensor::new(&[f64::from(u8::from(stop()))], &Device::Cpu)?;
             // host data: a flag made on the host.
@@ -352,7 +351,6 @@ impl Trainer {
                 // the scale is already below 1 (then the policy below decides).
                 if scaler.update(norm.is_finite()) == ScaleStep::Overflow {
                     self.step += 1;
-                    overflows += 1;
                     let halved = scaler.scale();
                     if rank0 {
                         observe(Event::Overflow { step: self.step, steps, scale: halved * 2.0, halved });
@@ -426,7 +424,7 @@ impl Trainer {
             self.between_steps(len, observe)?;
         }
         out.last_step = self.step;
-        out.loss_scale = self.scaler.map(|s| (s.scale(), overflows));
+        out.loss_scale = self.scaler.map(|s| (s.scale(), s.skipped() as usize));
         let stepped = self.step > self.first_step;
         if self.config.save_dir.is_some() && (out.ended == Ended::Done || stepped) {
             let saved = self.save()?;

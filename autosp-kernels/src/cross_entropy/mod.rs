@@ -158,34 +158,32 @@ pub fn generic_backward_with_tiles(
 /// Kind [`NodeKind::Loss`]. Apply it through [`chunked_cross_entropy`], which checks the targets: the op
 /// itself reads nothing back on the generic route and trusts them there.
 ///
-/// On a recording tape ([`chunked_cross_entropy`]) the CPU kernel in f32/f64 computes the gradients in the
-/// same pass as the loss (`grads_in_forward`): the loss's gradient with respect to its logits needs nothing
-/// but the upstream scalar, so the forward returns `d_hidden` and `d_lm_head` for a gradient of 1 as two
-/// more outputs (`[m, d]`, `[vocab, d]`, held by the tape like any saved output) and backward only scales them:
-/// three products in all instead of four (the backward's recomputed logits are gone; at the bench preset, 8K
-/// tokens, the loss took 11.1 of the step's 29.0 s). Elsewhere (the generic kernel, bf16/f16 inputs, whose
-/// unscaled head gradient could overflow f16) those outputs are empty and backward recomputes as before.
+/// On a recording tape ([`chunked_cross_entropy`]) with the CPU kernel in the dtype it computes in (f32, f64),
+/// the gradients come from the loss's own pass (`grads_in_forward`): the loss's gradient with respect to its
+/// logits needs nothing but the upstream scalar, so the forward returns `d_hidden: [m, d]` and `d_lm_head:
+/// [vocab, d]` (empty for a frozen head) for a gradient of 1 as two more outputs, which the tape holds in place
+/// of the inputs, and backward only scales them: three products in all instead of four (the backward's
+/// recomputed logits are gone; at the bench preset, 8K tokens, the loss took 11.1 of the step's 29.0 s). Elsewhere
+/// (the generic kernel; bf16/f16 inputs, whose unscaled head gradient could overflow f16) the op has one output
+/// and backward recomputes the logits.
 #[derive(Debug)]
 pub struct ChunkedCrossEntropyOp {
     /// Rows of `hidden` per chunk of the CPU kernel: its transient logits are `[chunk_rows, vocab]`. The
     /// generic kernel sizes its own tiles ([`LossTiles::for_inputs`]).
     pub chunk_rows: usize,
-    /// Compute the gradients with the loss where the kernel can (outputs 1 and 2; see above): `Some(head)`,
-    /// `head` whether the head's gradient is wanted; `None` (a forward-only tape): the loss alone.
+    /// The gradients from the loss's own pass (see above; only for CPU inputs in f32 or f64): `Some(head)`,
+    /// `head` whether the head's gradient is wanted; `None`: the loss alone, backward recomputes.
     pub grads_in_forward: Option<bool>,
 }
 
 impl ChunkedCrossEntropyOp {
-    /// `(loss, d_hidden, d_lm_head)` for a gradient of 1 in one pass, when the inputs are on the CPU kernel in
-    /// the dtype it computes in (f32, f64); `None` otherwise.
-    fn fused(&self, i: &[&Tensor], head: bool) -> Result<Option<(Tensor, Tensor, Option<Tensor>)>> {
-        let (h, w, t) = (i[0], i[1], i[2]);
-        if select(h) != Route::Cpu || Precision::float(h.dtype()).compute() != h.dtype() {
-            return Ok(None);
-        }
-        let (loss, grads) = cpu::run(h, w, t, w.dim(0)?, self.chunk_rows, Some(1.0), head)?;
-        let (dh, dw) = grads.ok_or_else(|| Error::Internal(format!("{OP}: the fused pass produced no gradients")))?;
-        Ok(Some((Tensor::new(loss, h.device())?.to_dtype(Precision::float(h.dtype()).accumulate())?, dh, dw)))
+    /// The op for `hidden` on `tape`: the gradients from the loss's own pass when the tape records and the
+    /// CPU kernel computes in `hidden`'s dtype.
+    fn for_tape(tape: &Tape, hidden: &Value, lm_head: &Value, chunk_rows: usize) -> Self {
+        let h = hidden.tensor();
+        let fused =
+            tape.is_recording() && select(h) == Route::Cpu && Precision::float(h.dtype()).compute() == h.dtype();
+        Self { chunk_rows, grads_in_forward: fused.then(|| tape.requires_grad(lm_head)) }
     }
 }
 
@@ -197,37 +195,44 @@ impl Op for ChunkedCrossEntropyOp {
         NodeKind::Loss
     }
     fn forward(&self, i: &[&Tensor]) -> Result<Vec<Tensor>> {
-        check(i[0], i[1], i[2], self.chunk_rows)?;
+        let vocab = check(i[0], i[1], i[2], self.chunk_rows)?;
         let Some(head) = self.grads_in_forward else {
             return Ok(vec![forward(select(i[0]), i[0], i[1], i[2], self.chunk_rows)?]);
         };
-        let empty = || Tensor::zeros(0, i[0].dtype(), i[0].device());
-        Ok(match self.fused(i, head)? {
-            Some((loss, dh, dw)) => vec![loss, dh, dw.map_or_else(empty, Ok)?],
-            None => vec![forward(select(i[0]), i[0], i[1], i[2], self.chunk_rows)?, empty()?, empty()?],
-        })
+        let (loss, grads) = cpu::run(i[0], i[1], i[2], vocab, self.chunk_rows, Some(1.0), head)?;
+        let (dh, dw) = grads.ok_or_else(|| Error::Internal(format!("{OP}: the fused pass produced no gradients")))?;
+        let loss = Tensor::new(loss, i[0].device())?.to_dtype(Precision::float(i[0].dtype()).accumulate())?;
+        let dw = match dw {
+            Some(dw) => dw,
+            None => Tensor::zeros(0, i[1].dtype(), i[1].device())?,
+        };
+        Ok(vec![loss, dh, dw])
     }
     fn saves(&self) -> Saves {
         match self.grads_in_forward {
-            Some(_) => Saves::inputs(&[0, 1, 2]).and_outputs(&[1, 2]),
+            Some(_) => Saves::outputs(&[1, 2]),
             None => Saves::inputs(&[0, 1, 2]),
         }
     }
     fn backward(&self, s: &SavedTensors<'_>, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
         let Some(g) = &g[0] else { return Ok(vec![None; 3]) };
-        let (h, w, t) = (s.input(0)?, s.input(1)?, s.input(2)?);
-        if self.grads_in_forward.is_some() && s.output(1)?.elem_count() > 0 {
-            // The forward's gradients for an upstream 1, scaled by the upstream gradient on their device.
-            let scaled = |x: &Tensor| x.broadcast_mul(&g.to_dtype(x.dtype())?);
-            let dw = match (s.needs_grad(1), s.output(2)?) {
-                (true, dw) if dw.elem_count() > 0 => Some(scaled(dw)?),
-                (true, _) => backward(select(h), h, w, t, self.chunk_rows, g, true)?.1,
-                (false, _) => None,
-            };
-            return Ok(vec![Some(scaled(s.output(1)?)?), dw, None]);
-        }
-        let (dh, dw) = backward(select(h), h, w, t, self.chunk_rows, g, s.needs_grad(1))?;
-        Ok(vec![Some(dh), dw, None])
+        let Some(head) = self.grads_in_forward else {
+            let (h, w, t) = (s.input(0)?, s.input(1)?, s.input(2)?);
+            let (dh, dw) = backward(select(h), h, w, t, self.chunk_rows, g, s.needs_grad(1))?;
+            return Ok(vec![Some(dh), dw, None]);
+        };
+        // The forward's gradients for an upstream 1, scaled by the upstream gradient on their device.
+        let scaled = |x: &Tensor| x.broadcast_mul(&g.to_dtype(x.dtype())?);
+        let dw = match (s.needs_grad(1), head) {
+            (true, true) => Some(scaled(s.output(2)?)?),
+            (true, false) => {
+                return Err(Error::Internal(format!(
+                    "{OP}: the head was frozen when the loss ran but wants a gradient"
+                )))
+            }
+            (false, _) => None,
+        };
+        Ok(vec![Some(scaled(s.output(1)?)?), dw, None])
     }
 }
 
@@ -245,8 +250,7 @@ pub fn chunked_cross_entropy(
 ) -> Result<(Value, usize)> {
     let vocab = check(hidden.tensor(), lm_head.tensor(), targets.tensor(), chunk_rows)?;
     let count = read_targets(targets.tensor(), vocab, select(hidden.tensor()))?;
-    let grads_in_forward = tape.is_recording().then(|| tape.requires_grad(lm_head));
-    let op = ChunkedCrossEntropyOp { chunk_rows, grads_in_forward };
+    let op = ChunkedCrossEntropyOp::for_tape(tape, hidden, lm_head, chunk_rows);
     Ok((tape.apply(op, &[hidden, lm_head, targets])?.remove(0), count))
 }
 
