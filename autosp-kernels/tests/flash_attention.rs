@@ -11,7 +11,8 @@ use autosp_kernels::{attention_backward, attention_forward, Error};
 use candle_core::{DType, Device, Tensor};
 use common::{assert_close, check_against_naive, inputs, random, spec, values, Case};
 
-/// The shapes every numerical check runs (tiles are 64 × 64, so 70, 100, 131, 150 cut tiles).
+/// The shapes every numerical check runs (tiles are 64 × 64, so 70, 100, 131, 150 cut tiles; 600 and 700 run
+/// more query tiles than a forward task's group and more key tiles than a backward task's group).
 fn cases() -> Vec<Case> {
     let c = |b, nq, nk, h, hkv, d, spec| Case { b, nq, nk, h, hkv, d, spec };
     vec![
@@ -25,6 +26,11 @@ fn cases() -> Vec<Case> {
         c(1, 1, 1, 1, 1, 16, spec(true, 0, 0)),      // one token
         c(1, 80, 80, 2, 1, 256, spec(true, 0, 0)),   // the largest head_dim
         c(1, 64, 128, 2, 2, 64, AttentionSpec { scale: Some(0.3), ..spec(true, 64, 0) }), // own scale
+        // 10 query tiles: forward groups of 4, 4 and 2; one backward chunk per kv head, its 10 key tiles in
+        // key groups of 3, 3, 3 and 1.
+        c(2, 600, 600, 4, 4, 64, spec(true, 0, 0)),
+        // 11 tiles at d = 128, one backward chunk per kv head: key groups of 2 (the last of 1).
+        c(1, 700, 700, 8, 8, 128, spec(true, 0, 0)),
     ]
 }
 
@@ -37,7 +43,7 @@ fn f64_matches_naive() {
     check_against_naive(&cases(), DType::F64, 1e-10, 1000);
 }
 
-/// f32: the naive reference runs in f32 too; two different f32 summation orders over up to 256 keys and
+/// f32: the naive reference runs in f32 too; two different f32 summation orders over up to 700 keys and
 /// head_dim 256, plus a 1-ulp vectorised exp2, differ by up to ~1e-6 relative on well-scaled values, and
 /// the backward's D = rowsum(dO ∘ O) cancellation loses another digit; 2e-5 relative to the largest value
 /// passes every time and still catches a wrong term.

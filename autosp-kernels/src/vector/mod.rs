@@ -82,6 +82,20 @@ pub(crate) trait Real: Float {
         portable::ds_row(ds, p, delta)
     }
 
+    /// [`Real::exp2_row`] on every row of the `[sub.len(), ld]` tile `x`: row r becomes `2^(x · mul - sub[r])`.
+    fn exp2_tile(path: SimdPath, x: &mut [Self], ld: usize, mul: Self, sub: &[Self]) {
+        for (row, &s) in x.chunks_exact_mut(ld).zip(sub) {
+            Self::exp2_row(path, row, mul, s);
+        }
+    }
+
+    /// [`Real::ds_row`] on every row of the `[delta.len(), ld]` tiles `ds` and `p`.
+    fn ds_tile(path: SimdPath, ds: &mut [Self], p: &[Self], ld: usize, delta: &[Self]) {
+        for ((row, p), &dl) in ds.chunks_exact_mut(ld).zip(p.chunks_exact(ld)).zip(delta) {
+            Self::ds_row(path, row, p, dl);
+        }
+    }
+
     /// In place `x *= a`.
     fn scale_row(_path: SimdPath, x: &mut [Self], a: Self) {
         portable::scale_row(x, a)
@@ -250,6 +264,32 @@ impl Real for f32 {
         }
         if pulp::ds_row(path, ds, p, delta).is_none() {
             portable::ds_row(ds, p, delta)
+        }
+    }
+
+    fn exp2_tile(path: SimdPath, x: &mut [f32], ld: usize, mul: f32, sub: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        let fused = !avx512(path);
+        #[cfg(not(target_arch = "x86_64"))]
+        let fused = true;
+        // AVX-512 keeps its own row kernel, one row at a time.
+        if !fused || pulp::exp2_tile(path, x, ld, mul, sub).is_none() {
+            for (row, &s) in x.chunks_exact_mut(ld).zip(sub) {
+                Self::exp2_row(path, row, mul, s);
+            }
+        }
+    }
+
+    fn ds_tile(path: SimdPath, ds: &mut [f32], p: &[f32], ld: usize, delta: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        let fused = !avx512(path);
+        #[cfg(not(target_arch = "x86_64"))]
+        let fused = true;
+        // AVX-512 keeps its own row kernel, one row at a time.
+        if !fused || pulp::ds_tile(path, ds, p, ld, delta).is_none() {
+            for ((row, p), &dl) in ds.chunks_exact_mut(ld).zip(p.chunks_exact(ld)).zip(delta) {
+                Self::ds_row(path, row, p, dl);
+            }
         }
     }
 
@@ -450,6 +490,35 @@ mod tests {
                     assert!(same(&acc1, &acc2), "{path} {rows}x{ld} step {step}: acc");
                 }
                 assert!(m1[2].is_nan() && l1[2].is_nan() && acc1[2 * d].is_nan(), "{path}: NaN row");
+            }
+        }
+    }
+
+    /// The tile forms of the backward's row operations (one dispatch per tile on AVX2/NEON) give the bits of
+    /// the row operations run row by row, on every path, with a row stride that is and one that is not a
+    /// multiple of the vector width (tails) and -inf entries (masked scores).
+    #[test]
+    fn tile_row_operations_equal_their_rows() {
+        let mut seed = 5;
+        for path in supported_paths() {
+            for (rows, ld) in [(6, 64), (3, 21)] {
+                let mut x: Vec<f32> = (0..rows * ld).map(|_| lcg(&mut seed) * 8.0).collect();
+                x[ld + 2] = f32::NEG_INFINITY;
+                let sub: Vec<f32> = (0..rows).map(|_| lcg(&mut seed) * 4.0 + 4.0).collect();
+                let (mut tile, mut by_row) = (x.clone(), x.clone());
+                f32::exp2_tile(path, &mut tile, ld, 0.9, &sub);
+                for (row, &sb) in by_row.chunks_exact_mut(ld).zip(&sub) {
+                    f32::exp2_row(path, row, 0.9, sb);
+                }
+                assert!(tile.iter().zip(&by_row).all(|(a, b)| a.to_bits() == b.to_bits()), "{path} exp2 {rows}x{ld}");
+                let delta: Vec<f32> = (0..rows).map(|_| lcg(&mut seed)).collect();
+                let mut ds: Vec<f32> = (0..rows * ld).map(|_| lcg(&mut seed)).collect();
+                let mut ds_rows = ds.clone();
+                f32::ds_tile(path, &mut ds, &tile, ld, &delta);
+                for ((row, p), &dl) in ds_rows.chunks_exact_mut(ld).zip(tile.chunks_exact(ld)).zip(&delta) {
+                    f32::ds_row(path, row, p, dl);
+                }
+                assert!(ds.iter().zip(&ds_rows).all(|(a, b)| a.to_bits() == b.to_bits()), "{path} ds {rows}x{ld}");
             }
         }
     }

@@ -368,6 +368,20 @@ pub(crate) fn online_softmax(
     vectorize(path, Op { s, ld, c, m, l, acc, d })
 }
 
+/// In place `ds = p ∘ (ds - delta)` (equal lengths).
+#[inline(always)]
+fn ds_of<S: Simd>(s: S, ds: &mut [f32], p: &[f32], delta: f32) {
+    let (dh, dt) = S::as_mut_simd_f32s(ds);
+    let (ph, pt) = S::as_simd_f32s(p);
+    let dv = s.splat_f32s(delta);
+    for (d, &pv) in dh.iter_mut().zip(ph) {
+        *d = s.mul_f32s(pv, s.sub_f32s(*d, dv));
+    }
+    for (d, &pv) in dt.iter_mut().zip(pt) {
+        *d = pv * (*d - delta);
+    }
+}
+
 /// In place `ds = p ∘ (ds - delta)` (equal lengths). `None` on the scalar path.
 pub(crate) fn ds_row(path: SimdPath, ds: &mut [f32], p: &[f32], delta: f32) -> Option<()> {
     struct Op<'a>(&'a mut [f32], &'a [f32], f32);
@@ -375,20 +389,45 @@ pub(crate) fn ds_row(path: SimdPath, ds: &mut [f32], p: &[f32], delta: f32) -> O
         type Output = ();
         #[inline(always)]
         fn with_simd<S: Simd>(self, s: S) {
-            let Op(ds, p, delta) = self;
-            let (dh, dt) = S::as_mut_simd_f32s(ds);
-            let (ph, pt) = S::as_simd_f32s(p);
-            let dv = s.splat_f32s(delta);
-            for (d, &pv) in dh.iter_mut().zip(ph) {
-                *d = s.mul_f32s(pv, s.sub_f32s(*d, dv));
-            }
-            for (d, &pv) in dt.iter_mut().zip(pt) {
-                *d = pv * (*d - delta);
-            }
+            ds_of(s, self.0, self.1, self.2)
         }
     }
     debug_assert_eq!(ds.len(), p.len());
     vectorize(path, Op(ds, p, delta))
+}
+
+/// [`ds_row`] on every row of the `[delta.len(), ld]` tiles, in one dispatch (as [`online_softmax`]: pulp's
+/// feature checks and call once per tile, not once per row). `None` on the scalar path.
+pub(crate) fn ds_tile(path: SimdPath, ds: &mut [f32], p: &[f32], ld: usize, delta: &[f32]) -> Option<()> {
+    struct Op<'a>(&'a mut [f32], &'a [f32], usize, &'a [f32]);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) {
+            let Op(ds, p, ld, delta) = self;
+            for ((row, p), &dl) in ds.chunks_exact_mut(ld).zip(p.chunks_exact(ld)).zip(delta) {
+                ds_of(s, row, p, dl);
+            }
+        }
+    }
+    vectorize(path, Op(ds, p, ld, delta))
+}
+
+/// [`exp2_row`] on every row of the `[sub.len(), ld]` tile `x` (row r with `sub[r]`), in one dispatch.
+/// `None` on the scalar path.
+pub(crate) fn exp2_tile(path: SimdPath, x: &mut [f32], ld: usize, mul: f32, sub: &[f32]) -> Option<()> {
+    struct Op<'a>(&'a mut [f32], usize, f32, &'a [f32]);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) {
+            let Op(x, ld, mul, sub) = self;
+            for (row, &sb) in x.chunks_exact_mut(ld).zip(sub) {
+                exp2_sum(s, row, mul, sb);
+            }
+        }
+    }
+    vectorize(path, Op(x, ld, mul, sub))
 }
 
 /// In place `x *= a`. `None` on the scalar path.

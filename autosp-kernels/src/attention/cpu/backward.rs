@@ -1,14 +1,13 @@
 //! Flash attention backward on host slices, FlashAttention-2 style from the saved output and LSE, and
 //! deterministic: one task per (batch, kv head, chunk of key tiles) owns the dK/dV rows of its key tiles
-//! (summing its GQA group's query heads in order) and a dQ buffer per query head of its group (chunk 0's is
-//! the dQ output itself, the others' are partials). The chunks run in waves sized to the thread count, and
-//! after each wave its partials are added to dQ in chunk order, so the partials take a wave's worth of dQs,
-//! not one per chunk. No float is ever added from two threads and every sum runs in chunk order, so the bits
+//! (summing its GQA group's query heads in order) and a packed dQ partial per query head of its group. The
+//! chunks run in waves sized to the thread count, and after each wave its partials are added to dQ in chunk
+//! order, so the partials take a wave's worth of dQs, not one per chunk. No float is ever added from two threads and every sum runs in chunk order, so the bits
 //! depend neither on the scheduling nor on the thread count.
 
 use rayon::prelude::*;
 
-use super::tiles::{pack_rows, Geometry, SharedOut, BC, BR};
+use super::tiles::{pack_rows, Geometry, SharedOut, BC, BR, KT_LD};
 use crate::vector::Real;
 
 /// Tasks to aim for when batch × kv heads is small: the key tiles of a kv head are dealt round-robin to
@@ -48,14 +47,15 @@ pub(crate) fn backward<T: Real>(
 
     // Q and dO in contiguous rows once per query head (O(N·d) each; see `pack_rows` for why); the key tiles
     // are packed by the one task that owns them.
-    let q_len = nq * d;
+    let ld = g.row_ld();
+    let q_len = nq * ld;
     let mut qc = vec![fill; g.b * g.h * q_len];
     let mut doc = vec![fill; g.b * g.h * q_len];
     if q_len > 0 {
         qc.par_chunks_mut(q_len).zip(doc.par_chunks_mut(q_len)).enumerate().for_each(|(bh, (qd, dod))| {
             let base = g.q_base(bh / g.h, bh % g.h);
-            pack_rows(x.q, base, g.q_rs, d, qd);
-            pack_rows(x.d_o, base, g.q_rs, d, dod);
+            pack_rows(x.q, base, g.q_rs, d, ld, qd);
+            pack_rows(x.d_o, base, g.q_rs, d, ld, dod);
         });
     }
 
@@ -81,15 +81,17 @@ pub(crate) fn backward<T: Real>(
         });
     }
 
-    // dK/dV go straight into the outputs, and so does chunk 0's dQ. The chunks run in waves of `wave`
-    // consecutive chunks (enough tasks per wave to keep every thread busy); a wave's chunks >= 1 write dQ
-    // partials (`[b, h, wave, nq, d]`: O(N·d) per slot), which are added to dQ in chunk order before the
-    // next wave reuses the slots. The sum order per element is c0 + c1 + c2 + … whatever the wave size, so
-    // the bits do not depend on the thread count; the partials' memory is `wave` dQs, not `chunks - 1`.
+    // dK/dV go straight into the outputs. dQ is accumulated in packed partials (`[b, h, wave, nq, row_ld]`:
+    // O(N·d) per slot), never in the `[b, nq, h, d]` output itself, whose row stride of `heads · d` (4 KiB at
+    // 8 × 128) puts a register block's rows of C in one L1 set (the dQ product at d = 128, Zen 4, AVX2:
+    // 109 -> 90 GFLOP/s strided). The chunks run in waves of `wave` consecutive chunks (enough tasks per wave
+    // to keep every thread busy); after each wave its partials are added to dQ in chunk order (chunk 0's
+    // copied) before the next wave reuses the slots, and dQ is scaled after the last. The sum order per
+    // element is c0 + c1 + c2 + … whatever the wave size, so the bits do not depend on the thread count; the
+    // partials' memory is `wave` dQs, not `chunks`.
     let wave = rayon::current_num_threads().div_ceil((g.b * g.hkv).max(1)).clamp(1, chunks);
-    let slots = if chunks == 1 { 0 } else { wave };
-    let mut dq_part = vec![fill; g.b * g.h * slots * nq * d];
-    let dq_dst = DqDst { out: SharedOut(dq.as_mut_ptr()), part: SharedOut(dq_part.as_mut_ptr()), slots };
+    let mut dq_part = vec![fill; g.b * g.h * wave * nq * ld];
+    let dq_dst = DqParts { buf: SharedOut(dq_part.as_mut_ptr()), slots: wave };
     let dk_out = SharedOut(dk.as_mut_ptr());
     let dv_out = SharedOut(dv.as_mut_ptr());
     let packs = Packed { qc: &qc, doc: &doc, lse2: &lse2, delta: &delta };
@@ -101,16 +103,13 @@ pub(crate) fn backward<T: Real>(
             .into_par_iter()
             .map(|i| {
                 let (bkh, ch) = (i / in_wave, first + i % in_wave);
-                // SAFETY: task (bi, kh, ch) alone writes the dQ rows (or the partial slot of chunk ch) of the
-                // query heads of kv head kh of batch bi, and the rows of the key tiles t ≡ ch (mod chunks) of
-                // that kv head in dk, dv; the waves run one after the other.
+                // SAFETY: task (bi, kh, ch) alone writes the partial slot of chunk ch of the query heads of kv
+                // head kh of batch bi, and the rows of the key tiles t ≡ ch (mod chunks) of that kv head in dk,
+                // dv; the waves run one after the other.
                 unsafe { key_chunk(g, x, &packs, bkh * chunks + ch, chunks, &dq_dst, &dk_out, &dv_out) }
             })
             .sum::<usize>();
-        if chunks == 1 {
-            return computed;
-        }
-        // Add this wave's partials (chunk 0 is already in place) in chunk order; scale after the last wave.
+        // Add this wave's partials in chunk order; scale after the last wave.
         let last = first + in_wave == chunks;
         let scale = T::from_f64(g.scale);
         (0..g.b * g.h).into_par_iter().for_each(|bh| {
@@ -118,10 +117,14 @@ pub(crate) fn backward<T: Real>(
             for i in 0..nq {
                 // SAFETY: task bh alone writes the rows of head hi of batch bi.
                 let out = unsafe { dq_w.slice(g.q_base(bi, hi) + i * g.q_rs, d) };
-                for ch in first.max(1)..first + in_wave {
-                    let part = &dq_part[((bh * slots + ch % slots) * nq + i) * d..][..d];
-                    for (o, &p) in out.iter_mut().zip(part) {
-                        *o += p;
+                for ch in first..first + in_wave {
+                    let part = &dq_part[((bh * wave + ch % wave) * nq + i) * ld..][..d];
+                    if ch == 0 {
+                        out.copy_from_slice(part);
+                    } else {
+                        for (o, &p) in out.iter_mut().zip(part) {
+                            *o += p;
+                        }
                     }
                 }
                 if last {
@@ -133,27 +136,21 @@ pub(crate) fn backward<T: Real>(
     computed
 }
 
-/// Where a task accumulates dQ: chunk 0 straight into the `[b, nq, h, d]` output (scaled by the task at the
-/// end when it is the only chunk), chunk `ch >= 1` into slot `ch % slots` of the `[b, h, slots, nq, d]`
+/// Where a task accumulates dQ: chunk `ch` into slot `ch % slots` of the `[b, h, slots, nq, row_ld]`
 /// partials.
-struct DqDst<T> {
-    out: SharedOut<T>,
-    part: SharedOut<T>,
+struct DqParts<T> {
+    buf: SharedOut<T>,
     slots: usize,
 }
 
-impl<T> DqDst<T> {
+impl<T> DqParts<T> {
     /// The buffer, offset and row stride of head `bh = bi·h + hi`'s dQ rows for chunk `ch`.
     fn rows(&self, g: &Geometry, bh: usize, ch: usize) -> (&SharedOut<T>, usize, usize) {
-        if ch == 0 {
-            (&self.out, g.q_base(bh / g.h, bh % g.h), g.q_rs)
-        } else {
-            (&self.part, (bh * self.slots + ch % self.slots) * g.nq * g.d, g.d)
-        }
+        (&self.buf, (bh * self.slots + ch % self.slots) * g.nq * g.row_ld(), g.row_ld())
     }
 }
 
-/// The per-query-head operands of the backward pass: `qc, doc: [b, h, nq, d]`, and per query row `lse2` (LSE in log2 units, +inf for rows that see no key)
+/// The per-query-head operands of the backward pass: `qc, doc: [b, h, nq, row_ld]`, and per query row `lse2` (LSE in log2 units, +inf for rows that see no key)
 /// and `delta` (`rowsum(dO ∘ O) - d_lse`), `[b, h, nq]`.
 struct Packed<'a, T> {
     qc: &'a [T],
@@ -162,9 +159,39 @@ struct Packed<'a, T> {
     delta: &'a [T],
 }
 
-/// One backward task: the key tiles `t ≡ ch (mod chunks)` of kv head `kh` of batch `bi`, each packed here
-/// (only this task reads it) and run against every query tile of every query head of its group that sees
-/// it (group heads in order, then query tiles). Returns the number of (query tile, key tile) products computed.
+/// Bytes of key-tile state (packed Kᵀ, Vᵀ and K, and the dK, dV accumulators) a backward task keeps per
+/// group of key tiles: 2 tiles at d = 128 f32 (188 KiB each), 3 at d = 64 (102 KiB). The task runs each query
+/// tile against all the key tiles of its group that it sees before it moves on, so the query side (Q and dO
+/// rows and the dQ partial, 108 KiB at d = 128, from L3 or memory) is fetched once per group rather than once
+/// per key tile; the budget leaves room for those and the score tiles in a 512 KiB L2 (Zen 2/3; 1 MiB or more
+/// on Zen 4/5 and recent Intel parts). A budget sized to Zen 4's 1 MiB L2 (4 tiles at d = 128) measured no
+/// better there (docs/BENCHMARKS.md).
+const KEY_GROUP_BYTES: usize = 384 << 10;
+
+/// Key tiles per group for head dim `d` in `T` (1 to 4; see [`KEY_GROUP_BYTES`]).
+fn key_group<T>(d: usize) -> usize {
+    let per_tile = (2 * d * KT_LD + 3 * BC * (d + super::tiles::PAD)) * std::mem::size_of::<T>();
+    (KEY_GROUP_BYTES / per_tile.max(1)).clamp(1, 4)
+}
+
+/// The state of one key tile of a backward task's group: its packed Kᵀ, Vᵀ (`[d, KT_LD]`) and K rows
+/// (`[BC, row_ld]`), the query tiles that see it, and its dK, dV accumulators (`[BC, row_ld]`).
+struct KeyTile<T> {
+    t: usize,
+    q_tiles: std::ops::Range<usize>,
+    kt: Vec<T>,
+    vt: Vec<T>,
+    kc: Vec<T>,
+    dk: Vec<T>,
+    dv: Vec<T>,
+}
+
+/// One backward task: the key tiles `t ≡ ch (mod chunks)` of kv head `kh` of batch `bi`, in groups of
+/// [`key_group`] tiles, each packed here (only this task reads it) and run against every query tile of
+/// every query head of its group that sees it (group heads in order, then query tiles, then the group's key
+/// tiles: every dQ row still receives its key tiles in order and every dK/dV row its heads and query tiles
+/// in order, so the bits do not depend on the grouping). Returns the number of (query tile, key tile)
+/// products computed.
 ///
 /// # Safety
 /// No other task writes this task's parts of `dq`, `dk_out`, `dv_out` (see [`backward`]).
@@ -175,11 +202,11 @@ unsafe fn key_chunk<T: Real>(
     pk: &Packed<T>,
     idx: usize,
     chunks: usize,
-    dq: &DqDst<T>,
+    dq: &DqParts<T>,
     dk_out: &SharedOut<T>,
     dv_out: &SharedOut<T>,
 ) -> usize {
-    let (d, nq, nk) = (g.d, g.nq, g.nk);
+    let (d, nq, nk, ld) = (g.d, g.nq, g.nk, g.row_ld());
     let mut computed = 0;
     let ch = idx % chunks;
     let bkh = idx / chunks;
@@ -196,73 +223,80 @@ unsafe fn key_chunk<T: Real>(
 
     let mut p = [T::ZERO; BR * BC];
     let mut ds = [T::ZERO; BR * BC];
-    let mut kt = vec![T::ZERO; d * BC];
-    let mut vt = vec![T::ZERO; d * BC];
-    let mut kc = vec![T::ZERO; BC * d];
-    let mut dk_acc = vec![T::ZERO; BC * d];
-    let mut dv_acc = vec![T::ZERO; BC * d];
-    for t in (ch..g.k_tiles()).step_by(chunks) {
-        let j0 = t * BC;
-        let cols = (nk - j0).min(BC);
-        dk_acc.fill(T::ZERO);
-        dv_acc.fill(T::ZERO);
-        let q_tiles = g.query_tiles_seeing(j0, cols);
-        if !q_tiles.is_empty() {
-            g.pack_tile_transposed(x.k, bi, kh, t, &mut kt);
-            g.pack_tile_transposed(x.v, bi, kh, t, &mut vt);
-            pack_rows(x.k, g.k_base(bi, kh) + j0 * g.k_rs, g.k_rs, d, &mut kc[..cols * d]);
+    let mine: Vec<usize> = (ch..g.k_tiles()).step_by(chunks).collect();
+    let size = key_group::<T>(d).min(mine.len());
+    let mut group: Vec<KeyTile<T>> = (0..size)
+        .map(|_| KeyTile {
+            t: 0,
+            q_tiles: 0..0,
+            kt: vec![T::ZERO; d * KT_LD],
+            vt: vec![T::ZERO; d * KT_LD],
+            kc: vec![T::ZERO; BC * ld],
+            dk: vec![T::ZERO; BC * ld],
+            dv: vec![T::ZERO; BC * ld],
+        })
+        .collect();
+    for tiles in mine.chunks(size.max(1)) {
+        let group = &mut group[..tiles.len()];
+        for (kt, &t) in group.iter_mut().zip(tiles) {
+            let j0 = t * BC;
+            let cols = (nk - j0).min(BC);
+            kt.t = t;
+            kt.q_tiles = g.query_tiles_seeing(j0, cols);
+            kt.dk.fill(T::ZERO);
+            kt.dv.fill(T::ZERO);
+            if !kt.q_tiles.is_empty() {
+                g.pack_tile_transposed(x.k, bi, kh, t, &mut kt.kt);
+                g.pack_tile_transposed(x.v, bi, kh, t, &mut kt.vt);
+                pack_rows(x.k, g.k_base(bi, kh) + j0 * g.k_rs, g.k_rs, d, ld, &mut kt.kc[..cols * ld]);
+            }
         }
-        let (ktp, vtp, kp) = (kt.as_ptr(), vt.as_ptr(), kc.as_ptr());
+        let q_first = group.iter().map(|k| k.q_tiles.start).min().unwrap_or(0);
+        let q_end = group.iter().map(|k| k.q_tiles.end).max().unwrap_or(0);
         for &bh in &heads {
-            let qc = &pk.qc[bh * nq * d..][..nq * d];
-            let doc = &pk.doc[bh * nq * d..][..nq * d];
+            let qc = &pk.qc[bh * nq * ld..][..nq * ld];
+            let doc = &pk.doc[bh * nq * ld..][..nq * ld];
             let lse2 = &pk.lse2[bh * nq..][..nq];
             let delta = &pk.delta[bh * nq..][..nq];
             let (dq_buf, dq_base, dq_rs) = dq.rows(g, bh, ch);
-            for qt in q_tiles.clone() {
-                computed += 1;
+            for qt in q_first..q_end {
                 let i0 = qt * BR;
                 let rows = (nq - i0).min(BR);
-                let qp = qc.as_ptr().add(i0 * d);
-                let dop = doc.as_ptr().add(i0 * d);
+                let qp = qc.as_ptr().add(i0 * ld);
+                let dop = doc.as_ptr().add(i0 * ld);
+                let dqp = dq_buf.slice(dq_base + i0 * dq_rs, 0).as_mut_ptr();
                 let p = &mut p[..rows * BC];
                 let ds = &mut ds[..rows * BC];
-
-                // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
-                T::gemm(g.path, false, rows, BC, d, qp, d, 1, ktp, BC, p.as_mut_ptr(), BC);
-                if g.tile_needs_mask(i0, rows, j0) {
-                    g.mask_tile(p, rows, i0, j0);
+                for k in group.iter_mut().filter(|k| k.q_tiles.contains(&qt)) {
+                    computed += 1;
+                    let j0 = k.t * BC;
+                    let cols = (nk - j0).min(BC);
+                    // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
+                    T::gemm(g.path, false, rows, BC, d, qp, ld, 1, k.kt.as_ptr(), KT_LD, p.as_mut_ptr(), BC);
+                    if g.tile_needs_mask(i0, rows, j0) {
+                        g.mask_tile(p, rows, i0, j0);
+                    }
+                    T::exp2_tile(g.path, p, BC, c, &lse2[i0..i0 + rows]);
+                    // dV += Pᵀ dO.
+                    T::gemm(g.path, true, cols, d, rows, p.as_ptr(), 1, BC, dop, ld, k.dv.as_mut_ptr(), ld);
+                    // dP = dO Vᵀ, then dS = P ∘ (dP - D + d_lse).
+                    T::gemm(g.path, false, rows, BC, d, dop, ld, 1, k.vt.as_ptr(), KT_LD, ds.as_mut_ptr(), BC);
+                    T::ds_tile(g.path, ds, p, BC, &delta[i0..i0 + rows]);
+                    // dQ += dS K (scaled at the end); dK += dSᵀ Q.
+                    T::gemm(g.path, true, rows, d, cols, ds.as_ptr(), BC, 1, k.kc.as_ptr(), ld, dqp, dq_rs);
+                    T::gemm(g.path, true, cols, d, rows, ds.as_ptr(), 1, BC, qp, ld, k.dk.as_mut_ptr(), ld);
                 }
-                for r in 0..rows {
-                    T::exp2_row(g.path, &mut p[r * BC..(r + 1) * BC], c, lse2[i0 + r]);
-                }
-                // dV += Pᵀ dO.
-                T::gemm(g.path, true, cols, d, rows, p.as_ptr(), 1, BC, dop, d, dv_acc.as_mut_ptr(), d);
-                // dP = dO Vᵀ, then dS = P ∘ (dP - D + d_lse).
-                T::gemm(g.path, false, rows, BC, d, dop, d, 1, vtp, BC, ds.as_mut_ptr(), BC);
-                for r in 0..rows {
-                    T::ds_row(g.path, &mut ds[r * BC..(r + 1) * BC], &p[r * BC..(r + 1) * BC], delta[i0 + r]);
-                }
-                // dQ += dS K (scaled at the end); dK += dSᵀ Q.
-                let dqp = dq_buf.slice(dq_base + i0 * dq_rs, 0).as_mut_ptr();
-                T::gemm(g.path, true, rows, d, cols, ds.as_ptr(), BC, 1, kp, d, dqp, dq_rs);
-                T::gemm(g.path, true, cols, d, rows, ds.as_ptr(), 1, BC, qp, d, dk_acc.as_mut_ptr(), d);
             }
         }
-        for cc in 0..cols {
-            let at = g.k_base(bi, kh) + (j0 + cc) * g.k_rs;
-            let (ok, ov) = (dk_out.slice(at, d), dv_out.slice(at, d));
-            for (o, &a) in ok.iter_mut().zip(&dk_acc[cc * d..(cc + 1) * d]) {
-                *o = a * scale;
-            }
-            ov.copy_from_slice(&dv_acc[cc * d..(cc + 1) * d]);
-        }
-    }
-    if chunks == 1 {
-        for &bh in &heads {
-            let (buf, base, rs) = dq.rows(g, bh, ch);
-            for i in 0..nq {
-                T::scale_row(g.path, buf.slice(base + i * rs, d), scale);
+        for k in group.iter() {
+            let j0 = k.t * BC;
+            for cc in 0..(nk - j0).min(BC) {
+                let at = g.k_base(bi, kh) + (j0 + cc) * g.k_rs;
+                let (ok, ov) = (dk_out.slice(at, d), dv_out.slice(at, d));
+                for (o, &a) in ok.iter_mut().zip(&k.dk[cc * ld..][..d]) {
+                    *o = a * scale;
+                }
+                ov.copy_from_slice(&k.dv[cc * ld..][..d]);
             }
         }
     }

@@ -5,16 +5,19 @@
 //!   N × N buffer. Key tiles that a query tile cannot see (as [`AttentionSpec`] answers: after it under a
 //!   causal mask, further than a sliding window's `max_distance`) are never visited; only tiles that cross the
 //!   diagonal, a window edge or the last key are masked (`tiles.rs`).
-//! - Memory: O(N·d) per head besides the outputs. Every operand of a tile product is packed into contiguous
-//!   rows: Kᵀ in 64-key tiles and V rows once per kv head for the forward (shared by its GQA group), and each
-//!   forward task's 64 query rows; for the backward each key tile is packed by the one task that owns it, and
-//!   Q, dO rows once per query head. Packing is ~2% of the time and avoids the `heads · d` row stride, which
-//!   maps a tile's rows onto 8 of the 64 L1 sets. dQ goes straight into the output when each kv head is one backward task;
-//!   when batch × kv_heads < 16 the key tiles are split into chunks and each (query head, chunk) keeps a dQ
-//!   partial. Non-contiguous tensors are made contiguous first.
+//! - Memory: O(N·d) per head besides the outputs. Every operand of a tile product is packed, at a row stride
+//!   of an odd number of cache lines (`tiles::PAD`): Kᵀ in 64-key tiles and V rows once per kv head for the
+//!   forward (shared by its GQA group), and each forward task's query rows; for the backward each key tile is
+//!   packed by the one task that owns it, and Q, dO rows once per query head. Packing is ~2% of the time and
+//!   avoids the `heads · d` row stride (and any multiple of 256 B), which maps a tile's rows onto a few of
+//!   the 64 L1 sets. dQ is accumulated in packed partials, one per (query head, chunk of key tiles) of a
+//!   wave, and added into the output in chunk order; when batch × kv_heads < 8 the key tiles are split into
+//!   chunks. Non-contiguous tensors are made contiguous first.
 //! - Accumulation in f32 (f64 for f64 inputs; [`Precision`]); bf16/f16 inputs are converted to f32 once and
 //!   the outputs converted back (lse stays f32).
-//! - Threads: rayon over (batch, head, query tile) forward and (batch, kv head, chunk of key tiles) backward.
+//! - Threads: rayon over (batch, head, group of 4 query tiles) forward and (batch, kv head, chunk of key
+//!   tiles) backward; a backward task runs its key tiles in groups of 1-4 (by bytes). Grouping lets one fetch
+//!   of a key tile (forward) or of a query tile's Q, dO rows (backward) serve several tile products.
 //!   Backward is FlashAttention-2's from the saved `o` and `lse`; each task owns its outputs (dK/dV rows of its
 //!   key tiles, summed over the GQA group in order; its own dQ partials) and the dQ partials are summed in a
 //!   fixed order, so two runs give the same bits whatever the scheduling or thread count.

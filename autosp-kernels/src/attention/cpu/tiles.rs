@@ -15,6 +15,14 @@ use crate::vector::Real;
 pub(crate) const BR: usize = 64;
 /// Key rows per tile (a multiple of 16: score rows are whole vectors).
 pub(crate) const BC: usize = 64;
+/// Elements added to the row stride of every packed operand of the tile products (one 64-byte line of f32).
+/// Unpadded, a `[d][BC]` key tile's rows are 256 B apart and a `[n][d]` row block's `4·d` bytes: both
+/// multiples of 256 B, so a product's column panel (one line per row of k) lands in a quarter or less of the
+/// L1's 64 sets and evicts itself and the A rows; a stride of an odd number of lines spreads it over all of
+/// them. (The L1 data caches of Zen 2-5 and Intel since Skylake: 32 or 48 KiB, 64 sets of 64 B lines.)
+pub(crate) const PAD: usize = 16;
+/// Row stride of a packed transposed key tile `[d][KT_LD]` (its first `BC` columns used).
+pub(crate) const KT_LD: usize = BC + PAD;
 
 /// The dimensions, strides, mask and vector path of one attention call, as the kernels use them.
 #[derive(Clone, Copy, Debug)]
@@ -73,6 +81,11 @@ impl Geometry {
         self.nk.div_ceil(BC)
     }
 
+    /// Row stride of packed `[n][d]` rows (`d + PAD`; see [`PAD`]).
+    pub fn row_ld(&self) -> usize {
+        self.d + PAD
+    }
+
     /// The keys query row `i` sees (the spec's interval; see `autosp_core::ops::attention::spec`).
     pub fn key_range(&self, i: usize) -> Range<usize> {
         self.spec.key_range(i, self.nk)
@@ -119,15 +132,16 @@ impl Geometry {
         }
     }
 
-    /// Packs the keys (or values) of kv head `kh` of batch `bi` as transposed tiles `[k_tiles][d][BC]`, zero
+    /// Packs the keys (or values) of kv head `kh` of batch `bi` as transposed tiles `[k_tiles][d][KT_LD]`, zero
     /// past the last key, into `dst`.
     pub fn pack_transposed<T: Real>(&self, src: &[T], bi: usize, kh: usize, dst: &mut [T]) {
-        for (t, tile) in dst.chunks_exact_mut(self.d * BC).enumerate() {
+        for (t, tile) in dst.chunks_exact_mut(self.d * KT_LD).enumerate() {
             self.pack_tile_transposed(src, bi, kh, t, tile);
         }
     }
 
-    /// Packs key tile `t` of kv head `kh` of batch `bi` transposed, `[d][BC]`, zero past the last key.
+    /// Packs key tile `t` of kv head `kh` of batch `bi` transposed, `[d][KT_LD]` (the first `BC` columns), zero
+    /// past the last key.
     pub fn pack_tile_transposed<T: Real>(&self, src: &[T], bi: usize, kh: usize, t: usize, tile: &mut [T]) {
         let base = self.k_base(bi, kh);
         let j0 = t * BC;
@@ -136,23 +150,24 @@ impl Geometry {
             if c < cols {
                 let row = &src[base + (j0 + c) * self.k_rs..][..self.d];
                 for (kk, &x) in row.iter().enumerate() {
-                    tile[kk * BC + c] = x;
+                    tile[kk * KT_LD + c] = x;
                 }
             } else {
                 for kk in 0..self.d {
-                    tile[kk * BC + c] = T::ZERO;
+                    tile[kk * KT_LD + c] = T::ZERO;
                 }
             }
         }
     }
 }
 
-/// Copies `n` rows of `d` elements, strided by `rs` from `src[base..]`, into the contiguous `dst: [n, d]`
-/// (packing a head's rows so that the tile products read them from contiguous memory, where the `[b, n, h, d]`
-/// layout's stride of `heads · d` would make them fight for the same L1 sets).
-pub(crate) fn pack_rows<T: Real>(src: &[T], base: usize, rs: usize, d: usize, dst: &mut [T]) {
-    for (i, row) in dst.chunks_exact_mut(d).enumerate() {
-        row.copy_from_slice(&src[base + i * rs..][..d]);
+/// Copies `n` rows of `d` elements, strided by `rs` from `src[base..]`, into `dst: [n, ld]` (the first `d`
+/// of each row; `ld` is [`Geometry::row_ld`]): packing a head's rows so that the tile products read them at a
+/// stride of an odd number of cache lines, where the `[b, n, h, d]` layout's `heads · d` would make them
+/// fight for the same L1 sets (see [`PAD`]).
+pub(crate) fn pack_rows<T: Real>(src: &[T], base: usize, rs: usize, d: usize, ld: usize, dst: &mut [T]) {
+    for (i, row) in dst.chunks_exact_mut(ld).enumerate() {
+        row[..d].copy_from_slice(&src[base + i * rs..][..d]);
     }
 }
 
