@@ -1,4 +1,4 @@
-//! Flash attention forward on host slices: one task per (batch, head, group of [`QG`] query tiles), each
+//! Flash attention forward on host slices: one task per (batch, head, group of up to [`QG`] query tiles), each
 //! owning its output rows and LSE entries; each query tile meets its key tiles in order with the online
 //! softmax of ALGORITHMS.md, in the log2 domain (`2^(s·log2(e)·QKᵀ - m)`), so one FMA per score feeds the
 //! exponential; a key tile is run against every query tile of the group that sees it before the next.
@@ -27,7 +27,9 @@ pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut 
         });
     }
     let nqt = g.q_tiles();
-    let groups = nqt.div_ceil(QG);
+    // Up to QG tiles per task, fewer when that would leave under 4 tasks per thread (small or few heads).
+    let per_task = (g.b * g.h * nqt / (4 * rayon::current_num_threads()).max(1)).clamp(1, QG);
+    let groups = nqt.div_ceil(per_task);
     let o_out = SharedOut(o.as_mut_ptr());
     let lse_out = SharedOut(lse.as_mut_ptr());
     // The last query tiles see the most keys under a causal mask: hand their groups out first.
@@ -40,7 +42,7 @@ pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut 
             let kh = hi / g.group;
             let kt_head = &kt[(bi * g.hkv + kh) * kt_len..][..kt_len];
             let v_head = &vp[(bi * g.hkv + kh) * v_len..][..v_len];
-            let tiles = grp * QG..((grp + 1) * QG).min(nqt);
+            let tiles = grp * per_task..((grp + 1) * per_task).min(nqt);
             // SAFETY: task (bi, hi, grp) alone writes the rows of its query tiles of head hi of batch bi in o
             // and lse.
             unsafe { query_group(g, q, kt_head, v_head, bi, hi, tiles, &o_out, &lse_out) }
