@@ -41,6 +41,8 @@ fn every_simd_path_matches_the_scalar_path() {
         c(2, 33, 47, 6, 2, 36, spec(false, 0, 0)),   // head_dim not a multiple of 8
         c(1, 131, 131, 2, 1, 128, spec(true, 0, 0)), // MQA causal, head_dim 128
         c(1, 64, 128, 2, 2, 64, AttentionSpec { scale: Some(0.3), ..spec(true, 64, 0) }),
+        // 10 tiles: forward tasks of several query tiles, backward tasks of several key groups.
+        c(2, 600, 600, 4, 4, 64, spec(true, 0, 0)),
     ];
     let names = ["o", "lse", "dq", "dk", "dv", "dq (d_lse)", "dk (d_lse)", "dv (d_lse)"];
     set_simd(Some(SimdPath::Scalar)).unwrap();

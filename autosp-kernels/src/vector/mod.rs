@@ -14,10 +14,12 @@
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod float;
+mod online_softmax;
 mod portable;
 mod pulp;
 
 pub(crate) use float::Float;
+use online_softmax::{online_softmax_with, RowOps};
 
 use autosp_core::simd::SimdPath;
 
@@ -84,16 +86,12 @@ pub(crate) trait Real: Float {
 
     /// [`Real::exp2_row`] on every row of the `[sub.len(), ld]` tile `x`: row r becomes `2^(x · mul - sub[r])`.
     fn exp2_tile(path: SimdPath, x: &mut [Self], ld: usize, mul: Self, sub: &[Self]) {
-        for (row, &s) in x.chunks_exact_mut(ld).zip(sub) {
-            Self::exp2_row(path, row, mul, s);
-        }
+        exp2_rows(path, x, ld, mul, sub)
     }
 
     /// [`Real::ds_row`] on every row of the `[delta.len(), ld]` tiles `ds` and `p`.
     fn ds_tile(path: SimdPath, ds: &mut [Self], p: &[Self], ld: usize, delta: &[Self]) {
-        for ((row, p), &dl) in ds.chunks_exact_mut(ld).zip(p.chunks_exact(ld)).zip(delta) {
-            Self::ds_row(path, row, p, dl);
-        }
+        ds_rows(path, ds, p, ld, delta)
     }
 
     /// In place `x *= a`.
@@ -162,24 +160,37 @@ fn online_softmax_rows<T: Real>(
     acc: &mut [T],
     d: usize,
 ) {
-    for (r, row) in s.chunks_exact_mut(ld).enumerate() {
-        let mx = T::max_row(path, row);
-        if mx == T::NEG_INF {
-            // This row sees no key of this tile: weight 0, state unchanged.
-            row.fill(T::ZERO);
-            continue;
-        }
-        let mx = mx * c;
-        let m_new = if m[r] > mx { m[r] } else { mx };
-        let sum = T::exp2_row(path, row, c, m_new);
-        if m[r] != m_new {
-            let alpha = (m[r] - m_new).exp2();
-            T::scale_row(path, &mut acc[r * d..(r + 1) * d], alpha);
-            l[r] = l[r] * alpha + sum;
-            m[r] = m_new;
-        } else {
-            l[r] += sum;
-        }
+    let rows =
+        RowOps { max: |x: &[T]| T::max_row(path, x), exp2: |x: &mut [T], mul, sub| T::exp2_row(path, x, mul, sub) };
+    online_softmax_with(s, ld, c, m, l, acc, d, rows, |x, a| T::scale_row(path, x, a));
+}
+
+/// [`Real::exp2_row`] on every row of the `[sub.len(), ld]` tile `x` (the default [`Real::exp2_tile`], and
+/// f32's where no fused kernel runs).
+fn exp2_rows<T: Real>(path: SimdPath, x: &mut [T], ld: usize, mul: T, sub: &[T]) {
+    for (row, &s) in x.chunks_exact_mut(ld).zip(sub) {
+        T::exp2_row(path, row, mul, s);
+    }
+}
+
+/// [`Real::ds_row`] on every row of the `[delta.len(), ld]` tiles (the default [`Real::ds_tile`], and f32's
+/// where no fused kernel runs).
+fn ds_rows<T: Real>(path: SimdPath, ds: &mut [T], p: &[T], ld: usize, delta: &[T]) {
+    for ((row, p), &dl) in ds.chunks_exact_mut(ld).zip(p.chunks_exact(ld)).zip(delta) {
+        T::ds_row(path, row, p, dl);
+    }
+}
+
+/// Whether f32's fused pulp kernels (one dispatch per tile) may run on `path`: not where the AVX-512 kernels
+/// do, which keep their own row kernels one row at a time.
+#[inline]
+fn pulp_fused(path: SimdPath) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return !avx512(path);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = path;
+        true
     }
 }
 
@@ -245,12 +256,7 @@ impl Real for f32 {
         acc: &mut [f32],
         d: usize,
     ) {
-        #[cfg(target_arch = "x86_64")]
-        if avx512(path) {
-            // AVX-512 keeps its own row kernels, one row at a time, as before the AVX2 kernel was fused.
-            return online_softmax_rows(path, s, ld, c, m, l, acc, d);
-        }
-        if pulp::online_softmax(path, s, ld, c, m, l, acc, d).is_none() {
+        if !pulp_fused(path) || pulp::online_softmax(path, s, ld, c, m, l, acc, d).is_none() {
             online_softmax_rows(path, s, ld, c, m, l, acc, d)
         }
     }
@@ -268,28 +274,14 @@ impl Real for f32 {
     }
 
     fn exp2_tile(path: SimdPath, x: &mut [f32], ld: usize, mul: f32, sub: &[f32]) {
-        #[cfg(target_arch = "x86_64")]
-        let fused = !avx512(path);
-        #[cfg(not(target_arch = "x86_64"))]
-        let fused = true;
-        // AVX-512 keeps its own row kernel, one row at a time.
-        if !fused || pulp::exp2_tile(path, x, ld, mul, sub).is_none() {
-            for (row, &s) in x.chunks_exact_mut(ld).zip(sub) {
-                Self::exp2_row(path, row, mul, s);
-            }
+        if !pulp_fused(path) || pulp::exp2_tile(path, x, ld, mul, sub).is_none() {
+            exp2_rows(path, x, ld, mul, sub)
         }
     }
 
     fn ds_tile(path: SimdPath, ds: &mut [f32], p: &[f32], ld: usize, delta: &[f32]) {
-        #[cfg(target_arch = "x86_64")]
-        let fused = !avx512(path);
-        #[cfg(not(target_arch = "x86_64"))]
-        let fused = true;
-        // AVX-512 keeps its own row kernel, one row at a time.
-        if !fused || pulp::ds_tile(path, ds, p, ld, delta).is_none() {
-            for ((row, p), &dl) in ds.chunks_exact_mut(ld).zip(p.chunks_exact(ld)).zip(delta) {
-                Self::ds_row(path, row, p, dl);
-            }
+        if !pulp_fused(path) || pulp::ds_tile(path, ds, p, ld, delta).is_none() {
+            ds_rows(path, ds, p, ld, delta)
         }
     }
 

@@ -13,6 +13,7 @@
 use autosp_core::simd::{vectorize, SimdPath};
 use pulp::{Simd, WithSimd};
 
+use super::online_softmax::{online_softmax_with, RowOps};
 use super::portable;
 
 /// Coefficients of `2^f` on [-0.5, 0.5], highest degree first (the AVX-512 kernel's).
@@ -314,9 +315,9 @@ pub(crate) fn max_row(path: SimdPath, x: &[f32]) -> Option<f32> {
     vectorize(path, Op(x))
 }
 
-/// One online-softmax step of the flash forward over a whole score tile, in one dispatch (see
-/// [`super::Real::online_softmax`] for the formulas). Per row it is the max, `exp2` and rescale row
-/// operations run one after the other; fused, the tile pays pulp's dispatch (the CPU feature checks and a
+/// One online-softmax step of the flash forward over a whole score tile, in one dispatch (the formulas are
+/// [`online_softmax_with`]'s, run on this module's row code). Per row it is the max, `exp2` and rescale
+/// row operations run one after the other; fused, the tile pays pulp's dispatch (the CPU feature checks and a
 /// call that cannot be inlined) once rather than up to three times per row. `None` on the scalar path.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn online_softmax(
@@ -343,25 +344,11 @@ pub(crate) fn online_softmax(
         #[inline(always)]
         fn with_simd<S: Simd>(self, simd: S) {
             let Op { s, ld, c, m, l, acc, d } = self;
-            for (r, row) in s.chunks_exact_mut(ld).enumerate() {
-                let mx = max_of(simd, row);
-                if mx == f32::NEG_INFINITY {
-                    // This row sees no key of this tile: weight 0, state unchanged.
-                    row.fill(0.0);
-                    continue;
-                }
-                let mx = mx * c;
-                let m_new = if m[r] > mx { m[r] } else { mx };
-                let sum = exp2_sum(simd, row, c, m_new);
-                if m[r] != m_new {
-                    let alpha = (m[r] - m_new).exp2();
-                    scale(simd, &mut acc[r * d..(r + 1) * d], alpha);
-                    l[r] = l[r] * alpha + sum;
-                    m[r] = m_new;
-                } else {
-                    l[r] += sum;
-                }
-            }
+            let rows = RowOps {
+                max: |x: &[f32]| max_of(simd, x),
+                exp2: |x: &mut [f32], mul, sub| exp2_sum(simd, x, mul, sub),
+            };
+            online_softmax_with(s, ld, c, m, l, acc, d, rows, |x, a| scale(simd, x, a));
         }
     }
     debug_assert!(s.len() == m.len() * ld && m.len() == l.len() && acc.len() >= m.len() * d);

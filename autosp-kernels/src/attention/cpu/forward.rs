@@ -50,7 +50,7 @@ pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut 
         .sum()
 }
 
-/// Query tiles per forward task. The task runs each key tile against all of its query tiles that see it
+/// Query tiles per forward task at most (fewer for small inputs; see [`forward`]). The task runs each key tile against all of its query tiles that see it
 /// before it moves on, so a key tile (Kᵀ and V, 80 KiB at d = 128) comes from L3 (or memory, when other
 /// processes share the L3) once per group rather than once per query tile; the group's state (packed query
 /// rows and accumulators, 272 KiB at d = 128) stays in a 512 KiB or larger L2 (Zen 2-5, Intel since Skylake).
