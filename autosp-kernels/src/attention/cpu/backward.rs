@@ -7,6 +7,7 @@
 
 use rayon::prelude::*;
 
+use super::buffer::LineBuf;
 use super::tiles::{pack_rows, Geometry, SharedOut, BC, BR, KT_LD};
 use crate::vector::Real;
 
@@ -49,8 +50,8 @@ pub(crate) fn backward<T: Real>(
     // are packed by the one task that owns them.
     let ld = g.row_ld();
     let q_len = nq * ld;
-    let mut qc = vec![fill; g.b * g.h * q_len];
-    let mut doc = vec![fill; g.b * g.h * q_len];
+    let mut qc = LineBuf::new(g.b * g.h * q_len, fill);
+    let mut doc = LineBuf::new(g.b * g.h * q_len, fill);
     if q_len > 0 {
         qc.par_chunks_mut(q_len).zip(doc.par_chunks_mut(q_len)).enumerate().for_each(|(bh, (qd, dod))| {
             let base = g.q_base(bh / g.h, bh % g.h);
@@ -90,7 +91,7 @@ pub(crate) fn backward<T: Real>(
     // element is c0 + c1 + c2 + … whatever the wave size, so the bits do not depend on the thread count; the
     // partials' memory is `wave` dQs, not `chunks`.
     let wave = rayon::current_num_threads().div_ceil((g.b * g.hkv).max(1)).clamp(1, chunks);
-    let mut dq_part = vec![fill; g.b * g.h * wave * nq * ld];
+    let mut dq_part = LineBuf::new(g.b * g.h * wave * nq * ld, fill);
     let dq_dst = DqParts { buf: SharedOut(dq_part.as_mut_ptr()), slots: wave };
     let dk_out = SharedOut(dk.as_mut_ptr());
     let dv_out = SharedOut(dv.as_mut_ptr());
@@ -179,11 +180,11 @@ fn key_group<T>(d: usize) -> usize {
 struct KeyTile<T> {
     t: usize,
     q_tiles: std::ops::Range<usize>,
-    kt: Vec<T>,
-    vt: Vec<T>,
-    kc: Vec<T>,
-    dk: Vec<T>,
-    dv: Vec<T>,
+    kt: LineBuf<T>,
+    vt: LineBuf<T>,
+    kc: LineBuf<T>,
+    dk: LineBuf<T>,
+    dv: LineBuf<T>,
 }
 
 /// One backward task: the key tiles `t ≡ ch (mod chunks)` of kv head `kh` of batch `bi`, in groups of
@@ -221,19 +222,19 @@ unsafe fn key_chunk<T: Real>(
         }
     }
 
-    let mut p = [T::ZERO; BR * BC];
-    let mut ds = [T::ZERO; BR * BC];
+    let mut p = LineBuf::new(BR * BC, T::ZERO);
+    let mut ds = LineBuf::new(BR * BC, T::ZERO);
     let mine: Vec<usize> = (ch..g.k_tiles()).step_by(chunks).collect();
     let size = key_group::<T>(d).min(mine.len());
     let mut group: Vec<KeyTile<T>> = (0..size)
         .map(|_| KeyTile {
             t: 0,
             q_tiles: 0..0,
-            kt: vec![T::ZERO; d * KT_LD],
-            vt: vec![T::ZERO; d * KT_LD],
-            kc: vec![T::ZERO; BC * ld],
-            dk: vec![T::ZERO; BC * ld],
-            dv: vec![T::ZERO; BC * ld],
+            kt: LineBuf::new(d * KT_LD, T::ZERO),
+            vt: LineBuf::new(d * KT_LD, T::ZERO),
+            kc: LineBuf::new(BC * ld, T::ZERO),
+            dk: LineBuf::new(BC * ld, T::ZERO),
+            dv: LineBuf::new(BC * ld, T::ZERO),
         })
         .collect();
     for tiles in mine.chunks(size.max(1)) {

@@ -5,6 +5,7 @@
 
 use rayon::prelude::*;
 
+use super::buffer::LineBuf;
 use super::tiles::{pack_rows, Geometry, SharedOut, BC, BR, KT_LD};
 use crate::vector::Real;
 
@@ -17,8 +18,8 @@ pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut 
     // Kᵀ in tiles and V in packed rows, once per kv head; the query heads of a GQA group share them.
     let ld = g.row_ld();
     let v_len = g.nk * ld;
-    let mut kt = vec![T::ZERO; g.b * g.hkv * kt_len];
-    let mut vp = vec![T::ZERO; g.b * g.hkv * v_len];
+    let mut kt = LineBuf::new(g.b * g.hkv * kt_len, T::ZERO);
+    let mut vp = LineBuf::new(g.b * g.hkv * v_len, T::ZERO);
     if kt_len > 0 {
         kt.par_chunks_mut(kt_len).zip(vp.par_chunks_mut(v_len)).enumerate().for_each(|(idx, (kd, vd))| {
             let (bi, kh) = (idx / g.hkv, idx % g.hkv);
@@ -63,10 +64,10 @@ struct QueryTile<T> {
     i0: usize,
     rows: usize,
     keys: std::ops::Range<usize>,
-    qc: Vec<T>,
+    qc: LineBuf<T>,
     m: [T; BR],
     l: [T; BR],
-    acc: Vec<T>,
+    acc: LineBuf<T>,
 }
 
 /// Attention of the query tiles `tiles` of head `hi` against every key tile they see; `kt` is the packed Kᵀ
@@ -96,16 +97,24 @@ unsafe fn query_group<T: Real>(
         .map(|qt| {
             let i0 = qt * BR;
             let rows = (g.nq - i0).min(BR);
-            let mut qc = vec![T::ZERO; rows * ld];
+            let mut qc = LineBuf::new(rows * ld, T::ZERO);
             pack_rows(q, g.q_base(bi, hi) + i0 * g.q_rs, g.q_rs, d, ld, &mut qc);
             let keys = g.key_tiles_seen(i0, rows);
-            QueryTile { i0, rows, keys, qc, m: [T::NEG_INF; BR], l: [T::ZERO; BR], acc: vec![T::ZERO; rows * d] }
+            QueryTile {
+                i0,
+                rows,
+                keys,
+                qc,
+                m: [T::NEG_INF; BR],
+                l: [T::ZERO; BR],
+                acc: LineBuf::new(rows * d, T::ZERO),
+            }
         })
         .collect();
     let first = group.iter().map(|t| t.keys.start).min().unwrap_or(0);
     let end = group.iter().map(|t| t.keys.end).max().unwrap_or(0);
     let c = T::from_f64(g.scale * std::f64::consts::LOG2_E);
-    let mut s = [T::ZERO; BR * BC];
+    let mut s = LineBuf::new(BR * BC, T::ZERO);
     let mut computed = 0;
     for t in first..end {
         let j0 = t * BC;

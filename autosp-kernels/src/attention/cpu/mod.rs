@@ -10,7 +10,8 @@
 //!   forward (shared by its GQA group), and each forward task's query rows; for the backward each key tile is
 //!   packed by the one task that owns it, and Q, dO rows once per query head. Packing is ~2% of the time and
 //!   avoids the `heads · d` row stride (and any multiple of 256 B), which maps a tile's rows onto a few of
-//!   the 64 L1 sets. dQ is accumulated in packed partials, one per (query head, chunk of key tiles) of a
+//!   the 64 L1 sets. Every packed buffer starts on a cache line and the large ones are advised for huge
+//!   pages (`buffer.rs`). dQ is accumulated in packed partials, one per (query head, chunk of key tiles) of a
 //!   wave, and added into the output in chunk order; when batch × kv_heads < 8 the key tiles are split into
 //!   chunks. Non-contiguous tensors are made contiguous first.
 //! - Accumulation in f32 (f64 for f64 inputs; [`Precision`]); bf16/f16 inputs are converted to f32 once and
@@ -33,6 +34,7 @@
 //! Measured numbers and the commands behind them: docs/BENCHMARKS.md, "Flash attention (CPU)".
 
 mod backward;
+mod buffer;
 mod forward;
 mod tiles;
 

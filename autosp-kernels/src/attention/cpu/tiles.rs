@@ -141,20 +141,22 @@ impl Geometry {
     }
 
     /// Packs key tile `t` of kv head `kh` of batch `bi` transposed, `[d][KT_LD]` (the first `BC` columns), zero
-    /// past the last key.
+    /// past the last key. Sixteen keys at a time: for each of the `d` rows of the tile, their sixteen values
+    /// fill one cache line of it, read from sixteen source rows that stay in L1 (key by key, each key wrote
+    /// one element into each of `d` lines, a working set larger than the L1 at d = 128).
     pub fn pack_tile_transposed<T: Real>(&self, src: &[T], bi: usize, kh: usize, t: usize, tile: &mut [T]) {
+        const KEYS: usize = 16;
         let base = self.k_base(bi, kh);
         let j0 = t * BC;
         let cols = (self.nk - j0).min(BC);
-        for c in 0..BC {
-            if c < cols {
-                let row = &src[base + (j0 + c) * self.k_rs..][..self.d];
-                for (kk, &x) in row.iter().enumerate() {
-                    tile[kk * KT_LD + c] = x;
-                }
-            } else {
-                for kk in 0..self.d {
-                    tile[kk * KT_LD + c] = T::ZERO;
+        for c0 in (0..BC).step_by(KEYS) {
+            let n = cols.saturating_sub(c0).min(KEYS);
+            let rows: [&[T]; KEYS] =
+                std::array::from_fn(|c| if c < n { &src[base + (j0 + c0 + c) * self.k_rs..][..self.d] } else { &[] });
+            for kk in 0..self.d {
+                let line = &mut tile[kk * KT_LD + c0..][..KEYS];
+                for (c, x) in line.iter_mut().enumerate() {
+                    *x = if c < n { rows[c][kk] } else { T::ZERO };
                 }
             }
         }
