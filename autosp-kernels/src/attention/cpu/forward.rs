@@ -1,4 +1,4 @@
-//! Flash attention forward on host slices: one task per (batch, head, group of up to [`QG`] query tiles), each
+//! Flash attention forward on host slices: one task per (batch, head, group of up to [`query_tiles_per_task`] query tiles), each
 //! owning its output rows and LSE entries; each query tile meets its key tiles in order with the online
 //! softmax of ALGORITHMS.md, in the log2 domain (`2^(s·log2(e)·QKᵀ - m)`), so one FMA per score feeds the
 //! exponential; a key tile is run against every query tile of the group that sees it before the next.
@@ -28,8 +28,10 @@ pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut 
         });
     }
     let nqt = g.q_tiles();
-    // Up to QG tiles per task, fewer when that would leave under 4 tasks per thread (small or few heads).
-    let per_task = (g.b * g.h * nqt / (4 * rayon::current_num_threads()).max(1)).clamp(1, QG);
+    // Up to `query_tiles_per_task` tiles per task, fewer when that would leave under 4 tasks per thread (small or few
+    // heads).
+    let per_task =
+        (g.b * g.h * nqt / (4 * rayon::current_num_threads()).max(1)).clamp(1, query_tiles_per_task::<T>(g.d));
     let groups = nqt.div_ceil(per_task);
     let o_out = SharedOut(o.as_mut_ptr());
     let lse_out = SharedOut(lse.as_mut_ptr());
@@ -51,12 +53,22 @@ pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut 
         .sum()
 }
 
-/// Query tiles per forward task at most (fewer for small inputs; see [`forward`]). The task runs each key tile against all of its query tiles that see it
-/// before it moves on, so a key tile (Kᵀ and V, 80 KiB at d = 128) comes from L3 (or memory, when other
-/// processes share the L3) once per group rather than once per query tile; the group's state (packed query
-/// rows and accumulators, 272 KiB at d = 128) stays in a 512 KiB or larger L2 (Zen 2-5, Intel since Skylake).
-/// Each query tile still meets its key tiles in order, so the bits do not depend on the grouping.
-const QG: usize = 4;
+/// Bytes of query-tile state (packed query rows and accumulators) a forward task keeps at most: 4 tiles at
+/// d = 128 f32 (68 KiB each: 272 KiB), 8 at d = 64 (36 KiB each: 288 KiB). The task runs each key tile
+/// against all of its query tiles that see it before it moves on, so a key tile (Kᵀ and V, 80 KiB at
+/// d = 128) comes from L3 (or memory, when other processes share the L3) once per group rather than once per
+/// query tile; the budget keeps the group's state and a key tile in a 512 KiB L2 (Zen 2/3; 1 MiB and more on
+/// Zen 4/5 and recent Intel parts). Eight tiles at d = 64 ran the forward 2.4% faster than four on the AVX2
+/// stand-in (docs/BENCHMARKS.md); eight at d = 128 (544 KiB) would not fit a Zen 2/3 L2. Each query tile
+/// still meets its key tiles in order, so the bits do not depend on the grouping.
+const QUERY_GROUP_BYTES: usize = 320 << 10;
+
+/// Query tiles per forward task at most for head dim `d` in `T` (1 to 8; see [`QUERY_GROUP_BYTES`]; fewer
+/// for small inputs, see [`forward`]).
+fn query_tiles_per_task<T>(d: usize) -> usize {
+    let per_tile = BR * (d + super::tiles::PAD + d) * std::mem::size_of::<T>();
+    (QUERY_GROUP_BYTES / per_tile.max(1)).clamp(1, 8)
+}
 
 /// The online-softmax state of one query tile: its rows packed (`[rows, row_ld]`), the running max `m` and
 /// sum `l` per row (log2 domain) and the unnormalised output `acc: [rows, d]`.

@@ -16,7 +16,7 @@
 //!   chunks. Non-contiguous tensors are made contiguous first.
 //! - Accumulation in f32 (f64 for f64 inputs; [`Precision`]); bf16/f16 inputs are converted to f32 once and
 //!   the outputs converted back (lse stays f32).
-//! - Threads: rayon over (batch, head, group of 4 query tiles) forward and (batch, kv head, chunk of key
+//! - Threads: rayon over (batch, head, group of up to 8 query tiles, by bytes) forward and (batch, kv head, chunk of key
 //!   tiles) backward; a backward task runs its key tiles in groups of 1-4 (by bytes). Grouping lets one fetch
 //!   of a key tile (forward) or of a query tile's Q, dO rows (backward) serve several tile products.
 //!   Backward is FlashAttention-2's from the saved `o` and `lse`; each task owns its outputs (dK/dV rows of its
