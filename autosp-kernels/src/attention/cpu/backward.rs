@@ -2,8 +2,9 @@
 //! deterministic: one task per (batch, kv head, chunk of key tiles) owns the dK/dV rows of its key tiles
 //! (summing its GQA group's query heads in order) and a packed dQ partial per query head of its group. The
 //! chunks run in waves sized to the thread count, and after each wave its partials are added to dQ in chunk
-//! order, so the partials take a wave's worth of dQs, not one per chunk. No float is ever added from two threads and every sum runs in chunk order, so the bits
-//! depend neither on the scheduling nor on the thread count.
+//! order, so the partials take a wave's worth of dQs, not one per chunk. No float is ever added from two
+//! threads and every sum runs in chunk order, so the bits depend neither on the scheduling nor on the thread
+//! count.
 
 use rayon::prelude::*;
 
@@ -151,8 +152,9 @@ impl<T> DqParts<T> {
     }
 }
 
-/// The per-query-head operands of the backward pass: `qc, doc: [b, h, nq, row_ld]`, and per query row `lse2` (LSE in log2 units, +inf for rows that see no key)
-/// and `delta` (`rowsum(dO ∘ O) - d_lse`), `[b, h, nq]`.
+/// The per-query-head operands of the backward pass: `qc, doc: [b, h, nq, row_ld]`, and per query row
+/// `lse2` (LSE in log2 units, +inf for rows that see no key) and `delta` (`rowsum(dO ∘ O) - d_lse`),
+/// `[b, h, nq]`.
 struct Packed<'a, T> {
     qc: &'a [T],
     doc: &'a [T],

@@ -14,7 +14,7 @@ const HUGE_FROM: usize = 4 << 20;
 /// Alignment: the allocator only promises 16 bytes (glibc's large blocks start 16 bytes past a page), so a
 /// 16-float column panel of a packed tile, one line when aligned, straddled two: twice the L1 lines per row
 /// of k and every other 32-byte load split across lines. Aligning every packed operand and tile buffer
-/// took the backward at N = 8192, d = 128 (AVX2, Zen 4) from 3.48 to 2.98 s (docs/BENCHMARKS.md).
+/// took forward + backward at N = 8192, d = 128 (AVX2, Zen 4) from 3.48 to 2.98 s (docs/BENCHMARKS.md).
 ///
 /// Huge pages (Linux): a tile product's operands (~330 KiB at d = 128) span ~80 4 KiB pages, more than the
 /// first-level data TLB holds (64-72 entries on Zen 2-4 and Intel cores), so the products kept missing it.

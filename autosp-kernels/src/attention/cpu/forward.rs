@@ -1,7 +1,7 @@
-//! Flash attention forward on host slices: one task per (batch, head, group of up to [`query_tiles_per_task`] query tiles), each
-//! owning its output rows and LSE entries; each query tile meets its key tiles in order with the online
-//! softmax of ALGORITHMS.md, in the log2 domain (`2^(s·log2(e)·QKᵀ - m)`), so one FMA per score feeds the
-//! exponential; a key tile is run against every query tile of the group that sees it before the next.
+//! Flash attention forward on host slices: one task per (batch, head, group of up to [`query_tiles_per_task`] query
+//! tiles), each owning its output rows and LSE entries; each query tile meets its key tiles in order with the online
+//! softmax of ALGORITHMS.md, in the log2 domain (`2^(s·log2(e)·QKᵀ - m)`), so one FMA per score feeds the exponential;
+//! a key tile is run against every query tile of the group that sees it before the next.
 
 use rayon::prelude::*;
 
@@ -28,8 +28,8 @@ pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut 
         });
     }
     let nqt = g.q_tiles();
-    // Up to `query_tiles_per_task` tiles per task, fewer when that would leave under 4 tasks per thread (small or few
-    // heads).
+    // Up to `query_tiles_per_task` tiles per task, fewer when that would leave under 4 tasks per thread
+    // (small inputs or few heads).
     let per_task =
         (g.b * g.h * nqt / (4 * rayon::current_num_threads()).max(1)).clamp(1, query_tiles_per_task::<T>(g.d));
     let groups = nqt.div_ceil(per_task);
@@ -58,7 +58,7 @@ pub(crate) fn forward<T: Real>(g: &Geometry, q: &[T], k: &[T], v: &[T], o: &mut 
 /// against all of its query tiles that see it before it moves on, so a key tile (Kᵀ and V, 80 KiB at
 /// d = 128) comes from L3 (or memory, when other processes share the L3) once per group rather than once per
 /// query tile; the budget keeps the group's state and a key tile in a 512 KiB L2 (Zen 2/3; 1 MiB and more on
-/// Zen 4/5 and recent Intel parts). Eight tiles at d = 64 ran the forward 2.4% faster than four on the AVX2
+/// Zen 4/5 and recent Intel parts). Eight tiles at d = 64 ran the forward 2-3% faster than four on the AVX2
 /// stand-in (docs/BENCHMARKS.md); eight at d = 128 (544 KiB) would not fit a Zen 2/3 L2. Each query tile
 /// still meets its key tiles in order, so the bits do not depend on the grouping.
 const QUERY_GROUP_BYTES: usize = 320 << 10;

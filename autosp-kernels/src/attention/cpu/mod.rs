@@ -16,9 +16,10 @@
 //!   chunks. Non-contiguous tensors are made contiguous first.
 //! - Accumulation in f32 (f64 for f64 inputs; [`Precision`]); bf16/f16 inputs are converted to f32 once and
 //!   the outputs converted back (lse stays f32).
-//! - Threads: rayon over (batch, head, group of up to 8 query tiles, by bytes) forward and (batch, kv head, chunk of key
-//!   tiles) backward; a backward task runs its key tiles in groups of 1-4 (by bytes). Grouping lets one fetch
-//!   of a key tile (forward) or of a query tile's Q, dO rows (backward) serve several tile products.
+//! - Threads: rayon over (batch, head, group of up to 8 query tiles, by bytes) forward and (batch, kv head,
+//!   chunk of key tiles) backward; a backward task runs its key tiles in groups of 1-4 (by bytes). Grouping
+//!   lets one fetch of a key tile (forward) or of a query tile's Q, dO rows (backward) serve several tile
+//!   products.
 //!   Backward is FlashAttention-2's from the saved `o` and `lse`; each task owns its outputs (dK/dV rows of its
 //!   key tiles, summed over the GQA group in order; its own dQ partials) and the dQ partials are summed in a
 //!   fixed order, so two runs give the same bits whatever the scheduling or thread count.
