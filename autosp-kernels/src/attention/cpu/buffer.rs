@@ -16,8 +16,10 @@ const HUGE_FROM: usize = 4 << 20;
 /// of k and every other 32-byte load split across lines. Aligning every packed operand and tile buffer
 /// took forward + backward at N = 8192, d = 128 (AVX2, Zen 4) from 3.48 to 2.98 s (docs/BENCHMARKS.md).
 ///
-/// Huge pages (Linux): a tile product's operands (~330 KiB at d = 128) span ~80 4 KiB pages, more than the
-/// first-level data TLB holds (64-72 entries on Zen 2-4 and Intel cores), so the products kept missing it.
+/// Huge pages (Linux): a tile pair's operands (~330 KiB at d = 128) span ~80 4 KiB pages, more than the
+/// first-level data TLB holds (64-72 entries on Zen 2-4 and Intel cores): the likely reason huge pages took
+/// forward + backward there a further 14% faster (median of per-round ratios; the machine had no event
+/// counters to count TLB misses).
 /// Buffers of [`HUGE_FROM`] bytes or more are `madvise`d `MADV_HUGEPAGE` before their first write (a zero
 /// fill is a fresh `calloc` mapping, untouched until the kernel's tasks write it), which takes effect where
 /// `/sys/kernel/mm/transparent_hugepage/enabled` is `madvise` or `always` and is ignored under `never`.
