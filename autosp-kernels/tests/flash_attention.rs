@@ -26,10 +26,11 @@ fn cases() -> Vec<Case> {
         c(1, 1, 1, 1, 1, 16, spec(true, 0, 0)),      // one token
         c(1, 80, 80, 2, 1, 256, spec(true, 0, 0)),   // the largest head_dim
         c(1, 64, 128, 2, 2, 64, AttentionSpec { scale: Some(0.3), ..spec(true, 64, 0) }), // own scale
-        // 10 query tiles: forward groups of 4, 4 and 2; one backward chunk per kv head, its 10 key tiles in
-        // key groups of 3, 3, 3 and 1.
+        // 10 query tiles: forward groups of 8 and 2 (d = 64's byte budget; fewer per group on many threads);
+        // one backward chunk per kv head, its 10 key tiles in key groups of 3, 3, 3 and 1.
         c(2, 600, 600, 4, 4, 64, spec(true, 0, 0)),
-        // 11 tiles at d = 128, one backward chunk per kv head: key groups of 2 (the last of 1).
+        // 11 tiles at d = 128: forward groups of 4, 4 and 3; one backward chunk per kv head, key groups of 2
+        // (the last of 1).
         c(1, 700, 700, 8, 8, 128, spec(true, 0, 0)),
     ]
 }

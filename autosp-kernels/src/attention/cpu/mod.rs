@@ -8,7 +8,7 @@
 //! - Memory: O(N·d) per head besides the outputs. Every operand of a tile product is packed, at a row stride
 //!   of an odd number of cache lines (`tiles::PAD`): Kᵀ in 64-key tiles and V rows once per kv head for the
 //!   forward (shared by its GQA group), and each forward task's query rows; for the backward each key tile is
-//!   packed by the one task that owns it, and Q, dO rows once per query head. Packing is ~2% of the time and
+//!   packed by the one task that owns it, and Q, dO rows once per query head. Packing is 4-6% of the forward and
 //!   avoids the `heads · d` row stride (and any multiple of 256 B), which maps a tile's rows onto a few of
 //!   the 64 L1 sets. Every packed buffer starts on a cache line and the large ones are advised for huge
 //!   pages (`buffer.rs`). dQ is accumulated in packed partials, one per (query head, chunk of key tiles) of a

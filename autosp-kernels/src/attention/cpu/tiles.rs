@@ -155,9 +155,10 @@ impl Geometry {
                 std::array::from_fn(|c| if c < n { &src[base + (j0 + c0 + c) * self.k_rs..][..self.d] } else { &[] });
             for kk in 0..self.d {
                 let line = &mut tile[kk * KT_LD + c0..][..KEYS];
-                for (c, x) in line.iter_mut().enumerate() {
-                    *x = if c < n { rows[c][kk] } else { T::ZERO };
+                for (x, row) in line.iter_mut().zip(&rows[..n]) {
+                    *x = row[kk];
                 }
+                line[n..].fill(T::ZERO);
             }
         }
     }
