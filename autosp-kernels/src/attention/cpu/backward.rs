@@ -9,6 +9,7 @@
 use rayon::prelude::*;
 
 use super::buffer::LineBuf;
+use super::prefetch::prefetch_rows;
 use super::tiles::{pack_rows, Geometry, SharedOut, BC, BR, KT_LD};
 use crate::vector::Real;
 
@@ -162,6 +163,25 @@ struct Packed<'a, T> {
     delta: &'a [T],
 }
 
+impl<T> Packed<'_, T> {
+    /// Prefetches share `part` of `parts` (`share`) of the rows that the visit `(bh, qt)` (query tile `qt` of
+    /// head `bh`) reads and writes in chunk `ch`: its Q and dO rows and its dQ partial (108 KiB at d = 128
+    /// f32, from L3 or memory). A task calls it once per key tile it runs against the current query tile, so
+    /// the next tile's rows arrive while the current tile's products run: the backward reads them once per
+    /// group of key tiles, too seldom for them to stay in L2. With the forward's prefetch of the next key tile: forward + backward 0.96 of the
+    /// time without, at N = 4K-16K, d = 128 (AVX2 on Zen 4; docs/BENCHMARKS.md, "Software prefetch").
+    fn prefetch(&self, g: &Geometry, dq: &DqParts<T>, ch: usize, (bh, qt): (usize, usize), share: (usize, usize)) {
+        let (part, parts) = share;
+        let (ld, i0) = (g.row_ld(), qt * BR);
+        let rows = (g.nq - i0).min(BR);
+        let at = (bh * g.nq + i0) * ld;
+        prefetch_rows(self.qc[at..].as_ptr(), rows, g.d, ld, part, parts);
+        prefetch_rows(self.doc[at..].as_ptr(), rows, g.d, ld, part, parts);
+        let (buf, base, rs) = dq.rows(g, bh, ch);
+        prefetch_rows(buf.0.wrapping_add(base + i0 * rs).cast_const(), rows, g.d, rs, part, parts);
+    }
+}
+
 /// Bytes of key-tile state (packed Kᵀ, Vᵀ and K, and the dK, dV accumulators) a backward task keeps per
 /// group of key tiles: 2 tiles at d = 128 f32 (188 KiB each), 3 at d = 64 (102 KiB). The task runs each query
 /// tile against all the key tiles of its group that it sees before it moves on, so the query side (Q and dO
@@ -256,39 +276,44 @@ unsafe fn key_chunk<T: Real>(
         }
         let q_first = group.iter().map(|k| k.q_tiles.start).min().unwrap_or(0);
         let q_end = group.iter().map(|k| k.q_tiles.end).max().unwrap_or(0);
-        for &bh in &heads {
+        // The (head, query tile) visits in order; each visit prefetches the next one's rows.
+        let visits: Vec<(usize, usize)> =
+            heads.iter().flat_map(|&bh| (q_first..q_end).map(move |qt| (bh, qt))).collect();
+        for (vi, &(bh, qt)) in visits.iter().enumerate() {
             let qc = &pk.qc[bh * nq * ld..][..nq * ld];
             let doc = &pk.doc[bh * nq * ld..][..nq * ld];
             let lse2 = &pk.lse2[bh * nq..][..nq];
             let delta = &pk.delta[bh * nq..][..nq];
             let (dq_buf, dq_base, dq_rs) = dq.rows(g, bh, ch);
-            for qt in q_first..q_end {
-                let i0 = qt * BR;
-                let rows = (nq - i0).min(BR);
-                let qp = qc.as_ptr().add(i0 * ld);
-                let dop = doc.as_ptr().add(i0 * ld);
-                let dqp = dq_buf.slice(dq_base + i0 * dq_rs, 0).as_mut_ptr();
-                let p = &mut p[..rows * BC];
-                let ds = &mut ds[..rows * BC];
-                for k in group.iter_mut().filter(|k| k.q_tiles.contains(&qt)) {
-                    computed += 1;
-                    let j0 = k.t * BC;
-                    let cols = (nk - j0).min(BC);
-                    // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
-                    T::gemm(g.path, false, rows, BC, d, qp, ld, 1, k.kt.as_ptr(), KT_LD, p.as_mut_ptr(), BC);
-                    if g.tile_needs_mask(i0, rows, j0) {
-                        g.mask_tile(p, rows, i0, j0);
-                    }
-                    T::exp2_tile(g.path, p, BC, c, &lse2[i0..i0 + rows]);
-                    // dV += Pᵀ dO.
-                    T::gemm(g.path, true, cols, d, rows, p.as_ptr(), 1, BC, dop, ld, k.dv.as_mut_ptr(), ld);
-                    // dP = dO Vᵀ, then dS = P ∘ (dP - D + d_lse).
-                    T::gemm(g.path, false, rows, BC, d, dop, ld, 1, k.vt.as_ptr(), KT_LD, ds.as_mut_ptr(), BC);
-                    T::ds_tile(g.path, ds, p, BC, &delta[i0..i0 + rows]);
-                    // dQ += dS K (scaled at the end); dK += dSᵀ Q.
-                    T::gemm(g.path, true, rows, d, cols, ds.as_ptr(), BC, 1, k.kc.as_ptr(), ld, dqp, dq_rs);
-                    T::gemm(g.path, true, cols, d, rows, ds.as_ptr(), 1, BC, qp, ld, k.dk.as_mut_ptr(), ld);
+            let i0 = qt * BR;
+            let rows = (nq - i0).min(BR);
+            let qp = qc.as_ptr().add(i0 * ld);
+            let dop = doc.as_ptr().add(i0 * ld);
+            let dqp = dq_buf.slice(dq_base + i0 * dq_rs, 0).as_mut_ptr();
+            let p = &mut p[..rows * BC];
+            let ds = &mut ds[..rows * BC];
+            let seen = group.iter().filter(|k| k.q_tiles.contains(&qt)).count();
+            for (ki, k) in group.iter_mut().filter(|k| k.q_tiles.contains(&qt)).enumerate() {
+                computed += 1;
+                if let Some(&next) = visits.get(vi + 1) {
+                    pk.prefetch(g, dq, ch, next, (ki, seen));
                 }
+                let j0 = k.t * BC;
+                let cols = (nk - j0).min(BC);
+                // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
+                T::gemm(g.path, false, rows, BC, d, qp, ld, 1, k.kt.as_ptr(), KT_LD, p.as_mut_ptr(), BC);
+                if g.tile_needs_mask(i0, rows, j0) {
+                    g.mask_tile(p, rows, i0, j0);
+                }
+                T::exp2_tile(g.path, p, BC, c, &lse2[i0..i0 + rows]);
+                // dV += Pᵀ dO.
+                T::gemm(g.path, true, cols, d, rows, p.as_ptr(), 1, BC, dop, ld, k.dv.as_mut_ptr(), ld);
+                // dP = dO Vᵀ, then dS = P ∘ (dP - D + d_lse).
+                T::gemm(g.path, false, rows, BC, d, dop, ld, 1, k.vt.as_ptr(), KT_LD, ds.as_mut_ptr(), BC);
+                T::ds_tile(g.path, ds, p, BC, &delta[i0..i0 + rows]);
+                // dQ += dS K (scaled at the end); dK += dSᵀ Q.
+                T::gemm(g.path, true, rows, d, cols, ds.as_ptr(), BC, 1, k.kc.as_ptr(), ld, dqp, dq_rs);
+                T::gemm(g.path, true, cols, d, rows, ds.as_ptr(), 1, BC, qp, ld, k.dk.as_mut_ptr(), ld);
             }
         }
         for k in group.iter() {

@@ -6,6 +6,7 @@
 use rayon::prelude::*;
 
 use super::buffer::LineBuf;
+use super::prefetch::prefetch_rows;
 use super::tiles::{pack_rows, Geometry, SharedOut, BC, BR, KT_LD};
 use crate::vector::Real;
 
@@ -131,8 +132,16 @@ unsafe fn query_group<T: Real>(
     for t in first..end {
         let j0 = t * BC;
         let cols = (g.nk - j0).min(BC);
-        for qt in group.iter_mut().filter(|qt| qt.keys.contains(&t)) {
+        let seen = group.iter().filter(|qt| qt.keys.contains(&t)).count();
+        for (qi, qt) in group.iter_mut().filter(|qt| qt.keys.contains(&t)).enumerate() {
             computed += 1;
+            if t + 1 < end {
+                // The next key tile's Kᵀ and V (80 KiB at d = 128 f32, from L3 or memory), in shares over this
+                // tile's products, so they are in L2 when it starts (as the backward's query rows).
+                let next = (t + 1) * BC;
+                prefetch_rows(kt.as_ptr().wrapping_add((t + 1) * d * KT_LD), d, BC, KT_LD, qi, seen);
+                prefetch_rows(v.as_ptr().wrapping_add(next * ld), (g.nk - next).min(BC), d, ld, qi, seen);
+            }
             let (i0, rows) = (qt.i0, qt.rows);
             let s = &mut s[..rows * BC];
             let kp = kt.as_ptr().add(t * d * KT_LD);

@@ -13,7 +13,9 @@
 //!   the 64 L1 sets. Every packed buffer starts on a cache line and the large ones are advised for huge
 //!   pages (`buffer.rs`). dQ is accumulated in packed partials, one per (query head, chunk of key tiles) of a
 //!   wave, and added into the output in chunk order; when batch × kv_heads < 8 the key tiles are split into
-//!   chunks. Non-contiguous tensors are made contiguous first.
+//!   chunks. Non-contiguous tensors are made contiguous first. While a tile runs, the rows the task reads
+//!   next (the forward's next key tile, the backward's next query tile) are prefetched into L2
+//!   (`prefetch.rs`, x86-64).
 //! - Accumulation in f32 (f64 for f64 inputs; [`Precision`]); bf16/f16 inputs are converted to f32 once and
 //!   the outputs converted back (lse stays f32).
 //! - Threads: rayon over (batch, head, group of up to 8 query tiles, by bytes) forward and (batch, kv head,
@@ -37,6 +39,7 @@
 mod backward;
 mod buffer;
 mod forward;
+mod prefetch;
 mod tiles;
 
 use autosp_core::ops::attention::{AttentionDims, AttentionSpec};
