@@ -168,8 +168,9 @@ impl<T> Packed<'_, T> {
     /// head `bh`) reads and writes in chunk `ch`: its Q and dO rows and its dQ partial (108 KiB at d = 128
     /// f32, from L3 or memory). A task calls it once per key tile it runs against the current query tile, so
     /// the next tile's rows arrive while the current tile's products run: the backward reads them once per
-    /// group of key tiles, too seldom for them to stay in L2. With the forward's prefetch of the next key tile: forward + backward 0.96 of the
-    /// time without, at N = 4K-16K, d = 128 (AVX2 on Zen 4; docs/BENCHMARKS.md, "Software prefetch").
+    /// group of key tiles, too seldom for them to stay in L2. With the forward's prefetch of the next key
+    /// tile: forward + backward 0.96 of the time without, at N = 4K-16K, d = 128 (AVX2 on Zen 4;
+    /// docs/BENCHMARKS.md, "Software prefetch").
     fn prefetch(&self, g: &Geometry, dq: &DqParts<T>, ch: usize, (bh, qt): (usize, usize), share: (usize, usize)) {
         let (part, parts) = share;
         let (ld, i0) = (g.row_ld(), qt * BR);
@@ -276,44 +277,46 @@ unsafe fn key_chunk<T: Real>(
         }
         let q_first = group.iter().map(|k| k.q_tiles.start).min().unwrap_or(0);
         let q_end = group.iter().map(|k| k.q_tiles.end).max().unwrap_or(0);
-        // The (head, query tile) visits in order; each visit prefetches the next one's rows.
-        let visits: Vec<(usize, usize)> =
-            heads.iter().flat_map(|&bh| (q_first..q_end).map(move |qt| (bh, qt))).collect();
-        for (vi, &(bh, qt)) in visits.iter().enumerate() {
+        for (hn, &bh) in heads.iter().enumerate() {
             let qc = &pk.qc[bh * nq * ld..][..nq * ld];
             let doc = &pk.doc[bh * nq * ld..][..nq * ld];
             let lse2 = &pk.lse2[bh * nq..][..nq];
             let delta = &pk.delta[bh * nq..][..nq];
             let (dq_buf, dq_base, dq_rs) = dq.rows(g, bh, ch);
-            let i0 = qt * BR;
-            let rows = (nq - i0).min(BR);
-            let qp = qc.as_ptr().add(i0 * ld);
-            let dop = doc.as_ptr().add(i0 * ld);
-            let dqp = dq_buf.slice(dq_base + i0 * dq_rs, 0).as_mut_ptr();
-            let p = &mut p[..rows * BC];
-            let ds = &mut ds[..rows * BC];
-            let seen = group.iter().filter(|k| k.q_tiles.contains(&qt)).count();
-            for (ki, k) in group.iter_mut().filter(|k| k.q_tiles.contains(&qt)).enumerate() {
-                computed += 1;
-                if let Some(&next) = visits.get(vi + 1) {
-                    pk.prefetch(g, dq, ch, next, (ki, seen));
+            for qt in q_first..q_end {
+                let i0 = qt * BR;
+                let rows = (nq - i0).min(BR);
+                let qp = qc.as_ptr().add(i0 * ld);
+                let dop = doc.as_ptr().add(i0 * ld);
+                let dqp = dq_buf.slice(dq_base + i0 * dq_rs, 0).as_mut_ptr();
+                let p = &mut p[..rows * BC];
+                let ds = &mut ds[..rows * BC];
+                // The visit after this one (the next query tile, or the next head's first), whose rows are
+                // prefetched in one share per key tile this one runs against.
+                let next = if qt + 1 < q_end { Some((bh, qt + 1)) } else { heads.get(hn + 1).map(|&h| (h, q_first)) };
+                let seen = group.iter().filter(|k| k.q_tiles.contains(&qt)).count();
+                for (ki, k) in group.iter_mut().filter(|k| k.q_tiles.contains(&qt)).enumerate() {
+                    computed += 1;
+                    if let Some(next) = next {
+                        pk.prefetch(g, dq, ch, next, (ki, seen));
+                    }
+                    let j0 = k.t * BC;
+                    let cols = (nk - j0).min(BC);
+                    // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
+                    T::gemm(g.path, false, rows, BC, d, qp, ld, 1, k.kt.as_ptr(), KT_LD, p.as_mut_ptr(), BC);
+                    if g.tile_needs_mask(i0, rows, j0) {
+                        g.mask_tile(p, rows, i0, j0);
+                    }
+                    T::exp2_tile(g.path, p, BC, c, &lse2[i0..i0 + rows]);
+                    // dV += Pᵀ dO.
+                    T::gemm(g.path, true, cols, d, rows, p.as_ptr(), 1, BC, dop, ld, k.dv.as_mut_ptr(), ld);
+                    // dP = dO Vᵀ, then dS = P ∘ (dP - D + d_lse).
+                    T::gemm(g.path, false, rows, BC, d, dop, ld, 1, k.vt.as_ptr(), KT_LD, ds.as_mut_ptr(), BC);
+                    T::ds_tile(g.path, ds, p, BC, &delta[i0..i0 + rows]);
+                    // dQ += dS K (scaled at the end); dK += dSᵀ Q.
+                    T::gemm(g.path, true, rows, d, cols, ds.as_ptr(), BC, 1, k.kc.as_ptr(), ld, dqp, dq_rs);
+                    T::gemm(g.path, true, cols, d, rows, ds.as_ptr(), 1, BC, qp, ld, k.dk.as_mut_ptr(), ld);
                 }
-                let j0 = k.t * BC;
-                let cols = (nk - j0).min(BC);
-                // P = 2^(c · Q Kᵀ - lse2), hidden entries 0.
-                T::gemm(g.path, false, rows, BC, d, qp, ld, 1, k.kt.as_ptr(), KT_LD, p.as_mut_ptr(), BC);
-                if g.tile_needs_mask(i0, rows, j0) {
-                    g.mask_tile(p, rows, i0, j0);
-                }
-                T::exp2_tile(g.path, p, BC, c, &lse2[i0..i0 + rows]);
-                // dV += Pᵀ dO.
-                T::gemm(g.path, true, cols, d, rows, p.as_ptr(), 1, BC, dop, ld, k.dv.as_mut_ptr(), ld);
-                // dP = dO Vᵀ, then dS = P ∘ (dP - D + d_lse).
-                T::gemm(g.path, false, rows, BC, d, dop, ld, 1, k.vt.as_ptr(), KT_LD, ds.as_mut_ptr(), BC);
-                T::ds_tile(g.path, ds, p, BC, &delta[i0..i0 + rows]);
-                // dQ += dS K (scaled at the end); dK += dSᵀ Q.
-                T::gemm(g.path, true, rows, d, cols, ds.as_ptr(), BC, 1, k.kc.as_ptr(), ld, dqp, dq_rs);
-                T::gemm(g.path, true, cols, d, rows, ds.as_ptr(), 1, BC, qp, ld, k.dk.as_mut_ptr(), ld);
             }
         }
         for k in group.iter() {
