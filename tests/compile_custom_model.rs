@@ -87,7 +87,7 @@ impl Tiny {
             })
             .collect();
         Self {
-            embed: Embedding { table: param("embed", &[VOCAB, HIDDEN], 1, 1.0) },
+            embed: Embedding::new(param("embed", &[VOCAB, HIDDEN], 1, 1.0)),
             layers,
             norm: norm("final_norm", 2),
             head: Linear::new(param("head", &[VOCAB, HIDDEN], 3, 0.3), None),

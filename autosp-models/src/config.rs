@@ -71,6 +71,16 @@ impl ModelType {
         }
     }
 
+    /// The `pad_token_id` transformers' config class gives when config.json has none: 32000 for Phi-3, 0 for
+    /// Gemma 3, none for the others (`Phi3Config`, `Gemma3TextConfig`, ..; transformers 5).
+    pub fn default_pad_token_id(&self) -> Option<u32> {
+        match self {
+            ModelType::Phi3 => Some(32000),
+            ModelType::Gemma3 => Some(0),
+            ModelType::Llama | ModelType::Mistral | ModelType::Qwen2 | ModelType::Qwen3 => None,
+        }
+    }
+
     /// Whether q and k get a per-head RMSNorm before RoPE (Qwen3).
     pub fn qk_norm(&self) -> bool {
         matches!(self, ModelType::Qwen3 | ModelType::Gemma3)
@@ -151,6 +161,11 @@ pub struct LlamaConfig {
     /// Every end-of-sequence id config.json lists (Llama 3 instruct lists three; one when it gives a number),
     /// written back as it was given.
     pub eos_token_ids: Vec<u32>,
+    /// The padding token (`pad_token_id`; the family's default when config.json has none, none when it says
+    /// `null`; negative counts from the end, as PyTorch's `padding_idx`): every family's transformers model
+    /// makes it its embedding's `padding_idx`, whose row the lookup gives no gradient
+    /// ([`padding_idx`](Self::padding_idx)).
+    pub pad_token_id: Option<i64>,
     /// The attention window in tokens (HF `sliding_window`: a query sees itself and the `w - 1` tokens
     /// before it) of the layers `layer_types` marks sliding; `None`: every layer attends to every earlier
     /// token (Mistral's `sliding_window: null`, Qwen's `use_sliding_window: false`).
@@ -591,6 +606,13 @@ impl LlamaConfig {
             bos_token_id: f.token_id("bos_token_id")?,
             eos_token_id: f.token_id("eos_token_id")?,
             eos_token_ids: f.token_ids("eos_token_id")?,
+            pad_token_id: match (obj.get("pad_token_id"), f.get("pad_token_id")) {
+                (None, _) => model_type.default_pad_token_id().map(i64::from),
+                (Some(_), None) => None,
+                (Some(_), Some(v)) => {
+                    Some(v.as_i64().ok_or_else(|| f.invalid("pad_token_id", v, "expected a token id or null"))?)
+                }
+            },
             sliding_window,
             layer_types,
             query_pre_attn_scalar: if gemma {
@@ -605,6 +627,17 @@ impl LlamaConfig {
     /// The softmax scale when it is not `1 / sqrt(head_dim)` (Gemma 3: `query_pre_attn_scalar^-1/2`).
     pub fn attention_scale(&self) -> Option<f64> {
         self.query_pre_attn_scalar.map(|s| 1.0 / s.sqrt())
+    }
+
+    /// The embedding row that gets no gradient from the lookup (`nn.Embedding`'s `padding_idx`):
+    /// `pad_token_id` when it is inside the vocabulary, a negative one counted from the end as PyTorch does
+    /// (transformers would refuse to build a model whose pad id is outside; such a config is loaded here with
+    /// no padding row).
+    pub fn padding_idx(&self) -> Option<usize> {
+        let vocab = self.vocab_size as i64;
+        let p = self.pad_token_id?;
+        let p = if p < 0 { vocab + p } else { p };
+        (0..vocab).contains(&p).then_some(p as usize)
     }
 
     /// The factor the embeddings are multiplied by (Gemma: `sqrt(hidden_size)`), if any.
@@ -702,6 +735,8 @@ impl LlamaConfig {
         m.insert("bos_token_id".into(), json!(self.bos_token_id));
         let eos = if self.eos_token_ids.len() > 1 { json!(self.eos_token_ids) } else { json!(self.eos_token_id) };
         m.insert("eos_token_id".into(), eos);
+        // Always written (null for none), so no family default stands in for what the model trained with.
+        m.insert("pad_token_id".into(), json!(self.pad_token_id));
         serde_json::to_string_pretty(&Value::Object(m)).expect("a JSON map always serialises")
     }
 

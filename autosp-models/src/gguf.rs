@@ -241,6 +241,8 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
         bos_token_id: tok_id("tokenizer.ggml.bos_token_id")?,
         eos_token_id: tok_id("tokenizer.ggml.eos_token_id")?,
         eos_token_ids: tok_id("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
+        // transformers reads a GGUF's padding id into the tokenizer, not the config: the family's default.
+        pad_token_id: model_type.default_pad_token_id().map(i64::from),
         sliding_window: window,
         layer_types,
         query_pre_attn_scalar,

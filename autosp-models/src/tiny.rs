@@ -86,6 +86,7 @@ impl TinySpec {
             bos_token_id: Some(1),
             eos_token_id: Some(2),
             eos_token_ids: vec![2],
+            pad_token_id: None,
             sliding_window: window,
             layer_types,
             query_pre_attn_scalar: gemma.then_some((self.hidden / self.heads) as f64),

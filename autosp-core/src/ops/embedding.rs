@@ -1,14 +1,19 @@
 //! Embedding lookup: rows of a table by token id; backward scatter-adds into the table's gradient (in f32 for
-//! bf16/f16 tables, so a token seen many times does not lose its later contributions to bf16 rounding).
+//! bf16/f16 tables, so a token seen many times does not lose its later contributions to bf16 rounding). A
+//! padding row (PyTorch's `nn.Embedding(padding_idx=p)`) receives no gradient from the lookup.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::precision::Precision;
 use crate::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
 
 /// `table[ids]`: `ids: [..]` (u32 or i64), `table: [vocab, hidden]` -> `[.., hidden]`.
-#[derive(Debug)]
-pub struct Embedding;
+#[derive(Debug, Default)]
+pub struct Embedding {
+    /// The row whose lookups add nothing to the table's gradient (`nn.Embedding`'s `padding_idx`): the
+    /// forward still reads it.
+    pub padding_idx: Option<usize>,
+}
 
 impl Op for Embedding {
     fn name(&self) -> &'static str {
@@ -36,8 +41,18 @@ impl Op for Embedding {
         // Sums over repeated ids in the accumulation dtype, rounded once to the gradient's dtype at the end.
         let acc = Precision::float(g.dtype()).accumulate();
         let g2 = g.reshape((ids.elem_count(), hidden))?.to_dtype(acc)?.contiguous()?;
-        let dt = Tensor::zeros(table, acc, g.device())?.index_add(&ids, &g2, 0)?.to_dtype(g.dtype())?;
-        Ok(vec![None, Some(dt)])
+        let vocab = table.dims()[0];
+        let dt = match self.padding_idx.filter(|&p| p < vocab) {
+            None => Tensor::zeros(table, acc, g.device())?.index_add(&ids, &g2, 0)?,
+            // The padding row's lookups go to a spare row past the end, dropped after (a view: no copy).
+            Some(p) => {
+                let ids = ids.to_dtype(DType::U32)?;
+                let spare = Tensor::full(vocab as u32, ids.shape(), ids.device())?;
+                let ids = ids.eq(p as u32)?.where_cond(&spare, &ids)?;
+                Tensor::zeros((vocab + 1, hidden), acc, g.device())?.index_add(&ids, &g2, 0)?.narrow(0, 0, vocab)?
+            }
+        };
+        Ok(vec![None, Some(dt.to_dtype(g.dtype())?)])
     }
 }
 
@@ -45,10 +60,17 @@ impl Op for Embedding {
 /// Unless the caller checked the ids on the host ([`Tape::inputs_checked`]), refuses an id past the table
 /// (one host read of the largest id).
 pub fn embedding(tape: &Tape, ids: &Value, table: &Value) -> Result<Value> {
+    embedding_padded(tape, ids, table, None)
+}
+
+/// [`embedding`] whose row `padding_idx` (when given and inside the table) gets no gradient from the lookup,
+/// as `nn.Embedding(vocab, hidden, padding_idx)`: `ids: [..]`, `table: [vocab, hidden]` -> `[.., hidden]`.
+/// The row still gets what other uses of the table give it (a tied LM head's gradient).
+pub fn embedding_padded(tape: &Tape, ids: &Value, table: &Value, padding_idx: Option<usize>) -> Result<Value> {
     if !tape.inputs_checked() {
         check_ids(ids.tensor(), table.tensor().dim(0)?)?;
     }
-    Ok(tape.apply(Embedding, &[ids, table])?.remove(0))
+    Ok(tape.apply(Embedding { padding_idx }, &[ids, table])?.remove(0))
 }
 
 /// Refuses an id of `ids` (any shape, integer) at or past `vocab` rows, reading back only the largest id.
@@ -70,7 +92,7 @@ pub(crate) fn check_ids(ids: &Tensor, vocab: usize) -> Result<()> {
 mod tests {
     use super::*;
     use crate::CheckpointPolicy;
-    use candle_core::{DType, Device};
+    use candle_core::Device;
 
     /// 300 lookups of one token with gradient 1 each: the table's gradient row is 300 (exact in bf16), where
     /// a bf16 running sum would stop at 256 (256 + 1 rounds back to 256).
@@ -86,5 +108,40 @@ mod tests {
         assert_eq!(g.dtype(), DType::BF16);
         let rows = g.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
         assert_eq!(rows, vec![vec![0.0, 0.0], vec![0.0, 0.0], vec![0.0, 0.0], vec![300.0, 300.0]]);
+    }
+
+    /// Ids `[1, 3, 1, 0, 3, 3]` (i64 and u32) with padding row 3: the table's gradient is the plain op's with
+    /// row 3 zero (every other row exactly equal), the forward unchanged; a padding id past the table (as
+    /// Phi-3's default 32000 on a small vocabulary) changes nothing.
+    #[test]
+    fn the_padding_row_gets_no_gradient() {
+        let dev = Device::Cpu;
+        let table = Tensor::from_vec((0..20).map(|i| (i as f64 * 0.3).sin()).collect(), (5, 4), &dev).unwrap();
+        let dy = Tensor::from_vec((0..24).map(|i| (i as f64 * 0.7).cos()).collect(), (6, 4), &dev).unwrap();
+        let run = |ids: Tensor, padding_idx: Option<usize>| {
+            let tape = Tape::new(CheckpointPolicy::None);
+            let t = tape.leaf(table.clone());
+            let y = embedding_padded(&tape, &tape.constant(ids), &t, padding_idx).unwrap();
+            let loss =
+                crate::ops::sum_all(&tape, &crate::ops::mul(&tape, &y, &tape.constant(dy.clone())).unwrap()).unwrap();
+            tape.backward(&loss).unwrap();
+            (y.tensor().to_vec2::<f64>().unwrap(), tape.grad(&t).unwrap().unwrap().to_vec2::<f64>().unwrap())
+        };
+        let ids = [1i64, 3, 1, 0, 3, 3];
+        let (y0, g0) = run(Tensor::new(&ids, &dev).unwrap(), None);
+        assert!(g0[3].iter().any(|&v| v != 0.0), "the plain op gives row 3 a gradient");
+        let u32_ids = Tensor::new(&ids.map(|i| i as u32), &dev).unwrap();
+        for ids in [Tensor::new(&ids, &dev).unwrap(), u32_ids] {
+            let (y, g) = run(ids, Some(3));
+            assert_eq!(y, y0);
+            for (row, (a, b)) in g.iter().zip(&g0).enumerate() {
+                if row == 3 {
+                    assert_eq!(a, &vec![0.0; 4]);
+                } else {
+                    assert_eq!(a, b, "row {row}");
+                }
+            }
+        }
+        assert_eq!(run(Tensor::new(&ids, &dev).unwrap(), Some(32000)).1, g0);
     }
 }

@@ -7,7 +7,8 @@
 //! slice of the flattened table (a row may straddle two slices; each rank takes its part).
 //!
 //! The sum is taken in the accumulation dtype and rounded once to the gradient's dtype, as one rank's
-//! [`Embedding`] backward rounds its sum, then widened to the reduction dtype the optimizer gets.
+//! [`Embedding`] backward rounds its sum, then widened to the reduction dtype the optimizer gets. The lookups of
+//! a padding row (`padding_idx`) add nothing, as in [`Embedding`].
 
 use std::sync::Arc;
 
@@ -27,6 +28,8 @@ pub struct ShardedEmbedding {
     pub shard: Arc<ParamShard>,
     /// The table as stored (whole at `Gradients`, where forward reads it instead of gathering).
     pub stored: Tensor,
+    /// The row whose lookups add nothing to the gradient (`nn.Embedding`'s `padding_idx`).
+    pub padding_idx: Option<usize>,
 }
 
 impl Op for ShardedEmbedding {
@@ -41,20 +44,20 @@ impl Op for ShardedEmbedding {
             ShardLevel::Parameters => self.shard.gather(i[1])?,
             _ => self.stored.clone(),
         };
-        Embedding.forward(&[i[0], &table])
+        Embedding { padding_idx: self.padding_idx }.forward(&[i[0], &table])
     }
     fn saves(&self) -> Saves {
         Saves::inputs(&[0])
     }
     fn backward(&self, s: &SavedTensors<'_>, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
         let Some(g) = &g[0] else { return Ok(vec![None, None]) };
-        Ok(vec![None, Some(slice_grad(&self.shard, &s.input(0)?.flatten_all()?, g)?)])
+        Ok(vec![None, Some(slice_grad(&self.shard, &s.input(0)?.flatten_all()?, g, self.padding_idx)?)])
     }
 }
 
-/// This rank's slice `[chunk]` of the table's gradient, summed over every rank's tokens: `ids: [t]`, `g: [..,
-/// hidden]` with `t` rows. Collective over the shard's group.
-fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor) -> Result<Tensor> {
+/// This rank's slice `[chunk]` of the table's gradient, summed over every rank's tokens but those of
+/// `padding_idx`: `ids: [t]`, `g: [.., hidden]` with `t` rows. Collective over the shard's group.
+fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor, padding_idx: Option<usize>) -> Result<Tensor> {
     let (vocab, hidden) = shard.shape.dims2()?;
     let precision = Precision::float(g.dtype());
     let acc = precision.accumulate();
@@ -89,7 +92,11 @@ fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor) -> Result<Tensor> {
     // the part, the others (and the pad, id -1) to one spare row past the end, dropped after. Ids are exact in
     // `acc` (checked above), so `id - lo` is an exact whole number.
     let ids = all.narrow(1, hidden, 1)?.flatten_all()?;
-    let inside = ids.ge(lo as f64)?.mul(&ids.lt(hi as f64)?)?;
+    let mut inside = ids.ge(lo as f64)?.mul(&ids.lt(hi as f64)?)?;
+    if let Some(p) = padding_idx.filter(|&p| (lo..hi).contains(&p)) {
+        // The padding row's lookups go to the spare row too.
+        inside = inside.mul(&ids.ne(p as f64)?)?;
+    }
     let spare = Tensor::full((hi - lo) as f32, ids.shape(), g.device())?.to_dtype(acc)?;
     let local = inside.where_cond(&(ids - lo as f64)?, &spare)?.to_dtype(DType::U32)?;
     let rows = all.narrow(1, 0, hidden)?.contiguous()?;
@@ -103,14 +110,20 @@ fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor) -> Result<Tensor> {
 }
 
 /// Rows of the sharded `table` for `ids: [..]` -> `[.., hidden]`, recorded as one [`ShardedEmbedding`] on the
-/// table's slice leaf; `None` when the table is not sharded at `Gradients` or `Parameters` or the tape does not
-/// record (use [`super::embedding`] with [`Tape::param`] then).
-pub fn sharded_embedding(tape: &Tape, ids: &Value, table: &crate::Param) -> Result<Option<Value>> {
+/// table's slice leaf, the row `padding_idx` (when given) getting no gradient from the lookup; `None` when the
+/// table is not sharded at `Gradients` or `Parameters` or the tape does not record (use
+/// [`super::embedding::embedding_padded`] with [`Tape::param`] then).
+pub fn sharded_embedding(
+    tape: &Tape,
+    ids: &Value,
+    table: &crate::Param,
+    padding_idx: Option<usize>,
+) -> Result<Option<Value>> {
     let Some((leaf, shard)) = tape.param_slice(table)? else { return Ok(None) };
     if !tape.inputs_checked() {
         super::embedding::check_ids(ids.tensor(), shard.shape.dims()[0])?;
     }
-    let op = ShardedEmbedding { shard, stored: table.tensor() };
+    let op = ShardedEmbedding { shard, stored: table.tensor(), padding_idx };
     Ok(Some(tape.apply(op, &[ids, &leaf])?.remove(0)))
 }
 
@@ -122,12 +135,19 @@ mod tests {
     use crate::comm::run_ranks;
     use crate::{CheckpointPolicy, Param};
 
-    /// Two ranks with 4 and 3 tokens (ids repeat, and rows 2 and 3 straddle the slices of a 5 × 3 table: 15
-    /// elements in slices of 8, the last padded), at both levels: the lookup equals the whole table's, and each
-    /// rank's slice gradient equals its slice of the whole gradient one rank gets from all 7 tokens (f64, to
-    /// 1e-12: the same sums in another order).
+    /// Two ranks with 4 and 3 tokens (ids repeat, and row 2 straddles the slices of a 5 × 3 table: 15
+    /// elements in slices of 8, the last padded), at both levels, without and with row 2 as the padding row:
+    /// the lookup equals the whole table's, and each rank's slice gradient equals its slice of the whole
+    /// gradient one rank gets from all 7 tokens (f64, to 1e-12: the same sums in another order), row 2's
+    /// part zero on both ranks when it is the padding row.
     #[test]
     fn slices_get_their_part_of_the_whole_gradient() {
+        for padding_idx in [None, Some(2)] {
+            slices_match_one_rank(padding_idx);
+        }
+    }
+
+    fn slices_match_one_rank(padding_idx: Option<usize>) {
         let (vocab, hidden) = (5usize, 3usize);
         let whole: Vec<f64> = (0..vocab * hidden).map(|i| (i as f64 * 0.37).sin()).collect();
         let table = Tensor::from_vec(whole, (vocab, hidden), &Device::Cpu).unwrap();
@@ -141,11 +161,12 @@ mod tests {
         let leaf = tape.leaf(table.clone());
         let all_ids: Vec<u32> = [ids_of(0), ids_of(1)].concat();
         let ids = tape.constant(Tensor::from_vec(all_ids, 7, &Device::Cpu).unwrap());
-        let y = crate::ops::embedding(&tape, &ids, &leaf).unwrap();
+        let y = crate::ops::embedding::embedding_padded(&tape, &ids, &leaf, padding_idx).unwrap();
         let dy = Tensor::cat(&[&g_of(0, 4), &g_of(1, 3)], 0).unwrap();
         let loss = crate::ops::sum_all(&tape, &crate::ops::mul(&tape, &y, &tape.constant(dy)).unwrap()).unwrap();
         tape.backward(&loss).unwrap();
         let want = tape.grad(&leaf).unwrap().unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        assert_eq!(want[6..9].iter().all(|&v| v == 0.0), padding_idx.is_some(), "row 2 of the reference");
         for level in [ShardLevel::Gradients, ShardLevel::Parameters] {
             let out = run_ranks(2, Duration::from_secs(30), |pg| {
                 let p = Param::new("embed", table.clone());
@@ -153,7 +174,7 @@ mod tests {
                 let rank = pg.rank();
                 let tape = Tape::new(CheckpointPolicy::None);
                 let ids = tape.constant(Tensor::from_vec(ids_of(rank), ids_of(rank).len(), &Device::Cpu).unwrap());
-                let y = sharded_embedding(&tape, &ids, &p).unwrap().expect("sharded at this level");
+                let y = sharded_embedding(&tape, &ids, &p, padding_idx).unwrap().expect("sharded at this level");
                 let rows = table.index_select(ids.tensor(), 0).unwrap();
                 assert_eq!(y.tensor().to_vec2::<f64>().unwrap(), rows.to_vec2::<f64>().unwrap());
                 let dy = tape.constant(g_of(rank, ids_of(rank).len()));
@@ -166,7 +187,7 @@ mod tests {
                 assert_eq!(got.len(), 8, "{level}: a slice of ceil(15 / 2)");
                 for (j, &v) in got.iter().enumerate() {
                     let w = want.get(rank * 8 + j).copied().unwrap_or(0.0);
-                    assert!((v - w).abs() <= 1e-12, "{level} rank {rank} element {j}: {v} vs {w}");
+                    assert!((v - w).abs() <= 1e-12, "{level} {padding_idx:?} rank {rank} element {j}: {v} vs {w}");
                 }
             }
         }

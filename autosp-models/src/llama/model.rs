@@ -91,7 +91,11 @@ impl LlamaModel {
         let (hid, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
         let (eps, offset) = (c.rms_norm_eps, c.model_type.norm_offset());
-        let embed_tokens = Embedding { table: take(&mut weights, "model.embed_tokens.weight", &[c.vocab_size, hid])? };
+        let embed_tokens = Embedding {
+            table: take(&mut weights, "model.embed_tokens.weight", &[c.vocab_size, hid])?,
+            // transformers' every family: `nn.Embedding(vocab, hidden, padding_idx=pad_token_id)`.
+            padding_idx: c.padding_idx(),
+        };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
