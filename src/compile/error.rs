@@ -18,6 +18,15 @@ pub enum CompileError {
     #[error("{0}")]
     Input(String),
 
+    /// No target of the batch trains (every label is -100 on every rank): there is nothing to learn from or to
+    /// score. Every rank returns it alike, before any forward pass; a caller skips the batch (the trainer skips
+    /// the step and says so; held-out scoring skips the window).
+    #[error(
+        "no target of this batch trains: every label is -100 on every rank (a chat window without an assistant \
+         token, or fully masked text); skip the batch"
+    )]
+    NoTargets,
+
     /// An error from the tape, an op or a collective.
     #[error(transparent)]
     Core(#[from] autosp_core::Error),

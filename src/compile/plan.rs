@@ -121,12 +121,14 @@ impl<M: CausalLm> Compiled<M> {
         self.padded_len(64.max(16 * self.sp.size()))
     }
 
-    /// One probe step of `n` tokens: under `policy` in every block, or (`None`) under the blocks' own
-    /// policies as they stand.
+    /// One probe step of `n` tokens per data-parallel replica (a batch of D sequences, one for each replica,
+    /// so each rank's figures are those of one `n`-token sequence split over its replica's S ranks): under
+    /// `policy` in every block, or (`None`) under the blocks' own policies as they stand.
     fn probe_step(&self, n: usize, policy: Option<CheckpointPolicy>) -> Result<StepOutput, CompileError> {
         let vocab = self.model.dims().vocab as u32;
-        let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
-        let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu)?;
+        let rows = self.mesh.data;
+        let ids: Vec<u32> = (0..(rows * n) as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+        let ids = Tensor::from_vec(ids, (rows, n), &Device::Cpu)?;
         self.run_step(&ids, None, policy.unwrap_or(self.tape_policy()), true, 1.0)
     }
 
@@ -422,9 +424,14 @@ impl<M: CausalLm> Compiled<M> {
         out.push_str(&format!("policy per block: {}\n", blocks.join(", ")));
         out.push_str(&autosp_core::module::describe_tree(&mut self.model));
         out.push_str(&format!(
-            "at N = {}: tape {:.0} bytes per token per layer; predicted per rank: {:.3} GiB after forward, \
+            "at N = {}{}: tape {:.0} bytes per token per layer; predicted per rank: {:.3} GiB after forward, \
              {:.3} GiB peak ({:.0} bytes; fitted through probe steps of {} and {} tokens)\n",
             n,
+            if self.mesh.data > 1 {
+                format!(" tokens per sequence, one sequence per replica ({} replicas)", self.mesh.data)
+            } else {
+                String::new()
+            },
             plan.bytes_per_token_per_layer,
             gib(plan.predicted_after_forward),
             gib(plan.predicted_peak),

@@ -145,7 +145,9 @@ impl<M: CausalLm> Compiled<M> {
     /// One training step on `ids: [b, n]` (u32; every rank passes the whole batch; D data-parallel replicas
     /// each train their `b / D` rows), with optional `labels` (`[b, n]`, -100 ignored; default: the ids).
     /// Returns the global loss and the gradients reduced over the world; apply them with any optimiser (every
-    /// rank applies the same update, or its slice of it when model states are sharded).
+    /// rank applies the same update, or its slice of it when model states are sharded). Targets are weighed
+    /// over the whole world, so a rank or replica whose part holds no valid target contributes zero; a batch
+    /// with no valid target anywhere is [`CompileError::NoTargets`] on every rank (skip it).
     pub fn train_step(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<StepOutput, CompileError> {
         self.run_step(ids, labels, self.tape_policy(), false, 1.0)
     }
@@ -217,7 +219,8 @@ impl<M: CausalLm> Compiled<M> {
     /// a recording tape may run the MLP chunked) but nothing recorded, no backward and no gradients:
     /// held-out evaluation at long context costs one forward pass. The D replicas split the rows when D
     /// divides `b`; otherwise (one held-out sequence on two replicas) each replica scores the whole batch.
-    /// Returns `(mean loss, valid target tokens)`, the same on every rank.
+    /// Returns `(mean loss, valid target tokens)`, the same on every rank; [`CompileError::NoTargets`] on every
+    /// rank when no target is valid.
     pub fn eval_loss(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<(f64, usize), CompileError> {
         let split = ids.dims2()?.0.is_multiple_of(self.mesh.data);
         let LocalBatch { ids_local, positions, targets_local, total, over } = self.local_batch(ids, labels, split)?;
@@ -232,8 +235,9 @@ impl<M: CausalLm> Compiled<M> {
     /// This rank's part of a checked batch: `ids: [b, n]` and optional `labels: [b, n]` -> its replica's rows
     /// (`b / D` of them; all `b` unless `split`) as the local ids `[b / D, n_pad / P]`, their positions, the
     /// local shifted targets `[b / D * n_pad / P]` and the number of valid targets over the ranks that share
-    /// the batch (collective; an error on every rank when none is valid, or when `split` and D does not divide
-    /// `b`).
+    /// the batch (collective). A rank's shard, or a replica's rows, without a valid target adds nothing to the
+    /// sums and weighs nothing; [`CompileError::NoTargets`] on every rank when no rank has one, and an error
+    /// when `split` and D does not divide `b`.
     fn local_batch(&self, ids: &Tensor, labels: Option<&Tensor>, split: bool) -> Result<LocalBatch, CompileError> {
         check_batch(ids, labels, self.model.dims().vocab, 2)?;
         let (b, n) = ids.dims2()?;
@@ -262,7 +266,7 @@ impl<M: CausalLm> Compiled<M> {
         // host data: counted on the host, reduced as a host tensor.
         let total = over.all_reduce(&host_scalar(local_count as f64)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
         if total == 0.0 {
-            return Err(CompileError::Input("every target is ignored (-100): nothing to train on".into()));
+            return Err(CompileError::NoTargets);
         }
         Ok(LocalBatch { ids_local, positions, targets_local, total, over })
     }

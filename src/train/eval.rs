@@ -98,8 +98,8 @@ impl HeldOut {
     }
 
     /// The mean next-token loss over every window's targets (each window scored as a sequence of its own, one
-    /// forward pass each; the mean weighs each window by its targets) and the number of targets (collective:
-    /// every rank calls it).
+    /// forward pass each; the mean weighs each window by its targets, so a window without one is skipped) and
+    /// the number of targets (collective: every rank calls it). An error when no window has a target.
     pub fn evaluate(&self, c: &Compiled<LlamaModel>) -> Result<(f64, usize)> {
         let (mut sum, mut count) = (0.0, 0usize);
         for (k, w) in self.windows().enumerate() {
@@ -112,9 +112,22 @@ impl HeldOut {
                 None => None,
             };
             let ids = Tensor::from_vec(w.to_vec(), (1, w.len()), &Device::Cpu)?;
-            let (loss, targets) = c.eval_loss(&ids, labels.as_ref())?;
+            let (loss, targets) = match c.eval_loss(&ids, labels.as_ref()) {
+                Ok(scored) => scored,
+                // A window without a scored token (a chat window with no assistant token) weighs nothing.
+                Err(crate::CompileError::NoTargets) => continue,
+                Err(e) => return Err(e.into()),
+            };
             sum += loss * targets as f64;
             count += targets;
+        }
+        if count == 0 {
+            return Err(TrainError::Data(format!(
+                "--eval-data {}: none of its {} window(s) holds a token to score (no assistant token in the \
+                 conversations kept): give held-out data with answers, or more --eval-tokens-max",
+                self.source,
+                self.windows().count()
+            )));
         }
         Ok((sum / count as f64, count))
     }

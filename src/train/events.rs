@@ -26,6 +26,15 @@ pub enum Event {
         /// The value found.
         value: f64,
     },
+    /// No window of a step held a trainable target (on any rank): the step was skipped (no update).
+    NoTargets {
+        /// The step (1-based).
+        step: usize,
+        /// Steps of the run.
+        steps: usize,
+        /// Windows the step drew.
+        windows: usize,
+    },
     /// A step's f16 gradients overflowed at loss scale `scale` (its loss was finite): no update, and the
     /// scale is now `halved` ([`super::LossScaling`]).
     Overflow {
@@ -109,6 +118,11 @@ impl fmt::Display for Event {
                 "step {step:>4}/{steps}: skipped, {}: no update (--skip-nonfinite)",
                 Event::nonfinite_reason(what, *step, *value)
             ),
+            Event::NoTargets { step, steps, windows } => write!(
+                f,
+                "step {step:>4}/{steps}: skipped, no trainable target in its {windows} window(s) (no assistant token \
+                 in any): no update"
+            ),
             Event::Overflow { step, steps, scale, halved } => write!(
                 f,
                 "step {step:>4}/{steps}: skipped, f16 gradients overflowed at loss scale {scale}: no update, scale \
@@ -158,6 +172,10 @@ mod tests {
         assert_eq!(
             overflow.to_string(),
             "step    5/50: skipped, f16 gradients overflowed at loss scale 65536: no update, scale now 32768"
+        );
+        assert_eq!(
+            Event::NoTargets { step: 2, steps: 9, windows: 2 }.to_string(),
+            "step    2/9: skipped, no trainable target in its 2 window(s) (no assistant token in any): no update"
         );
         let answers = Answers { right: 4, total: 24, whole: 0 };
         let stage = Event::Stage { len: 256, step: 10, seq_len: 512, answers, samples: 4 };

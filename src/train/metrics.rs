@@ -132,6 +132,10 @@ pub struct Summary {
     pub threads: bool,
     /// Steps skipped for a non-finite loss or gradient norm (`--skip-nonfinite`).
     pub skipped: usize,
+    /// Training windows without a trainable target (they added nothing) and windows drawn in all.
+    pub untrained_windows: (usize, usize),
+    /// Steps skipped because no window of theirs held a trainable target.
+    pub no_target_steps: usize,
     /// The loss scale at the end and the steps skipped for an f16 overflow, when the run scaled its loss.
     pub loss_scale: Option<(f64, usize)>,
     /// On a GPU, each rank's device-memory peak, bytes (`None` on the CPU).
@@ -256,6 +260,19 @@ impl Summary {
         if self.skipped > 0 {
             rows.push(("skipped steps".to_string(), format!("{} (non-finite loss or gradient norm)", self.skipped)));
         }
+        if self.untrained_windows.0 > 0 {
+            let (none, all) = self.untrained_windows;
+            rows.push((
+                "windows without a target".to_string(),
+                format!("{none} of {all} (no assistant token): they added nothing to their steps"),
+            ));
+        }
+        if self.no_target_steps > 0 {
+            rows.push((
+                "steps without a target".to_string(),
+                format!("{} skipped (no window of theirs had a trainable token)", self.no_target_steps),
+            ));
+        }
         if let Some((scale, overflows)) = self.loss_scale {
             rows.push((
                 "loss scale (f16)".to_string(),
@@ -314,6 +331,9 @@ impl Summary {
             "tape_peak_bytes": self.tape_peak.iter().map(|b| *b as u64).collect::<Vec<_>>(),
             "process_peak_bytes": self.heap_peak.iter().map(|b| *b as u64).collect::<Vec<_>>(),
             "skipped": self.skipped,
+            "untrained_windows": self.untrained_windows.0,
+            "windows": self.untrained_windows.1,
+            "no_target_steps": self.no_target_steps,
             "loss_scale": self.loss_scale.map(|l| l.0),
             "overflow_skips": self.loss_scale.map(|l| l.1),
             "device_peak_bytes": self.device_peak.as_ref().map(|d| d.iter().map(|b| *b as u64).collect::<Vec<_>>()),
@@ -344,6 +364,8 @@ mod tests {
             heap_peak: vec![(100u64 << 20) as f64; 2],
             threads: true,
             skipped: 0,
+            untrained_windows: (0, 8),
+            no_target_steps: 0,
             loss_scale: None,
             device_peak: None,
             checkpoint: PathBuf::from("runs/x/step-4"),
@@ -383,6 +405,8 @@ mod tests {
             heap_peak: vec![(1u64 << 20) as f64, (2u64 << 20) as f64],
             tape_peak: vec![0.0, 0.0],
             skipped: 1,
+            untrained_windows: (3, 10),
+            no_target_steps: 1,
             checkpoint: PathBuf::from("c"),
             ..Summary::default()
         };
@@ -391,6 +415,9 @@ mod tests {
         assert!(!t.contains("throughput"), "{t}");
         assert!(t.contains("| process heap peak per rank | [1.0, 2.0] MiB"), "{t}");
         assert!(t.contains("| skipped steps "), "{t}");
+        assert!(t.contains("3 of 10 (no assistant token): they added nothing"), "{t}");
+        assert!(t.contains("| steps without a target | 1 skipped"), "{t}");
+        assert!(!full().table("x").contains("without a target"));
     }
 
     #[test]

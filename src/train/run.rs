@@ -495,6 +495,8 @@ impl Job {
             heap_peak: out.heap_peak,
             threads: self.threads,
             skipped: out.skipped,
+            untrained_windows: (out.untrained_windows, out.windows),
+            no_target_steps: out.no_target_steps,
             loss_scale: out.loss_scale,
             device_peak: out.device_peak,
             checkpoint: out.checkpoint.unwrap_or_default(),

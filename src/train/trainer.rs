@@ -66,6 +66,13 @@ pub struct Outcome {
     pub device_peak: Option<Vec<f64>>,
     /// Steps skipped for a non-finite loss or gradient norm.
     pub skipped: usize,
+    /// Training windows drawn that held no trainable target (a chat window without an assistant token): each
+    /// added nothing to its step's token-weighted sums.
+    pub untrained_windows: usize,
+    /// Windows drawn in all.
+    pub windows: usize,
+    /// Steps skipped because none of their windows held a trainable target (no update).
+    pub no_target_steps: usize,
     /// The loss scale at the end and the steps skipped for an f16 gradient overflow, when the run scales its
     /// loss ([`super::LossScaling`]).
     pub loss_scale: Option<(f64, usize)>,
@@ -317,6 +324,9 @@ impl Trainer {
             heap_peak: vec![0.0; p],
             device_peak: None,
             skipped: 0,
+            untrained_windows: 0,
+            windows: 0,
+            no_target_steps: 0,
             loss_scale: None,
             checkpoint: None,
         };
@@ -331,7 +341,21 @@ impl Trainer {
             let reads = autosp_core::host_read::host_reads();
             // The curriculum's length for this step: seq_len / len sequences of len tokens per micro-batch.
             let len = self.config.curriculum.len_at(self.step, seq_len);
-            let (grads, loss, tape_peak) = self.accumulate(len)?;
+            let batch = self.accumulate(len)?;
+            out.windows += batch.windows;
+            out.untrained_windows += batch.untrained;
+            let Some((grads, loss)) = batch.trained else {
+                // No window of the step had a trainable target, on any rank: nothing to learn, no update.
+                self.step += 1;
+                out.no_target_steps += 1;
+                if rank0 {
+                    observe(Event::NoTargets { step: self.step, steps, windows: batch.windows });
+                    let why = "no trainable target in any window of the step";
+                    self.record(&json!({ "step": self.step, "skipped": why }))?;
+                }
+                continue;
+            };
+            let tape_peak = batch.tape_peak;
             if self.step == self.first_step {
                 if let Some(f) = self.config.dump_grads.clone() {
                     // Whole gradients (gathered from every rank's slices when sharded: collective).
@@ -440,12 +464,16 @@ impl Trainer {
 
     /// One step's micro-batches at sequence length `len`: the gradients (token-weighted mean), the loss (the
     /// same mean) and the tape's peak bytes. Each micro-batch holds `seq_len / len` sequences per data-parallel
-    /// replica, every replica its own (every rank draws them all; the compiled step takes its replica's).
-    fn accumulate(&mut self, len: usize) -> Result<(Gradients, f64, usize)> {
+    /// replica, every replica its own (every rank draws them all; the compiled step takes its replica's). A
+    /// window without a trainable target weighs nothing; a micro-batch with none anywhere is left out (every
+    /// rank learns that alike from the step's target count), and a step with none at all trains nothing.
+    fn accumulate(&mut self, len: usize) -> Result<Accumulated> {
         let (seq_len, micro) = (self.config.seq_len, self.config.micro_batches);
         let replicas = self.compiled.mesh().data;
         let mut grads = Gradients::new();
         let (mut loss_sum, mut count, mut tape_peak) = (0f64, 0usize, 0usize);
+        let (mut windows, mut untrained) = (0usize, 0usize);
+        let answers_only = self.stream.answers_only();
         // LoRA's dropout masks follow the step, so a resumed run draws the ones an uninterrupted run drew.
         autosp_core::lora::seed_dropout(self.compiled.model(), self.step as u64);
         for _ in 0..micro {
@@ -453,18 +481,26 @@ impl Trainer {
             for _ in 0..replicas * seq_len / len {
                 let s = self.stream.next(len)?;
                 self.drawn += 1;
+                windows += 1;
+                untrained += usize::from(answers_only && s.answers.is_empty());
                 labels.extend(s.answer_labels());
                 ids.extend(s.ids);
             }
             let rows = replicas * seq_len / len;
-            let labels = match self.stream.answers_only() {
+            let labels = match answers_only {
                 true => Some(Tensor::from_vec(labels, (rows, len), &Device::Cpu)?),
                 false => None,
             };
             let ids = Tensor::from_vec(ids, (rows, len), &Device::Cpu)?;
             let out = match self.scaler {
-                Some(s) => self.compiled.train_step_scaled(&ids, labels.as_ref(), s.scale())?,
-                None => self.compiled.train_step(&ids, labels.as_ref())?,
+                Some(s) => self.compiled.train_step_scaled(&ids, labels.as_ref(), s.scale()),
+                None => self.compiled.train_step(&ids, labels.as_ref()),
+            };
+            let out = match out {
+                Ok(out) => out,
+                // Every rank gets this alike (the target count is reduced before any forward pass).
+                Err(crate::CompileError::NoTargets) => continue,
+                Err(e) => return Err(e.into()),
             };
             tape_peak = tape_peak.max(out.peak_bytes);
             if micro == 1 {
@@ -481,13 +517,18 @@ impl Trainer {
             loss_sum += out.loss * out.valid_tokens as f64;
             count += out.valid_tokens;
         }
+        if count == 0 {
+            return Ok(Accumulated { trained: None, tape_peak, windows, untrained });
+        }
         if micro > 1 {
             grads.scale(1.0 / count as f64)?;
         }
-        Ok((grads, loss_sum / count as f64, tape_peak))
+        Ok(Accumulated { trained: Some((grads, loss_sum / count as f64)), tape_peak, windows, untrained })
     }
 
-    /// Writes `grads` (HF names, f32) as safetensors to `path`.
+    /// Writes `grads` (f32) as safetensors to `path` under the checkpoint's own tensor names, as transformers'
+    /// `named_parameters` has them: Phi-3's split projections fused back into `qkv_proj` and `gate_up_proj`
+    /// (`autosp_models::fused`; a fused weight's gradient is its parts' gradients stacked).
     fn dump_grads(&self, grads: &Gradients, path: &std::path::Path) -> Result<()> {
         let named: HashMap<String, Tensor> = self
             .params
@@ -495,6 +536,7 @@ impl Trainer {
             .filter_map(|p| grads.get(p).map(|g| (p.name().to_string(), g.to_dtype(DType::F32))))
             .map(|(n, g)| g.map(|g| (n, g)))
             .collect::<candle_core::Result<_>>()?;
+        let named = autosp_models::fused::fuse(&self.compiled.model().config, &named)?;
         candle_core::safetensors::save(&named, path).map_err(|cause| TrainError::Tensors {
             what: format!("writing --dump-grads {}", path.display()),
             cause: Box::new(cause),
@@ -536,6 +578,18 @@ impl Trainer {
         }
         Ok(())
     }
+}
+
+/// One step's micro-batches, run ([`Trainer::accumulate`]).
+struct Accumulated {
+    /// The gradients and the loss (token-weighted means), or `None` when no window had a trainable target.
+    trained: Option<(Gradients, f64)>,
+    /// The tape's peak bytes over the micro-batches.
+    tape_peak: usize,
+    /// Windows drawn.
+    windows: usize,
+    /// Windows drawn without a trainable target.
+    untrained: usize,
 }
 
 /// Gathers `values` from every rank (f64, exact for byte counts) to every rank: `[rank][i]`.

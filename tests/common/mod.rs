@@ -27,9 +27,17 @@ fn flat(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()
 }
 
+/// A function making the batch `(ids [1, n], labels [1, n])` of `n` tokens for a vocabulary.
+pub type MakeBatch = fn(usize, usize) -> (Tensor, Tensor);
+
 /// The uncompiled model trained one step on one rank.
 pub fn reference<M: CausalLm>(model: M, n: usize) -> Outcome {
-    let (ids, labels) = batch(n, model.dims().vocab);
+    reference_on(model, n, batch)
+}
+
+/// [`reference`] on the batch `make_batch` makes.
+pub fn reference_on<M: CausalLm>(model: M, n: usize, make_batch: MakeBatch) -> Outcome {
+    let (ids, labels) = make_batch(n, model.dims().vocab);
     let labels = labels.to_vec2::<i64>().unwrap().remove(0);
     let mut targets: Vec<i64> = labels[1..].to_vec();
     targets.push(-100);
@@ -69,11 +77,28 @@ where
     M: CausalLm + 'static,
     F: Fn() -> M + Send + Sync + 'static,
 {
+    compiled_on(make, p, n, strategy, policy, dtype, batch)
+}
+
+/// [`compiled_in`] on the batch `make_batch` makes.
+pub fn compiled_on<M, F>(
+    make: F,
+    p: usize,
+    n: usize,
+    strategy: Strategy,
+    policy: CheckpointPolicy,
+    dtype: DType,
+    make_batch: MakeBatch,
+) -> Outcome
+where
+    M: CausalLm + 'static,
+    F: Fn() -> M + Send + Sync + 'static,
+{
     let make = std::sync::Arc::new(make);
     let out = run_ranks(p, std::time::Duration::from_secs(60), move |pg| {
         let cfg = CompileConfig::new(pg, strategy, Checkpointing::Policy(policy)).with_dtype(dtype);
         let c = compile(make(), cfg).map_err(|e| e.to_string())?;
-        let (ids, labels) = batch(n, c.model().dims().vocab);
+        let (ids, labels) = make_batch(n, c.model().dims().vocab);
         let step = c.train_step(&ids, Some(&labels)).map_err(|e| e.to_string())?;
         let params = c.params();
         // Thread ranks shard the optimizer state by default: the step hands out slices; compare whole ones.
