@@ -132,6 +132,13 @@ impl ChatTemplate {
     /// no special tokens added beyond the template's) and, per token, whether it is the assistant's (see the
     /// module doc). Fails when the template renders an earlier turn differently once later ones follow.
     pub fn encode(&self, tok: &Tokenizer, messages: &[Value]) -> Result<(Vec<u32>, Vec<bool>)> {
+        let c = self.encode_conversation(tok, messages)?;
+        Ok((c.ids, c.trained))
+    }
+
+    /// [`encode`](Self::encode), with the lengths of the conversation's opening and of the template's start
+    /// (what a window keeps when a conversation longer than it is cut on the left).
+    pub fn encode_conversation(&self, tok: &Tokenizer, messages: &[Value]) -> Result<EncodedConversation> {
         let full = self.render(messages, false)?;
         let mut spans = Vec::new();
         for (i, m) in messages.iter().enumerate() {
@@ -156,9 +163,66 @@ impl ChatTemplate {
         let enc = tok
             .encode(full.as_str(), false)
             .map_err(|e| Error::Tokenizer { source_name: "encode".into(), message: e.to_string() })?;
-        let trained = enc.get_offsets().iter().map(|&(s, e)| spans.iter().any(|&(a, b)| s < b && e > a)).collect();
-        Ok((enc.get_ids().to_vec(), trained))
+        let offsets = enc.get_offsets();
+        let trained = offsets.iter().map(|&(s, e)| spans.iter().any(|&(a, b)| s < b && e > a)).collect();
+        let start_chars = self.start_of(&full);
+        let opening_chars = self.opening_of(messages, &full).max(start_chars);
+        // Whole tokens only: those that end within the text.
+        let tokens_within = |chars: usize| offsets.iter().take_while(|&&(_, e)| e <= chars).count();
+        Ok(EncodedConversation {
+            ids: enc.get_ids().to_vec(),
+            trained,
+            opening: tokens_within(opening_chars),
+            start: tokens_within(start_chars),
+        })
     }
+
+    /// The length of the template's own start in `full` (a rendered conversation): what it renders for no
+    /// messages when `full` begins with that, else its BOS text when `full` begins with it, else 0.
+    fn start_of(&self, full: &str) -> usize {
+        match self.render(&[], false) {
+            Ok(empty) if !empty.is_empty() && full.starts_with(&empty) => empty.len(),
+            _ if !self.bos_token.is_empty() && full.starts_with(&self.bos_token) => self.bos_token.len(),
+            _ => 0,
+        }
+    }
+
+    /// The length of what `full` (the rendering of `messages`) holds before the first non-system message's
+    /// content: the part it shares with the rendering of the conversation with that content emptied (0 when
+    /// that does not render).
+    fn opening_of(&self, messages: &[Value], full: &str) -> usize {
+        let Some(j) = messages.iter().position(|m| m.get("role").and_then(Value::as_str) != Some("system")) else {
+            return 0;
+        };
+        let mut probe = messages.to_vec();
+        if let Some(m) = probe[j].as_object_mut() {
+            m.insert("content".into(), Value::String(String::new()));
+        }
+        let Ok(other) = self.render(&probe, false) else { return 0 };
+        let mut common = 0;
+        for ((i, a), b) in full.char_indices().zip(other.chars()) {
+            if a != b {
+                break;
+            }
+            common = i + a.len_utf8();
+        }
+        common
+    }
+}
+
+/// A conversation rendered and tokenised by [`ChatTemplate::encode_conversation`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EncodedConversation {
+    /// Its token ids.
+    pub ids: Vec<u32>,
+    /// Per token, whether it is the assistant's (trains).
+    pub trained: Vec<bool>,
+    /// How many leading tokens are its opening: everything rendered before the first non-system message's
+    /// content (the template's start, the system turn, the conversation's or the template's default, and that
+    /// message's header). Never fewer than `start`.
+    pub opening: usize,
+    /// How many leading tokens are the template's own start (its BOS, or what it renders for no messages).
+    pub start: usize,
 }
 
 #[cfg(test)]

@@ -44,7 +44,7 @@ impl SaveLock {
                 .open(&path)
                 .io(|| format!("--save {}: opening the lock file {}", root.display(), path.display()))
                 .map_err(cleanup)?;
-            if !try_lock(&file).map_err(cleanup)? {
+            if !try_lock(&file, "the checkpoint directory").map_err(cleanup)? {
                 let mut owner = String::new();
                 let _ = (&file).read_to_string(&mut owner);
                 let owner = owner.trim();
@@ -83,9 +83,10 @@ impl Drop for SaveLock {
     }
 }
 
-/// Takes an exclusive `flock` on `file` without waiting: `Ok(false)` when another process holds it. Where
-/// `flock` does not exist every lock succeeds (one run at a time is then up to the user).
-fn try_lock(file: &std::fs::File) -> Result<bool> {
+/// Takes an exclusive `flock` on `file` (the lock of `what`, for the error) without waiting: `Ok(false)` when
+/// another process holds it. Where `flock` does not exist every lock succeeds (one run at a time is then up to
+/// the user).
+pub(crate) fn try_lock(file: &std::fs::File, what: &str) -> Result<bool> {
     #[cfg(unix)]
     {
         use std::os::unix::io::AsRawFd;
@@ -97,17 +98,17 @@ fn try_lock(file: &std::fs::File) -> Result<bool> {
         if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
             return Ok(false);
         }
-        Err(TrainError::io("locking the checkpoint directory", e))
+        Err(TrainError::io(format!("locking {what}"), e))
     }
     #[cfg(not(unix))]
     {
-        let _ = file;
+        let _ = (file, what);
         Ok(true)
     }
 }
 
 /// Whether the open `file` is still the file at `path` (not unlinked or replaced since it was opened).
-fn same_file(file: &std::fs::File, path: &Path) -> bool {
+pub(crate) fn same_file(file: &std::fs::File, path: &Path) -> bool {
     #[cfg(unix)]
     {
         use std::os::unix::fs::MetadataExt;
