@@ -212,13 +212,24 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
     };
     let gemma = model_type == ModelType::Gemma3;
     let layer_types = match (gemma, window) {
-        // llama.cpp's Gemma 3: every 6th layer global, the others sliding (set_swa_pattern(6)).
-        (true, _) => LayerType::every_nth_global(layers, 6),
+        // llama.cpp's Gemma 3 with a window: `attention.sliding_window_pattern` (a per-layer array of "is
+        // sliding", or N: every N-th layer global), else every 6th layer global (its `load_swa_pattern(ml, 6)`).
+        (true, Some(_)) => gemma_layer_types(&m, &key("attention.sliding_window_pattern"), layers)?,
         (false, Some(_)) => vec![LayerType::Sliding; layers],
-        (false, None) => vec![LayerType::Full; layers],
+        // No window written (the converter's `sliding_window_pattern == 1`): every layer global.
+        (_, None) => vec![LayerType::Full; layers],
     };
+    if let Some(cap) = m.num(&key("final_logit_softcapping"))? {
+        if cap != 0.0 {
+            return Err(m.err(format!(
+                "{} = {cap}: logit soft-capping is not implemented; use a model without it",
+                key("final_logit_softcapping")
+            )));
+        }
+    }
     // llama.cpp's Gemma 3 softmax scale: 1/sqrt(hidden / heads) for the 27B (62 layers), 1/sqrt(head_dim) for
-    // the others; its sliding layers' RoPE base is 10^4, unscaled. Neither is in the file.
+    // the others (not in the file); its sliding layers' RoPE base is `rope.freq_base_swa` (written by newer
+    // converters), else 10^4, unscaled.
     let query_pre_attn_scalar = gemma.then(|| if layers == 62 { (hidden / heads) as f64 } else { head_dim as f64 });
     let tok_id = |k: &str| -> Result<Option<u32>> { Ok(m.num(k)?.map(|x| x as u32)) };
     Ok(LlamaConfig {
@@ -246,8 +257,34 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
         sliding_window: window,
         layer_types,
         query_pre_attn_scalar,
-        rope_local_theta: gemma.then_some(10_000.0),
+        rope_local_theta: match gemma {
+            true => Some(m.num(&key("rope.freq_base_swa"))?.unwrap_or(10_000.0)),
+            false => None,
+        },
     })
+}
+
+/// Gemma 3's layer types from `key` (`gemma3.attention.sliding_window_pattern`) as llama.cpp reads it: an
+/// array of booleans (true: sliding) per layer, or a number N (every N-th layer global); absent: N = 6.
+fn gemma_layer_types(m: &Meta, key: &str, layers: usize) -> Result<Vec<LayerType>> {
+    if let Some(Value::Array(flags)) = m.get(key) {
+        if flags.len() != layers {
+            return Err(m.err(format!("`{key}` has {} entries for {layers} layers", flags.len())));
+        }
+        return flags
+            .iter()
+            .map(|f| match f {
+                Value::Bool(true) => Ok(LayerType::Sliding),
+                Value::Bool(false) => Ok(LayerType::Full),
+                other => Err(m.err(format!("`{key}` holds {other:?}, not a boolean"))),
+            })
+            .collect();
+    }
+    match m.num(key)?.map_or(6, |n| n as usize) {
+        // llama.cpp's `set_swa_pattern(0)`: every layer sliding.
+        0 => Ok(vec![LayerType::Sliding; layers]),
+        every => Ok(LayerType::every_nth_global(layers, every)),
+    }
 }
 
 /// Imports a llama, qwen2, qwen3, phi3 or gemma3 GGUF file: config, dequantised weights in `dtype` on `device`
@@ -264,9 +301,8 @@ pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufMod
     names.sort();
     let mut weights = HashMap::new();
     for gguf_name in names {
-        let permuted = config.model_type == ModelType::Llama;
         let (heads, kv_heads) = (config.num_attention_heads, config.num_key_value_heads);
-        let named = family_hf_name(config.model_type, gguf_name, heads, kv_heads, permuted);
+        let named = family_hf_name(config.model_type, gguf_name, heads, kv_heads);
         let hf = named.ok_or_else(|| Error::UnexpectedTensor {
             name: gguf_name.clone(),
             found: ct.tensor_infos[gguf_name].shape.dims().to_vec(),
