@@ -79,25 +79,135 @@ fn the_token_cache_packs_or_truncates_conversations_with_their_masks() {
         seq_len,
     };
     let cases = golden();
-    let packed = Corpus::prepare(&data, &t(ChatLayout::Pack, 32)).unwrap();
+    let lens: Vec<usize> = cases.iter().map(|g| g.ids.len()).collect();
+    assert_eq!(lens, [51, 64, 65]);
+    // Packed in 128-token windows: the first two fill 115 of the first window; the third does not fit in the
+    // 13 left, so they are padded with EOS (untrained) and it starts the second window.
+    let packed = Corpus::prepare(&data, &t(ChatLayout::Pack, 128)).unwrap();
     assert!(packed.chat);
+    assert_eq!((packed.tokens, packed.windows(128)), (256, 2));
     let (ids, trained) = packed.read(0, 10_000).unwrap();
-    assert_eq!(ids, cases.iter().flat_map(|g| g.ids.clone()).collect::<Vec<_>>());
-    assert_eq!(trained, cases.iter().flat_map(|g| g.mask.clone()).collect::<Vec<_>>());
+    let pad = |n: usize| (vec![2u32; n], vec![false; n]);
+    let want: Vec<(Vec<u32>, Vec<bool>)> = vec![
+        (cases[0].ids.clone(), cases[0].mask.clone()),
+        (cases[1].ids.clone(), cases[1].mask.clone()),
+        pad(13),
+        (cases[2].ids.clone(), cases[2].mask.clone()),
+        pad(63),
+    ];
+    assert_eq!(ids, want.iter().flat_map(|w| w.0.clone()).collect::<Vec<_>>());
+    assert_eq!(trained, want.iter().flat_map(|w| w.1.clone()).collect::<Vec<_>>());
     // A window's answers are its trained positions.
-    let (_, answers) = packed.window(1, 32).unwrap();
-    let want: Vec<usize> = (0..32).filter(|&k| trained[32 + k]).collect();
+    let (_, answers) = packed.window(1, 128).unwrap();
+    let want: Vec<usize> = (0..128).filter(|&k| trained[128 + k]).collect();
     assert_eq!(answers, want);
-    // Truncated: each conversation starts a window of its own, cut at 48 tokens or padded with EOS (untrained).
-    let cut = Corpus::prepare(&data, &t(ChatLayout::Truncate, 48)).unwrap();
+    // Truncated: each conversation in a window of its own, padded with EOS (untrained).
+    let cut = Corpus::prepare(&data, &t(ChatLayout::Truncate, 72)).unwrap();
     assert_ne!(cut.path, packed.path, "the layout is part of the cache key");
-    assert_eq!(cut.windows(48), 3);
+    assert_eq!(cut.windows(72), 3);
     for (k, g) in cases.iter().enumerate() {
-        let (ids, trained) = cut.read((k * 48) as u64, 48).unwrap();
-        let n = g.ids.len().min(48);
-        assert_eq!(ids[..n], g.ids[..n]);
-        assert_eq!(trained[..n], g.mask[..n]);
+        let (ids, trained) = cut.read((k * 72) as u64, 72).unwrap();
+        let n = g.ids.len();
+        assert_eq!(ids[..n], g.ids[..]);
+        assert_eq!(trained[..n], g.mask[..]);
         assert!(ids[n..].iter().all(|&x| x == 2) && trained[n..].iter().all(|&x| !x));
+    }
+}
+
+/// A conversation of `words` words of context in the user turn (a long document) before a question, then
+/// the answer.
+fn long_conversation(words: usize) -> serde_json::Value {
+    let doc: Vec<&str> =
+        ["the", "river", "runs", "past", "the", "old", "mill"].iter().copied().cycle().take(words).collect();
+    serde_json::json!({"messages": [
+        {"role": "user", "content": format!("{}. What is the capital of France?", doc.join(" "))},
+        {"role": "assistant", "content": "The capital of France is Paris."},
+    ]})
+}
+
+/// Whether each window of `corpus` (of `seq_len`) holds whole conversations of `convs` (each as `fit` lays it
+/// out: `convs[k]` is the ids and mask it must appear as), in order, then only untrained EOS: none straddles.
+fn assert_whole_conversations(corpus: &Corpus, seq_len: usize, convs: &[(Vec<u32>, Vec<bool>)]) {
+    let mut next = 0;
+    for w in 0..corpus.windows(seq_len) {
+        let (ids, trained) = corpus.read((w * seq_len) as u64, seq_len).unwrap();
+        let mut at = 0;
+        while next < convs.len() {
+            let (c, m) = &convs[next];
+            if at + c.len() > seq_len || ids[at..at + c.len()] != c[..] {
+                break;
+            }
+            assert_eq!(trained[at..at + c.len()], m[..], "window {w}: conversation {next}'s mask");
+            at += c.len();
+            next += 1;
+        }
+        assert!(at > 0, "window {w} starts with no whole conversation (conversation {next} straddles?)");
+        assert!(
+            ids[at..].iter().all(|&x| x == 2) && trained[at..].iter().all(|&x| !x),
+            "window {w}: after its whole conversations only padding, from {at}: {:?}",
+            &ids[at..]
+        );
+    }
+    assert_eq!(next, convs.len(), "every conversation laid out, in order");
+}
+
+#[test]
+fn a_conversation_longer_than_the_window_keeps_its_opening_and_its_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let template = ChatTemplate::beside_tokenizer(&fixture().join("tokenizer.json")).unwrap().unwrap();
+    let tok = load_tokenizer(&fixture().join("tokenizer.json")).unwrap();
+    let json = std::fs::read_to_string(fixture().join("tokenizer.json")).unwrap();
+    let seq_len = 128;
+    let long = long_conversation(300);
+    let full = template.encode_conversation(&tok, long["messages"].as_array().unwrap()).unwrap();
+    assert!(full.ids.len() > 2 * seq_len, "{} tokens", full.ids.len());
+    // The answer: the trained tokens of the whole conversation (its only assistant turn, with its end of turn).
+    let answer: Vec<u32> = full.ids.iter().zip(&full.trained).filter(|(_, &t)| t).map(|(&i, _)| i).collect();
+    assert!(tok.decode(&answer, false).unwrap().starts_with("The capital of France is Paris."));
+    // The opening: the default system turn and the user turn's header, up to its content.
+    let opening = tok.decode(&full.ids[..full.opening], false).unwrap();
+    assert!(
+        opening.starts_with("<|im_start|>system\nYou are a helpful") && opening.ends_with("<|im_start|>user\n"),
+        "{opening:?}"
+    );
+    // The long conversation first, then the fixture's (short) ones.
+    let data = dir.path().join("chat.jsonl");
+    let rest = std::fs::read_to_string(fixture().join("conversations.jsonl")).unwrap();
+    std::fs::write(&data, format!("{long}\n{rest}")).unwrap();
+    let t = |layout| Tokenising {
+        tokenizer: &tok,
+        tokenizer_json: &json,
+        template: Some(&template),
+        eos: Some(2),
+        layout,
+        seq_len,
+    };
+    let cases = golden();
+    for layout in [ChatLayout::Truncate, ChatLayout::Pack] {
+        let corpus = Corpus::prepare(&data, &t(layout)).unwrap();
+        let (ids, answers) = corpus.window(0, seq_len).unwrap();
+        // The window's trainable tokens are the answer's, whole, at its end; it starts with the opening and
+        // holds as much of the document and the question as fits between.
+        let trained_ids: Vec<u32> = answers.iter().map(|&k| ids[k]).collect();
+        assert_eq!(trained_ids, answer, "{layout:?}: the window trains the answer");
+        assert_eq!(*answers.last().unwrap(), seq_len - 1, "{layout:?}: the answer ends the window");
+        assert_eq!(ids[..full.opening], full.ids[..full.opening], "{layout:?}: the opening is kept");
+        let tail = seq_len - full.opening;
+        assert_eq!(ids[full.opening..], full.ids[full.ids.len() - tail..], "{layout:?}: the end is kept");
+        let text = tok.decode(&ids, false).unwrap();
+        assert!(
+            text.contains("the old. What is the capital of France?<|im_end|>\n<|im_start|>assistant\nThe capital"),
+            "{layout:?}: {text}"
+        );
+        // Every window holds whole conversations: the long one cut, the fixture's (51, 64 and 65 tokens) as
+        // they are; packed, the first two share a window.
+        let (_, trained) = corpus.read(0, seq_len).unwrap();
+        let fitted: Vec<(Vec<u32>, Vec<bool>)> = std::iter::once((ids.clone(), trained))
+            .chain(cases.iter().map(|g| (g.ids.clone(), g.mask.clone())))
+            .collect();
+        assert_whole_conversations(&corpus, seq_len, &fitted);
+        let windows = if layout == ChatLayout::Pack { 3 } else { 4 };
+        assert_eq!(corpus.windows(seq_len), windows, "{layout:?}");
     }
 }
 
@@ -169,4 +279,39 @@ fn llama_longctx_fine_tunes_on_conversations_with_lora() {
     again[j] = s(&metrics2);
     run_ok(t, &again);
     assert_eq!(losses(&metrics2), l);
+}
+
+#[test]
+fn a_chat_run_whose_first_conversation_is_longer_than_the_window_trains_to_the_end() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let model = chat_model(t);
+    let data = t.join("chat.jsonl");
+    let rest = std::fs::read_to_string(fixture().join("conversations.jsonl")).unwrap();
+    std::fs::write(&data, format!("{}\n{}", long_conversation(300), rest.repeat(2))).unwrap();
+    for layout in ["truncate", "pack"] {
+        let metrics = t.join(format!("{layout}.jsonl"));
+        let args = [
+            "--model",
+            s(&model),
+            "--data",
+            s(&data),
+            "--chat-layout",
+            layout,
+            "--seq-len",
+            "128",
+            "--steps",
+            "4",
+            "--lr",
+            "1e-3",
+            "--warmup",
+            "1",
+            "--metrics",
+            s(&metrics),
+        ];
+        let out = run_ok(t, &args);
+        let l = losses(&metrics);
+        assert_eq!(l.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 2, 3, 4], "{layout}: every step trains\n{out}");
+        assert!(l.iter().all(|x| x.1.is_finite() && x.1 > 0.0), "{layout}: {l:?}");
+    }
 }

@@ -101,16 +101,18 @@ pub struct Args {
     /// length curriculum), `passkey` (synthetic passkey retrieval), a JSONL file with a "text" field per line
     /// (documents, each with the BOS the tokenizer adds and an EOS after it, packed to --seq-len), a JSONL file
     /// with a "messages" list per line (conversations rendered with the model's chat template; only the
-    /// assistant's tokens train; see --chat-layout), a plain text file (one document), or `ids:FILE`
-    /// (whitespace-separated token ids, used as they are). Text is tokenised once into a cache file beside the
-    /// data (`.NAME.autosp-KEY.tokens`, remade when the data, tokenizer or template change) and read a window at
-    /// a time.
+    /// assistant's tokens train; see --chat-layout), a plain text file of any size (documents separated by blank
+    /// lines, each like a "text" line), or `ids:FILE` (whitespace-separated token ids, used as they are). Text is
+    /// tokenised once, streamed, into a cache file beside the data (`.NAME.autosp-KEY.tokens`, remade when the
+    /// data, tokenizer or template change; one process tokenises, the others wait for it) and read a window at a
+    /// time.
     #[arg(long, default_value = "needles")]
     pub data: String,
 
     /// How conversations (`--data` JSONL with "messages") fill the --seq-len windows: `pack` (one after
-    /// another; a conversation may span two windows) or `truncate` (one per window, cut at --seq-len, padded
-    /// with the model's EOS, which does not train).
+    /// another, none straddling two windows: the rest of a window is padded with the model's EOS, which does
+    /// not train) or `truncate` (one per window, padded). One longer than a window keeps its end (the last
+    /// answer and as much context before it as fits) after its opening (the template's start, the system turn).
     #[arg(long, default_value = "pack")]
     pub chat_layout: autosp::train::corpus::ChatLayout,
 
