@@ -8,7 +8,7 @@
 //!   and the data is not hashed whole; otherwise it is, and a cache of that hash is used (or made);
 //! - `.{name}.autosp-{S}.lock`: `flock`ed by the process that hashes and tokenises, which writes its progress
 //!   into it; the others wait, saying what for. The OS releases the lock when its holder dies, and the next
-//!   process then does the work itself.
+//!   process then does the work itself (removing the `.{name}.autosp-{S}.*.partial-*` files it left).
 
 use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
@@ -55,9 +55,21 @@ impl CacheFiles {
         self.dir.join(format!("{}{key:016x}.tokens", self.prefix))
     }
 
-    /// Where the cache of `key` is written before it is renamed into place.
-    pub fn partial(&self, key: u64) -> PathBuf {
-        self.dir.join(format!("{}{key:016x}.tokens.partial-{}", self.prefix, std::process::id()))
+    /// Where a cache is written (under the lock) before it is renamed into place.
+    pub fn partial(&self) -> PathBuf {
+        self.dir.join(format!("{}{:016x}.tokens.partial-{}", self.prefix, self.settings, std::process::id()))
+    }
+
+    /// Removes what a holder of the lock that died left half written (only a holder writes these).
+    fn remove_stale_partials(&self) {
+        let start = format!("{}{:016x}.", self.prefix, self.settings);
+        let Ok(entries) = std::fs::read_dir(&self.dir) else { return };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.starts_with(&start) && name.contains(".partial-") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
     }
 
     fn index(&self) -> PathBuf {
@@ -141,6 +153,7 @@ impl CacheFiles {
                     spoke: false,
                 };
                 lock.write(&format!("process {} is hashing the data", std::process::id()));
+                self.remove_stale_partials();
                 return Ok(lock);
             }
             if said.is_none_or(|t| t.elapsed() >= REPORT_EVERY) {

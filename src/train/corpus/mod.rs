@@ -119,7 +119,7 @@ impl Corpus {
             files.record(&stamp, &hash, &path, tokens)?;
             return Ok(Self { tokens, path, chat, fresh: false });
         }
-        let tmp = files.partial(key);
+        let tmp = files.partial();
         let written = tokenise::write_cache(data, kind, t, &tmp, |done| lock.progress(done, stamp.bytes));
         let tokens = match written {
             Ok(n) => n,
@@ -306,6 +306,9 @@ mod tests {
         let t = tokenising(&tok, "another tokenizer");
         let files = CacheFiles::new(&data, settings_key(Kind::Plain, &t));
         let held = files.lock_for_tokenising().unwrap();
+        // What it had half written when it died.
+        let stale = files.partial();
+        std::fs::write(&stale, "half").unwrap();
         let done = std::sync::atomic::AtomicBool::new(false);
         std::thread::scope(|s| {
             let waiter = s.spawn(|| {
@@ -318,6 +321,7 @@ mod tests {
             drop(held);
             let c = waiter.join().unwrap();
             assert!(c.fresh && c.tokens == 160_000);
+            assert!(!stale.exists(), "the dead holder's partial file is removed");
         });
     }
 }
