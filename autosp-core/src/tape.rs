@@ -70,6 +70,8 @@ pub(crate) struct Inner {
     pub(crate) replayed: HashMap<usize, Tensor>,
     /// The caller checked the token ids and targets on the host ([`Tape::inputs_checked`]).
     pub(crate) inputs_checked: bool,
+    /// The length of the whole sequence this forward is part of ([`Tape::sequence_length`]).
+    pub(crate) sequence_length: Option<usize>,
 }
 
 /// A reverse-mode autodiff tape over candle tensors, with checkpoint regions.
@@ -126,6 +128,7 @@ impl Tape {
                 replay_region: None,
                 replayed: HashMap::new(),
                 inputs_checked: false,
+                sequence_length: None,
             }),
         }
     }
@@ -142,6 +145,20 @@ impl Tape {
     /// Whether the caller checked the ids and targets ([`set_inputs_checked`](Self::set_inputs_checked)).
     pub fn inputs_checked(&self) -> bool {
         self.inner.borrow().inputs_checked
+    }
+
+    /// Declares the length of the whole sequence the forward on this tape is part of: its real tokens
+    /// (largest position + 1, without the padding a step adds), over every rank of the sequence-parallel
+    /// group. A rank sees only its shard's positions; a model whose positions depend on the length (RoPE's
+    /// `dynamic` and `longrope` scalings) reads it here. The compiled step sets it for every forward.
+    pub fn set_sequence_length(&self, len: usize) {
+        self.inner.borrow_mut().sequence_length = Some(len);
+    }
+
+    /// The length [`set_sequence_length`](Self::set_sequence_length) declared, if any (a model then falls
+    /// back to its own positions: largest + 1).
+    pub fn sequence_length(&self) -> Option<usize> {
+        self.inner.borrow().sequence_length
     }
 
     /// Whether a gradient flows to `v` on this tape: it records, tracks `v`, and `v` is not a frozen leaf

@@ -98,14 +98,7 @@ impl ModelType {
     }
 }
 
-/// RoPE frequency scaling, as HF transformers' `rope_scaling` / `rope_parameters`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum RopeScaling {
-    /// Positions divided by `factor` (every inverse frequency divided by `factor`).
-    Linear { factor: f64 },
-    /// Llama 3.1 scaling: low frequencies divided by `factor`, high ones kept, a smooth blend between.
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
-}
+pub use crate::rope::RopeScaling;
 
 /// The attention of one decoder layer, as HF's `layer_types` names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -259,8 +252,14 @@ fn dtype_name(d: DType) -> &'static str {
     }
 }
 
-/// Parses `rope_scaling` (old) or `rope_parameters` (new) into the theta (new spelling only) and scaling.
-fn parse_rope(f: &Fields, field: &str, v: &Value) -> Result<(Option<f64>, Option<RopeScaling>)> {
+/// Parses `rope_scaling` (old) or `rope_parameters` (new) at `field` into the theta (new spelling only) and
+/// the scaling ([`crate::rope`] reads each type).
+fn parse_rope(
+    f: &Fields,
+    field: &str,
+    v: &Value,
+    ctx: &crate::rope::ScalingContext,
+) -> Result<(Option<f64>, Option<RopeScaling>)> {
     let obj = v.as_object().ok_or_else(|| f.invalid(field, v, "expected an object"))?;
     let sub = Fields { obj, path: f.path };
     let theta = sub.f64_opt("rope_theta")?;
@@ -274,32 +273,7 @@ fn parse_rope(f: &Fields, field: &str, v: &Value) -> Result<(Option<f64>, Option
             });
         }
     }
-    let ty = sub
-        .get("rope_type")
-        .or_else(|| sub.get("type"))
-        .map(|t| t.as_str().unwrap_or("").to_string())
-        .unwrap_or_else(|| "default".to_string());
-    let need = |name: &str| -> Result<f64> {
-        sub.f64_opt(name)?
-            .ok_or_else(|| Error::MissingField { path: f.path.to_path_buf(), field: format!("{field}.{name}") })
-    };
-    let scaling = match ty.as_str() {
-        "default" => None,
-        "linear" => Some(RopeScaling::Linear { factor: need("factor")? }),
-        "llama3" => Some(RopeScaling::Llama3 {
-            factor: need("factor")?,
-            low_freq_factor: need("low_freq_factor")?,
-            high_freq_factor: need("high_freq_factor")?,
-            original_max_position_embeddings: need("original_max_position_embeddings")? as usize,
-        }),
-        other => {
-            return Err(Error::UnknownRopeType {
-                path: f.path.to_path_buf(),
-                field: field.into(),
-                rope_type: other.into(),
-            })
-        }
-    };
+    let scaling = crate::rope::parse_scaling(&crate::rope::Params::new(obj, f.path, field), ctx)?;
     Ok((theta, scaling))
 }
 
@@ -490,6 +464,13 @@ impl LlamaConfig {
         // RoPE: new spelling `rope_parameters` (theta inside), old `rope_theta` + `rope_scaling`; Gemma 3's
         // new spelling has one set per layer type, its old one `rope_local_base_freq` for the sliding layers.
         let gemma = model_type == ModelType::Gemma3;
+        let max_position_embeddings = f.usize_opt("max_position_embeddings")?.unwrap_or(4096);
+        let ctx = crate::rope::ScalingContext {
+            model_type,
+            head_dim,
+            max_position_embeddings,
+            top_level_original: f.usize_opt("original_max_position_embeddings")?,
+        };
         let mut rope_theta = f.f64_opt("rope_theta")?;
         let mut rope_local_theta =
             if gemma { Some(f.f64_opt("rope_local_base_freq")?.unwrap_or(10_000.0)) } else { None };
@@ -499,13 +480,13 @@ impl LlamaConfig {
             let per_type = v.get("full_attention").or_else(|| v.get("sliding_attention")).is_some();
             if gemma && per_type {
                 if let Some(full) = v.get("full_attention") {
-                    let (theta, scaling) = parse_rope(&f, &format!("{field}.full_attention"), full)?;
+                    let (theta, scaling) = parse_rope(&f, &format!("{field}.full_attention"), full, &ctx)?;
                     rope_theta = theta.or(rope_theta);
                     rope_scaling = scaling.or(rope_scaling);
                 }
                 if let Some(local) = v.get("sliding_attention") {
                     let at = format!("{field}.sliding_attention");
-                    let (theta, scaling) = parse_rope(&f, &at, local)?;
+                    let (theta, scaling) = parse_rope(&f, &at, local, &ctx)?;
                     if scaling.is_some() {
                         return Err(unsupported(&at, local, "RoPE scaling on the sliding layers is not implemented"));
                     }
@@ -513,7 +494,7 @@ impl LlamaConfig {
                 }
                 continue;
             }
-            let (theta, scaling) = parse_rope(&f, field, v)?;
+            let (theta, scaling) = parse_rope(&f, field, v, &ctx)?;
             if theta.is_some() {
                 rope_theta = theta;
             }
@@ -570,7 +551,6 @@ impl LlamaConfig {
             return Err(unsupported("mlp_bias", &json!(true), "MLP biases are not implemented"));
         }
 
-        let max_position_embeddings = f.usize_opt("max_position_embeddings")?.unwrap_or(4096);
         let (sliding_window, layer_types) = parse_windows(&f, model_type, num_hidden_layers, max_position_embeddings)?;
 
         let attention_bias = match model_type {
@@ -680,24 +660,14 @@ impl LlamaConfig {
         }
         m.insert("rms_norm_eps".into(), json!(self.rms_norm_eps));
         m.insert("rope_theta".into(), json!(self.rope_theta));
-        let scaling = match self.rope_scaling {
-            None => Value::Null,
-            Some(RopeScaling::Linear { factor }) => {
-                json!({"rope_type": "linear", "factor": factor})
-            }
-            Some(RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            }) => json!({
-                "rope_type": "llama3",
-                "factor": factor,
-                "low_freq_factor": low_freq_factor,
-                "high_freq_factor": high_freq_factor,
-                "original_max_position_embeddings": original_max_position_embeddings,
-            }),
-        };
+        // Every field of the scaling, so that every loader computes the same positions; Phi-3's window is also
+        // top-level, where its Phi3Config reads it (default 4096 otherwise).
+        let scaling = self.rope_scaling.as_ref().map_or(Value::Null, RopeScaling::to_json);
+        if let (ModelType::Phi3, Some(original)) =
+            (self.model_type, self.rope_scaling.as_ref().and_then(RopeScaling::original_max_position_embeddings))
+        {
+            m.insert("original_max_position_embeddings".into(), json!(original));
+        }
         m.insert("rope_scaling".into(), scaling);
         m.insert("max_position_embeddings".into(), json!(self.max_position_embeddings));
         m.insert("tie_word_embeddings".into(), json!(self.tie_word_embeddings));

@@ -24,10 +24,11 @@ pub enum Error {
     /// A config field that changes the maths and that autosp does not implement.
     #[error("{path}: config field `{field}` = {value} is not supported: {reason}")]
     Unsupported { path: PathBuf, field: String, value: String, reason: String },
-    /// A rope_scaling / rope_parameters type other than default, linear and llama3.
+    /// A rope_scaling / rope_parameters type other than default, linear, llama3, yarn, dynamic and longrope.
     #[error(
         "{path}: rope type `{rope_type}` in `{field}` is not implemented (RoPE scaling changes the positions' \
-         angles, so the model would compute something else); supported: default, linear, llama3"
+         angles, so the model would compute something else); supported: default, linear, llama3, yarn, dynamic, \
+         longrope"
     )]
     UnknownRopeType { path: PathBuf, field: String, rope_type: String },
     /// The model_type is not one of the Llama family.

@@ -78,7 +78,7 @@ impl TinySpec {
             head_dim: self.hidden / self.heads,
             rms_norm_eps: 1e-5,
             rope_theta: 10000.0,
-            rope_scaling: self.rope_scaling,
+            rope_scaling: self.rope_scaling.clone(),
             max_position_embeddings: 256,
             tie_word_embeddings: self.tied,
             attention_bias: self.bias || self.model_type == ModelType::Qwen2,

@@ -70,11 +70,11 @@ fn linear_rope_old_type_key() {
 
 #[test]
 fn unknown_rope_type_is_an_error_naming_it() {
-    let s = NEW_LLAMA31.replace(r#""rope_type": "llama3""#, r#""rope_type": "yarn""#);
+    let s = NEW_LLAMA31.replace(r#""rope_type": "llama3""#, r#""rope_type": "ntk-by-parts""#);
     let e = parse(&s).unwrap_err();
-    assert!(matches!(&e, Error::UnknownRopeType { rope_type, .. } if rope_type == "yarn"), "{e}");
+    assert!(matches!(&e, Error::UnknownRopeType { rope_type, .. } if rope_type == "ntk-by-parts"), "{e}");
     let msg = e.to_string();
-    assert!(msg.contains("yarn") && msg.contains("rope_parameters"), "{msg}");
+    assert!(msg.contains("ntk-by-parts") && msg.contains("rope_parameters") && msg.contains("yarn"), "{msg}");
 }
 
 #[test]
@@ -219,7 +219,8 @@ fn phi3_reads_its_window_and_refuses_what_it_does_not_do() {
     assert!(!names.iter().any(|n| n.ends_with(".q_proj.weight") || n.ends_with("mlp.up_proj.weight")), "{names:?}");
     // No window when the field is absent (Phi3Config's default).
     assert_eq!(parse(&phi3.replace(r#""sliding_window": 2047, "#, "")).unwrap().sliding_window, None);
-    // Dropout, Phi-3-128k's longrope and Phi-4-mini's partial RoPE are refused, naming the field.
+    // Dropout and Phi-4-mini's partial RoPE are refused, naming the field; Phi-3-128k's longrope (`su`) loads
+    // when it has a factor per rotated pair, and says which field is short otherwise.
     let e = parse(&phi3.replace(r#""resid_pdrop": 0.0"#, r#""resid_pdrop": 0.1"#)).unwrap_err();
     assert!(matches!(&e, Error::Unsupported { field, .. } if field == "resid_pdrop"), "{e}");
     let longrope = phi3.replace(
@@ -227,8 +228,8 @@ fn phi3_reads_its_window_and_refuses_what_it_does_not_do() {
         r#""rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}"#,
     );
     let e = parse(&longrope).unwrap_err();
-    assert!(matches!(&e, Error::UnknownRopeType { rope_type, .. } if rope_type == "longrope"), "{e}");
-    assert!(e.to_string().contains("not implemented"), "{e}");
+    assert!(matches!(&e, Error::InvalidField { field, .. } if field == "rope_scaling.short_factor"), "{e}");
+    assert!(e.to_string().contains("head_dim / 2"), "{e}");
     let partial = phi3.replace(
         r#""resid_pdrop": 0.0"#,
         r#""rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}"#,
@@ -251,7 +252,7 @@ fn gemma3_text_reads_both_rope_spellings_and_its_layer_pattern() {
     assert_eq!(c.layer_types, vec![Sliding, Sliding, Sliding, Sliding, Sliding, Full, Sliding]);
     assert_eq!((c.attention_window(0), c.attention_window(5)), (Some(511), None));
     assert_eq!(
-        (c.rope_theta, c.rope_local_theta, c.rope_scaling),
+        (c.rope_theta, c.rope_local_theta, c.rope_scaling.clone()),
         (1e6, Some(1e4), Some(RopeScaling::Linear { factor: 8.0 }))
     );
     assert_eq!(c.attention_scale(), Some(1.0 / 32f64.sqrt()));

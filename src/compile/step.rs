@@ -186,6 +186,9 @@ impl<M: CausalLm> Compiled<M> {
         let tape = Tape::new(policy);
         // `local_batch` checked every id and label on the host.
         tape.set_inputs_checked();
+        // The whole sequence's real length (not the padded one, not the shard's): RoPE's length-dependent
+        // scalings read it, as transformers' `max(position_ids) + 1`.
+        tape.set_sequence_length(ids.dim(1)?);
         if trace {
             tape.trace_memory();
         }
@@ -226,6 +229,7 @@ impl<M: CausalLm> Compiled<M> {
         let LocalBatch { ids_local, positions, targets_local, total, over } = self.local_batch(ids, labels, split)?;
         let tape = Tape::inference();
         tape.set_inputs_checked();
+        tape.set_sequence_length(ids.dim(1)?);
         let (sum, _) = self.model.loss(&tape, &ids_local, &positions, &targets_local)?;
         let local = host_read::read_f64(ops::scale(&tape, &sum, 1.0 / total)?.tensor())?;
         let loss = over.all_reduce(&host_scalar(local)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0]; // host data
@@ -383,6 +387,7 @@ impl<M: CausalLm> Compiled<M> {
         let positions = self.positions(n_pad, self.sp.rank())?;
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
         let tape = Tape::inference();
+        tape.set_sequence_length(n);
         let local = self.model.logits(&tape, &ids.index_select(&index, 1)?, &positions)?.into_tensor();
         let whole = gather_unshard(self.sp.as_ref(), &local.contiguous()?, 1, self.layout())?;
         Ok(whole.narrow(1, 0, n)?)
@@ -420,6 +425,7 @@ impl<M: CausalLm> Compiled<M> {
         let positions = &shards[rank];
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
         let tape = Tape::inference();
+        tape.set_sequence_length(n);
         let local = self.model.logits(&tape, &ids.index_select(&index, 1)?, positions)?.into_tensor();
         // The requested rows each rank holds, in request order; rank r's come r-th in the gather.
         let home = &home;

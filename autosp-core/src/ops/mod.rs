@@ -27,7 +27,7 @@ pub use embedding::embedding;
 pub use linear::{linear, matmul};
 pub use reduce::{mean, sum, sum_all};
 pub use rms_norm::rms_norm;
-pub use rope::{rope, rope_tables};
+pub use rope::{rope, rope_tables, rope_tables_scaled};
 pub use scalar::{affine, powf, scale};
 pub use sharded_embedding::sharded_embedding;
 pub use softmax::softmax_last_dim;

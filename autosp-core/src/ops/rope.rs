@@ -13,14 +13,27 @@ pub fn default_inv_freq(head_dim: usize, theta: f64) -> Vec<f64> {
 /// `(cos, sin)`, each `[n, d/2]` in `dtype`, for `positions: [n]` and `inv_freq: [d/2]`. Angles are computed
 /// in f64, then rounded once.
 pub fn rope_tables(positions: &[usize], inv_freq: &[f64], dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
+    rope_tables_scaled(positions, inv_freq, 1.0, dtype, device)
+}
+
+/// [`rope_tables`] with cos and sin multiplied by `attention_factor` (YaRN's and LongRoPE's attention
+/// scaling, as transformers' rotary embeddings apply it: `cos(angle) * factor`, in f64 before the one
+/// rounding to `dtype`). Returns `(cos, sin)`, each `[n, d/2]`.
+pub fn rope_tables_scaled(
+    positions: &[usize],
+    inv_freq: &[f64],
+    attention_factor: f64,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
     let half = inv_freq.len();
     let mut cos = Vec::with_capacity(positions.len() * half);
     let mut sin = Vec::with_capacity(positions.len() * half);
     for &p in positions {
         for &f in inv_freq {
             let a = p as f64 * f;
-            cos.push(a.cos());
-            sin.push(a.sin());
+            cos.push(a.cos() * attention_factor);
+            sin.push(a.sin() * attention_factor);
         }
     }
     let shape = (positions.len(), half);

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 use autosp_core::module::{all_params, Module};
 use autosp_core::nn::{Embedding, Linear, RmsNorm};
-use autosp_core::ops::{self, rope_tables, AttentionSpec};
+use autosp_core::ops::{self, rope_tables_scaled, AttentionSpec};
 use autosp_core::{Param, RegionSlot, Tape, Value};
 use candle_core::{DType, Device, Tensor};
 
@@ -21,6 +21,7 @@ use super::mlp::LlamaMlp;
 use crate::config::LlamaConfig;
 use crate::gguf::import_gguf;
 use crate::hub::{resolve_model, HubOptions};
+use crate::rope::RopeFrequencies;
 use crate::save::{save_model, SaveOptions};
 use crate::weights::load_weights;
 
@@ -49,8 +50,9 @@ pub struct LlamaModel {
     pub layers: LlamaLayers,
     pub norm: RmsNorm,
     pub lm_head: Option<Linear>,
-    /// RoPE inverse frequencies `[head_dim / 2]`, scaling applied.
-    inv_freq: Vec<f64>,
+    /// RoPE inverse frequencies `[head_dim / 2]`, scaling applied, and the factor on cos and sin, for a
+    /// sequence inside the original window (a `dynamic` or `longrope` scaling recomputes them per forward).
+    rope: RopeFrequencies,
     /// Those of the sliding-window layers when they have their own (Gemma 3's local RoPE base).
     inv_freq_local: Option<Vec<f64>>,
 }
@@ -167,7 +169,7 @@ impl LlamaModel {
             layers: LlamaLayers(layers),
             norm,
             lm_head,
-            inv_freq: config.rope_inv_freq(),
+            rope: config.rope_frequencies(0),
             inv_freq_local: config.rope_inv_freq_local(),
         })
     }
@@ -217,18 +219,42 @@ impl LlamaModel {
         self.embed_tokens.table.tensor().device().clone()
     }
 
-    /// The RoPE inverse frequencies `[head_dim / 2]` (scaling applied).
+    /// The RoPE inverse frequencies `[head_dim / 2]` (scaling applied) for a sequence inside the original
+    /// window.
     pub fn inv_freq(&self) -> &[f64] {
-        &self.inv_freq
+        &self.rope.inv_freq
     }
 
-    /// The RoPE tables of `positions` in the model's dtype, as constants on `tape`.
+    /// The RoPE frequencies a forward over `positions` on `tape` uses. A scaling that depends on the
+    /// length (`dynamic`, `longrope`) reads the whole sequence's real length from the tape
+    /// ([`Tape::sequence_length`], which the compiled step sets from the global, unpadded length), else
+    /// from `positions` (largest + 1, transformers' `max(position_ids) + 1`): a caller that runs one
+    /// shard of a sequence itself must set it.
+    pub fn rope_frequencies(&self, tape: &Tape, positions: &[usize]) -> RopeFrequencies {
+        match &self.config.rope_scaling {
+            Some(s) if s.depends_on_length() => {
+                let len = tape.sequence_length().unwrap_or_else(|| positions.iter().max().map_or(0, |p| p + 1));
+                self.config.rope_frequencies(len)
+            }
+            _ => self.rope.clone(),
+        }
+    }
+
+    /// The RoPE tables of `positions` in the model's dtype, as constants on `tape` (cos and sin times the
+    /// scaling's attention factor; see [`rope_frequencies`](Self::rope_frequencies)).
     pub fn rotary_tables(&self, tape: &Tape, positions: &[usize]) -> ModelResult<RotaryTables> {
-        self.tables_of(tape, positions, &self.inv_freq)
+        let rope = self.rope_frequencies(tape, positions);
+        self.tables_of(tape, positions, &rope.inv_freq, rope.attention_factor)
     }
 
-    fn tables_of(&self, tape: &Tape, positions: &[usize], inv_freq: &[f64]) -> ModelResult<RotaryTables> {
-        let (cos, sin) = rope_tables(positions, inv_freq, self.dtype(), &self.device())?;
+    fn tables_of(
+        &self,
+        tape: &Tape,
+        positions: &[usize],
+        inv_freq: &[f64],
+        attention_factor: f64,
+    ) -> ModelResult<RotaryTables> {
+        let (cos, sin) = rope_tables_scaled(positions, inv_freq, attention_factor, self.dtype(), &self.device())?;
         Ok(RotaryTables { cos: tape.constant(cos), sin: tape.constant(sin) })
     }
 
@@ -279,7 +305,7 @@ impl LlamaModel {
         mut cache: Option<&mut KvCache>,
     ) -> ModelResult<Value> {
         let rot = self.rotary_tables(tape, positions)?;
-        let local = self.inv_freq_local.as_ref().map(|f| self.tables_of(tape, positions, f)).transpose()?;
+        let local = self.inv_freq_local.as_ref().map(|f| self.tables_of(tape, positions, f, 1.0)).transpose()?;
         let mut h = self.embed_tokens.forward(tape, &tape.constant(ids.clone()))?;
         if let Some(s) = self.config.embed_scale() {
             // Gemma: sqrt(hidden), rounded to the weights' dtype as transformers does (host data).
