@@ -4,12 +4,14 @@
 //! [`LlamaConfig`] from the metadata (keys `{architecture}.*`); the tokenizer comes from `tokenizer.ggml.*` (see
 //! `gguf_tokenizer`). Mistral's GGUF files are llama ones. What llama.cpp implies for an architecture instead
 //! of storing it is taken as llama.cpp takes it (Gemma 3: the window pattern, the sliding layers' RoPE base,
-//! the softmax scale; its norms stored plus one). Other architectures are refused, naming
-//! `general.architecture`.
+//! the softmax scale; its norms stored plus one). The RoPE scalings the converter stores as tensors (llama's
+//! `rope_freqs`, Phi-3's longrope factors) become the config's scaling (`gguf_rope`). Other architectures are
+//! refused, naming `general.architecture`.
 
 use crate::config::{LayerType, LlamaConfig, ModelType, RopeScaling};
 use crate::error::{Error, Result};
 use crate::gguf_names::{family_hf_name, unpermute_rows};
+use crate::gguf_rope::{llama3_from_factors, longrope_from_factors};
 use crate::gguf_tokenizer::tokenizer_from_gguf;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{DType, Device, Tensor};
@@ -103,6 +105,11 @@ fn read_content(file: &mut std::fs::File, path: &Path) -> Result<Content> {
     })
 }
 
+/// The tensors llama.cpp's converter writes for a RoPE scaling (read into the config, not weights).
+const ROPE_FREQS: &str = "rope_freqs.weight";
+const ROPE_FACTORS_LONG: &str = "rope_factors_long.weight";
+const ROPE_FACTORS_SHORT: &str = "rope_factors_short.weight";
+
 struct Meta<'a> {
     ct: &'a Content,
     path: PathBuf,
@@ -160,14 +167,6 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
         }
     };
     let key = |k: &str| format!("{arch}.{k}");
-    for (tensor, what) in [
-        ("rope_freqs.weight", "llama3 RoPE scaling stored as factors"),
-        ("rope_factors_long.weight", "Phi-3's longrope scaling"),
-    ] {
-        if ct.tensor_infos.contains_key(tensor) {
-            return Err(m.err(format!("tensor `{tensor}` ({what}) is not supported; use the HF checkpoint")));
-        }
-    }
     let heads = m.need(&key("attention.head_count"))? as usize;
     let hidden = m.need(&key("embedding_length"))? as usize;
     let embd = ct
@@ -193,7 +192,33 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
             )));
         }
     }
+    let rope_theta =
+        m.num(&key("rope.freq_base"))?.unwrap_or(if model_type == ModelType::Gemma3 { 1_000_000.0 } else { 10_000.0 });
+    let stored = |name: &str| -> Result<Option<Vec<f64>>> {
+        if !ct.tensor_infos.contains_key(name) {
+            return Ok(None);
+        }
+        let gguf_err = |e: candle_core::Error| m.err(format!("reading tensor `{name}`: {e}"));
+        let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let t = ct.tensor(&mut file, name, &Device::Cpu).and_then(|q| q.dequantize(&Device::Cpu)).map_err(gguf_err)?;
+        Ok(Some(t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?))
+    };
     let rope_scaling = match m.string(&key("rope.scaling.type")).as_deref() {
+        // llama.cpp's converter stores Llama 3.1's scaling as the tensor `rope_freqs` (no metadata).
+        None | Some("none") if model_type == ModelType::Llama => match stored(ROPE_FREQS)? {
+            Some(f) => llama3_from_factors(&f, rope_theta, head_dim).map_err(|e| m.err(e))?,
+            None => None,
+        },
+        // Phi-3 128K: longrope, the two factor lists as tensors (Phi3MiniModel writes no scaling type).
+        None | Some("longrope") if model_type == ModelType::Phi3 && ct.tensor_infos.contains_key(ROPE_FACTORS_LONG) => {
+            let (short, long) = (stored(ROPE_FACTORS_SHORT)?, stored(ROPE_FACTORS_LONG)?);
+            let (Some(short), Some(long)) = (short, long) else {
+                return Err(m.err("longrope scaling without its rope_factors_short / rope_factors_long".into()));
+            };
+            let original = m.num(&key("rope.scaling.original_context_length"))?.map(|n| n as usize);
+            let attn = m.num(&key("rope.scaling.attn_factor"))?;
+            Some(longrope_from_factors(short, long, original, attn, head_dim).map_err(|e| m.err(e))?)
+        }
         None | Some("none") => None,
         Some("linear") => Some(RopeScaling::Linear { factor: m.need(&key("rope.scaling.factor"))? }),
         Some(other) => {
@@ -242,7 +267,7 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
         num_key_value_heads: m.num(&key("attention.head_count_kv"))?.unwrap_or(heads as f64) as usize,
         head_dim,
         rms_norm_eps: m.need(&key("attention.layer_norm_rms_epsilon"))?,
-        rope_theta: m.num(&key("rope.freq_base"))?.unwrap_or(if gemma { 1_000_000.0 } else { 10_000.0 }),
+        rope_theta,
         rope_scaling,
         max_position_embeddings: m.num(&key("context_length"))?.unwrap_or(4096.0) as usize,
         tie_word_embeddings: !ct.tensor_infos.contains_key("output.weight"),
@@ -301,6 +326,9 @@ pub fn import_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufMod
     names.sort();
     let mut weights = HashMap::new();
     for gguf_name in names {
+        if [ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT].contains(&gguf_name.as_str()) {
+            continue; // read into config.rope_scaling
+        }
         let (heads, kv_heads) = (config.num_attention_heads, config.num_key_value_heads);
         let named = family_hf_name(config.model_type, gguf_name, heads, kv_heads);
         let hf = named.ok_or_else(|| Error::UnexpectedTensor {

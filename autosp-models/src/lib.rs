@@ -8,6 +8,7 @@ pub mod error;
 pub mod fused;
 pub mod gguf;
 pub mod gguf_names;
+pub mod gguf_rope;
 pub mod gguf_tokenizer;
 pub mod hub;
 pub mod llama;

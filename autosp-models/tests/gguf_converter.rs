@@ -2,14 +2,36 @@
 //! (config.json + model.safetensors) is written, then converted by `tests/hf_to_gguf.py` with the `gguf`
 //! Python package (`python3 -m pip install gguf==0.19.0`), which takes every tensor name from llama.cpp's own
 //! tensor map (`gguf.get_tensor_name_map`) and changes the values as convert_hf_to_gguf.py does (llama's Q/K
-//! permutation, Gemma's norms plus one). The import must give back the HF weights and the HF model's loss.
+//! permutation, Gemma's norms plus one, llama3 / longrope scalings as tensors). The import must give back the
+//! HF weights, the RoPE scaling and the HF model's loss.
 
 use autosp_core::{CheckpointPolicy, Tape};
-use autosp_models::{import_gguf, random_weights, write_tiny, LlamaConfig, LlamaModel, ModelType, TinySpec};
+use autosp_models::{
+    import_gguf, random_weights, write_tiny, LlamaConfig, LlamaModel, LongRope, ModelType, RopeScaling, TinySpec,
+};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+/// A llama3 scaling whose blend covers two of a 16-wide head's 8 pairs at base 10^4 (wavelengths 628 and 1987).
+const LLAMA3: RopeScaling = RopeScaling::Llama3 {
+    factor: 8.0,
+    low_freq_factor: 1.0,
+    high_freq_factor: 4.0,
+    original_max_position_embeddings: 2048,
+};
+
+/// A longrope scaling for a 16-wide head, pretrained on 64 positions (the tiny models have 256).
+fn longrope() -> RopeScaling {
+    RopeScaling::LongRope(LongRope {
+        short_factor: vec![1.0, 1.05, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5],
+        long_factor: vec![1.0, 1.2, 1.5, 2.0, 2.8, 3.5, 4.0, 4.0],
+        factor: None,
+        original_max_position_embeddings: 64,
+        attention_factor: None,
+    })
+}
 
 /// Converts the HF checkpoint in `dir` to `out` with `tests/hf_to_gguf.py` (matrices in `outtype`).
 fn convert(dir: &Path, out: &Path, outtype: &str) {
@@ -51,7 +73,8 @@ fn round_trip(
     outtype: &str,
     tmp: &Path,
 ) -> (LlamaConfig, HashMap<String, Tensor>, autosp_models::GgufModel) {
-    let name = format!("{}-{outtype}", spec.model_type.as_str());
+    let rope = spec.rope_scaling.as_ref().map_or("none", RopeScaling::rope_type);
+    let name = format!("{}-{rope}-{outtype}", spec.model_type.as_str());
     let dir = tmp.join(&name);
     let config = write_tiny(&dir, spec, 29, DType::F32).unwrap();
     let w = random_weights(&spec.config(), 29, DType::F32, &Device::Cpu).unwrap();
@@ -75,6 +98,10 @@ fn converter_written_gguf_imports_as_the_hf_model() {
         TinySpec { model_type: ModelType::Qwen2, tied: true, ..TinySpec::default() },
         TinySpec { model_type: ModelType::Qwen3, ..TinySpec::default() },
         TinySpec { model_type: ModelType::Phi3, window: Some(8), ..TinySpec::default() },
+        // Llama 3.1's scaling, which the converter stores as the tensor `rope_freqs` (two blended pairs of 8).
+        TinySpec { model_type: ModelType::Llama, rope_scaling: Some(LLAMA3), ..TinySpec::default() },
+        // Phi-3 128K's longrope, stored as `rope_factors_short` / `rope_factors_long`.
+        TinySpec { model_type: ModelType::Phi3, rope_scaling: Some(longrope()), ..TinySpec::default() },
         // Gemma 3 with 6 layers and a window: five sliding layers, then a global one (llama.cpp's pattern).
         TinySpec { model_type: ModelType::Gemma3, tied: true, window: Some(8), layers: 6, ..TinySpec::default() },
     ];
@@ -93,6 +120,16 @@ fn converter_written_gguf_imports_as_the_hf_model() {
             assert_eq!(m.config.layer_types, config.layer_types, "{t:?}");
         }
         assert_eq!(m.config.query_pre_attn_scalar, config.query_pre_attn_scalar, "{t:?}");
+        match (&m.config.rope_scaling, &config.rope_scaling) {
+            (Some(RopeScaling::LongRope(got)), Some(RopeScaling::LongRope(want))) => {
+                // Stored in f32, as the converter stores them.
+                let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
+                assert_eq!(f32s(&got.short_factor), f32s(&want.short_factor));
+                assert_eq!(f32s(&got.long_factor), f32s(&want.long_factor));
+                assert_eq!(got.original_max_position_embeddings, want.original_max_position_embeddings);
+            }
+            (got, want) => assert_eq!(got, want, "{t:?}"),
+        }
         assert_eq!(m.config.rope_local_theta, config.rope_local_theta, "{t:?}");
         assert_eq!(m.weights.len(), w.len(), "{t:?}");
         for (name, want) in &w {

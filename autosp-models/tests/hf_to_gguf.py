@@ -8,7 +8,8 @@ The tensor names are not written here: each comes from the package's own table,
 constants.py), so a test on the file checks autosp's names against llama.cpp's. The converter's changes to
 the values are applied as it applies them: llama's Q/K rows (weights and biases) permuted for llama.cpp's
 interleaved RoPE (`LlamaModel.permute`); Gemma 3's norms (every HF name ending in `norm.weight`) stored
-plus one. The metadata keys are the converter's `set_gguf_parameters` for each architecture (the tokenizer
+plus one; a llama3 RoPE scaling stored as the tensor `rope_freqs`, Phi-3's longrope as `rope_factors_long` /
+`rope_factors_short` with its attention factor. The metadata keys are the converter's `set_gguf_parameters` for each architecture (the tokenizer
 is not written). 1-D tensors are stored F32, as the converter keeps norms; matrices in --outtype.
 
     python3 hf_to_gguf.py CHECKPOINT_DIR OUT.gguf [--outtype f32|f16|q8_0]
@@ -16,6 +17,7 @@ is not written). 1-D tensors are stored F32, as the converter keeps norms; matri
 
 import argparse
 import json
+import math
 import struct
 import sys
 from pathlib import Path
@@ -82,7 +84,7 @@ def main():
     n_head = cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads", n_head)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
-    rope = cfg.get("rope_parameters") or {}
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_full = rope.get("full_attention", rope)
     rope_theta = rope_full.get("rope_theta", cfg.get("rope_theta"))
     local_theta = rope.get("sliding_attention", {}).get("rope_theta", cfg.get("rope_local_base_freq"))
@@ -114,6 +116,39 @@ def main():
         w.add_value_length(head_dim)
         if cfg.get("sliding_window_pattern") != 1 and cfg.get("sliding_window"):
             w.add_sliding_window(cfg["sliding_window"])
+    # The scalings the converter stores as tensors: llama's `rope_freqs` (LlamaModel.generate_extra_tensors)
+    # and Phi-3's longrope factors (Phi3MiniModel.set_gguf_parameters / generate_extra_tensors).
+    extra = {}
+    rope_type = (rope_full.get("rope_type") or rope_full.get("type") or "").lower()
+    if arch == gguf.MODEL_ARCH.LLAMA and rope_type == "llama3":
+        base = rope_full.get("rope_theta", rope_theta or 10000.0)
+        freqs = 1.0 / (np.float32(base) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+        factor = rope_full.get("factor", 8.0)
+        low, high = rope_full.get("low_freq_factor", 1.0), rope_full.get("high_freq_factor", 4.0)
+        old = rope_full.get("original_max_position_embeddings", 8192)
+        factors = []
+        for freq in freqs:
+            wavelen = np.float32(2 * math.pi) / freq
+            if wavelen < old / high:
+                factors.append(1)
+            elif wavelen > old / low:
+                factors.append(factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        extra[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"] = np.array(factors, dtype=np.float32)
+    if arch == gguf.MODEL_ARCH.PHI3:
+        orig = cfg.get("original_max_position_embeddings") or rope_full.get("original_max_position_embeddings")
+        if orig is not None:
+            w.add_rope_scaling_orig_ctx_len(orig)
+        if rope_full.get("long_factor"):
+            scale = cfg["max_position_embeddings"] / orig
+            if rope_type not in ("su", "longrope"):
+                sys.exit(f"Phi-3 rope type {rope_type}: this script writes longrope only")
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
+            for key, tensor in (("long_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_LONG),
+                                ("short_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)):
+                extra[gguf.TENSOR_NAMES[tensor] + ".weight"] = np.array(rope_full[key], dtype=np.float32)
     ftype = {"f32": 0, "f16": 1, "q8_0": 7}[a.outtype]
     w.add_file_type(ftype)
 
@@ -136,6 +171,8 @@ def main():
         else:
             q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    for name, t in extra.items():
+        w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
