@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use autosp::train::corpus::{ChatLayout, Corpus, Tokenising};
 use autosp_models::{load_tokenizer, write_tiny, ChatTemplate, TinySpec};
 use candle_core::DType;
-use longctx_cli::{losses, metrics_summary, run_ok, s};
+use longctx_cli::{command, losses, metrics_summary, run_ok, s};
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat")
@@ -314,4 +314,53 @@ fn a_chat_run_whose_first_conversation_is_longer_than_the_window_trains_to_the_e
         assert_eq!(l.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 2, 3, 4], "{layout}: every step trains\n{out}");
         assert!(l.iter().all(|x| x.1.is_finite() && x.1 > 0.0), "{layout}: {l:?}");
     }
+}
+
+#[test]
+fn processes_started_at_once_share_one_tokenising_of_a_plain_text_corpus() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let model = chat_model(t);
+    // A few MB of paragraphs: long enough to tokenise that the processes overlap.
+    let data = t.join("corpus.txt");
+    let para = "The capital of France is Paris.\nWhat is the capital of France?\n\n";
+    std::fs::write(&data, para.repeat(60_000)).unwrap();
+    let runs: Vec<_> = (0..3)
+        .map(|k| {
+            let (metrics, save) = (t.join(format!("m{k}.jsonl")), t.join(format!("run{k}")));
+            let args = [
+                "--model",
+                s(&model),
+                "--data",
+                s(&data),
+                "--seq-len",
+                "64",
+                "--steps",
+                "2",
+                "--metrics",
+                s(&metrics),
+                "--save",
+                s(&save),
+            ];
+            let mut c = command(t, &args);
+            c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+            (c.spawn().unwrap(), metrics)
+        })
+        .collect();
+    let mut all = Vec::new();
+    for (child, metrics) in runs {
+        let out = child.wait_with_output().unwrap();
+        let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "stdout:\n{so}\nstderr:\n{se}");
+        all.push(losses(&metrics));
+    }
+    assert!(all.iter().all(|l| l.len() == 2 && *l == all[0]), "the same data trains the same: {all:?}");
+    let mut left: Vec<String> = std::fs::read_dir(t)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with(".corpus.txt."))
+        .collect();
+    left.sort();
+    assert_eq!(left.len(), 2, "one cache and its index, no lock or partial file: {left:?}");
+    assert!(left[0].ends_with(".index") && left[1].ends_with(".tokens"), "{left:?}");
 }
