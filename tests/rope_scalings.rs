@@ -182,6 +182,37 @@ fn dynamic_ntk_matches_transformers_from_the_global_length() {
     assert!((shard - g.loss).abs() > TOL * g.loss, "the shard's length must change the loss: {shard} vs {}", g.loss);
 }
 
+/// Padding does not count: 94 tokens on 4 Ring ranks are padded to 96, and the dynamic base still comes from
+/// 94 real tokens (transformers' `max(position_ids) + 1` of the unpadded sequence), as one rank computes it.
+#[test]
+fn dynamic_ntk_reads_the_real_length_not_the_padded_one() {
+    let m = load("llama_dynamic");
+    let ids = golden("llama_dynamic").ids.narrow(1, 0, 94).unwrap();
+    let (model, ids2) = (Arc::new(m.clone()), ids.clone());
+    let sp = run_ranks(4, Duration::from_secs(60), move |pg| -> Result<f64, String> {
+        let own = LlamaModel::from_weights(&model.config, model.to_weights()).map_err(|e| e.to_string())?;
+        let policy = Checkpointing::Policy(CheckpointPolicy::None);
+        let c = compile(own, CompileConfig::new(pg, Strategy::Ring, policy)).map_err(|e| e.to_string())?;
+        assert_eq!(c.padded_len(94), 96);
+        c.eval_loss(&ids2, None).map(|(l, _)| l).map_err(|e| e.to_string())
+    });
+    let sp = sp.into_iter().next().unwrap().unwrap().unwrap();
+    let one_rank = |len: Option<usize>| {
+        let tape = Tape::inference();
+        if let Some(len) = len {
+            tape.set_sequence_length(len);
+        }
+        let flat = ids.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+        let t: Vec<i64> = flat[1..].iter().map(|&i| i as i64).chain([-100]).collect();
+        let positions: Vec<usize> = (0..94).collect();
+        let (sum, count) = m.loss(&tape, &ids, &positions, &Tensor::new(t, &Device::Cpu).unwrap()).unwrap();
+        sum.tensor().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap() / count as f64
+    };
+    let (real, padded) = (one_rank(None), one_rank(Some(96)));
+    assert!((sp - real).abs() <= 1e-5 * real, "Ring P = 4 on 94 tokens: {sp} vs one rank's {real}");
+    assert!((sp - padded).abs() > 1e-5 * real, "the padded length would give {padded}, {sp} must differ");
+}
+
 #[test]
 fn longrope_matches_transformers_with_the_long_factors() {
     let m = check("phi3_longrope");

@@ -612,6 +612,9 @@ impl Job {
                 if o.max_attention_distance.is_some() { "; --max-attention-distance narrows it further" } else { "" }
             ));
         }
+        if let Some(scaling) = &d.rope_scaling {
+            lines.push(scaling.describe(d.max_position_embeddings, o.seq_len));
+        }
         if let Stream::Needles(_) = self.stream {
             let tokens = self.train.tokens_per_step() * self.mesh.data;
             lines.push(Needles::describe(c, o.seq_len, o.steps, &self.train.curriculum, tokens)?);

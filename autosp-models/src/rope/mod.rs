@@ -137,6 +137,31 @@ impl RopeScaling {
         }
     }
 
+    /// One line for a run's description: the type, factor and window, for a model trained on sequences of
+    /// `seq_len` tokens; a warning for `dynamic`, whose positions change with the length (training at one
+    /// length teaches angles that other lengths do not reproduce), and which factors `longrope` uses.
+    pub fn describe(&self, max_position_embeddings: usize, seq_len: usize) -> String {
+        let window = self.original_max_position_embeddings().unwrap_or(max_position_embeddings);
+        let head = format!(
+            "RoPE scaling {} by {} from a window of {window} tokens",
+            self.rope_type(),
+            self.factor(max_position_embeddings)
+        );
+        match self {
+            RopeScaling::Dynamic { .. } => format!(
+                "{head}; warning: dynamic scaling recomputes the positions from each sequence's length, so \
+                 training at {seq_len} tokens teaches angles that other lengths do not give (transformers serves \
+                 it at whatever length it sees); prefer yarn or linear to fine-tune for a longer window"
+            ),
+            RopeScaling::LongRope(_) => format!(
+                "{head}; the {} factors at {seq_len} tokens (long past the window), and other positions at \
+                 other lengths",
+                if seq_len > window { "long" } else { "short" }
+            ),
+            _ => head,
+        }
+    }
+
     /// The scaling as config.json's `rope_scaling` object: `rope_type` and every field given, so that
     /// transformers (and vLLM, SGLang) compute the same positions from it.
     pub fn to_json(&self) -> Value {
@@ -346,6 +371,25 @@ mod tests {
         let f = rope_frequencies(4, 10000.0, 64, None, 1000);
         assert_eq!(f.inv_freq, default_inv_freq(4, 10000.0));
         assert_eq!(f.attention_factor, 1.0);
+    }
+
+    #[test]
+    fn the_description_warns_about_dynamic_and_names_longrope_factors() {
+        let d = RopeScaling::Dynamic { factor: 2.0 }.describe(4096, 8192);
+        assert!(d.contains("dynamic by 2 from a window of 4096") && d.contains("warning") && d.contains("8192"), "{d}");
+        let y = RopeScaling::Yarn(Yarn::new(4.0, 8192)).describe(32768, 16384);
+        assert_eq!(y, "RoPE scaling yarn by 4 from a window of 8192 tokens");
+        let l = LongRope {
+            short_factor: vec![1.0],
+            long_factor: vec![2.0],
+            factor: None,
+            original_max_position_embeddings: 4096,
+            attention_factor: None,
+        };
+        let scaling = RopeScaling::LongRope(l);
+        assert!(scaling.describe(131072, 8192).contains("the long factors"), "{}", scaling.describe(131072, 8192));
+        assert!(scaling.describe(131072, 4096).contains("the short factors"));
+        assert!(scaling.describe(131072, 4096).contains("longrope by 32"));
     }
 
     #[test]
