@@ -8,7 +8,9 @@
 //!   new spelling (`rope_parameters`);
 //! - `llama_dynamic`: dynamic NTK by 2 over a window of 32: the base grows with the whole sequence's length,
 //!   which a rank's shard does not see (the step hands it over on the tape);
-//! - `phi3_longrope`: Phi-3's `su` (LongRoPE), its window top-level, the long factors past it.
+//! - `phi3_longrope`: Phi-3's `su` (LongRoPE), its window top-level, the long factors past it;
+//! - `gemma3_yarn`: Gemma 3 per layer type, YaRN on the global layer, the sliding one (window 8) unscaled
+//!   with its own base.
 //!
 //! And the other way round: the unscaled frequencies, a wrong attention factor, the shard's length instead
 //! of the sequence's, or the short factors each miss transformers' numbers by more than the tolerance, so
@@ -152,6 +154,14 @@ fn yarn_with_deepseek_mscale_matches_transformers() {
     // The plain 0.1 ln(factor) + 1 instead of the mscale ratio.
     let plain = autosp::models::Yarn { mscale: None, mscale_all_dim: None, ..y };
     assert_misses("qwen3_yarn_mscale", &m, Some(RopeScaling::Yarn(plain)), "the attention factor without mscale");
+}
+
+#[test]
+fn gemma3_yarn_on_the_global_layers_only_matches_transformers() {
+    let m = check("gemma3_yarn");
+    assert_eq!(m.config.rope_scaling, Some(RopeScaling::Yarn(autosp::models::Yarn::new(4.0, 32))));
+    assert_eq!((m.config.rope_theta, m.config.rope_local_theta), (1e6, Some(1e4)));
+    assert_misses("gemma3_yarn", &m, None, "the unscaled frequencies");
 }
 
 #[test]
