@@ -223,6 +223,34 @@ fn dynamic_ntk_reads_the_real_length_not_the_padded_one() {
     assert!((sp - padded).abs() > 1e-5 * real, "the padded length would give {padded}, {sp} must differ");
 }
 
+/// The forward-only paths hand over the length too: logits (all rows, and a few by `logits_at`) of the
+/// dynamic and longrope models on 2 Ulysses ranks equal one rank's over the whole sequence.
+#[test]
+fn logits_over_ranks_use_the_global_length() {
+    for name in ["llama_dynamic", "phi3_longrope"] {
+        let m = load(name);
+        let ids = golden(name).ids;
+        let positions: Vec<usize> = (0..96).collect();
+        let one: Vec<f32> =
+            m.logits(&Tape::inference(), &ids, &positions).unwrap().tensor().flatten_all().unwrap().to_vec1().unwrap();
+        let (model, ids2) = (Arc::new(m.clone()), ids.clone());
+        let out = run_ranks(2, Duration::from_secs(60), move |pg| -> Result<(Vec<f32>, Vec<f32>), String> {
+            let own = LlamaModel::from_weights(&model.config, model.to_weights()).map_err(|e| e.to_string())?;
+            let policy = Checkpointing::Policy(CheckpointPolicy::None);
+            let c = compile(own, CompileConfig::new(pg, Strategy::Ulysses, policy)).map_err(|e| e.to_string())?;
+            let all = c.logits(&ids2).map_err(|e| e.to_string())?;
+            let some = c.logits_at(&ids2, &[95, 3]).map_err(|e| e.to_string())?;
+            let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            Ok((flat(all), flat(some)))
+        });
+        let (all, some) = out.into_iter().next().unwrap().unwrap().unwrap();
+        assert!(rel(&all, &one) <= 1e-5, "{name}: logits over 2 ranks off by {:e}", rel(&all, &one));
+        let vocab = one.len() / 96;
+        let rows: Vec<f32> = [95, 3].iter().flat_map(|&r| one[r * vocab..(r + 1) * vocab].to_vec()).collect();
+        assert!(rel(&some, &rows) <= 1e-5, "{name}: logits_at off by {:e}", rel(&some, &rows));
+    }
+}
+
 #[test]
 fn longrope_matches_transformers_with_the_long_factors() {
     let m = check("phi3_longrope");
