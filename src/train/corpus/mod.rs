@@ -7,13 +7,13 @@
 //! format version, the data file's bytes, the tokenizer, the chat template, the model's EOS and the chat
 //! layout, so any change makes a new cache. An index beside it records the data's size, modification time and
 //! a hash of its first and last MiB, so an unchanged file is not hashed whole again; one process hashes and
-//! tokenises under a lock while the others wait (see [`cache`]). It is written aside and renamed into place.
+//! tokenises under a lock while the others wait (`cache.rs`). It is written aside and renamed into place.
 //!
 //! Data: a JSONL file of `{"text": ..}` lines (documents, each tokenised as transformers' `tokenizer(text)`
 //! then EOS, packed), of `{"messages": [..]}` lines (conversations, rendered with the model's chat template;
 //! only the assistant's tokens train), or any other file as plain text: documents separated by blank lines,
 //! each tokenised like a `"text"` line (one longer than 1 MiB in pieces cut at a line end). Conversations fill
-//! the `seq_len` windows by the [`ChatLayout`]; one longer than a window keeps its end (see [`layout`]).
+//! the `seq_len` windows by the [`ChatLayout`]; one longer than a window keeps its end (`layout.rs`).
 
 mod cache;
 mod layout;
