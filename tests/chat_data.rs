@@ -114,6 +114,39 @@ fn the_token_cache_packs_or_truncates_conversations_with_their_masks() {
     }
 }
 
+#[test]
+fn the_opening_and_the_start_of_a_conversation_are_found_in_any_template() {
+    let tok = load_tokenizer(&fixture().join("tokenizer.json")).unwrap();
+    let messages = serde_json::json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": "Hi."},
+    ]);
+    let messages = messages.as_array().unwrap();
+    // A Llama 3 style template: the BOS first, and (like Llama 3's, which reads messages[0]) no rendering of
+    // an empty conversation: the start is then found as the BOS the text begins with.
+    let source = "{% if messages | length == 0 %}{{ raise_exception('no messages') }}{% endif %}{{ bos_token }}\
+                  {% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}\
+                  {% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}";
+    let template = ChatTemplate::new(source, "<|endoftext|>", "<|im_end|>").unwrap();
+    let c = template.encode_conversation(&tok, messages).unwrap();
+    assert_eq!((c.start, c.ids[0]), (1, tok.token_to_id("<|endoftext|>").unwrap()));
+    let opening = tok.decode(&c.ids[..c.opening], false).unwrap();
+    assert!(
+        opening == "<|endoftext|>system: Be brief.\nuser:" || opening == "<|endoftext|>system: Be brief.\nuser: ",
+        "{opening:?}"
+    );
+    // The fixture's ChatML template renders nothing for no messages; its tokenizer_config.json names
+    // `<|im_start|>` its BOS, which the text begins with: the start. The opening is the system turn and the
+    // user's header.
+    let chatml = ChatTemplate::beside_tokenizer(&fixture().join("tokenizer.json")).unwrap().unwrap();
+    let c = chatml.encode_conversation(&tok, messages).unwrap();
+    assert_eq!((c.start, c.ids[0]), (1, tok.token_to_id("<|im_start|>").unwrap()));
+    let opening = tok.decode(&c.ids[..c.opening], false).unwrap();
+    assert_eq!(opening, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n");
+    assert_eq!((c.ids.clone(), c.trained.clone()), chatml.encode(&tok, messages).unwrap());
+}
+
 /// A conversation of `words` words of context in the user turn (a long document) before a question, then
 /// the answer.
 fn long_conversation(words: usize) -> serde_json::Value {
