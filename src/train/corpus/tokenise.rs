@@ -13,7 +13,7 @@ use super::source::{for_each_doc, Doc, Item, Kind};
 use super::Tokenising;
 use crate::train::error::{IoContext, Result, TrainError};
 
-/// Bytes of text read before a batch is tokenised.
+/// Bytes of the file read into a batch before it is tokenised.
 const BATCH_BYTES: usize = 4 << 20;
 /// Documents read before a batch is tokenised (however short).
 const BATCH_DOCS: usize = 8192;
@@ -45,7 +45,8 @@ pub(super) fn write_cache(
     let out = std::fs::File::create(tmp).io(writing)?;
     let mut windows = Windows::new(BufWriter::with_capacity(1 << 20, out), t.seq_len, t.layout, t.eos.unwrap_or(0));
     let mut batch: Vec<Item> = Vec::new();
-    let mut held = 0usize;
+    // Bytes of the file read into the batch: from where it started to the last item's end.
+    let mut batch_from = 0u64;
     let mut flush = |batch: &mut Vec<Item>, windows: &mut Windows<_>| -> Result<()> {
         let Some(read) = batch.last().map(|i| i.read) else { return Ok(()) };
         for (item, enc) in batch.iter().zip(encode_all(batch, t)) {
@@ -64,13 +65,10 @@ pub(super) fn write_cache(
         Ok(())
     };
     for_each_doc(data, kind, |item| {
-        held += match &item.doc {
-            Doc::Text { text, .. } => text.len(),
-            Doc::Chat(m) => m.iter().map(|v| v.to_string().len()).sum(),
-        };
+        let read = item.read;
         batch.push(item);
-        if held >= BATCH_BYTES || batch.len() >= BATCH_DOCS {
-            held = 0;
+        if read - batch_from >= BATCH_BYTES as u64 || batch.len() >= BATCH_DOCS {
+            batch_from = read;
             flush(&mut batch, &mut windows)?;
         }
         Ok(())
