@@ -126,32 +126,26 @@ impl CacheFiles {
         let start = Instant::now();
         let mut said = None::<Instant>;
         loop {
-            let file =
-                std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(
-                    |e| {
-                        TrainError::io(
-                            format!(
-                                "creating the lock file {} (the token cache is written beside the data: its directory \
-                             must be writable)",
-                                path.display()
-                            ),
-                            e,
-                        )
-                    },
-                )?;
-            if try_lock(&file, &what)? {
+            let file = open_lock_file(&path)?;
+            let locked = match try_lock(&file, &what) {
+                Ok(locked) => locked,
+                Err(TrainError::Io { source, .. }) if flock_unsupported(&source) => {
+                    eprintln!(
+                        "{}: the filesystem of {} does not support flock ({source}): this process tokenises without \
+                         waiting for others (processes that do the same write the same cache)",
+                        self.data.display(),
+                        path.display()
+                    );
+                    return Ok(TokenisingLock::new(path, file, &self.data, false));
+                }
+                Err(e) => return Err(e),
+            };
+            if locked {
                 if !same_file(&file, &path) {
                     // Unlinked by its last holder while we waited: lock the file now there.
                     continue;
                 }
-                let lock = TokenisingLock {
-                    path,
-                    file,
-                    data: self.data.clone(),
-                    started: Instant::now(),
-                    said: Instant::now(),
-                    spoke: false,
-                };
+                let lock = TokenisingLock::new(path, file, &self.data, true);
                 lock.write(&format!("process {} is hashing the data", std::process::id()));
                 self.remove_stale_partials();
                 return Ok(lock);
@@ -172,12 +166,40 @@ impl CacheFiles {
     }
 }
 
+/// Opens (creating it) the lock file at `path`.
+fn open_lock_file(path: &Path) -> Result<std::fs::File> {
+    let mut o = std::fs::OpenOptions::new();
+    o.read(true).write(true).create(true).truncate(false);
+    o.open(path).map_err(|e| {
+        let what = format!(
+            "creating the lock file {} (the token cache is written beside the data: its directory must be writable)",
+            path.display()
+        );
+        TrainError::io(what, e)
+    })
+}
+
+/// Whether `e` says that the filesystem has no `flock` (some network filesystems, Lustre mounted without it).
+fn flock_unsupported(e: &std::io::Error) -> bool {
+    #[cfg(unix)]
+    {
+        matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EOPNOTSUPP | libc::ENOLCK))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = e;
+        false
+    }
+}
+
 /// The lock a process holds while it hashes and tokenises a data file (see the module doc); released, and the
-/// lock file removed, when dropped.
+/// lock file removed, when dropped. Where the filesystem has no `flock` it is not held (`locked` false): each
+/// process then tokenises on its own.
 pub(super) struct TokenisingLock {
     path: PathBuf,
     file: std::fs::File,
     data: PathBuf,
+    locked: bool,
     started: Instant,
     said: Instant,
     /// Whether progress was said on stderr (then the end is too).
@@ -185,6 +207,11 @@ pub(super) struct TokenisingLock {
 }
 
 impl TokenisingLock {
+    fn new(path: PathBuf, file: std::fs::File, data: &Path, locked: bool) -> Self {
+        let now = Instant::now();
+        Self { path, file, data: data.to_path_buf(), locked, started: now, said: now, spoke: false }
+    }
+
     /// Tokenising has read `done` bytes of `total`: written into the lock file (for waiting processes) and,
     /// every few seconds once it has run that long, said on stderr with the rate.
     pub fn progress(&mut self, done: u64, total: u64) {
@@ -198,7 +225,9 @@ impl TokenisingLock {
             done as f64 / 1e6 / secs.max(1e-9)
         );
         if self.said.elapsed() >= REPORT_EVERY {
-            self.write(&line);
+            if self.locked {
+                self.write(&line);
+            }
             eprintln!("{}: {line}", self.data.display());
             self.said = Instant::now();
             self.spoke = true;
@@ -228,7 +257,9 @@ impl TokenisingLock {
 impl Drop for TokenisingLock {
     fn drop(&mut self) {
         // Unlinked while still locked: a process that opened it meanwhile sees another file at the path and
-        // retries (`same_file`).
-        let _ = std::fs::remove_file(&self.path);
+        // retries (`same_file`). Not held: other processes may be using it.
+        if self.locked {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
