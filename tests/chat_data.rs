@@ -2,8 +2,10 @@
 //! `apply_chat_template` renders and tokenises them, and the assistant-only mask equal to transformers' own
 //! (`return_assistant_tokens_mask`, from the template's `{% generation %}` tags, which autosp does not read:
 //! it finds the answers by rendering each turn's prefix); the token cache holds the same ids and mask, packed
-//! or one conversation per window; `llama_longctx` fine-tunes on conversations with LoRA. Golden values:
-//! tests/fixtures/chat (made by tests/fixtures/make_chat_golden.py with transformers).
+//! (none straddling two windows) or one conversation per window, and a conversation longer than the window
+//! keeps its opening and its answer; `llama_longctx` fine-tunes on conversations with LoRA, trains every step
+//! when the first conversation is longer than --seq-len, and processes started at once share one tokenising.
+//! Golden values: tests/fixtures/chat (made by tests/fixtures/make_chat_golden.py with transformers).
 
 mod longctx_cli;
 
