@@ -192,7 +192,10 @@ impl Trainer {
                 &self.params,
                 state.optimizer_step,
             )?,
-            None => checkpoint::restore_optimizer(dir, &mut self.opt, &self.params, state.optimizer_step)?,
+            None => {
+                let config = &self.compiled.model().config;
+                checkpoint::restore_optimizer(dir, config, &mut self.opt, &self.params, state.optimizer_step)?
+            }
         }
         if let (Some(scaler), Some((scale, good))) = (self.scaler.as_mut(), state.loss_scale) {
             let interval = match self.config.loss_scale {

@@ -3,7 +3,8 @@
 //! written from the f32 master weights when training in bf16/f16, so an f32 model trained in bf16 is saved
 //! exactly), the tokenizer when the model has one, `optimizer.safetensors` (AdamW's moments,
 //! `<param>.exp_avg` / `<param>.exp_avg_sq`, and `<param>.master`: the f32 master weights of bf16/f16
-//! parameters, or the weights of any parameter the model file's dtype cannot hold exactly) and
+//! parameters, or the weights of any parameter the model file's dtype cannot hold exactly; `<param>` is the
+//! model file's own name, Phi-3's fused ones included: [`state_names`]) and
 //! `trainer_state.json` (step, optimizer step, data position, random state, the run's shape, schedule and
 //! dtype, and the size and FNV-1a hash of every other file). A checkpoint is written into a hidden sibling
 //! directory `.step-N.partial-PID`, every file and the directory are fsynced, and only then is it renamed into
@@ -21,6 +22,7 @@
 mod atomic;
 mod lock;
 mod sharded;
+mod state_names;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -278,6 +280,7 @@ fn write_into(
     }
     write_model(tmp, model, disk, &weights, state.base_model.as_deref())?;
     drop(weights);
+    let moments = state_names::to_file_names(&model.config, moments)?;
     candle_core::safetensors::save(&moments, tmp.join(OPTIMIZER_FILE))?;
     drop(moments);
     write_rest(tmp, state, tokenizer, None)
@@ -482,15 +485,23 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
     })
 }
 
-/// Restores AdamW's moments of `params` (by HF name), its step count `step` and the master weights from
-/// `dir/optimizer.safetensors`: a bf16/f16 parameter's f32 master goes back into AdamW (and, rounded, into
-/// the parameter); an f32 parameter saved in a narrower model file gets its exact weights back.
-pub fn restore_optimizer(dir: &Path, opt: &mut AdamW, params: &[Param], step: u64) -> Result<()> {
+/// Restores AdamW's moments of `params` (by HF name; the file's fused names of a Phi-3 model split into the
+/// parts of `config`'s model), its step count `step` and the master weights from `dir/optimizer.safetensors`:
+/// a bf16/f16 parameter's f32 master goes back into AdamW (and, rounded, into the parameter); an f32
+/// parameter saved in a narrower model file gets its exact weights back.
+pub fn restore_optimizer(
+    dir: &Path,
+    config: &autosp_models::LlamaConfig,
+    opt: &mut AdamW,
+    params: &[Param],
+    step: u64,
+) -> Result<()> {
     let path = dir.join(OPTIMIZER_FILE);
-    let mut t = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| TrainError::Checkpoint {
+    let t = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| TrainError::Checkpoint {
         message: format!("checkpoint {} is damaged: {OPTIMIZER_FILE} cannot be read", dir.display()),
         cause: Some(Box::new(e.into())),
     })?;
+    let mut t = state_names::to_model_names(config, t)?;
     for p in params {
         let (m, v) = (t.remove(&format!("{}.exp_avg", p.name())), t.remove(&format!("{}.exp_avg_sq", p.name())));
         match (m, v) {

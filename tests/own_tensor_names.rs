@@ -2,7 +2,8 @@
 //! `named_parameters` has it: a Phi-3 checkpoint's fused `qkv_proj` and `gate_up_proj` (which the model holds
 //! split, `autosp::models::fused`) are dumped fused. The run of a Phi-3 checkpoint and the run of a Llama
 //! checkpoint holding the same weights split (the same function: no window, no bias) dump the same
-//! gradients, the Phi-3 one's fused tensors being the Llama one's parts stacked, bit for bit.
+//! gradients, the Phi-3 one's fused tensors being the Llama one's parts stacked, bit for bit. A checkpoint's
+//! `optimizer.safetensors` is keyed by the same names (`<name>.exp_avg`, ...), and resumes bit for bit.
 
 mod longctx_cli;
 
@@ -10,7 +11,7 @@ use std::path::Path;
 
 use autosp_models::{save_model, write_tiny, LlamaModel, ModelType, SaveOptions, TinySpec};
 use candle_core::{DType, Device, Tensor};
-use longctx_cli::{ids_file, run_ok, s, tensors};
+use longctx_cli::{ids_file, losses, run_ok, s, tensors};
 
 /// The gradients `--dump-grads` writes after one step of `model` on the ids of `data` (P = `sp`).
 fn dump(t: &Path, model: &Path, data: &Path, sp: &str) -> std::collections::HashMap<String, Tensor> {
@@ -74,4 +75,31 @@ fn phi3_gradients_are_dumped_under_its_fused_names() {
             assert_eq!(values(g), values(&llama[n]), "{n}");
         }
     }
+}
+
+#[test]
+fn a_phi3_checkpoint_keeps_its_optimizer_state_under_the_fused_names_and_resumes_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let model = t.join("phi3");
+    write_tiny(&model, &TinySpec { model_type: ModelType::Phi3, ..TinySpec::default() }, 11, DType::F32).unwrap();
+    let data = format!("ids:{}", s(&ids_file(t)));
+    let common = ["--model", s(&model), "--data", &data, "--seq-len", "32", "--sp", "1", "--shard", "none"];
+    let common = [&common[..], &["--steps", "3"]].concat();
+    let (run, m_run, m_resumed) = (t.join("run"), t.join("run.jsonl"), t.join("resumed.jsonl"));
+    run_ok(t, &[&common[..], &["--save", s(&run), "--save-every", "1", "--metrics", s(&m_run)]].concat());
+    let step1 = run.join("step-1");
+    let state = tensors(&step1.join("optimizer.safetensors"));
+    let file = candle_core::safetensors::load(model.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut names: Vec<String> = state.keys().filter_map(|k| k.strip_suffix(".exp_avg_sq")).map(String::from).collect();
+    let mut want: Vec<String> = file.keys().cloned().collect();
+    names.sort();
+    want.sort();
+    assert_eq!(names, want, "the optimizer state's names are the checkpoint's");
+    let qkv = "model.layers.0.self_attn.qkv_proj.weight";
+    assert_eq!(state[&format!("{qkv}.exp_avg")].dims(), file[qkv].dims());
+    run_ok(t, &[&common[..], &["--resume", s(&step1), "--metrics", s(&m_resumed)]].concat());
+    let (all, resumed) = (losses(&m_run), losses(&m_resumed));
+    assert_eq!(resumed.len(), 2, "{resumed:?}");
+    assert_eq!(resumed[..], all[1..], "resumed from the fused state, the run goes on bit for bit");
 }
