@@ -291,6 +291,7 @@ fn llama_longctx_fine_tunes_on_conversations_with_lora() {
     ];
     let out = run_ok(t, &args);
     assert!(out.contains("LoRA: rank 8"), "{out}");
+    assert!(out.contains("the assistant's tokens train (tokenised now into the cache"), "{out}");
     let l = losses(&metrics);
     assert_eq!(l.len(), 8);
     let sum = metrics_summary(&metrics);
@@ -312,7 +313,8 @@ fn llama_longctx_fine_tunes_on_conversations_with_lora() {
     let (i, j) = (again.len() - 3, again.len() - 1);
     again[i] = s(&save2);
     again[j] = s(&metrics2);
-    run_ok(t, &again);
+    let out = run_ok(t, &again);
+    assert!(out.contains("the assistant's tokens train (read from the cache"), "{out}");
     assert_eq!(losses(&metrics2), l);
 }
 

@@ -615,6 +615,9 @@ impl Job {
         if let Some(scaling) = &d.rope_scaling {
             lines.push(scaling.describe(d.max_position_embeddings, o.seq_len));
         }
+        if let Stream::Corpus { corpus, seq_len, .. } = &self.stream {
+            lines.push(corpus.describe(*seq_len));
+        }
         if let Stream::Needles(_) = self.stream {
             let tokens = self.train.tokens_per_step() * self.mesh.data;
             lines.push(Needles::describe(c, o.seq_len, o.steps, &self.train.curriculum, tokens)?);

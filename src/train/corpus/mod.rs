@@ -139,6 +139,19 @@ impl Corpus {
         (self.tokens / seq_len as u64) as usize
     }
 
+    /// A line for the run's description: the tokens, the windows of `seq_len`, what trains and whether the
+    /// cache was made now or read.
+    pub fn describe(&self, seq_len: usize) -> String {
+        format!(
+            "data: {} tokens in {} windows of {seq_len}{} ({} {})",
+            self.tokens,
+            self.windows(seq_len),
+            if self.chat { ", the assistant's tokens train" } else { "" },
+            if self.fresh { "tokenised now into the cache" } else { "read from the cache" },
+            self.path.display()
+        )
+    }
+
     /// Window `index` (`seq_len` tokens from token `index · seq_len`): its ids and the positions of its tokens
     /// that train (chat data; none for text, which trains on every token).
     pub fn window(&self, index: usize, seq_len: usize) -> Result<(Vec<u32>, Vec<usize>)> {
