@@ -126,6 +126,12 @@ fn a_chat_run_skips_and_says_the_steps_whose_windows_have_no_answer_and_trains_t
     let args = [&common[..], &["--steps", "0", "--eval-data", s(&data)]].concat();
     let out = run_ok(t, &args);
     assert!(out.contains("held-out"), "{out}");
+    // Held-out conversations none of which has an answer: nothing to score, said before training.
+    let questions = t.join("questions.jsonl");
+    std::fs::write(&questions, format!("{question}\n").repeat(2)).unwrap();
+    let args = [&common[..], &["--steps", "1", "--eval-data", s(&questions)]].concat();
+    let err = longctx_cli::run_err(t, &args);
+    assert!(err.contains("none of its 2 window(s) holds a token to score"), "{err}");
 }
 
 #[test]
