@@ -221,6 +221,35 @@ pub fn config_from_gguf(ct: &Content, path: &Path) -> Result<LlamaConfig> {
         }
         None | Some("none") => None,
         Some("linear") => Some(RopeScaling::Linear { factor: m.need(&key("rope.scaling.factor"))? }),
+        // YaRN as the converter writes it; what llama.cpp applies on top of YaRN's own attention factor
+        // (its attention multiplier, DeepSeek's log multiplier) transformers does not, so it is refused.
+        Some("yarn") => {
+            for (k, neutral) in [("rope.scaling.attn_factor", 1.0), ("rope.scaling.yarn_log_multiplier", 0.0)] {
+                if let Some(v) = m.num(&key(k))?.filter(|v| *v != neutral) {
+                    return Err(m.err(format!(
+                        "{} = {v}: llama.cpp applies it on top of YaRN's attention factor, transformers does not; \
+                         load the model from its HF checkpoint",
+                        key(k)
+                    )));
+                }
+            }
+            let factor = m.need(&key("rope.scaling.factor"))?;
+            if factor < 1.0 {
+                return Err(m.err(format!(
+                    "{} = {factor}: a RoPE scaling factor must be 1 or more",
+                    key("rope.scaling.factor")
+                )));
+            }
+            let original = match m.num(&key("rope.scaling.original_context_length"))? {
+                Some(n) => n as usize,
+                None => m.num(&key("context_length"))?.unwrap_or(4096.0) as usize,
+            };
+            Some(RopeScaling::Yarn(crate::rope::Yarn {
+                beta_fast: m.num(&key("rope.scaling.yarn_beta_fast"))?,
+                beta_slow: m.num(&key("rope.scaling.yarn_beta_slow"))?,
+                ..crate::rope::Yarn::new(factor, original)
+            }))
+        }
         Some(other) => {
             return Err(Error::UnknownRopeType {
                 path: path.into(),
