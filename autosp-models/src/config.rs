@@ -466,7 +466,7 @@ impl LlamaConfig {
         let gemma = model_type == ModelType::Gemma3;
         let max_position_embeddings = f.usize_opt("max_position_embeddings")?.unwrap_or(4096);
         let ctx = crate::rope::ScalingContext {
-            model_type,
+            phi3: model_type == ModelType::Phi3,
             head_dim,
             max_position_embeddings,
             top_level_original: f.usize_opt("original_max_position_embeddings")?,
@@ -767,5 +767,31 @@ impl LlamaConfig {
     /// The path of `config.json` inside a model directory.
     pub fn path_in(dir: &Path) -> PathBuf {
         dir.join("config.json")
+    }
+}
+
+impl LlamaConfig {
+    /// This config's RoPE inverse frequencies `[head_dim / 2]` for a sequence inside the original window
+    /// (what transformers' rotary embedding holds after `__init__`); see [`rope_frequencies`](Self::rope_frequencies).
+    pub fn rope_inv_freq(&self) -> Vec<f64> {
+        self.rope_frequencies(0).inv_freq
+    }
+
+    /// The RoPE frequencies and attention factor of the (global, for Gemma 3) layers for a forward pass over
+    /// `seq_len` tokens (`max(position) + 1`; read by `dynamic` and `longrope` only).
+    pub fn rope_frequencies(&self, seq_len: usize) -> crate::rope::RopeFrequencies {
+        crate::rope::rope_frequencies(
+            self.head_dim,
+            self.rope_theta,
+            self.max_position_embeddings,
+            self.rope_scaling.as_ref(),
+            seq_len,
+        )
+    }
+
+    /// The RoPE inverse frequencies of the sliding-window layers when they have a base of their own (Gemma 3's
+    /// `rope_local_base_freq`, unscaled), else `None`: they use [`rope_inv_freq`](Self::rope_inv_freq).
+    pub fn rope_inv_freq_local(&self) -> Option<Vec<f64>> {
+        self.rope_local_theta.map(|theta| crate::rope::default_inv_freq(self.head_dim, theta))
     }
 }

@@ -76,6 +76,7 @@ mod error;
 mod eval;
 mod events;
 mod fingerprint;
+mod flock;
 pub mod interrupt;
 mod launch;
 pub mod lora;

@@ -7,7 +7,6 @@
 use serde_json::{json, Map, Value};
 
 use super::{default_inv_freq, Params, ScalingContext};
-use crate::config::ModelType;
 use crate::error::{Error, Result};
 
 /// LongRoPE's fields, as config.json gives them.
@@ -32,7 +31,7 @@ impl LongRope {
     pub(super) fn parse(p: &Params, ctx: &ScalingContext) -> Result<Self> {
         let half = ctx.head_dim / 2;
         let inside = p.tokens("original_max_position_embeddings")?;
-        let original = if ctx.model_type == ModelType::Phi3 {
+        let original = if ctx.phi3 {
             // Phi3Config: the top-level field (class default 4096) overrides the one in the scaling.
             let top = ctx.top_level_original.unwrap_or(4096);
             if let Some(inner) = inside.filter(|&i| i != top) {

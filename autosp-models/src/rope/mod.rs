@@ -27,7 +27,6 @@ use std::path::Path;
 
 use serde_json::{json, Map, Value};
 
-use crate::config::{LlamaConfig, ModelType};
 use crate::error::{Error, Result};
 
 /// RoPE frequency scaling, as HF transformers' `rope_scaling` / `rope_parameters` (`rope_type`, or the older
@@ -199,35 +198,11 @@ pub fn rope_frequencies(
     }
 }
 
-impl LlamaConfig {
-    /// This config's RoPE inverse frequencies `[head_dim / 2]` for a sequence inside the original window
-    /// (what transformers' rotary embedding holds after `__init__`); see [`rope_frequencies`](Self::rope_frequencies).
-    pub fn rope_inv_freq(&self) -> Vec<f64> {
-        self.rope_frequencies(0).inv_freq
-    }
-
-    /// The RoPE frequencies and attention factor of the (global, for Gemma 3) layers for a forward pass over
-    /// `seq_len` tokens (`max(position) + 1`; read by `dynamic` and `longrope` only).
-    pub fn rope_frequencies(&self, seq_len: usize) -> RopeFrequencies {
-        rope_frequencies(
-            self.head_dim,
-            self.rope_theta,
-            self.max_position_embeddings,
-            self.rope_scaling.as_ref(),
-            seq_len,
-        )
-    }
-
-    /// The RoPE inverse frequencies of the sliding-window layers when they have a base of their own (Gemma 3's
-    /// `rope_local_base_freq`, unscaled), else `None`: they use [`rope_inv_freq`](Self::rope_inv_freq).
-    pub fn rope_inv_freq_local(&self) -> Option<Vec<f64>> {
-        self.rope_local_theta.map(|theta| default_inv_freq(self.head_dim, theta))
-    }
-}
-
 /// What reading a scaling needs from the rest of config.json.
 pub(crate) struct ScalingContext {
-    pub model_type: ModelType,
+    /// Whether transformers' `Phi3Config` reads it: its top-level window wins, and only `longrope` (spelled
+    /// `su` or `yarn` too) is taken.
+    pub phi3: bool,
     pub head_dim: usize,
     pub max_position_embeddings: usize,
     /// config.json's top-level `original_max_position_embeddings` (Phi-3's), if any.
@@ -339,7 +314,7 @@ pub(crate) fn parse_scaling(p: &Params, ctx: &ScalingContext) -> Result<Option<R
         None => "default".to_string(),
         Some(v) => v.as_str().ok_or_else(|| p.invalid("rope_type", v, "expected a string"))?.to_string(),
     };
-    let phi3 = ctx.model_type == ModelType::Phi3;
+    let phi3 = ctx.phi3;
     let ty = if phi3 && matches!(ty.as_str(), "su" | "yarn") { "longrope".to_string() } else { ty };
     if phi3 && !matches!(ty.as_str(), "default" | "longrope") {
         return Err(Error::Unsupported {

@@ -6,6 +6,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use crate::train::error::{IoContext, Result, TrainError};
+use crate::train::flock::{same_file, try_lock};
 
 /// The lock file's name inside a save directory.
 pub const LOCK_FILE: &str = ".lock";
@@ -80,47 +81,6 @@ impl Drop for SaveLock {
             // Only when empty: checkpoints saved by this run stay.
             let _ = std::fs::remove_dir(d);
         }
-    }
-}
-
-/// Takes an exclusive `flock` on `file` (the lock of `what`, for the error) without waiting: `Ok(false)` when
-/// another process holds it. Where `flock` does not exist every lock succeeds (one run at a time is then up to
-/// the user).
-pub(crate) fn try_lock(file: &std::fs::File, what: &str) -> Result<bool> {
-    #[cfg(unix)]
-    {
-        use std::os::unix::io::AsRawFd;
-        // SAFETY: a valid open file descriptor; flock touches no memory of ours.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-            return Ok(true);
-        }
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            return Ok(false);
-        }
-        Err(TrainError::io(format!("locking {what}"), e))
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = (file, what);
-        Ok(true)
-    }
-}
-
-/// Whether the open `file` is still the file at `path` (not unlinked or replaced since it was opened).
-pub(crate) fn same_file(file: &std::fs::File, path: &Path) -> bool {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::MetadataExt;
-        match (file.metadata(), std::fs::metadata(path)) {
-            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-            _ => false,
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = (file, path);
-        true
     }
 }
 

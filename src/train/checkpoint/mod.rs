@@ -36,7 +36,6 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
 pub use atomic::clean_stale;
-pub(crate) use lock::{same_file, try_lock};
 pub use lock::{SaveLock, LOCK_FILE};
 pub use sharded::{rank_file, restore_sharded, save_sharded};
 

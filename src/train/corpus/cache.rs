@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::train::checkpoint::{same_file, try_lock};
 use crate::train::error::{IoContext, Result, TrainError};
 use crate::train::fingerprint::Stamp;
+use crate::train::flock::{same_file, try_lock};
 
 /// How often a waiting process says what it waits for, and a tokenising one how far it is.
 const REPORT_EVERY: Duration = Duration::from_secs(5);
