@@ -92,8 +92,13 @@ fn a_chat_run_skips_and_says_the_steps_whose_windows_have_no_answer_and_trains_t
     let common =
         ["--model", s(&model), "--data", s(&data), "--seq-len", "32", "--lr", "1e-3", "--chat-layout", "truncate"];
     let args = [&common[..], &["--sp", "2", "--steps", "4", "--warmup", "1"]].concat();
-    let args = [&args[..], &["--metrics", s(&metrics)]].concat();
+    let save = t.join("run");
+    let args = [&args[..], &["--metrics", s(&metrics), "--save", s(&save), "--save-every", "1"]].concat();
     let out = run_ok(t, &args);
+    // A skipped step is still a step: its periodic save is made.
+    for step in 1..=4 {
+        assert!(save.join(format!("step-{step}")).join("model.safetensors").is_file(), "step-{step} not saved\n{out}");
+    }
     for step in [1, 3] {
         let line = format!("step    {step}/4: skipped, no trainable target in its 1 window(s)");
         assert!(out.contains(&line), "missing `{line}` in\n{out}");

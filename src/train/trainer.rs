@@ -344,109 +344,113 @@ impl Trainer {
             let reads = autosp_core::host_read::host_reads();
             // The curriculum's length for this step: seq_len / len sequences of len tokens per micro-batch.
             let len = self.config.curriculum.len_at(self.step, seq_len);
-            let batch = self.accumulate(len)?;
-            out.windows += batch.windows;
-            out.untrained_windows += batch.untrained;
-            let Some((grads, loss)) = batch.trained else {
-                // No window of the step had a trainable target, on any rank: nothing to learn, no update.
-                self.step += 1;
-                out.no_target_steps += 1;
-                if rank0 {
-                    observe(Event::NoTargets { step: self.step, steps, windows: batch.windows });
-                    let why = "no trainable target in any window of the step";
-                    self.record(&json!({ "step": self.step, "skipped": why }))?;
-                }
-                continue;
-            };
-            let tape_peak = batch.tape_peak;
-            if self.step == self.first_step {
-                if let Some(f) = self.config.dump_grads.clone() {
-                    // Whole gradients (gathered from every rank's slices when sharded: collective).
-                    let whole = self.compiled.whole_grads(&grads)?;
-                    if rank0 {
-                        self.dump_grads(&whole, &f)?;
-                        observe(Event::GradientsWritten { step: self.step + 1, path: f });
-                    }
-                }
-            }
-            let mut grads = grads;
-            // Loss and gradient norm are the same on every rank (all-reduced), so every rank decides alike.
-            let norm = self.compiled.grad_norm(&grads)?;
-            let scale = self.scaler.map(|s| s.scale());
-            if let (Some(scaler), true) = (self.scaler.as_mut(), loss.is_finite()) {
-                // A finite loss with non-finite gradients: f16 overflowed at this scale (skip, halve), unless
-                // the scale is already below 1 (then the policy below decides).
-                if scaler.update(norm.is_finite()) == ScaleStep::Overflow {
+            // Skipped steps (no target, an f16 overflow, a non-finite value) leave the block early: a skipped
+            // step is still a step, whose probes, held-out score and save are due as after any other.
+            'step: {
+                let batch = self.accumulate(len)?;
+                out.windows += batch.windows;
+                out.untrained_windows += batch.untrained;
+                let Some((grads, loss)) = batch.trained else {
+                    // No window of the step had a trainable target, on any rank: nothing to learn, no update.
                     self.step += 1;
-                    let halved = scaler.scale();
+                    out.no_target_steps += 1;
                     if rank0 {
-                        observe(Event::Overflow { step: self.step, steps, scale: halved * 2.0, halved });
-                        let why = format!("f16 gradients overflowed at loss scale {}; halved", halved * 2.0);
-                        self.record(&json!({ "step": self.step, "skipped": why, "loss_scale": halved }))?;
+                        observe(Event::NoTargets { step: self.step, steps, windows: batch.windows });
+                        let why = "no trainable target in any window of the step";
+                        self.record(&json!({ "step": self.step, "skipped": why }))?;
                     }
-                    continue;
-                }
-            }
-            let nonfinite = match (loss.is_finite(), norm.is_finite()) {
-                (false, _) => Some(("loss", loss)),
-                (true, false) => Some(("gradient norm", norm)),
-                _ => None,
-            };
-            if let Some((what, value)) = nonfinite {
-                if self.config.nonfinite == NonFinite::Stop {
-                    let kept = self.last_saved.clone();
-                    return Err(TrainError::NonFinite { what, step: self.step + 1, value, kept });
-                }
-                self.step += 1;
-                out.skipped += 1;
-                if rank0 {
-                    let reason = Event::nonfinite_reason(what, self.step, value);
-                    observe(Event::Skipped { step: self.step, steps, what, value });
-                    self.record(&json!({ "step": self.step, "skipped": reason }))?;
-                }
-                continue;
-            }
-            if self.config.grad_clip > 0.0 {
-                clip_to_norm(&mut grads, norm, self.config.grad_clip)?;
-            }
-            let lr = sched.lr(self.step);
-            self.opt.step(&self.params, &grads, lr)?;
-            self.step += 1;
-            let dt = t0.elapsed().as_secs_f64();
-            let tokens = seq_len * micro * self.compiled.mesh().data;
-            out.tokens += tokens;
-            out.seconds += dt;
-            let heap = self.heap.map_or(0, |h| h.peak_bytes());
-            // -1: no device memory to report (the CPU).
-            let device = crate::device::device_memory_peak(&self.compiled.device()).map_or(-1.0, |d| d as f64);
-            let peaks = gather(&pg, &[tape_peak as f64, heap as f64, device])?;
-            for (r, v) in peaks.iter().enumerate() {
-                out.tape_peak[r] = out.tape_peak[r].max(v[0]);
-                out.heap_peak[r] = out.heap_peak[r].max(v[1]);
-                if v[2] >= 0.0 {
-                    let d = out.device_peak.get_or_insert_with(|| vec![0.0; p]);
-                    d[r] = d[r].max(v[2]);
-                }
-            }
-            out.loss = Some((out.loss.map_or(loss, |l| l.0), loss));
-            if rank0 {
-                let record = StepRecord {
-                    step: self.step,
-                    steps,
-                    loss,
-                    lr,
-                    grad_norm: norm,
-                    loss_scale: scale,
-                    host_reads: autosp_core::host_read::host_reads() - reads,
-                    tokens_per_s: tokens as f64 / dt,
-                    tape_peak: peaks.iter().map(|v| v[0] as u64).collect(),
-                    heap_peak: peaks.iter().map(|v| v[1] as u64).collect(),
-                    heap_peak_max: out.heap_peak.iter().cloned().fold(0.0, f64::max) as u64,
-                    device_peak_max: out.device_peak.as_ref().map(|d| d.iter().cloned().fold(0.0, f64::max) as u64),
+                    break 'step;
                 };
-                let line = record.to_json();
-                observe(Event::Step(record));
-                self.record(&line)?;
+                let tape_peak = batch.tape_peak;
+                if self.step == self.first_step {
+                    if let Some(f) = self.config.dump_grads.clone() {
+                        // Whole gradients (gathered from every rank's slices when sharded: collective).
+                        let whole = self.compiled.whole_grads(&grads)?;
+                        if rank0 {
+                            self.dump_grads(&whole, &f)?;
+                            observe(Event::GradientsWritten { step: self.step + 1, path: f });
+                        }
+                    }
+                }
+                let mut grads = grads;
+                // Loss and gradient norm are the same on every rank (all-reduced), so every rank decides alike.
+                let norm = self.compiled.grad_norm(&grads)?;
+                let scale = self.scaler.map(|s| s.scale());
+                if let (Some(scaler), true) = (self.scaler.as_mut(), loss.is_finite()) {
+                    // A finite loss with non-finite gradients: f16 overflowed at this scale (skip, halve), unless
+                    // the scale is already below 1 (then the policy below decides).
+                    if scaler.update(norm.is_finite()) == ScaleStep::Overflow {
+                        self.step += 1;
+                        let halved = scaler.scale();
+                        if rank0 {
+                            observe(Event::Overflow { step: self.step, steps, scale: halved * 2.0, halved });
+                            let why = format!("f16 gradients overflowed at loss scale {}; halved", halved * 2.0);
+                            self.record(&json!({ "step": self.step, "skipped": why, "loss_scale": halved }))?;
+                        }
+                        break 'step;
+                    }
+                }
+                let nonfinite = match (loss.is_finite(), norm.is_finite()) {
+                    (false, _) => Some(("loss", loss)),
+                    (true, false) => Some(("gradient norm", norm)),
+                    _ => None,
+                };
+                if let Some((what, value)) = nonfinite {
+                    if self.config.nonfinite == NonFinite::Stop {
+                        let kept = self.last_saved.clone();
+                        return Err(TrainError::NonFinite { what, step: self.step + 1, value, kept });
+                    }
+                    self.step += 1;
+                    out.skipped += 1;
+                    if rank0 {
+                        let reason = Event::nonfinite_reason(what, self.step, value);
+                        observe(Event::Skipped { step: self.step, steps, what, value });
+                        self.record(&json!({ "step": self.step, "skipped": reason }))?;
+                    }
+                    break 'step;
+                }
+                if self.config.grad_clip > 0.0 {
+                    clip_to_norm(&mut grads, norm, self.config.grad_clip)?;
+                }
+                let lr = sched.lr(self.step);
+                self.opt.step(&self.params, &grads, lr)?;
+                self.step += 1;
+                let dt = t0.elapsed().as_secs_f64();
+                let tokens = seq_len * micro * self.compiled.mesh().data;
+                out.tokens += tokens;
+                out.seconds += dt;
+                let heap = self.heap.map_or(0, |h| h.peak_bytes());
+                // -1: no device memory to report (the CPU).
+                let device = crate::device::device_memory_peak(&self.compiled.device()).map_or(-1.0, |d| d as f64);
+                let peaks = gather(&pg, &[tape_peak as f64, heap as f64, device])?;
+                for (r, v) in peaks.iter().enumerate() {
+                    out.tape_peak[r] = out.tape_peak[r].max(v[0]);
+                    out.heap_peak[r] = out.heap_peak[r].max(v[1]);
+                    if v[2] >= 0.0 {
+                        let d = out.device_peak.get_or_insert_with(|| vec![0.0; p]);
+                        d[r] = d[r].max(v[2]);
+                    }
+                }
+                out.loss = Some((out.loss.map_or(loss, |l| l.0), loss));
+                if rank0 {
+                    let record = StepRecord {
+                        step: self.step,
+                        steps,
+                        loss,
+                        lr,
+                        grad_norm: norm,
+                        loss_scale: scale,
+                        host_reads: autosp_core::host_read::host_reads() - reads,
+                        tokens_per_s: tokens as f64 / dt,
+                        tape_peak: peaks.iter().map(|v| v[0] as u64).collect(),
+                        heap_peak: peaks.iter().map(|v| v[1] as u64).collect(),
+                        heap_peak_max: out.heap_peak.iter().cloned().fold(0.0, f64::max) as u64,
+                        device_peak_max: out.device_peak.as_ref().map(|d| d.iter().cloned().fold(0.0, f64::max) as u64),
+                    };
+                    let line = record.to_json();
+                    observe(Event::Step(record));
+                    self.record(&line)?;
+                }
             }
             self.between_steps(len, observe)?;
         }
