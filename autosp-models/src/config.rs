@@ -789,6 +789,25 @@ impl LlamaConfig {
         )
     }
 
+    /// Extends (or, with `none`, un-scales) the model's context window: sets `rope_scaling` and
+    /// `max_position_embeddings` as [`RopeExtension::extend`](crate::rope::RopeExtension::extend) gives them
+    /// (`rope_theta` stays, written explicitly); returns what it did, with the line a run prints. Phi-3 is
+    /// refused (transformers' Phi3Config takes only `longrope`, and reads `yarn` as it).
+    pub fn extend_rope(&mut self, extension: &crate::rope::RopeExtension) -> Result<crate::rope::RopeExtended> {
+        if self.model_type == ModelType::Phi3 && *extension != crate::rope::RopeExtension::None {
+            return Err(Error::RopeExtensionRefused {
+                spec: extension.to_string(),
+                reason: "a phi3 model takes only a longrope scaling (transformers' Phi3Config reads any other as \
+                         longrope), which --rope-scaling does not make; train it without --rope-scaling"
+                    .into(),
+            });
+        }
+        let extended = extension.extend(self.rope_scaling.as_ref(), self.max_position_embeddings)?;
+        self.rope_scaling = extended.scaling.clone();
+        self.max_position_embeddings = extended.max_position_embeddings;
+        Ok(extended)
+    }
+
     /// The RoPE inverse frequencies of the sliding-window layers when they have a base of their own (Gemma 3's
     /// `rope_local_base_freq`, unscaled), else `None`: they use [`rope_inv_freq`](Self::rope_inv_freq).
     pub fn rope_inv_freq_local(&self) -> Option<Vec<f64>> {

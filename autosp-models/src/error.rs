@@ -31,6 +31,22 @@ pub enum Error {
          longrope"
     )]
     UnknownRopeType { path: PathBuf, field: String, rope_type: String },
+    /// `--rope-scaling` (`CompileConfig::rope_scaling`) names a type that does not extend a window.
+    #[error("--rope-scaling {spec}: unknown type `{given}`; give TYPE:FACTOR with a type of {types}, e.g. yarn:2")]
+    RopeExtensionType { spec: String, given: String, types: String },
+    /// `--rope-scaling` with a factor of 1 or less.
+    #[error(
+        "--rope-scaling {spec}: factor {factor} does not extend the window: a factor > 1 extends it (new window = \
+         original window x factor); give `none` for no scaling"
+    )]
+    RopeExtensionFactor { spec: String, factor: String },
+    /// `--rope-scaling` with a malformed factor, or a KEY=VALUE its type does not take or with a bad value.
+    #[error("--rope-scaling {spec}: `{key}` = `{value}`: {reason}")]
+    RopeExtensionKey { spec: String, key: String, value: String, reason: String },
+    /// `--rope-scaling` that cannot apply to this model (another scaling type than its own, or a family that
+    /// takes no such scaling).
+    #[error("--rope-scaling {spec}: {reason}")]
+    RopeExtensionRefused { spec: String, reason: String },
     /// The model_type is not one of the Llama family.
     #[error("{path}: model_type `{model_type}` is not supported; supported: llama, mistral, qwen2, qwen3, phi3, gemma3_text")]
     UnknownModelType { path: PathBuf, model_type: String },

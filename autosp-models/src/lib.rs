@@ -27,7 +27,10 @@ pub use gguf::{config_from_gguf, gguf_tokenizer, gguf_tokenizer_and_template, im
 pub use hub::{resolve_model, HubOptions, ModelSpec, ResolvedModel};
 pub use llama::{GenerateConfig, Generation, KvCache, LlamaModel, ModelError, ModelResult, Sampling};
 pub use peft::{is_adapter, load_adapter, save_adapter, Adapter};
-pub use rope::{default_inv_freq, rope_frequencies, LongRope, RopeFrequencies, Yarn};
+pub use rope::{
+    default_inv_freq, rope_frequencies, unscaled_window_warning, LongRope, RopeExtended, RopeExtension, RopeFrequencies,
+    Yarn,
+};
 pub use save::{save_model, SaveOptions};
 pub use tiny::{random_weights, write_tiny, TinySpec};
 pub use tokenizer::{load_tokenizer, Tokenizer};

@@ -21,7 +21,7 @@ use super::mlp::LlamaMlp;
 use crate::config::LlamaConfig;
 use crate::gguf::import_gguf;
 use crate::hub::{resolve_model, HubOptions};
-use crate::rope::RopeFrequencies;
+use crate::rope::{RopeExtended, RopeExtension, RopeFrequencies};
 use crate::save::{save_model, SaveOptions};
 use crate::weights::load_weights;
 
@@ -223,6 +223,16 @@ impl LlamaModel {
     /// window.
     pub fn inv_freq(&self) -> &[f64] {
         &self.rope.inv_freq
+    }
+
+    /// Extends the model's context window (or removes its scaling, with `none`): its config's `rope_scaling`
+    /// and `max_position_embeddings` ([`LlamaConfig::extend_rope`]) and the RoPE frequencies it caches, so
+    /// that a model loaded as it was trained can train or run past its window, and saves the scaling into
+    /// its config.json. Returns what it did (the line a run prints: [`RopeExtended::describe`]).
+    pub fn extend_rope(&mut self, extension: &RopeExtension) -> ModelResult<RopeExtended> {
+        let extended = self.config.extend_rope(extension)?;
+        self.rope = self.config.rope_frequencies(0);
+        Ok(extended)
     }
 
     /// The RoPE frequencies a forward over `positions` on `tape` uses. A scaling that depends on the

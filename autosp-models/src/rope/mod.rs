@@ -4,7 +4,7 @@
 //!
 //! One file per type (`default`, `linear`, `llama3`, `yarn`, `dynamic`, `longrope`) holds its fields, how it is
 //! read from and written to config.json, and its formula; this door holds the enum, the dispatch and the
-//! config.json reading shared by all.
+//! config.json reading shared by all; [`extend`] extends a loaded model's window (`--rope-scaling`).
 //!
 //! Two scalings depend on the length of the sequence a forward pass sees (`dynamic`: the NTK base grows with
 //! it; `longrope`: the long factors past the original window). Transformers reads that length as
@@ -14,12 +14,14 @@
 
 mod default;
 mod dynamic;
+pub mod extend;
 mod linear;
 mod llama3;
 mod longrope;
 mod yarn;
 
 pub use default::default_inv_freq;
+pub use extend::{unscaled_window_warning, RopeExtended, RopeExtension, YarnKeys};
 pub use longrope::LongRope;
 pub use yarn::Yarn;
 
