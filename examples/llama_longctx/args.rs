@@ -66,6 +66,15 @@ pub struct Args {
     #[arg(long, value_name = "D", value_parser = parse_max_attention_distance)]
     pub max_attention_distance: Option<usize>,
 
+    /// Extend the model's context window by RoPE scaling: TYPE:FACTOR[,KEY=VALUE...] with TYPE linear,
+    /// dynamic or yarn (yarn's keys: attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim,
+    /// truncate), or `none` to train without a scaling (a checkpoint's own removed). The original window is
+    /// the checkpoint's original_max_position_embeddings if it has a scaling (the same type composes: the
+    /// factors multiply), else its max_position_embeddings; every checkpoint saved carries the scaling in its
+    /// config.json. E.g. --rope-scaling yarn:2 takes an 8192-token model to 16384.
+    #[arg(long, value_name = "SPEC", value_parser = parse_rope_scaling)]
+    pub rope_scaling: Option<autosp::models::RopeExtension>,
+
     /// Optimizer steps.
     #[arg(long, default_value_t = 200)]
     pub steps: usize,
@@ -279,6 +288,7 @@ impl Args {
             checkpoint: a.checkpoint,
             dtype: a.dtype,
             max_attention_distance: a.max_attention_distance,
+            rope_scaling: a.rope_scaling,
             steps: a.steps,
             lr: a.lr,
             decay_all: a.decay_all,
@@ -312,4 +322,9 @@ impl Args {
             chat_layout: a.chat_layout,
         }
     }
+}
+
+/// `--rope-scaling SPEC` ([`autosp::models::RopeExtension`]'s spelling; its error names the option).
+fn parse_rope_scaling(spec: &str) -> Result<autosp::models::RopeExtension, String> {
+    spec.parse().map_err(|e: autosp::models::Error| e.to_string())
 }

@@ -71,6 +71,13 @@ pub struct CompileConfig {
     /// LoRA adapters to add before compiling ([`autosp_core::lora::add_lora`]: the base freezes, the target
     /// linears get adapters); `None`: the model as it is (which may have adapters already).
     pub lora: Option<autosp_core::lora::LoraConfig>,
+    /// A context extension applied to the model before anything else
+    /// ([`LlamaModel::extend_rope`](autosp_models::LlamaModel::extend_rope): its config's `rope_scaling` and
+    /// `max_position_embeddings`, and its RoPE frequencies); `None`: the model's own positions. Only a
+    /// [`LlamaModel`](autosp_models::LlamaModel) takes it (another model sets the scaling on its own config).
+    /// `TrainConfig` needs no setting of its own: the trainer saves the compiled model's config, so every
+    /// checkpoint carries the scaling.
+    pub rope_scaling: Option<autosp_models::RopeExtension>,
 }
 
 impl CompileConfig {
@@ -86,6 +93,7 @@ impl CompileConfig {
             seq_len: None,
             max_attention_distance: None,
             lora: None,
+            rope_scaling: None,
         }
     }
 
@@ -93,6 +101,12 @@ impl CompileConfig {
     /// the same ones (their initialisation is seeded by `lora.seed`).
     pub fn with_lora(mut self, lora: autosp_core::lora::LoraConfig) -> Self {
         self.lora = Some(lora);
+        self
+    }
+
+    /// The same configuration extending the model's context window (see [`CompileConfig::rope_scaling`]).
+    pub fn with_rope_scaling(mut self, extension: autosp_models::RopeExtension) -> Self {
+        self.rope_scaling = Some(extension);
         self
     }
 

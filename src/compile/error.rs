@@ -27,6 +27,17 @@ pub enum CompileError {
     )]
     NoTargets,
 
+    /// `CompileConfig::rope_scaling` on a model that is not a `LlamaModel`.
+    #[error(
+        "CompileConfig::rope_scaling ({extension}) applies to a LlamaModel only: set the scaling on your model's \
+         own config (its RoPE frequencies) and leave CompileConfig::rope_scaling unset"
+    )]
+    RopeScalingNotLlama { extension: String },
+
+    /// `CompileConfig::rope_scaling` cannot apply to this model (another scaling type than its own, a Phi-3).
+    #[error("CompileConfig::rope_scaling: {0}")]
+    RopeScaling(#[source] autosp_models::ModelError),
+
     /// An error from the tape, an op or a collective.
     #[error(transparent)]
     Core(#[from] autosp_core::Error),

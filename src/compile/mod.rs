@@ -191,7 +191,13 @@ fn build_attention(resolved: &Resolved, group: &Arc<dyn ProcessGroup>) -> Result
 /// Compiles `model` for its rank of `config.group`: every rank of the group calls this with its own copy of
 /// the model (same weights) at the same time. Impossible requests (Ulysses with heads not divisible by P, a
 /// budget below the smallest plan) fail here, before any step runs, saying what would work.
-pub fn compile<M: CausalLm>(mut model: M, config: CompileConfig) -> Result<Compiled<M>, CompileError> {
+pub fn compile<M: CausalLm + 'static>(mut model: M, config: CompileConfig) -> Result<Compiled<M>, CompileError> {
+    if let Some(extension) = &config.rope_scaling {
+        let Some(llama) = (&mut model as &mut dyn std::any::Any).downcast_mut::<autosp_models::LlamaModel>() else {
+            return Err(CompileError::RopeScalingNotLlama { extension: extension.to_string() });
+        };
+        llama.extend_rope(extension).map_err(CompileError::RopeScaling)?;
+    }
     let world = config.group.clone();
     let w = world.size();
     let mesh = config.mesh.unwrap_or(Mesh::sequence_only(w));

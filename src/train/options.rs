@@ -34,6 +34,9 @@ pub struct RunOptions {
     pub dtype: Option<DType>,
     /// `--max-attention-distance`.
     pub max_attention_distance: Option<usize>,
+    /// `--rope-scaling`: extend the model's context window ([`autosp_models::RopeExtension`]); `None`: the
+    /// model's own positions.
+    pub rope_scaling: Option<autosp_models::RopeExtension>,
     /// `--steps`.
     pub steps: usize,
     /// `--lr`; `None`: [`RunOptions::default_lr`].
@@ -109,6 +112,7 @@ impl Default for RunOptions {
             checkpoint: Checkpointing::Policy(CheckpointPolicy::SequenceAware),
             dtype: None,
             max_attention_distance: None,
+            rope_scaling: None,
             steps: 200,
             lr: None,
             decay_all: false,

@@ -84,6 +84,8 @@ pub struct Job {
     pub name: String,
     /// The LoRA adapters the ranks add to the model, when the run trains adapters.
     pub lora: Option<LoraRun>,
+    /// What `--rope-scaling` made of the model's positions (the line the run prints), when given.
+    pub rope_extended: Option<autosp_models::RopeExtended>,
 }
 
 /// The kernel switches from the environment (`AUTOSP_KERNELS`, `AUTOSP_SIMD`), checked so that a typo or a
@@ -199,7 +201,7 @@ impl Job {
             }
             None => (None, Vec::new()),
         };
-        let loaded = model::load(&source, Precision::float(dtype).master())?;
+        let mut loaded = model::load(&source, Precision::float(dtype).master())?;
         let vocab = loaded.model.config.vocab_size;
         let mut probes = Vec::new();
         let stream = match &source_kind {
@@ -292,6 +294,8 @@ impl Job {
             base_model: shape.base_model.clone(),
         };
         train.validate()?;
+        // --rope-scaling: the config every rank builds from, and so every checkpoint written, carries it.
+        let rope_extended = o.rope_scaling.as_ref().map(|x| loaded.model.extend_rope(x)).transpose()?;
         let config = loaded.model.config.clone();
         let base = loaded.model.to_weights();
         let tokenizer_files = loaded.tokenizer_files();
@@ -316,6 +320,7 @@ impl Job {
             device,
             carrier: if threads { Carrier::Threads } else { Carrier::Mpi },
             lora,
+            rope_extended,
             heap: None,
             name: "training".into(),
             options,
@@ -612,8 +617,12 @@ impl Job {
                 if o.max_attention_distance.is_some() { "; --max-attention-distance narrows it further" } else { "" }
             ));
         }
-        if let Some(scaling) = &d.rope_scaling {
-            lines.push(scaling.describe(d.max_position_embeddings, o.seq_len));
+        if let Some(extended) = &self.rope_extended {
+            lines.push(extended.describe());
+        }
+        match &d.rope_scaling {
+            Some(scaling) => lines.push(scaling.describe(d.max_position_embeddings, o.seq_len)),
+            None => lines.extend(autosp_models::unscaled_window_warning(d.max_position_embeddings, o.seq_len)),
         }
         if let Stream::Corpus { corpus, seq_len, .. } = &self.stream {
             lines.push(corpus.describe(*seq_len));
