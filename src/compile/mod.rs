@@ -14,6 +14,7 @@ pub mod sharded_build;
 pub mod sharding;
 pub mod step;
 pub mod strategy;
+mod token_losses;
 
 use std::sync::Arc;
 
