@@ -187,6 +187,29 @@ pub struct Args {
     #[arg(long, default_value_t = 65536, value_name = "N")]
     pub eval_tokens_max: usize,
 
+    /// The passkey grid, scored before and after training: the standard passkey prompt (through the model's
+    /// tokenizer; fixed ids without one) at each of these lengths in tokens (e.g. 4096,8192,16384) with the
+    /// key at each --eval-depths, --eval-samples keys per cell, one forward pass each (a hit: every answer
+    /// digit right). JSON lines in --metrics, a table in the summary, passkey-before.svg / passkey-after.svg
+    /// beside the metrics file (else in --save).
+    #[arg(long, value_name = "LENGTHS")]
+    pub eval_passkey: Option<String>,
+
+    /// With --eval-passkey: the needle depths in percent of the filler [default: 0,25,50,75,100].
+    #[arg(long, value_name = "DEPTHS")]
+    pub eval_depths: Option<String>,
+
+    /// With --eval-passkey: keys per (length, depth) cell [default: 5].
+    #[arg(long, value_name = "N")]
+    pub eval_samples: Option<usize>,
+
+    /// With --eval-data: the held-out loss by token position (buckets 0-1K, 1-2K, 2-4K, ... up to --seq-len;
+    /// below 2048, sixteenths to halves of it), each window the first --seq-len tokens of a document, before
+    /// and after training. JSON lines in --metrics, a table in the summary, positions.svg beside the metrics
+    /// file (else in --save) with the model's original window marked.
+    #[arg(long)]
+    pub eval_positions: bool,
+
     /// Write the gradients of the first step's mean token loss (before clipping), with HF parameter names,
     /// as safetensors to FILE.
     #[arg(long)]
@@ -307,6 +330,10 @@ impl Args {
             eval_data: a.eval_data,
             eval_every: a.eval_every,
             eval_tokens_max: a.eval_tokens_max,
+            eval_passkey: a.eval_passkey,
+            eval_depths: a.eval_depths,
+            eval_samples: a.eval_samples,
+            eval_positions: a.eval_positions,
             dump_grads: a.dump_grads,
             seed: a.seed,
             metrics: a.metrics,

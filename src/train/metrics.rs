@@ -142,6 +142,44 @@ pub struct Summary {
     pub device_peak: Option<Vec<f64>>,
     /// The checkpoint written at the end.
     pub checkpoint: PathBuf,
+    /// Further tables printed after the summary's own (the long-context evaluations: the passkey grid, the
+    /// loss by position).
+    pub tables: Vec<Table>,
+}
+
+/// A table of its own under the summary: a title, a header row and rows of cells, printed with aligned
+/// columns.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Table {
+    /// The line above it.
+    pub title: String,
+    /// The column names.
+    pub header: Vec<String>,
+    /// The rows, each as many cells as the header or fewer.
+    pub rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    /// `title:` then `| a | b |` lines, a rule under the header, columns aligned.
+    pub fn render(&self) -> String {
+        let cols = self.header.len().max(self.rows.iter().map(Vec::len).max().unwrap_or(0));
+        let cell = |r: &[String], i: usize| r.get(i).cloned().unwrap_or_default();
+        let width: Vec<usize> = (0..cols)
+            .map(|i| self.rows.iter().chain([&self.header]).map(|r| cell(r, i).chars().count()).max().unwrap_or(0))
+            .collect();
+        let line = |r: &[String]| {
+            let cells: Vec<String> = (0..cols).map(|i| format!(" {:<w$} ", cell(r, i), w = width[i])).collect();
+            format!("|{}|\n", cells.join("|"))
+        };
+        let mut out = format!("{}:\n", self.title);
+        out.push_str(&line(&self.header));
+        let rule: Vec<String> = width.iter().map(|w| "-".repeat(w + 2)).collect();
+        out.push_str(&format!("|{}|\n", rule.join("|")));
+        for r in &self.rows {
+            out.push_str(&line(r));
+        }
+        out
+    }
 }
 
 /// Mean token loss on held-out tokens, before and after training.
@@ -295,7 +333,7 @@ impl Summary {
     }
 
     /// The table as text: a title line (`== {name} summary ==`), then one `| what | value |` row per quantity,
-    /// columns aligned.
+    /// columns aligned; then the further [`tables`](Self::tables), each after an empty line.
     pub fn table(&self, name: &str) -> String {
         let rows = self.rows();
         let w = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0).max("what".len());
@@ -305,6 +343,10 @@ impl Summary {
         out.push_str(&format!("|{}|{}|\n", "-".repeat(w + 2), "-".repeat(v + 2)));
         for (k, val) in &rows {
             out.push_str(&format!("| {k:<w$} | {val:<v$} |\n"));
+        }
+        for t in &self.tables {
+            out.push('\n');
+            out.push_str(&t.render());
         }
         out
     }
@@ -369,7 +411,31 @@ mod tests {
             loss_scale: None,
             device_peak: None,
             checkpoint: PathBuf::from("runs/x/step-4"),
+            tables: Vec::new(),
         }
+    }
+
+    #[test]
+    fn further_tables_follow_the_summary_with_aligned_columns() {
+        let t = Table {
+            title: "passkey retrieval".into(),
+            header: vec!["length".into(), "0%".into(), "100%".into()],
+            rows: vec![vec!["256".into(), "0/5 -> 5/5".into(), "1/5".into()], vec!["4096".into()]],
+        };
+        let s = Summary { tables: vec![t], ..full() };
+        let out = s.table("x");
+        let tail: Vec<&str> = out.lines().skip_while(|l| !l.starts_with("passkey retrieval:")).collect();
+        assert_eq!(
+            tail,
+            vec![
+                "passkey retrieval:",
+                "| length | 0%         | 100% |",
+                "|--------|------------|------|",
+                "| 256    | 0/5 -> 5/5 | 1/5  |",
+                "| 4096   |            |      |",
+            ],
+            "{out}"
+        );
     }
 
     #[test]

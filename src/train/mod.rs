@@ -10,8 +10,11 @@
 //!   metrics file when asked ([`MetricsLog`]).
 //! - Data: [`DataSource`] (`needles`, `passkey`, `ids:FILE`, text or JSONL), [`data`] (reading, tokenising
 //!   and packing into `seq_len` sequences), [`Stream`] (sequences with a [`Position`] for exact resume),
-//!   [`HeldOut`] and [`answer_accuracy`] (evaluation), [`Curriculum`] (shorter sequences first), and the
-//!   [`synthetic`] long-range retrieval tasks.
+//!   [`Curriculum`] (shorter sequences first), and the [`synthetic`] long-range retrieval tasks.
+//! - Evaluation (`eval/`, collective over the compiled model): [`HeldOut`] (held-out loss),
+//!   [`answer_accuracy`] (the synthetic tasks' probes), [`PasskeyGrid`] (passkey retrieval over lengths ×
+//!   depths), [`PositionLoss`] (held-out loss by position), [`picture`] (their SVGs), and [`LongContext`], the
+//!   door a run scores the long-context pair through.
 //! - [`checkpoint`]: `step-N` directories in the HF layout plus optimizer and trainer state, written
 //!   atomically and fsynced, hashed, verified on load, under a [`SaveLock`]; exact resume.
 //! - [`Summary`], [`StepRecord`]: the end-of-run table and JSON, the per-step records.
@@ -94,12 +97,15 @@ pub use config::{micro_batches, LossScaling, NonFinite, TrainConfig};
 pub use curriculum::Curriculum;
 pub use data::DataSource;
 pub use error::{Result, TrainError};
-pub use eval::{answer_accuracy, Answers, HeldOut};
+pub use eval::{
+    answer_accuracy, bucket_edges, model_windows, picture, Answers, Bucket, HeldOut, LongContext, LongScores,
+    PasskeyCell, PasskeyGrid, PasskeyScores, PositionLoss, PositionScores, When, DEFAULT_DEPTHS, DEFAULT_SAMPLES,
+};
 pub use events::Event;
 #[cfg(feature = "mpi")]
 pub use launch::over_mpi;
 pub use launch::Carrier;
-pub use metrics::{Accuracy, EvalLoss, MetricsLog, Score, StepRecord, Summary};
+pub use metrics::{Accuracy, EvalLoss, MetricsLog, Score, StepRecord, Summary, Table};
 pub use options::{
     checkpoint_flag, parse_checkpointing, parse_max_attention_distance, parse_strategy, strategy_flag, RunOptions,
 };

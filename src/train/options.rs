@@ -73,6 +73,14 @@ pub struct RunOptions {
     pub eval_every: usize,
     /// `--eval-tokens-max`: the most held-out tokens `--eval-data` scores (in `seq_len` windows).
     pub eval_tokens_max: usize,
+    /// `--eval-passkey LENGTHS`: the passkey grid's prompt lengths, comma-separated ([`super::PasskeyGrid`]).
+    pub eval_passkey: Option<String>,
+    /// `--eval-depths`: its needle depths in percent; `None`: [`super::DEFAULT_DEPTHS`].
+    pub eval_depths: Option<String>,
+    /// `--eval-samples`: its keys per cell; `None`: [`super::DEFAULT_SAMPLES`].
+    pub eval_samples: Option<usize>,
+    /// `--eval-positions`: the held-out loss by position ([`super::PositionLoss`]).
+    pub eval_positions: bool,
     /// `--dump-grads`.
     pub dump_grads: Option<PathBuf>,
     /// `--seed`.
@@ -131,6 +139,10 @@ impl Default for RunOptions {
             eval_data: None,
             eval_every: 0,
             eval_tokens_max: 65536,
+            eval_passkey: None,
+            eval_depths: None,
+            eval_samples: None,
+            eval_positions: false,
             dump_grads: None,
             seed: 0,
             metrics: None,

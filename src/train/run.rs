@@ -22,7 +22,7 @@ use super::corpus::Corpus;
 use super::curriculum::Curriculum;
 use super::data::{self, DataSource};
 use super::error::{Result, TrainError};
-use super::eval::{answer_accuracy, Answers, HeldOut};
+use super::eval::{answer_accuracy, Answers, HeldOut, LongContext, When};
 use super::events::Event;
 use super::launch::Carrier;
 use super::lora::{merge_into, LoraRun};
@@ -84,6 +84,8 @@ pub struct Job {
     pub name: String,
     /// The LoRA adapters the ranks add to the model, when the run trains adapters.
     pub lora: Option<LoraRun>,
+    /// The long-context evaluations (`--eval-passkey`, `--eval-positions`), scored before and after training.
+    pub long_context: LongContext,
     /// What `--rope-scaling` made of the model's positions (the line the run prints), when given.
     pub rope_extended: Option<autosp_models::RopeExtended>,
 }
@@ -299,6 +301,8 @@ impl Job {
         let config = loaded.model.config.clone();
         let base = loaded.model.to_weights();
         let tokenizer_files = loaded.tokenizer_files();
+        let long_context =
+            LongContext::from_options(o, &config, loaded.tokenizer.as_ref(), heldout.as_ref(), &save_root)?;
         drop(loaded);
         Ok(Job {
             p,
@@ -320,6 +324,7 @@ impl Job {
             device,
             carrier: if threads { Carrier::Threads } else { Carrier::Mpi },
             lora,
+            long_context,
             rope_extended,
             heap: None,
             name: "training".into(),
@@ -453,6 +458,8 @@ impl Job {
             }
             trainer.record(&json!({ "step": trainer.step(), "eval_loss": loss }))?;
         }
+        self.long_context.warnings.iter().for_each(|w| say(w.clone()));
+        let long_before = self.long_context.score(&mut trainer, When::Before)?;
 
         let out = trainer.run(stop, observe)?;
         if out.ended == Ended::Interrupted {
@@ -462,10 +469,20 @@ impl Job {
             }
             return Ok(Ended::Interrupted);
         }
-        let after = probe(&trainer)?;
-        let eval_after = trainer.heldout_loss()?;
-        if let Some((loss, _)) = eval_after {
+        // A run that took no step (--steps 0) is scored once: its "after" is its "before".
+        let trained = out.last_step > out.first_step;
+        let after = if trained { probe(&trainer)? } else { before };
+        let eval_after = if trained { trainer.heldout_loss()? } else { eval_before };
+        if let (Some((loss, _)), true) = (eval_after, trained) {
             trainer.record(&json!({ "step": out.last_step, "eval_loss": loss }))?;
+        }
+        let long_after = trained.then(|| self.long_context.score(&mut trainer, When::After)).transpose()?;
+        let mut tables = Vec::new();
+        if rank0 && !self.long_context.is_empty() {
+            let (t, pictures) = self.long_context.report(&long_before, long_after.as_ref())?;
+            tables = t;
+            let shown: Vec<String> = pictures.iter().map(|p| p.display().to_string()).collect();
+            observe(Event::Info(format!("long-context evaluation pictures: {}", shown.join(", "))));
         }
         // Teacher-forced: each answer token predicted with the true tokens before it.
         let (what, unit, whole, chance) = match self.stream {
@@ -505,6 +522,7 @@ impl Job {
             loss_scale: out.loss_scale,
             device_peak: out.device_peak,
             checkpoint: out.checkpoint.unwrap_or_default(),
+            tables,
         };
         let adapter = summary.checkpoint.clone();
         trainer.record(&summary.to_json())?;

@@ -53,12 +53,7 @@ impl Passkey {
             }
         }
         let g = Self { vocab, seq_len, rng: Rng::new(seed ^ 0x005E_ED0F_9A55_CE11) };
-        // Keys of one repeated digit stand for all keys (a tokenizer that merges digits could still spell
-        // some key longer: `assemble` refuses that sample rather than cut it).
-        let mut fixed = 0;
-        for d in 0..10 {
-            fixed = fixed.max(g.parts(&[d; DIGITS])?.fixed_len());
-        }
+        let fixed = g.fixed_len()?;
         let smallest = fixed.max(MIN_PASSKEY_LEN);
         if seq_len < smallest {
             return Err(TrainError::Config(too_short(seq_len, fixed, smallest)));
@@ -71,6 +66,37 @@ impl Passkey {
         let key: Vec<usize> = (0..DIGITS).map(|_| self.rng.below(0..10)).collect();
         let depth = self.rng.below(10..80);
         assemble(self.parts(&key)?, self.seq_len, depth)
+    }
+
+    /// The tokens a sample takes besides its filler (instructions, key, question, answer). Keys of one
+    /// repeated digit stand for all keys (a tokenizer that merges digits could still spell some key longer:
+    /// `assemble` refuses that sample rather than cut it).
+    fn fixed_len(&self) -> Result<usize> {
+        let mut fixed = 0;
+        for d in 0..10 {
+            fixed = fixed.max(self.parts(&[d; DIGITS])?.fixed_len());
+        }
+        Ok(fixed)
+    }
+
+    /// The shortest prompt of `vocab` in tokens: its fixed text with no filler (what
+    /// [`at_depth`](Self::at_depth) needs at least).
+    pub fn shortest(vocab: &PasskeyVocab) -> Result<usize> {
+        Self { vocab: vocab.clone(), seq_len: 0, rng: Rng::new(0) }.fixed_len()
+    }
+
+    /// The evaluation prompt of exactly `len` tokens with the needle at `depth` percent of the filler (0: right
+    /// after the opening instructions, 100: right before the question; the filler before it is
+    /// `⌊filler · depth / 100⌋` tokens) and a key of five digits drawn from `seed` alone, so that a grid's
+    /// cells ask for the same keys. Refuses a `len` below [`shortest`](Self::shortest) or a `depth` past 100.
+    pub fn at_depth(vocab: &PasskeyVocab, len: usize, depth: usize, seed: u64) -> Result<Sample> {
+        if depth > 100 {
+            return Err(TrainError::Config(format!("a passkey depth of {depth}% is past the end: give 0 to 100")));
+        }
+        let mut rng = Rng::new(seed ^ 0x0DE9_7400_5EED_0000);
+        let key: Vec<usize> = (0..DIGITS).map(|_| rng.below(0..10)).collect();
+        let g = Self { vocab: vocab.clone(), seq_len: len, rng };
+        assemble(g.parts(&key)?, len, depth)
     }
 
     /// The pieces of the sample hiding `key` (digits 0-9).
@@ -191,6 +217,41 @@ mod tests {
         let e = Passkey::new(PasskeyVocab::Ids { vocab: 64 }, 20, 3).err().unwrap().to_string();
         assert!(e.contains("--seq-len 20 is too short for the passkey task"), "{e}");
         assert!(Passkey::new(PasskeyVocab::Ids { vocab: 39 }, 128, 3).is_err());
+    }
+
+    /// The needle sits after `⌊filler · depth / 100⌋` filler tokens; the key depends on the seed alone.
+    #[test]
+    fn the_needle_is_placed_at_its_depth_of_the_filler() {
+        let vocab = PasskeyVocab::Ids { vocab: 64 };
+        let fixed = Passkey::shortest(&vocab).unwrap();
+        // start 1, needle 3 + 5 digits + 5, question 4 3, answer 5 digits, end 2.
+        assert_eq!(fixed, 1 + 7 + 2 + 5 + 1);
+        let len = 118;
+        let filler = len - fixed;
+        for depth in [0, 25, 50, 75, 100] {
+            let s = Passkey::at_depth(&vocab, len, depth, 9).unwrap();
+            assert_eq!(s.ids.len(), len);
+            let needle = s.ids.iter().position(|&t| t == 3).unwrap();
+            assert_eq!(needle, 1 + filler * depth / 100, "depth {depth}");
+            let key: Vec<u32> = s.answers.iter().map(|&a| s.ids[a]).collect();
+            assert_eq!(&s.ids[needle + 1..needle + 6], key.as_slice());
+            assert_eq!(
+                key,
+                Passkey::at_depth(&vocab, 200, 0, 9)
+                    .unwrap()
+                    .answers
+                    .iter()
+                    .map(|&a| { Passkey::at_depth(&vocab, 200, 0, 9).unwrap().ids[a] })
+                    .collect::<Vec<_>>()
+            );
+        }
+        assert_ne!(
+            Passkey::at_depth(&vocab, len, 0, 9).unwrap().ids,
+            Passkey::at_depth(&vocab, len, 0, 10).unwrap().ids
+        );
+        assert!(Passkey::at_depth(&vocab, fixed - 1, 0, 9).is_err());
+        assert!(Passkey::at_depth(&vocab, fixed, 101, 9).is_err());
+        assert_eq!(Passkey::at_depth(&vocab, fixed, 50, 9).unwrap().ids.len(), fixed);
     }
 
     /// With a tokenizer whose post-processor adds BOS (id 1), every sample starts with it, once.

@@ -1,18 +1,16 @@
-//! Evaluation during training, forward only and collective (every rank calls it): [`HeldOut`], the mean
-//! next-token loss on held-out tokens (`--eval-data`: a text, JSONL or `ids:` file, up to `--eval-tokens-max`
-//! tokens, scored in windows of `seq_len`), whose ids can be written out, one window per line, so other tools
-//! (`scripts/eval_checkpoint.py`) score exactly the same tokens; and [`answer_accuracy`], teacher-forced
-//! retrieval accuracy on samples with marked answers (the synthetic tasks).
+//! [`HeldOut`]: the mean next-token loss on held-out tokens (`--eval-data`: a text, JSONL or `ids:` file, up to
+//! `--eval-tokens-max` tokens, scored in windows of `seq_len`), whose ids can be written out, one window per
+//! line, so other tools (`scripts/eval_checkpoint.py`) score exactly the same tokens. Forward only and
+//! collective (every rank calls it).
 
 use std::path::Path;
 
 use autosp_models::LlamaModel;
 use candle_core::{Device, Tensor};
 
-use super::corpus::{Corpus, Tokenising};
-use super::data::{self, DataSource};
-use super::error::{Result, TrainError};
-use super::stream::Sample;
+use crate::train::corpus::{Corpus, Tokenising};
+use crate::train::data::{self, DataSource};
+use crate::train::error::{Result, TrainError};
 use crate::Compiled;
 
 /// The held-out tokens, scored in windows.
@@ -137,37 +135,6 @@ impl HeldOut {
     pub fn write_ids(&self, path: &Path) -> Result<()> {
         data::write_ids(path, self.windows())
     }
-}
-
-/// Right answers of a probe set ([`answer_accuracy`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Answers {
-    /// Answer tokens predicted right.
-    pub right: usize,
-    /// Answer tokens.
-    pub total: usize,
-    /// Samples with every answer token right.
-    pub whole: usize,
-}
-
-/// Teacher-forced answer accuracy: for every answer token of every probe, whether the argmax of the logits
-/// at the token before it is that token (earlier answer tokens are given, not generated). Collective: every
-/// rank calls it with the same probes; only the scored rows travel between the ranks.
-pub fn answer_accuracy(c: &Compiled<LlamaModel>, probes: &[Sample]) -> Result<Answers> {
-    let mut a = Answers::default();
-    for s in probes {
-        let n = s.ids.len();
-        let ids = Tensor::from_vec(s.ids.clone(), (1, n), &Device::Cpu)?;
-        let k = s.answers.len();
-        let scored: Vec<usize> = s.answers.iter().map(|&a| a - 1).collect();
-        let logits = c.logits_at(&ids, &scored)?;
-        let rows = logits.argmax(2)?.flatten_all()?.to_vec1::<u32>()?;
-        let ok = rows.iter().zip(s.answers.iter().map(|&a| s.ids[a])).filter(|(a, b)| **a == *b).count();
-        a.right += ok;
-        a.total += k;
-        a.whole += usize::from(ok == k);
-    }
-    Ok(a)
 }
 
 #[cfg(test)]
