@@ -117,8 +117,8 @@ fn the_passkey_grid_and_the_loss_by_position_at_p2_are_one_ranks() {
                 assert_eq!((a.from, a.to, a.targets), (b.from, b.to, b.targets), "{what}");
                 // f32 forward passes whose attention sums in another order (Ulysses' heads on other ranks, Ring's
                 // partial blocks merged by their LSE): measured 3e-9 (Ulysses) and 2e-8 (Ring) relative. 1e-5 is
-                // within DESIGN.md's bound for Ring's loss (1e-5 · P) and far above that f32 rounding, while a
-                // window scored out of order (a wrong gather) moves a bucket by whole percents.
+                // within DESIGN.md's bound for Ring's loss (1e-5 · P) and far above that f32 rounding, while
+                // losses gathered out of order (in rank order, not the zigzag's) moved a bucket by 1.7%.
                 let rel = ((a.loss - b.loss) / b.loss).abs();
                 assert!(rel < 1e-5, "{what}: bucket {}-{}: {} vs {} ({rel:e})", a.from, a.to, a.loss, b.loss);
             }
