@@ -5,7 +5,8 @@ ids file a sequence of its own (the windows `--eval-data` scores), the mean over
 Loads the checkpoint directory (config.json + model.safetensors, as llama_longctx saves it) with
 `AutoModelForCausalLM.from_pretrained` in float32 (a LoRA run's checkpoint, which holds the adapter in PEFT's
 layout, loads as `peft.PeftModel.from_pretrained(base, checkpoint)`: the base from --base, else the base model
-the adapter names) and computes the loss of the ids in --ids (whitespace-
+the adapter names, with the config written beside the adapter, base_config.json, when there is one: the base's
+config with the run's RoPE scaling) and computes the loss of the ids in --ids (whitespace-
 separated, one window per line: the `heldout-ids.txt` that `--eval-data` writes; an `--eval-tokens` file on
 one line is one sequence), with the labels equal to the ids (transformers shifts them: n - 1 targets per line,
 the same ones llama_longctx scores).
@@ -27,7 +28,7 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def main():
@@ -59,7 +60,9 @@ def main():
         from peft import PeftModel
 
         base = a.base or json.load(open(adapter))["base_model_name_or_path"]
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        trained = os.path.join(a.checkpoint, "base_config.json")
+        config = AutoConfig.from_pretrained(trained) if os.path.exists(trained) else None
+        model = AutoModelForCausalLM.from_pretrained(base, config=config, dtype=torch.float32)
         model = PeftModel.from_pretrained(model, a.checkpoint)
     else:
         model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.float32)

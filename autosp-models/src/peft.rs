@@ -19,6 +19,12 @@ use crate::save::{match_permissions, replace_dir, sibling};
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 /// The adapter's weights file.
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+/// The config.json of the model the adapter was trained on (the base with the run's RoPE scaling), written
+/// beside a LoRA checkpoint's adapter: PEFT loads the base's own config, whose positions differ when the run
+/// extended the window, so `AutoModelForCausalLM.from_pretrained(dir, config=AutoConfig.from_pretrained(
+/// f"{dir}/base_config.json"))` loads it as trained. Not `config.json`: with one there transformers takes the
+/// directory for a whole model and fails on the missing weights.
+pub const BASE_CONFIG: &str = "base_config.json";
 /// What PEFT puts before a causal LM's own tensor names.
 const PREFIX: &str = "base_model.model.";
 
@@ -37,6 +43,16 @@ pub struct Adapter {
 /// Whether `dir` holds an adapter (its `adapter_config.json`).
 pub fn is_adapter(dir: &Path) -> bool {
     dir.join(ADAPTER_CONFIG).is_file()
+}
+
+/// The config of the model the adapter in `dir` was trained on ([`BASE_CONFIG`]), when the directory has one
+/// (adapters written by PEFT, or by autosp before it was written, have none).
+pub fn base_config(dir: &Path) -> Result<Option<crate::LlamaConfig>> {
+    let path = dir.join(BASE_CONFIG);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    crate::LlamaConfig::from_file(&path).map(Some)
 }
 
 /// PEFT's `modules_to_save` for what trains beside the adapters (`lm_head` too for a tied embedding, so that

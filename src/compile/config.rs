@@ -75,8 +75,9 @@ pub struct CompileConfig {
     /// ([`LlamaModel::extend_rope`](autosp_models::LlamaModel::extend_rope): its config's `rope_scaling` and
     /// `max_position_embeddings`, and its RoPE frequencies); `None`: the model's own positions. Only a
     /// [`LlamaModel`](autosp_models::LlamaModel) takes it (another model sets the scaling on its own config).
-    /// `TrainConfig` needs no setting of its own: the trainer saves the compiled model's config, so every
-    /// checkpoint carries the scaling.
+    /// The trainer saves the compiled model's config, so every checkpoint carries the scaling;
+    /// `TrainConfig::rope_scaling` only records the option's spelling, so that a resumed run does not apply it
+    /// twice.
     pub rope_scaling: Option<autosp_models::RopeExtension>,
 }
 

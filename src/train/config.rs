@@ -121,6 +121,10 @@ pub struct TrainConfig {
     /// The base model of a LoRA run (`--model` as given), which checkpoints name in `adapter_config.json` and
     /// `trainer_state.json`; `None` for full fine-tuning.
     pub base_model: Option<String>,
+    /// The RoPE extension the run's model got (`--rope-scaling`, as it spells it), which checkpoints record so
+    /// that a resumed run neither applies it twice (a full checkpoint's config.json holds it already) nor
+    /// loses it (a LoRA checkpoint's base is loaded from its own files); `None`: none asked for.
+    pub rope_scaling: Option<String>,
 }
 
 impl TrainConfig {
@@ -148,6 +152,7 @@ impl TrainConfig {
             metrics: None,
             dump_grads: None,
             base_model: None,
+            rope_scaling: None,
         }
     }
 

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use autosp_core::lora::LoraConfig;
-use autosp_models::{is_adapter, load_adapter, LlamaModel};
+use autosp_models::{is_adapter, load_adapter, LlamaModel, RopeExtended, RopeExtension};
 use candle_core::{DType, Tensor};
 
 use super::error::{Result, TrainError};
@@ -128,9 +128,10 @@ impl LoraRun {
 }
 
 /// Writes the merged model: `base` (a directory, hub id or `.gguf`) with the adapter in `adapter_dir` folded
-/// in, as an HF checkpoint in `out` (the base's dtype on disk, its tokenizer files beside it). The merge is
-/// computed in f32 from the files, so it is the same whatever the run's dtype or sharding was.
-pub fn merge_into(base: &str, adapter_dir: &Path, out: &Path) -> Result<PathBuf> {
+/// in, as an HF checkpoint in `out` (the base's dtype on disk, its tokenizer files beside it), with the
+/// positions the adapter was trained with ([`adapter_positions`]: `rope`, else the adapter's base config).
+/// The merge is computed in f32 from the files, so it is the same whatever the run's dtype or sharding was.
+pub fn merge_into(base: &str, adapter_dir: &Path, out: &Path, rope: Option<&RopeExtension>) -> Result<PathBuf> {
     let adapter = load_adapter(adapter_dir).map_err(|cause| TrainError::ModelFile {
         what: format!("loading the LoRA adapter in {}", adapter_dir.display()),
         cause: Box::new(cause.into()),
@@ -138,6 +139,7 @@ pub fn merge_into(base: &str, adapter_dir: &Path, out: &Path) -> Result<PathBuf>
     let loaded = super::model::load(base, DType::F32)?;
     let tokenizer = loaded.tokenizer_files();
     let mut model = loaded.model;
+    adapter_positions(&mut model, adapter_dir, rope)?;
     model.add_lora(&adapter.config)?;
     model.set_adapter_weights(&adapter.weights)?;
     model.merge_lora()?;
@@ -168,7 +170,29 @@ pub fn merge_only(o: &RunOptions) -> Result<Option<PathBuf>> {
                 TrainError::Config(format!("the adapter in {} names no base model: give --model", dir.display()))
             })?,
     };
-    merge_into(&base, dir, out).map(Some)
+    merge_into(&base, dir, out, o.rope_scaling.as_ref()).map(Some)
+}
+
+/// Gives `model`, an adapter's base loaded from its own files, the positions the adapter in `adapter_dir` was
+/// trained with: `rope` applied to it when given (`--rope-scaling`), else those of the adapter's
+/// [`BASE_CONFIG`](autosp_models::peft::BASE_CONFIG) when it has one (a LoRA checkpoint of a run that extended
+/// the window); returns what `rope` did.
+pub fn adapter_positions(
+    model: &mut LlamaModel,
+    adapter_dir: &Path,
+    rope: Option<&RopeExtension>,
+) -> Result<Option<RopeExtended>> {
+    if let Some(x) = rope {
+        return Ok(Some(model.extend_rope(x)?));
+    }
+    let written = autosp_models::peft::base_config(adapter_dir).map_err(|cause| TrainError::ModelFile {
+        what: format!("loading the adapter's base config in {}", adapter_dir.display()),
+        cause: Box::new(cause.into()),
+    })?;
+    if let Some(c) = written {
+        model.set_positions_from(&c);
+    }
+    Ok(None)
 }
 
 /// `rank 4, alpha 8, dropout 0, targets q_proj, v_proj, training the norms`, for messages.

@@ -195,6 +195,12 @@ impl Job {
             max_attention_distance: o.max_attention_distance,
             curriculum: curriculum.flag(),
             base_model: lora.as_ref().map(|_| source.clone()),
+            // The extension this run's model has: the one asked for, else the one the checkpoint recorded.
+            rope_scaling: o
+                .rope_scaling
+                .as_ref()
+                .map(ToString::to_string)
+                .or(saved.and_then(|s| s.rope_scaling.clone())),
         };
         let (resume, resume_changes) = match resumed {
             Some((dir, state)) => {
@@ -294,10 +300,23 @@ impl Job {
             metrics: o.metrics.clone(),
             dump_grads: o.dump_grads.clone(),
             base_model: shape.base_model.clone(),
+            rope_scaling: shape.rope_scaling.clone(),
         };
         train.validate()?;
-        // --rope-scaling: the config every rank builds from, and so every checkpoint written, carries it.
-        let rope_extended = o.rope_scaling.as_ref().map(|x| loaded.model.extend_rope(x)).transpose()?;
+        // --rope-scaling: the config every rank builds from, and so every checkpoint written, carries it. A full
+        // checkpoint resumed holds the extension its run recorded (applied again only when this run asks for
+        // another, with --allow-changes: on top of it); an adapter's base gets it from the option, else from the
+        // config written beside the adapter.
+        let adapter_dir = match (&resume, &o.lora_adapter) {
+            (Some((dir, _)), _) if autosp_models::is_adapter(dir) => Some(dir.clone()),
+            (_, given) => given.clone(),
+        };
+        let recorded = resume.as_ref().and_then(|(_, s)| s.rope_scaling.clone());
+        let rope_extended = match (&adapter_dir, &o.rope_scaling) {
+            (Some(dir), rope) => super::lora::adapter_positions(&mut loaded.model, dir, rope.as_ref())?,
+            (None, Some(x)) if resume.is_some() && recorded == Some(x.to_string()) => None,
+            (None, rope) => rope.as_ref().map(|x| loaded.model.extend_rope(x)).transpose()?,
+        };
         let config = loaded.model.config.clone();
         let base = loaded.model.to_weights();
         let tokenizer_files = loaded.tokenizer_files();
@@ -529,8 +548,18 @@ impl Job {
         if rank0 {
             observe(Event::Summary(Box::new(summary)));
         }
+        if let (Some(_), Some(scaling), true) = (&self.lora, &self.config.rope_scaling, rank0) {
+            let (dir, file) = (adapter.display(), autosp_models::peft::BASE_CONFIG);
+            observe(Event::Info(format!(
+                "the adapter was trained with {} RoPE scaling ({dir}/{file}), and PEFT loads the base's own config: \
+                 load it as trained with AutoModelForCausalLM.from_pretrained(\"{dir}\", \
+                 config=AutoConfig.from_pretrained(\"{dir}/{file}\")), or merge it (--merge-lora)",
+                scaling.rope_type()
+            )));
+        }
         if let (Some(out), true) = (&o.merge_lora, rank0) {
-            let merged = merge_into(&self.source, &adapter, out)?;
+            // The adapter's checkpoint holds the run's positions (its base config).
+            let merged = merge_into(&self.source, &adapter, out, None)?;
             observe(Event::Info(format!(
                 "merged the adapter of {} into the base model: {} (an HF checkpoint transformers loads as it is)",
                 adapter.display(),

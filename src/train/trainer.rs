@@ -254,6 +254,7 @@ impl Trainer {
             max_attention_distance: self.compiled.max_attention_distance(),
             curriculum: c.curriculum.flag(),
             base_model: c.base_model.clone(),
+            rope_scaling: c.rope_scaling.clone(),
         }
     }
 

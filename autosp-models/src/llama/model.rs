@@ -235,6 +235,16 @@ impl LlamaModel {
         Ok(extended)
     }
 
+    /// Takes the positions of `config` (`rope_theta`, `rope_scaling`, `max_position_embeddings`; the rest of
+    /// the model stays): an adapter's base loaded from its own files gets the scaling the adapter was trained
+    /// with ([`crate::peft::base_config`]).
+    pub fn set_positions_from(&mut self, config: &LlamaConfig) {
+        self.config.rope_theta = config.rope_theta;
+        self.config.rope_scaling = config.rope_scaling.clone();
+        self.config.max_position_embeddings = config.max_position_embeddings;
+        self.rope = self.config.rope_frequencies(0);
+    }
+
     /// The RoPE frequencies a forward over `positions` on `tape` uses. A scaling that depends on the
     /// length (`dynamic`, `longrope`) reads the whole sequence's real length from the tape
     /// ([`Tape::sequence_length`], which the compiled step sets from the global, unpadded length), else

@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use autosp_core::optim::AdamW;
 use autosp_core::Param;
 use autosp_core::Precision;
-use autosp_models::peft::ADAPTER_CONFIG;
+use autosp_models::peft::{ADAPTER_CONFIG, BASE_CONFIG};
 use autosp_models::{save_adapter, save_model, LlamaModel, SaveOptions};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
@@ -79,6 +79,8 @@ pub struct RunShape {
     pub curriculum: String,
     /// The base model a LoRA run trains adapters on (`--model` as given); `None` for full fine-tuning.
     pub base_model: Option<String>,
+    /// The RoPE extension the run applied (`--rope-scaling` as it spells it); `None`: none.
+    pub rope_scaling: Option<String>,
 }
 
 /// What a checkpoint records besides the tensors.
@@ -126,6 +128,9 @@ pub struct TrainerState {
     pub base_model: Option<String>,
     /// The f16 loss scaler's scale and good steps since it last changed, when the run scales its loss.
     pub loss_scale: Option<(f64, u32)>,
+    /// The RoPE extension the run applied (`--rope-scaling`); `None`: none, or a checkpoint written before
+    /// it was recorded.
+    pub rope_scaling: Option<String>,
 }
 
 impl TrainerState {
@@ -150,6 +155,7 @@ impl TrainerState {
             curriculum: Some(shape.curriculum.clone()),
             base_model: shape.base_model.clone(),
             loss_scale: None,
+            rope_scaling: shape.rope_scaling.clone(),
         }
     }
 
@@ -168,6 +174,11 @@ impl TrainerState {
             ("--decay-all", Some(self.decay_all.unwrap_or(true).to_string()), now.decay_all.to_string()),
             ("--warmup", self.warmup.map(|x| x.to_string()), now.warmup.to_string()),
             ("--curriculum", self.curriculum.clone(), now.curriculum.clone()),
+            (
+                "--rope-scaling",
+                Some(self.rope_scaling.clone().unwrap_or_else(|| "(not given)".into())),
+                now.rope_scaling.clone().unwrap_or_else(|| "(not given)".into()),
+            ),
         ];
         let mut changes = Vec::new();
         for (what, saved, now) in may_change {
@@ -287,7 +298,9 @@ fn write_into(
 
 /// Makes `tmp` holding the model in the HF layout (`weights` by HF name, saved in `disk`), or, for a model
 /// with LoRA adapters, the adapter in PEFT's layout (`weights`: what trains, saved in f32; `base_model` names
-/// the base); it must be the first thing written there (written atomically, replacing the directory).
+/// the base) and the model's config as [`BASE_CONFIG`] (the base with the run's RoPE scaling, which PEFT would
+/// not apply from the base's own); it must be the first thing written there (written atomically, replacing
+/// the directory).
 fn write_model(
     tmp: &Path,
     model: &LlamaModel,
@@ -298,7 +311,9 @@ fn write_model(
     match model.lora_config() {
         Some(lora) => {
             let tied = model.config.tie_word_embeddings;
-            save_adapter(tmp, &lora, weights, base_model.unwrap_or_default(), tied, Some(DType::F32))?
+            save_adapter(tmp, &lora, weights, base_model.unwrap_or_default(), tied, Some(DType::F32))?;
+            let path = tmp.join(BASE_CONFIG);
+            std::fs::write(&path, model.config.to_json()).io(|| format!("writing {}", path.display()))?;
         }
         None => save_model(tmp, &model.config, weights, &SaveOptions { dtype: Some(disk), ..SaveOptions::default() })?,
     }
@@ -355,6 +370,7 @@ fn write_rest(tmp: &Path, state: &TrainerState, tokenizer: &[(String, String)], 
         "curriculum": state.curriculum,
         "base_model": state.base_model,
         "loss_scale": state.loss_scale.map(|(scale, good)| json!({ "scale": scale, "good_steps": good })),
+        "rope_scaling": state.rope_scaling,
         "files": files,
     });
     if let (Some(Value::Object(extra)), Some(map)) = (extra, doc.as_object_mut()) {
@@ -472,6 +488,7 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
         },
         curriculum: doc.get("curriculum").and_then(Value::as_str).map(str::to_string),
         base_model: doc.get("base_model").and_then(Value::as_str).map(str::to_string),
+        rope_scaling: doc.get("rope_scaling").and_then(Value::as_str).map(str::to_string),
         loss_scale: match doc.get("loss_scale") {
             None | Some(Value::Null) => None,
             Some(v) => Some((
