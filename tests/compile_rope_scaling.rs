@@ -109,3 +109,17 @@ fn a_model_that_is_not_a_llama_model_is_refused_saying_where_the_scaling_goes() 
     let e = out.into_iter().next().unwrap().unwrap().expect("a model that is not a LlamaModel must be refused");
     assert!(e.contains("yarn:2") && e.contains("LlamaModel only") && e.contains("model's own config"), "{e}");
 }
+
+#[test]
+fn a_phi3_model_is_refused_as_transformers_reads_only_longrope_for_it() {
+    let spec =
+        TinySpec { model_type: autosp_models::ModelType::Phi3, hidden: 32, intermediate: 64, ..TinySpec::default() };
+    let config = spec.config();
+    let mut model =
+        LlamaModel::from_weights(&config, random_weights(&config, 1, DType::F32, &Device::Cpu).unwrap()).unwrap();
+    let e = model.extend_rope(&"yarn:2".parse().unwrap()).unwrap_err().to_string();
+    assert!(e.contains("--rope-scaling yarn:2") && e.contains("phi3 model takes only a longrope"), "{e}");
+    assert_eq!(model.config, config, "a refused extension leaves the model as it was");
+    // `none` on it is allowed (it has no scaling to remove).
+    model.extend_rope(&RopeExtension::None).unwrap();
+}
