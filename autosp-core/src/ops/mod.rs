@@ -19,7 +19,7 @@ pub mod softmax;
 pub mod view;
 
 pub use activation::{exp, gelu_tanh, log, silu};
-pub use attention::{naive_attention, AttentionSpec};
+pub use attention::{naive_attention, AttentionSpec, Documents, DocumentsError};
 pub use binary::{add, div, mul, sub};
 pub use cross_entropy::{cross_entropy, IGNORE_INDEX};
 pub use dropout::dropout;

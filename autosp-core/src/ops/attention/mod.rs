@@ -8,9 +8,11 @@
 //! output `o: [batch, q_len, heads, head_dim]`, `lse: [batch, heads, q_len]` (f32, or f64 for f64 inputs).
 //! Query head `h` reads kv head `h / (heads / kv_heads)` (GQA/MQA).
 
+mod documents;
 mod naive;
 mod spec;
 
+pub use documents::{Documents, DocumentsError};
 pub use naive::{naive_attention, naive_attention_backward, naive_attention_forward, NaiveAttention};
 pub use spec::{AttentionDims, AttentionSpec, Visibility};
 
