@@ -64,8 +64,8 @@ pub struct RopeExtended {
     pub max_position_embeddings: usize,
     /// The original window `W` (the pretrained one).
     pub window: usize,
-    /// The scaling the checkpoint had before, if any.
-    pub previous: Option<RopeScaling>,
+    /// The scaling the checkpoint had before, if any, with its factor.
+    pub previous: Option<(RopeScaling, f64)>,
 }
 
 impl RopeExtended {
@@ -75,10 +75,9 @@ impl RopeExtended {
         let option = format!("--rope-scaling {}", self.spec);
         let Some(s) = &self.scaling else {
             return match &self.previous {
-                Some(p) => format!(
-                    "RoPE: the checkpoint's {} x{} scaling removed, window back to {} tokens ({option})",
+                Some((p, factor)) => format!(
+                    "RoPE: the checkpoint's {} x{factor} scaling removed, window back to {} tokens ({option})",
                     p.rope_type(),
-                    p.factor(self.window),
                     self.window
                 ),
                 None => format!("RoPE: no scaling, window {} tokens ({option})", self.window),
@@ -87,8 +86,8 @@ impl RopeExtended {
         let factor = s.factor(self.max_position_embeddings);
         let new_window = scaled_window(self.window, factor);
         let mut note = option;
-        if let Some(p) = &self.previous {
-            note = format!("the checkpoint's {} x{} times the {note}", p.rope_type(), p.factor(self.window));
+        if let Some((p, factor)) = &self.previous {
+            note = format!("the checkpoint's {} x{factor} times the {note}", p.rope_type());
         }
         if matches!(s, RopeScaling::Dynamic { .. }) {
             note.push_str(&format!(
@@ -177,16 +176,16 @@ impl RopeExtension {
                 })
             }
         };
-        let max_position_embeddings = match &new {
+        let new_max = match &new {
             None | Some(RopeScaling::Dynamic { .. }) => window,
             Some(s) => scaled_window(window, s.factor(max_position_embeddings)),
         };
         Ok(RopeExtended {
             spec: self.to_string(),
             scaling: new,
-            max_position_embeddings,
+            max_position_embeddings: new_max,
             window,
-            previous: scaling.cloned(),
+            previous: scaling.map(|s| (s.clone(), s.factor(max_position_embeddings))),
         })
     }
 }
@@ -475,6 +474,17 @@ mod tests {
         );
         let x = parse("none").extend(Some(&RopeScaling::Linear { factor: 2.0 }), 8192).unwrap();
         assert_eq!((x.scaling, x.max_position_embeddings), (None, 4096));
+        // A longrope without a factor of its own: max / original, as read before the removal.
+        let longrope = RopeScaling::LongRope(super::super::LongRope {
+            short_factor: vec![1.0],
+            long_factor: vec![2.0],
+            factor: None,
+            original_max_position_embeddings: 4096,
+            attention_factor: None,
+        });
+        let x = parse("none").extend(Some(&longrope), 131072).unwrap();
+        assert_eq!((x.scaling.clone(), x.max_position_embeddings), (None, 4096));
+        assert!(x.describe().starts_with("RoPE: the checkpoint's longrope x32 scaling removed"), "{}", x.describe());
         let x = parse("none").extend(None, 512).unwrap();
         assert_eq!((x.scaling.clone(), x.max_position_embeddings), (None, 512));
         assert_eq!(x.describe(), "RoPE: no scaling, window 512 tokens (--rope-scaling none)");
