@@ -668,7 +668,12 @@ impl Job {
             lines.push(extended.describe());
         }
         match &d.rope_scaling {
-            Some(scaling) => lines.push(scaling.describe(d.max_position_embeddings, o.seq_len)),
+            // The extension's line says the type, factor and windows; the scaling's own line adds only the
+            // warnings of the length-dependent types.
+            Some(scaling) if self.rope_extended.is_none() || scaling.depends_on_length() => {
+                lines.push(scaling.describe(d.max_position_embeddings, o.seq_len))
+            }
+            Some(_) => {}
             None => lines.extend(autosp_models::unscaled_window_warning(d.max_position_embeddings, o.seq_len)),
         }
         if let Stream::Corpus { corpus, seq_len, .. } = &self.stream {
