@@ -125,6 +125,15 @@ pub struct Args {
     #[arg(long, default_value = "pack")]
     pub chat_layout: autosp::train::corpus::ChatLayout,
 
+    /// How --seq-len windows are packed from the documents of --data: `documents` (each token attends only to
+    /// its own document, positions restart at each document, and no document's first token is trained on the
+    /// one before; a document longer than the room left in a window goes on in the next, its positions
+    /// continuing) or `stream` (document-blind: every window is one sequence). Default: documents for text,
+    /// JSONL and chat data, stream for ids: files (with documents, each line of an ids: file is a document).
+    /// Not for the synthetic tasks.
+    #[arg(long, value_parser = str::parse::<autosp::train::Packing>)]
+    pub packing: Option<autosp::train::Packing>,
+
     /// Sequence lengths before --seq-len (`--data needles` only): `L1:S1,L2:S2,...` trains S1 steps on
     /// sequences of L1 tokens, then S2 steps at L2, ..., and the remaining steps at --seq-len; every step
     /// holds --seq-len tokens (seq-len / L sequences of L tokens). `none`: every step at --seq-len. Default:
@@ -347,6 +356,7 @@ impl Args {
             lora_adapter: a.lora_adapter,
             merge_lora: a.merge_lora,
             chat_layout: a.chat_layout,
+            packing: a.packing,
         }
     }
 }

@@ -5,7 +5,10 @@
 
 use std::path::{Path, PathBuf};
 
+use autosp_core::ops::Documents;
+
 use super::error::{IoContext, Result, TrainError};
+use super::packing::documents_in;
 
 /// Where the training data comes from.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,9 +41,20 @@ impl DataSource {
 
 /// Whitespace-separated token ids from `path`, each below `vocab`.
 pub fn read_ids(path: &Path, vocab: usize) -> Result<Vec<u32>> {
+    Ok(read_id_documents(path, vocab)?.0)
+}
+
+/// Whitespace-separated token ids from `path`, each below `vocab`, as [`read_ids`] reads them, and where each
+/// line that holds ids starts in them (a line is a document for `--packing documents`): ascending, the first 0.
+pub fn read_id_documents(path: &Path, vocab: usize) -> Result<(Vec<u32>, Vec<u64>)> {
     let text = std::fs::read_to_string(path).io(|| format!("reading token ids from {}", path.display()))?;
     let mut ids = Vec::new();
-    for (i, word) in text.split_whitespace().enumerate() {
+    let mut starts = Vec::new();
+    let words = text.lines().flat_map(|line| line.split_whitespace().enumerate().map(|(k, w)| (k == 0, w)));
+    for (i, (first, word)) in words.enumerate() {
+        if first {
+            starts.push(i as u64);
+        }
         let id: u32 = word.parse().map_err(|_| {
             TrainError::Data(format!(
                 "{}: token {i} is `{word}`, not a token id: the file must hold whitespace-separated integers from 0 \
@@ -65,7 +79,7 @@ pub fn read_ids(path: &Path, vocab: usize) -> Result<Vec<u32>> {
             path.display()
         )));
     }
-    Ok(ids)
+    Ok((ids, starts))
 }
 
 /// Writes each of `lines` as whitespace-separated ids on a line of its own (the format [`read_ids`] reads, as
@@ -88,6 +102,21 @@ pub fn pack(ids: &[u32], seq_len: usize, source: &str) -> Result<Vec<Vec<u32>>> 
     Ok(ids.chunks_exact(seq_len).map(<[u32]>::to_vec).collect())
 }
 
+/// Cuts `ids`, whose documents start at `starts` (ascending offsets, [`read_id_documents`]), into sequences of
+/// `seq_len` tokens as [`pack`] does, each with its documents: a document that does not fit in the room left
+/// goes on in the next sequence, its positions continuing ([`super::packing`]).
+pub fn pack_documents(ids: &[u32], starts: &[u64], seq_len: usize, source: &str) -> Result<Vec<(Vec<u32>, Documents)>> {
+    let seqs = pack(ids, seq_len, source)?;
+    seqs.into_iter()
+        .enumerate()
+        .map(|(k, seq)| {
+            let d = documents_in(starts, (k * seq_len) as u64, seq_len)
+                .map_err(|e| TrainError::Data(format!("{source}: document starts {e}")))?;
+            Ok((seq, d))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -99,11 +128,23 @@ pub(crate) mod tests {
         let ids = dir.path().join("ids.txt");
         std::fs::write(&ids, "1 2\n3 4 5").unwrap();
         assert_eq!(read_ids(&ids, 6).unwrap(), vec![1, 2, 3, 4, 5]);
+        // Each line that holds ids is a document.
+        std::fs::write(&ids, "1 2\n\n  \n3 4 5\n 0\n").unwrap();
+        assert_eq!(read_id_documents(&ids, 6).unwrap(), (vec![1, 2, 3, 4, 5, 0], vec![0, 2, 5]));
+        std::fs::write(&ids, "1 2\n3 4 5").unwrap();
         let e = read_ids(&ids, 5).unwrap_err().to_string();
         assert!(e.contains("token 4 is id 5, outside the model's vocabulary of 5"), "{e}");
         assert_eq!(pack(&[1, 2, 3, 4, 5], 2, "x").unwrap(), vec![vec![1, 2], vec![3, 4]]);
         let e = pack(&[1, 2, 3], 4, "x").unwrap_err().to_string();
         assert!(e.contains("--seq-len 4 is longer than the 3 tokens available in x"), "{e}");
+        // Lines as documents: [1 2 3] [4] [5 6 7 8 9] in windows of 3; the third goes on across windows.
+        let packed = pack_documents(&[1, 2, 3, 4, 5, 6, 7, 8, 9], &[0, 3, 4], 3, "x").unwrap();
+        let cut: Vec<_> =
+            packed.iter().map(|(s, d)| (s.clone(), d.cu_seqlens().to_vec(), d.first_position())).collect();
+        assert_eq!(
+            cut,
+            vec![(vec![1, 2, 3], vec![0, 3], 0), (vec![4, 5, 6], vec![0, 1, 3], 0), (vec![7, 8, 9], vec![0, 3], 2)]
+        );
         assert_eq!(DataSource::parse("ids:f"), DataSource::Ids("f".into()));
         assert_eq!(DataSource::parse("needles"), DataSource::Needles);
         assert_eq!(DataSource::parse("a.jsonl"), DataSource::Text("a.jsonl".into()));

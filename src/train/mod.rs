@@ -9,7 +9,8 @@
 //!   [`Event`]s (on rank 0), each of which reads as the line `llama_longctx` prints, and to a JSON-lines
 //!   metrics file when asked ([`MetricsLog`]).
 //! - Data: [`DataSource`] (`needles`, `passkey`, `ids:FILE`, text or JSONL), [`data`] (reading, tokenising
-//!   and packing into `seq_len` sequences), [`Stream`] (sequences with a [`Position`] for exact resume),
+//!   and packing into `seq_len` sequences), [`packing`] (`--packing`: windows with their document
+//!   boundaries, or document-blind), [`Stream`] (sequences with a [`Position`] for exact resume),
 //!   [`Curriculum`] (shorter sequences first), and the [`synthetic`] long-range retrieval tasks.
 //! - Evaluation (`eval/`, collective over the compiled model): [`HeldOut`] (held-out loss),
 //!   [`answer_accuracy`] (the synthetic tasks' probes), [`PasskeyGrid`] (passkey retrieval over lengths ×
@@ -86,6 +87,7 @@ pub mod lora;
 mod metrics;
 pub mod model;
 mod options;
+pub mod packing;
 mod progress;
 mod run;
 mod stream;
@@ -109,6 +111,7 @@ pub use metrics::{Accuracy, EvalLoss, MetricsLog, Score, StepRecord, Summary, Ta
 pub use options::{
     checkpoint_flag, parse_checkpointing, parse_max_attention_distance, parse_strategy, strategy_flag, RunOptions,
 };
+pub use packing::Packing;
 pub use progress::Progress;
 pub use run::Job;
 pub use stream::{Position, Sample, Stream};

@@ -107,6 +107,9 @@ pub struct RunOptions {
     pub merge_lora: Option<PathBuf>,
     /// `--chat-layout`: how conversations fill the training windows (pack or truncate).
     pub chat_layout: super::corpus::ChatLayout,
+    /// `--packing`: windows with their document boundaries or document-blind ([`super::Packing`]); `None`:
+    /// documents for text, JSONL and chat data, stream for `ids:` files ([`super::packing::for_data`]).
+    pub packing: Option<super::Packing>,
 }
 
 impl Default for RunOptions {
@@ -156,6 +159,7 @@ impl Default for RunOptions {
             lora_adapter: None,
             merge_lora: None,
             chat_layout: super::corpus::ChatLayout::Pack,
+            packing: None,
         }
     }
 }

@@ -29,6 +29,7 @@ use super::lora::{merge_into, LoraRun};
 use super::metrics::{Accuracy, EvalLoss, Score, Summary};
 use super::model;
 use super::options::{checkpoint_flag, strategy_flag, RunOptions};
+use super::packing::Packing;
 use super::stream::{Sample, Stream};
 use super::synthetic::{Needles, NeedlesVocab, Passkey, PasskeyVocab, VALUES};
 use super::trainer::{Ended, Trainer};
@@ -141,6 +142,7 @@ impl Job {
         let micro = micro_batches(o.batch_tokens, o.seq_len)?;
         let dtype = o.compute_dtype();
         let source_kind = DataSource::parse(&o.data);
+        let packing = super::packing::for_data(o.packing, &source_kind)?;
         let curriculum = match (&source_kind, &o.curriculum) {
             (DataSource::Needles, Some(c)) => Curriculum::parse(c, o.seq_len)?,
             (DataSource::Needles, None) => Curriculum::default_for(o.seq_len, o.steps),
@@ -201,6 +203,7 @@ impl Job {
                 .as_ref()
                 .map(ToString::to_string)
                 .or(saved.and_then(|s| s.rope_scaling.clone())),
+            packing: packing.map(|p| p.to_string()),
         };
         let (resume, resume_changes) = match resumed {
             Some((dir, state)) => {
@@ -231,6 +234,10 @@ impl Job {
                 probes = Passkey::probes(pv.clone(), o.seed, if o.quick { 4 } else { 8 }, o.seq_len)?;
                 Stream::Passkey(Passkey::new(pv, o.seq_len, o.seed)?)
             }
+            DataSource::Ids(f) if packing == Some(Packing::Documents) => {
+                let (ids, starts) = data::read_id_documents(f, vocab)?;
+                Stream::packed_documents(data::pack_documents(&ids, &starts, o.seq_len, &f.display().to_string())?)
+            }
             DataSource::Ids(f) => {
                 let ids = data::read_ids(f, vocab)?;
                 Stream::packed(data::pack(&ids, o.seq_len, &f.display().to_string())?)
@@ -248,7 +255,8 @@ impl Job {
                         f.display()
                     )));
                 }
-                Stream::Corpus { corpus: Arc::new(corpus), seq_len: o.seq_len, next: 0 }
+                let packing = packing.unwrap_or(Packing::Documents);
+                Stream::Corpus { corpus: Arc::new(corpus), seq_len: o.seq_len, packing, next: 0 }
             }
         };
         let eval_ids = match &o.eval_tokens {
@@ -271,7 +279,9 @@ impl Job {
                     DataSource::Text(_) => Some(loaded.tokenising(&format!("--eval-data {spec}"), &source, o)?),
                     _ => None,
                 };
-                Some(HeldOut::load(spec, o.seq_len, o.eval_tokens_max, vocab, t.as_ref())?)
+                // Scored as the run trains (the synthetic tasks' runs: document-blind, as before --packing).
+                let packing = packing.unwrap_or(Packing::Stream);
+                Some(HeldOut::load(spec, o.seq_len, o.eval_tokens_max, vocab, t.as_ref(), packing)?)
             }
             None => None,
         };
@@ -679,6 +689,7 @@ impl Job {
         if let Stream::Corpus { corpus, seq_len, .. } = &self.stream {
             lines.push(corpus.describe(*seq_len));
         }
+        lines.extend(self.stream.describe_packing(d.max_position_embeddings)?);
         if let Stream::Needles(_) = self.stream {
             let tokens = self.train.tokens_per_step() * self.mesh.data;
             lines.push(Needles::describe(c, o.seq_len, o.steps, &self.train.curriculum, tokens)?);

@@ -255,6 +255,7 @@ impl Trainer {
             curriculum: c.curriculum.flag(),
             base_model: c.base_model.clone(),
             rope_scaling: c.rope_scaling.clone(),
+            packing: self.stream.packing().map(|p| p.to_string()),
         }
     }
 

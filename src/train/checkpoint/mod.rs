@@ -81,6 +81,8 @@ pub struct RunShape {
     pub base_model: Option<String>,
     /// The RoPE extension the run applied (`--rope-scaling` as it spells it); `None`: none.
     pub rope_scaling: Option<String>,
+    /// How windows are packed from documents (`--packing` as it spells it); `None`: synthetic data.
+    pub packing: Option<String>,
 }
 
 /// What a checkpoint records besides the tensors.
@@ -131,6 +133,9 @@ pub struct TrainerState {
     /// The RoPE extension the run applied (`--rope-scaling`); `None`: none, or a checkpoint written before
     /// it was recorded.
     pub rope_scaling: Option<String>,
+    /// How windows were packed from documents (`--packing`); `None`: synthetic data, or a checkpoint written
+    /// before it was recorded (file data was then packed document-blind, `stream`).
+    pub packing: Option<String>,
 }
 
 impl TrainerState {
@@ -156,14 +161,16 @@ impl TrainerState {
             base_model: shape.base_model.clone(),
             loss_scale: None,
             rope_scaling: shape.rope_scaling.clone(),
+            packing: shape.packing.clone(),
         }
     }
 
     /// Checks that a run of shape `now` may resume this checkpoint (at `dir`, for the messages). The
     /// micro-batches, data, seed and dtype must be the same ([`TrainError::Checkpoint`] otherwise). The sequence
-    /// length, window, steps, learning rate, warm-up and curriculum may differ only with `allow_changes`
-    /// ([`TrainError::Config`] naming each change otherwise); returns the changes (`--steps 4 -> 8`), which
-    /// the caller should report. Older checkpoints that did not record the schedule compare only what they hold.
+    /// length, window, steps, learning rate, warm-up, curriculum, RoPE scaling and packing may differ only with
+    /// `allow_changes` ([`TrainError::Config`] naming each change otherwise); returns the changes
+    /// (`--steps 4 -> 8`), which the caller should report. Older checkpoints that did not record the schedule
+    /// compare only what they hold (one without a packing was packed document-blind: `stream`).
     pub fn resume_changes(&self, now: &RunShape, dir: &Path, allow_changes: bool) -> Result<Vec<String>> {
         let window = |w: Option<usize>| w.map_or("none".to_string(), |w| w.to_string());
         let may_change = [
@@ -178,6 +185,11 @@ impl TrainerState {
                 "--rope-scaling",
                 Some(self.rope_scaling.clone().unwrap_or_else(|| "(not given)".into())),
                 now.rope_scaling.clone().unwrap_or_else(|| "(not given)".into()),
+            ),
+            (
+                "--packing",
+                Some(self.packing.clone().unwrap_or_else(|| "stream".into())),
+                now.packing.clone().unwrap_or_else(|| "stream".into()),
             ),
         ];
         let mut changes = Vec::new();
@@ -371,6 +383,7 @@ fn write_rest(tmp: &Path, state: &TrainerState, tokenizer: &[(String, String)], 
         "base_model": state.base_model,
         "loss_scale": state.loss_scale.map(|(scale, good)| json!({ "scale": scale, "good_steps": good })),
         "rope_scaling": state.rope_scaling,
+        "packing": state.packing,
         "files": files,
     });
     if let (Some(Value::Object(extra)), Some(map)) = (extra, doc.as_object_mut()) {
@@ -489,6 +502,7 @@ pub fn verify(dir: &Path) -> Result<TrainerState> {
         curriculum: doc.get("curriculum").and_then(Value::as_str).map(str::to_string),
         base_model: doc.get("base_model").and_then(Value::as_str).map(str::to_string),
         rope_scaling: doc.get("rope_scaling").and_then(Value::as_str).map(str::to_string),
+        packing: doc.get("packing").and_then(Value::as_str).map(str::to_string),
         loss_scale: match doc.get("loss_scale") {
             None | Some(Value::Null) => None,
             Some(v) => Some((

@@ -2,7 +2,8 @@
 //! one process tokenise while the others wait for it.
 //!
 //! Beside `data` (for one set of tokenising settings, keyed `S`):
-//! - `.{name}.autosp-{K}.tokens`: the cache, `K` keyed by `S` and the data's whole hash;
+//! - `.{name}.autosp-{K}.tokens`: the cache, `K` keyed by `S` and the data's whole hash, and beside it
+//!   `.{name}.autosp-{K}.starts`, where its documents start (`starts.rs`);
 //! - `.{name}.autosp-{S}.index`: JSON naming the current cache with the data's [`Stamp`] (size, modification
 //!   time, a hash of its first and last MiB) and whole hash. When the stamp still matches, the cache is current
 //!   and the data is not hashed whole; otherwise it is, and a cache of that hash is used (or made);
@@ -97,7 +98,9 @@ impl CacheFiles {
         }
         let path = self.dir.join(name);
         match std::fs::metadata(&path) {
-            Ok(m) if m.len() == tokens * 4 => Ok(Some(Current { path, tokens })),
+            Ok(m) if m.len() == tokens * 4 && super::starts::is_whole(&path, tokens) => {
+                Ok(Some(Current { path, tokens }))
+            }
             _ => Ok(None),
         }
     }

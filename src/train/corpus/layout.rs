@@ -67,9 +67,14 @@ pub(super) fn fit(c: &EncodedConversation, len: usize) -> (Vec<u32>, Vec<bool>) 
 }
 
 /// Writes tokens into the cache as they fill windows: each a little-endian u32, [`TRAINED`] set on those that
-/// train.
+/// train; and where each document starts into the starts file (`starts.rs`): a text document, a conversation,
+/// and a run of padding after one (untrained, seen by no real token) are each a document.
 pub(super) struct Windows<W: Write> {
     out: W,
+    /// The starts file: the offset of each document's first token, a little-endian u64.
+    starts: W,
+    /// Whether the next token written starts a document.
+    starting: bool,
     seq_len: usize,
     layout: ChatLayout,
     /// What pads a window (untrained).
@@ -81,13 +86,16 @@ pub(super) struct Windows<W: Write> {
 }
 
 impl<W: Write> Windows<W> {
-    /// Windows of `seq_len` tokens written to `out`; conversations laid out by `layout`, padded with `pad`.
-    pub fn new(out: W, seq_len: usize, layout: ChatLayout, pad: u32) -> Self {
-        Self { out, seq_len: seq_len.max(1), layout, pad, filled: 0, tokens: 0 }
+    /// Windows of `seq_len` tokens written to `out`, document starts to `starts`; conversations laid out by
+    /// `layout`, padded with `pad`.
+    pub fn new(out: W, starts: W, seq_len: usize, layout: ChatLayout, pad: u32) -> Self {
+        Self { out, starts, starting: true, seq_len: seq_len.max(1), layout, pad, filled: 0, tokens: 0 }
     }
 
-    /// A document's tokens, all trained, packed after the previous ones.
-    pub fn document(&mut self, ids: &[u32]) -> std::io::Result<()> {
+    /// A document's tokens, all trained, packed after the previous ones; `first`: they start a document (else
+    /// they go on with the previous piece's, plain text's long documents coming in pieces).
+    pub fn document(&mut self, ids: &[u32], first: bool) -> std::io::Result<()> {
+        self.starting |= first;
         for &id in ids {
             self.token(id, true)?;
         }
@@ -104,6 +112,7 @@ impl<W: Write> Windows<W> {
         if starts_window {
             self.pad_window()?;
         }
+        self.starting = true;
         for (&id, &t) in ids.iter().zip(&trained) {
             self.token(id, t)?;
         }
@@ -119,17 +128,20 @@ impl<W: Write> Windows<W> {
 
     /// Pads the last window of conversations (documents are not padded: their last part window is left out
     /// of the windows) and flushes; the writer and the tokens written.
-    pub fn finish(mut self, conversations: bool) -> std::io::Result<(W, u64)> {
+    pub fn finish(mut self, conversations: bool) -> std::io::Result<(W, W, u64)> {
         if conversations {
             self.pad_window()?;
         }
         self.out.flush()?;
-        Ok((self.out, self.tokens))
+        self.starts.flush()?;
+        Ok((self.out, self.starts, self.tokens))
     }
 
-    /// Pads the window being filled up to `seq_len` (nothing when it is empty).
+    /// Pads the window being filled up to `seq_len` (nothing when it is empty): the padding is a document of
+    /// its own.
     fn pad_window(&mut self) -> std::io::Result<()> {
         if self.filled > 0 {
+            self.starting = true;
             for _ in self.filled..self.seq_len {
                 self.token(self.pad, false)?;
             }
@@ -139,6 +151,9 @@ impl<W: Write> Windows<W> {
     }
 
     fn token(&mut self, id: u32, trained: bool) -> std::io::Result<()> {
+        if std::mem::take(&mut self.starting) {
+            self.starts.write_all(&self.tokens.to_le_bytes())?;
+        }
         let w = if trained { id | TRAINED } else { id };
         self.out.write_all(&w.to_le_bytes())?;
         self.tokens += 1;
@@ -184,34 +199,46 @@ mod tests {
         bytes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
     }
 
+    fn starts(bytes: &[u8]) -> Vec<u64> {
+        bytes.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).collect()
+    }
+
     #[test]
     fn packed_conversations_never_straddle_windows() {
-        let mut w = Windows::new(Vec::new(), 4, ChatLayout::Pack, 99);
+        let mut w = Windows::new(Vec::new(), Vec::new(), 4, ChatLayout::Pack, 99);
         w.conversation(&conv("01", 0, 0)).unwrap();
         w.conversation(&conv("011", 0, 0)).unwrap(); // does not fit in the 2 left: next window
         w.conversation(&conv("0", 0, 0)).unwrap(); // fits
         w.conversation(&conv("000011", 1, 0)).unwrap(); // longer than a window: cut, alone
         w.conversation(&conv("", 0, 0)).unwrap(); // nothing
         w.conversation(&conv("01", 0, 0)).unwrap();
-        let (bytes, n) = w.finish(true).unwrap();
+        let (bytes, s, n) = w.finish(true).unwrap();
         let t = TRAINED;
         assert_eq!(words(&bytes), [0, 1 | t, 99, 99, 0, 1 | t, 2 | t, 0, 0, 3, 4 | t, 5 | t, 0, 1 | t, 99, 99]);
         assert_eq!(n, 16);
+        // Each conversation starts a document, and so does each run of padding.
+        assert_eq!(starts(&s), [0, 2, 4, 7, 8, 12, 14]);
     }
 
     #[test]
     fn truncated_conversations_take_a_window_each() {
-        let mut w = Windows::new(Vec::new(), 3, ChatLayout::Truncate, 99);
+        let mut w = Windows::new(Vec::new(), Vec::new(), 3, ChatLayout::Truncate, 99);
         w.conversation(&conv("01", 0, 0)).unwrap();
         w.conversation(&conv("", 0, 0)).unwrap();
         w.conversation(&conv("00011", 1, 0)).unwrap();
-        let (bytes, _) = w.finish(true).unwrap();
+        let (bytes, s, _) = w.finish(true).unwrap();
         let t = TRAINED;
         assert_eq!(words(&bytes), [0, 1 | t, 99, 99, 99, 99, 2, 3 | t, 4 | t]);
-        // Documents are packed, and their last part window is not padded.
-        let mut w = Windows::new(Vec::new(), 3, ChatLayout::Truncate, 99);
-        w.document(&[5, 6]).unwrap();
-        w.document(&[7, 8]).unwrap();
-        assert_eq!(words(&w.finish(false).unwrap().0), [5 | t, 6 | t, 7 | t, 8 | t]);
+        assert_eq!(starts(&s), [0, 2, 3, 4, 6]);
+        // Documents are packed (a piece that goes on with a document starts none; an empty first piece starts
+        // the document at the next token), and their last part window is not padded.
+        let mut w = Windows::new(Vec::new(), Vec::new(), 3, ChatLayout::Truncate, 99);
+        w.document(&[5, 6], true).unwrap();
+        w.document(&[7], false).unwrap();
+        w.document(&[], true).unwrap();
+        w.document(&[8], false).unwrap();
+        let (bytes, s, _) = w.finish(false).unwrap();
+        assert_eq!(words(&bytes), [5 | t, 6 | t, 7 | t, 8 | t]);
+        assert_eq!(starts(&s), [0, 3]);
     }
 }

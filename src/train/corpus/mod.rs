@@ -3,7 +3,9 @@
 //! and a second run (or every MPI process but the one that tokenises) skips the tokenising.
 //!
 //! The cache is `.{data file name}.autosp-{key}.tokens` next to the data: one little-endian u32 per token, bit
-//! 31 set on the tokens that train (chat data: the assistant's; plain text: all). `key` is FNV-1a over the
+//! 31 set on the tokens that train (chat data: the assistant's; plain text: all); beside it
+//! `.{data file name}.autosp-{key}.starts` records where each document starts (`starts.rs`), which
+//! `--packing documents` gives every window ([`Corpus::documents`]). `key` is FNV-1a over the
 //! format version, the data file's bytes, the tokenizer, the chat template, the model's EOS and the chat
 //! layout, so any change makes a new cache. An index beside it records the data's size, modification time and
 //! a hash of its first and last MiB, so an unchanged file is not hashed whole again; one process hashes and
@@ -19,11 +21,13 @@ mod cache;
 mod layout;
 mod plain;
 mod source;
+mod starts;
 mod tokenise;
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
+use autosp_core::ops::Documents;
 use autosp_models::{ChatTemplate, Tokenizer};
 
 use super::error::{IoContext, Result, TrainError};
@@ -34,8 +38,9 @@ use layout::TRAINED;
 use source::{for_each_doc, kind_of, Kind};
 
 /// The cache format's version (part of the key): v2 lays conversations out so that none straddles a window and
-/// a long one keeps its answer, and splits plain text into documents.
-const FORMAT: &str = "autosp-corpus-v2";
+/// a long one keeps its answer, and splits plain text into documents; v3 writes the document starts beside
+/// the tokens.
+const FORMAT: &str = "autosp-corpus-v3";
 
 /// A tokenised corpus in its cache file.
 #[derive(Clone, Debug)]
@@ -116,18 +121,27 @@ impl Corpus {
         let path = files.cache(key);
         if let Ok(meta) = std::fs::metadata(&path) {
             let tokens = meta.len() / 4;
-            files.record(&stamp, &hash, &path, tokens)?;
-            return Ok(Self { tokens, path, chat, fresh: false });
+            if starts::is_whole(&path, tokens) {
+                files.record(&stamp, &hash, &path, tokens)?;
+                return Ok(Self { tokens, path, chat, fresh: false });
+            }
         }
         let tmp = files.partial();
-        let written = tokenise::write_cache(data, kind, t, &tmp, |done| lock.progress(done, stamp.bytes));
+        let tmp_starts = PathBuf::from(format!("{}.starts", tmp.display()));
+        let written =
+            tokenise::write_cache(data, kind, t, (&tmp, &tmp_starts), |done| lock.progress(done, stamp.bytes));
         let tokens = match written {
             Ok(n) => n,
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp);
+                let _ = std::fs::remove_file(&tmp_starts);
                 return Err(e);
             }
         };
+        // The starts first: a cache in place has its starts.
+        let starts_path = starts::path_of(&path);
+        std::fs::rename(&tmp_starts, &starts_path)
+            .io(|| format!("putting the document starts {} in place", starts_path.display()))?;
         std::fs::rename(&tmp, &path).io(|| format!("putting the token cache {} in place", path.display()))?;
         files.record(&stamp, &hash, &path, tokens)?;
         lock.done(tokens, stamp.bytes);
@@ -158,6 +172,31 @@ impl Corpus {
         let (ids, trained) = self.read(index as u64 * seq_len as u64, seq_len)?;
         let answers = if self.chat { (0..ids.len()).filter(|&i| trained[i]).collect() } else { Vec::new() };
         Ok((ids, answers))
+    }
+
+    /// The documents of the `len` tokens from token `start` ([`crate::train::packing::documents_in`]): where
+    /// each document the cache recorded starts inside them, and the position in its document of the first
+    /// token (a document split across windows goes on there).
+    pub fn documents(&self, start: u64, len: usize) -> Result<Documents> {
+        let s = starts::read_range(&self.path, start, start + len as u64)?;
+        super::packing::documents_in(&s, start, len).map_err(|e| {
+            TrainError::Data(format!(
+                "the document starts of {} do not fit tokens {start}..{}: {e}; delete the cache to remake it",
+                self.path.display(),
+                start + len as u64
+            ))
+        })
+    }
+
+    /// Where the documents that tokens `from..to` belong to start: the last start at or before `from`, then
+    /// every start before `to` (ascending token offsets into the cache).
+    pub fn starts(&self, from: u64, to: u64) -> Result<Vec<u64>> {
+        starts::read_range(&self.path, from, to)
+    }
+
+    /// The longest document in tokens (one pass over the starts).
+    pub fn longest_document(&self) -> Result<u64> {
+        starts::longest(&self.path, self.tokens)
     }
 
     /// `len` tokens from token `start` (fewer at the end): the ids and whether each trains.
@@ -241,6 +280,54 @@ mod tests {
         assert!(left.is_empty(), "{left:?}");
     }
 
+    /// The cache records where documents start; windows read them back (a document split across windows goes
+    /// on at the next one's first position), a stream resumed mid-corpus draws the same windows with the same
+    /// documents, and a cache whose starts are missing is remade.
+    #[test]
+    fn document_starts_survive_the_cache_and_a_resume() {
+        use crate::train::{Packing, Position, Stream};
+        let dir = tempfile::tempdir().unwrap();
+        let tok = with_bos();
+        let data = dir.path().join("d.jsonl");
+        std::fs::write(&data, "{\"text\": \"a b\"}\n{\"text\": \"b\"}\n{\"text\": \"a a b\"}\n").unwrap();
+        let t = tokenising(&tok, "tokenizer");
+        let c = Corpus::prepare(&data, &t).unwrap();
+        // [1 3 4 2] [1 4 2] [1 3 3 4 2]: documents start at 0, 4 and 7.
+        assert_eq!(c.read(0, 12).unwrap().0, vec![1, 3, 4, 2, 1, 4, 2, 1, 3, 3, 4, 2]);
+        assert_eq!(c.starts(0, 12).unwrap(), vec![0, 4, 7]);
+        assert_eq!(c.longest_document().unwrap(), 5);
+        let docs = |k: u64| {
+            let d = c.documents(3 * k, 3).unwrap();
+            (d.cu_seqlens().to_vec(), d.first_position())
+        };
+        assert_eq!(docs(0), (vec![0, 3], 0));
+        assert_eq!(docs(1), (vec![0, 1, 3], 3));
+        assert_eq!(docs(2), (vec![0, 1, 3], 2));
+        assert_eq!(docs(3), (vec![0, 3], 2));
+        let corpus = std::sync::Arc::new(c.clone());
+        let stream = Stream::Corpus { corpus, seq_len: 3, packing: Packing::Documents, next: 0 };
+        let mut whole = stream.clone();
+        let drawn: Vec<_> = (0..6).map(|_| whole.next(3).unwrap()).collect();
+        assert_eq!(drawn[1].labels(false), vec![2, -100, 4]);
+        assert_eq!(drawn[4].documents, drawn[0].documents, "the stream cycles");
+        let mut resumed = stream.clone();
+        resumed.seek(Position { drawn: 2, rng: 0 });
+        for s in &drawn[2..] {
+            let r = resumed.next(3).unwrap();
+            assert_eq!((&r.ids, &r.documents), (&s.ids, &s.documents));
+        }
+        // Stream packing: the same windows, no documents.
+        let mut blind =
+            Stream::Corpus { corpus: std::sync::Arc::new(c.clone()), seq_len: 3, packing: Packing::Stream, next: 0 };
+        let b = blind.next(3).unwrap();
+        assert_eq!((b.ids, b.documents), (drawn[0].ids.clone(), None));
+        // A cache without its starts (an older format's, or cut short) is remade.
+        std::fs::remove_file(starts::path_of(&c.path)).unwrap();
+        let again = Corpus::prepare(&data, &t).unwrap();
+        assert!(again.fresh && again.path == c.path);
+        assert_eq!(again.starts(0, 12).unwrap(), vec![0, 4, 7]);
+    }
+
     /// The names of the files in `dir` holding `part`.
     fn named(dir: &Path, part: &str) -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(dir)
@@ -278,6 +365,8 @@ mod tests {
         let (ids, _) = c.read(0, 8).unwrap();
         assert_eq!(ids, [1, 0, 3, 4, 0, 3, 4, 0]);
         assert_eq!(c.read(c.tokens - 2, 2).unwrap().0, [4, 2]);
+        // One document, whatever the pieces.
+        assert_eq!((c.starts(0, c.tokens).unwrap(), c.longest_document().unwrap()), (vec![0], c.tokens));
         assert_eq!(named(dir.path(), ".index").len(), 1);
         assert!(named(dir.path(), ".lock").is_empty(), "the lock file goes with its holder");
         // A byte in the middle changed, size and time kept: the index is trusted.

@@ -20,19 +20,19 @@ const BATCH_DOCS: usize = 8192;
 
 /// A document tokenised.
 enum Encoded {
-    /// A text's ids (with EOS after a document's last piece).
-    Text(Vec<u32>),
+    /// A text's ids (with EOS after a document's last piece), and whether they start a document.
+    Text(Vec<u32>, bool),
     /// A conversation's.
     Chat(EncodedConversation),
 }
 
-/// Tokenises `data` (of `kind`) into `tmp`, batch by batch, calling `progress` with the bytes of `data` read
-/// through after each; the tokens written.
+/// Tokenises `data` (of `kind`) into `tmp`, and where its documents start into `tmp_starts` (`starts.rs`),
+/// batch by batch, calling `progress` with the bytes of `data` read through after each; the tokens written.
 pub(super) fn write_cache(
     data: &Path,
     kind: Kind,
     t: &Tokenising<'_>,
-    tmp: &Path,
+    (tmp, tmp_starts): (&Path, &Path),
     mut progress: impl FnMut(u64),
 ) -> Result<u64> {
     let chat = kind == Kind::Chat;
@@ -43,7 +43,10 @@ pub(super) fn write_cache(
     }
     let writing = || format!("writing the token cache {}", tmp.display());
     let out = std::fs::File::create(tmp).io(writing)?;
-    let mut windows = Windows::new(BufWriter::with_capacity(1 << 20, out), t.seq_len, t.layout, t.eos.unwrap_or(0));
+    let starts =
+        std::fs::File::create(tmp_starts).io(|| format!("writing the document starts {}", tmp_starts.display()))?;
+    let (out, starts) = (BufWriter::with_capacity(1 << 20, out), BufWriter::with_capacity(1 << 16, starts));
+    let mut windows = Windows::new(out, starts, t.seq_len, t.layout, t.eos.unwrap_or(0));
     let mut batch: Vec<Item> = Vec::new();
     // Bytes of the file read into the batch: from where it started to the last item's end.
     let mut batch_from = 0u64;
@@ -55,7 +58,7 @@ pub(super) fn write_cache(
                 e => e,
             })?;
             match enc {
-                Encoded::Text(ids) => windows.document(&ids),
+                Encoded::Text(ids, first) => windows.document(&ids, first),
                 Encoded::Chat(c) => windows.conversation(&c),
             }
             .io(writing)?;
@@ -74,8 +77,9 @@ pub(super) fn write_cache(
         Ok(())
     })?;
     flush(&mut batch, &mut windows)?;
-    let (out, count) = windows.finish(chat).io(writing)?;
+    let (out, starts, count) = windows.finish(chat).io(writing)?;
     out.into_inner().map_err(|e| TrainError::io(writing(), e.into_error()))?.sync_all().io(writing)?;
+    starts.into_inner().map_err(|e| TrainError::io(writing(), e.into_error()))?.sync_all().io(writing)?;
     if count == 0 {
         return Err(TrainError::Data(format!(
             "training data {} holds no tokens: give a file with text (or --data passkey)",
@@ -124,7 +128,7 @@ fn encode_one(doc: &Doc, t: &Tokenising<'_>) -> Result<Encoded> {
             if let Some(e) = t.eos.filter(|&e| *last && ids.last() != Some(&e)) {
                 ids.push(e);
             }
-            Ok(Encoded::Text(ids))
+            Ok(Encoded::Text(ids, *first))
         }
         Doc::Chat(messages) => {
             let template = t.template.expect("checked: chat data has a template");

@@ -5,12 +5,14 @@
 
 use std::path::Path;
 
+use autosp_core::ops::Documents;
 use autosp_models::LlamaModel;
 use candle_core::{Device, Tensor};
 
 use crate::train::corpus::{Corpus, Tokenising};
 use crate::train::data::{self, DataSource};
 use crate::train::error::{Result, TrainError};
+use crate::train::packing::{documents_in, Packing};
 use crate::Compiled;
 
 /// The held-out tokens, scored in windows.
@@ -24,19 +26,25 @@ pub struct HeldOut {
     pub window: usize,
     /// For conversations: which tokens are scored (the assistant's); `None`: every one.
     pub trained: Option<Vec<bool>>,
+    /// Under `--packing documents`: where each document starts in `ids` (ascending, the first 0; the cache's
+    /// record, or the lines of an `ids:` file), and each window is scored with its documents; `None`:
+    /// document-blind.
+    pub starts: Option<Vec<u64>>,
 }
 
 impl HeldOut {
     /// Reads `spec` (a text or JSONL file, tokenised by `tokenising` into its cache like `--data`, or
     /// `ids:FILE`) and keeps its first `max_tokens` tokens (all when fewer), to score in windows of `window`
     /// tokens (a last window of a single token, which has no target, is dropped). Conversations score the
-    /// assistant's tokens only, as they train.
+    /// assistant's tokens only, as they train. Under `packing` documents each window is scored with its
+    /// documents, as training packs them.
     pub fn load(
         spec: &str,
         window: usize,
         max_tokens: usize,
         vocab: usize,
         tokenising: Option<&Tokenising<'_>>,
+        packing: Packing,
     ) -> Result<Self> {
         if window < 2 || max_tokens < 2 {
             return Err(TrainError::Config(format!(
@@ -44,12 +52,19 @@ impl HeldOut {
                  needs at least 2 tokens (an input and its target); give both 2 or more"
             )));
         }
-        let (mut ids, mut trained) = match (DataSource::parse(spec), tokenising) {
-            (DataSource::Ids(f), _) => (data::read_ids(&f, vocab)?, None),
+        let documents = packing == Packing::Documents;
+        let (mut ids, mut trained, mut starts) = match (DataSource::parse(spec), tokenising) {
+            (DataSource::Ids(f), _) if documents => {
+                let (ids, starts) = data::read_id_documents(&f, vocab)?;
+                (ids, None, Some(starts))
+            }
+            (DataSource::Ids(f), _) => (data::read_ids(&f, vocab)?, None, None),
             (DataSource::Text(f), Some(t)) => {
                 let corpus = Corpus::prepare(&f, t)?;
-                let (ids, trained) = corpus.read(0, max_tokens.min(corpus.tokens as usize))?;
-                (ids, corpus.chat.then_some(trained))
+                let n = max_tokens.min(corpus.tokens as usize);
+                let (ids, trained) = corpus.read(0, n)?;
+                let starts = documents.then(|| corpus.starts(0, n as u64)).transpose()?;
+                (ids, corpus.chat.then_some(trained), starts)
             }
             (DataSource::Text(f), None) => {
                 return Err(TrainError::Config(format!(
@@ -77,7 +92,10 @@ impl HeldOut {
         if let Some(t) = &mut trained {
             t.truncate(ids.len());
         }
-        Ok(Self { source: spec.to_string(), ids, window, trained })
+        if let Some(s) = &mut starts {
+            s.retain(|&s| s < ids.len() as u64);
+        }
+        Ok(Self { source: spec.to_string(), ids, window, trained, starts })
     }
 
     /// Held-out tokens given as ids (`source` names them in reports), scored as one window; at least 2.
@@ -87,12 +105,20 @@ impl HeldOut {
             return Err(TrainError::Data(format!("{source}: needs at least 2 tokens to score, found {}", ids.len())));
         }
         let window = ids.len();
-        Ok(Self { source, ids, window, trained: None })
+        Ok(Self { source, ids, window, trained: None, starts: None })
     }
 
     /// The windows, in order.
     pub fn windows(&self) -> impl Iterator<Item = &[u32]> {
         self.ids.chunks(self.window)
+    }
+
+    /// The documents of window `k` (of `len` tokens) when the tokens are scored with documents.
+    pub fn window_documents(&self, k: usize, len: usize) -> Result<Option<Documents>> {
+        let Some(starts) = &self.starts else { return Ok(None) };
+        let d = documents_in(starts, (k * self.window) as u64, len)
+            .map_err(|e| TrainError::Data(format!("--eval-data {}: document starts {e}", self.source)))?;
+        Ok(Some(d))
     }
 
     /// The mean next-token loss over every window's targets (each window scored as a sequence of its own, one
@@ -147,12 +173,12 @@ mod tests {
         let f = dir.path().join("ids.txt");
         std::fs::write(&f, "5 6 7\n8 9 1 2 3 4").unwrap();
         // Windows of 4, at most 8 tokens: two windows.
-        let h = HeldOut::load(&format!("ids:{}", f.display()), 4, 8, 10, None).unwrap();
+        let h = HeldOut::load(&format!("ids:{}", f.display()), 4, 8, 10, None, Packing::Stream).unwrap();
         assert_eq!(h.windows().collect::<Vec<_>>(), vec![&[5, 6, 7, 8][..], &[9, 1, 2, 3][..]]);
         // All 9 tokens: a last window of one token has no target and is dropped; of 3 tokens it is kept.
-        let h = HeldOut::load(&format!("ids:{}", f.display()), 4, 100, 10, None).unwrap();
+        let h = HeldOut::load(&format!("ids:{}", f.display()), 4, 100, 10, None, Packing::Stream).unwrap();
         assert_eq!(h.ids.len(), 8);
-        let h = HeldOut::load(&format!("ids:{}", f.display()), 3, 100, 10, None).unwrap();
+        let h = HeldOut::load(&format!("ids:{}", f.display()), 3, 100, 10, None, Packing::Stream).unwrap();
         assert_eq!(h.windows().count(), 3);
         let out = dir.path().join("out.txt");
         h.write_ids(&out).unwrap();
@@ -163,18 +189,19 @@ mod tests {
     #[test]
     fn passkey_text_without_a_tokenizer_and_a_single_token_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let e = HeldOut::load("passkey", 8, 64, 10, None).unwrap_err().to_string();
+        let e = HeldOut::load("passkey", 8, 64, 10, None, Packing::Stream).unwrap_err().to_string();
         assert!(e.contains("needs a file"), "{e}");
         let t = dir.path().join("t.txt");
         std::fs::write(&t, "some text").unwrap();
-        let e = HeldOut::load(t.to_str().unwrap(), 8, 64, 10, None).unwrap_err().to_string();
+        let e = HeldOut::load(t.to_str().unwrap(), 8, 64, 10, None, Packing::Stream).unwrap_err().to_string();
         assert!(e.contains("ids:FILE") && e.contains("tokenizer"), "{e}");
         let one = dir.path().join("one.txt");
         std::fs::write(&one, "3").unwrap();
-        let e = HeldOut::load(&format!("ids:{}", one.display()), 8, 64, 10, None).unwrap_err().to_string();
+        let e =
+            HeldOut::load(&format!("ids:{}", one.display()), 8, 64, 10, None, Packing::Stream).unwrap_err().to_string();
         assert!(e.contains("at least 2 tokens"), "{e}");
         assert!(HeldOut::from_ids("x", vec![1]).is_err());
-        let e = HeldOut::load("passkey", 8, 1, 10, None).unwrap_err().to_string();
+        let e = HeldOut::load("passkey", 8, 1, 10, None, Packing::Stream).unwrap_err().to_string();
         assert!(e.contains("--eval-tokens-max 1") && e.contains("at least 2"), "{e}");
     }
 }

@@ -3,9 +3,11 @@
 //! that much of its own document before it. Short-context loss (the first bucket) is in it, so a regression
 //! there shows beside the gains far out.
 //!
-//! - Documents: the held-out tokens (`--eval-data`, up to `--eval-tokens-max`) cut after each of the model's EOS
-//!   token, which the token cache puts after every document (a JSONL `"text"` line, or plain text between
-//!   blank lines). A model without an EOS id gives one document.
+//! - Documents: the held-out tokens (`--eval-data`, up to `--eval-tokens-max`) cut where the documents start,
+//!   as recorded under `--packing documents` ([`HeldOut::starts`]: the token cache's record of each JSONL
+//!   `"text"` line, plain-text paragraph or conversation, or the lines of an `ids:` file); document-blind
+//!   (`--packing stream`), cut after each of the model's EOS token, which the token cache puts after every
+//!   document. A model without an EOS id gives one document.
 //! - Windows: the first `seq_len` tokens of each document, one forward pass each; a shorter document is a
 //!   shorter window and adds to the buckets it reaches. Documents of fewer than 2 tokens add nothing.
 //! - Buckets ([`bucket_edges`]): a target at position `p` (the token predicted from the `p` tokens before it,
@@ -75,14 +77,20 @@ pub struct PositionScores {
 }
 
 impl PositionLoss {
-    /// The windows of `heldout`'s tokens cut into documents after each `eos` (see the module's doc), each at
-    /// most `seq_len` tokens. An error naming `--eval-positions` when no document has 2 tokens.
+    /// The windows of `heldout`'s tokens cut into documents at its recorded starts, else after each `eos`
+    /// (see the module's doc), each at most `seq_len` tokens. An error naming `--eval-positions` when no
+    /// document has 2 tokens.
     pub fn from_heldout(heldout: &HeldOut, seq_len: usize, eos: Option<u32>) -> Result<Self> {
         let mut windows = Vec::new();
         let (mut start, mut longest) = (0, 0);
         let ids = &heldout.ids;
+        // Where each document ends: at the next recorded start, else after an EOS.
+        let ends_at = |end: usize| match &heldout.starts {
+            Some(starts) => starts.binary_search(&(end as u64)).is_ok(),
+            None => Some(ids[end - 1]) == eos,
+        };
         for end in 1..=ids.len() {
-            if end < ids.len() && Some(ids[end - 1]) != eos {
+            if end < ids.len() && !ends_at(end) {
                 continue;
             }
             longest = longest.max(end - start);
@@ -219,5 +227,11 @@ mod tests {
         assert!(one.warning().unwrap().contains("buckets from position 32 on stay empty"));
         let e = PositionLoss::from_heldout(&HeldOut::from_ids("x", vec![2, 2]).unwrap(), 4, Some(2)).unwrap_err();
         assert!(e.to_string().contains("--eval-positions"), "{e}");
+        // Recorded starts decide, not the EOS: documents [5 6 7] [8 9 2 3] [2 4].
+        let mut h = HeldOut::from_ids("d", vec![5, 6, 7, 8, 9, 2, 3, 2, 4]).unwrap();
+        h.starts = Some(vec![0, 3, 7]);
+        let p = PositionLoss::from_heldout(&h, 3, Some(2)).unwrap();
+        let w: Vec<&[u32]> = p.windows.iter().map(|w| w.0.as_slice()).collect();
+        assert_eq!((w, p.longest), (vec![&[5, 6, 7][..], &[8, 9, 2][..], &[2, 4][..]], 4));
     }
 }

@@ -157,7 +157,7 @@ impl Needles {
             answers.push(at + 1);
         }
         answers.sort_unstable();
-        Ok(Sample { ids, answers })
+        Ok(Sample { ids, answers, documents: None })
     }
 
     /// `n` held-out samples of `seq_len` tokens drawn from `vocab`, from their own seed (derived from `seed`,

@@ -183,7 +183,7 @@ fn assemble(p: Parts, seq_len: usize, depth: usize) -> Result<Sample> {
     let answer_range = a..ids.len();
     ids.extend_from_slice(&p.end);
     debug_assert_eq!(ids.len(), seq_len);
-    Ok(Sample { ids, answers: answer_range.collect() })
+    Ok(Sample { ids, answers: answer_range.collect(), documents: None })
 }
 
 impl Passkey {
