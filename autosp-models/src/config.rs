@@ -681,7 +681,12 @@ impl LlamaConfig {
             }
             ModelType::Gemma3 => {
                 m.insert("attention_bias".into(), json!(self.attention_bias));
-                m.insert("query_pre_attn_scalar".into(), json!(self.query_pre_attn_scalar));
+                // transformers 5.x types it `int` and refuses `256.0`: a whole value is written as an integer.
+                let scalar = self.query_pre_attn_scalar.map(|s| match s.fract() == 0.0 && s.abs() < 1e15 {
+                    true => json!(s as i64),
+                    false => json!(s),
+                });
+                m.insert("query_pre_attn_scalar".into(), json!(scalar));
                 m.insert("rope_local_base_freq".into(), json!(self.rope_local_theta));
                 m.insert("sliding_window".into(), json!(self.sliding_window));
                 m.insert("layer_types".into(), json!(self.layer_types.iter().map(|t| t.as_str()).collect::<Vec<_>>()));

@@ -208,6 +208,19 @@ fn to_json_round_trips() {
 }
 
 #[test]
+fn gemma3_query_pre_attn_scalar_is_written_as_transformers_types_it() {
+    // transformers 5.x declares it `int` and refuses a config.json holding `256.0`; a fraction stays a float.
+    let mut c = TinySpec { model_type: ModelType::Gemma3, window: Some(8), tied: true, ..TinySpec::default() }.config();
+    c.query_pre_attn_scalar = Some(256.0);
+    let v: serde_json::Value = serde_json::from_str(&c.to_json()).unwrap();
+    assert!(v["query_pre_attn_scalar"].is_u64(), "{}", v["query_pre_attn_scalar"]);
+    assert_eq!(parse(&c.to_json()).unwrap(), c);
+    c.query_pre_attn_scalar = Some(42.5);
+    let v: serde_json::Value = serde_json::from_str(&c.to_json()).unwrap();
+    assert_eq!(v["query_pre_attn_scalar"].as_f64(), Some(42.5));
+}
+
+#[test]
 fn phi3_reads_its_window_and_refuses_what_it_does_not_do() {
     let phi3 = r#"{"model_type": "phi3", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
       "num_hidden_layers": 1, "num_attention_heads": 2, "sliding_window": 2047, "resid_pdrop": 0.0}"#;
