@@ -187,6 +187,26 @@ mod tests {
     }
 
     #[test]
+    fn packed_by_documents_each_window_gets_its_documents() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("ids.txt");
+        // Lines are documents: [5 6 7] [8 9 1 2 3] [4]; windows of 4, at most 7 tokens.
+        std::fs::write(&f, "5 6 7\n8 9 1 2 3\n4\n").unwrap();
+        let spec = format!("ids:{}", f.display());
+        let h = HeldOut::load(&spec, 4, 7, 10, None, Packing::Documents).unwrap();
+        assert_eq!(h.starts, Some(vec![0, 3]));
+        let docs = |k: usize, len: usize| {
+            let d = h.window_documents(k, len).unwrap().unwrap();
+            (d.cu_seqlens().to_vec(), d.first_position())
+        };
+        assert_eq!(docs(0, 4), (vec![0, 3, 4], 0));
+        assert_eq!(docs(1, 3), (vec![0, 3], 1));
+        // Document-blind: no starts, no documents.
+        let blind = HeldOut::load(&spec, 4, 7, 10, None, Packing::Stream).unwrap();
+        assert_eq!((blind.starts.clone(), blind.window_documents(0, 4).unwrap()), (None, None));
+    }
+
+    #[test]
     fn passkey_text_without_a_tokenizer_and_a_single_token_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let e = HeldOut::load("passkey", 8, 64, 10, None, Packing::Stream).unwrap_err().to_string();
