@@ -1,7 +1,7 @@
 //! Which device a run trains on: `--device cpu|cuda|cuda:N|metal|metal:N` parsed into a candle [`Device`], the
 //! default (the first CUDA device when this build has CUDA and one exists, else the CPU), and the device of
 //! one rank of an MPI job (`cuda:(local rank mod device count)`). Thread ranks of one process share the
-//! device they are given.
+//! device they are given, which on CUDA allows one thread rank ([`DeviceSpec::check_thread_ranks`]).
 
 use candle_core::Device;
 
@@ -23,6 +23,20 @@ pub enum DeviceError {
     /// Not one of the accepted spellings.
     #[error("--device {0:?} is not a device: use cpu, cuda, cuda:N (N = 0, 1, ...), metal or metal:N")]
     Parse(String),
+    /// More than one thread rank on one CUDA device: candle gives each thread its own CUDA stream, cudarc
+    /// orders work across streams only in its multi-stream mode, and thread ranks hand tensors to each other
+    /// without a copy, so a rank could read another's pieces before they are written (a race).
+    #[error(
+        "--device {spec} with {ranks} thread ranks: thread ranks on one GPU race (each thread runs on its own \
+         CUDA stream and tensors pass between them unordered) and buy nothing; run one rank per GPU: --sp 1 \
+         --dp 1 here, or --launcher mpi (one process per GPU) for more ranks"
+    )]
+    ThreadRanksOnGpu {
+        /// The device, as the user spelled it.
+        spec: String,
+        /// The thread ranks asked for.
+        ranks: usize,
+    },
     /// The device exists in name only for this build or machine.
     #[error("--device {spec}: {why}")]
     Open {
@@ -79,9 +93,20 @@ impl DeviceSpec {
         matches!(self, DeviceSpec::Cuda(_))
     }
 
+    /// Whether `ranks` thread ranks of one process may share this device: any number on the CPU (each runs its
+    /// kernels on its share of the cores) and Metal, one on CUDA ([`DeviceError::ThreadRanksOnGpu`] otherwise,
+    /// which names `--launcher mpi`). A pure function of the device kind and the count, checked before the
+    /// device is opened.
+    pub fn check_thread_ranks(&self, ranks: usize) -> Result<(), DeviceError> {
+        match self {
+            DeviceSpec::Cuda(_) if ranks > 1 => Err(DeviceError::ThreadRanksOnGpu { spec: self.to_string(), ranks }),
+            _ => Ok(()),
+        }
+    }
+
     /// Opens the device for one rank. `local` is `(local rank, ranks on this node)` for one process per rank
     /// (MPI): plain `cuda` then takes `cuda:(local rank mod device count)`. Thread ranks pass `None` and
-    /// share one device.
+    /// share one device (on CUDA only one thread rank: see [`check_thread_ranks`](Self::check_thread_ranks)).
     pub fn open(&self, local: Option<(usize, usize)>) -> Result<Device, DeviceError> {
         let open_err = |why: String| DeviceError::Open { spec: self.to_string(), why };
         match *self {
@@ -179,6 +204,23 @@ mod tests {
         for bad in ["gpu:x", "cuda:", "tpu", "cuda:-1"] {
             let e = bad.parse::<DeviceSpec>().unwrap_err().to_string();
             assert!(e.contains(bad) && e.contains("cuda:N"), "{e}");
+        }
+    }
+
+    #[test]
+    fn one_thread_rank_per_gpu_and_any_number_on_the_cpu() {
+        for ranks in [1, 2, 8] {
+            DeviceSpec::Cpu.check_thread_ranks(ranks).unwrap();
+            DeviceSpec::Metal(0).check_thread_ranks(ranks).unwrap();
+        }
+        DeviceSpec::Cuda(None).check_thread_ranks(1).unwrap();
+        DeviceSpec::Cuda(Some(1)).check_thread_ranks(1).unwrap();
+        for (spec, ranks) in [(DeviceSpec::Cuda(None), 2), (DeviceSpec::Cuda(Some(1)), 4)] {
+            let e = spec.check_thread_ranks(ranks).unwrap_err();
+            assert!(matches!(e, DeviceError::ThreadRanksOnGpu { .. }), "{e:?}");
+            let e = e.to_string();
+            assert!(e.contains("--launcher mpi") && e.contains(&spec.to_string()), "{e}");
+            assert!(e.contains(&format!("{ranks} thread ranks")), "{e}");
         }
     }
 

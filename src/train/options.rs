@@ -184,10 +184,10 @@ impl RunOptions {
 
     /// Sequence-parallel thread ranks when `--sp` is not given: 2 on the CPU (each rank runs its kernels on its
     /// share of the cores), 1 on a GPU. Thread ranks on one GPU gain nothing and cost much: each holds a whole
-    /// replica of the model states (P times their memory unless `--shard` splits them), all queue their
-    /// kernels on the device's one stream (the work is serialised, not parallel), and their collectives are
-    /// copies between tensors of that same GPU; more ranks are for more GPUs (`--launcher mpi`, one process per
-    /// GPU).
+    /// replica of the model states (P times their memory unless `--shard` splits them), and they would race:
+    /// candle runs each thread on its own CUDA stream while the ranks hand tensors to each other unordered, so
+    /// more than one thread rank on a CUDA device is refused ([`DeviceSpec::check_thread_ranks`]); more ranks
+    /// are for more GPUs (`--launcher mpi`, one process per GPU).
     pub fn default_sp_threads(&self) -> usize {
         match self.device_spec() {
             DeviceSpec::Cpu => 2,

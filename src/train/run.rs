@@ -136,9 +136,14 @@ impl Job {
             )));
         }
         check_kernel_env()?;
-        // Thread ranks share one device handle (tensors pass between them as they are); one process per rank
-        // opens its own.
-        let device = if threads { Some(o.device_spec().open(None)?) } else { None };
+        // Thread ranks share one device handle (tensors pass between them as they are; on CUDA only one, as
+        // more would race across candle's per-thread streams); one process per rank opens its own.
+        let device = if threads {
+            o.device_spec().check_thread_ranks(p)?;
+            Some(o.device_spec().open(None)?)
+        } else {
+            None
+        };
         let micro = micro_batches(o.batch_tokens, o.seq_len)?;
         let dtype = o.compute_dtype();
         let source_kind = DataSource::parse(&o.data);
