@@ -270,7 +270,14 @@ fn main() -> Result<()> {
     // The unwindowed times per (head_dim, n, kernel prefix, vector path): (forward, forward + backward).
     let mut no_window: HashMap<RunKey, (f64, Option<f64>)> = HashMap::new();
     for (d, n, window) in runs {
-        let spec = AttentionSpec { causal: args.causal, scale: None, q_offset: 0, k_offset: 0, max_distance: window };
+        let spec = AttentionSpec {
+            causal: args.causal,
+            scale: None,
+            q_offset: 0,
+            k_offset: 0,
+            max_distance: window,
+            documents: None,
+        };
         let q = Tensor::randn(0f32, 1.0, (b, n, h, d), &dev)?.to_dtype(dtype)?;
         let k = Tensor::randn(0f32, 1.0, (b, n, hkv, d), &dev)?;
         let k = match args.sink_norm {

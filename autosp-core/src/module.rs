@@ -47,11 +47,11 @@ impl Attention for NaiveAttention {
     }
 
     fn forward(&self, tape: &Tape, q: &Value, k: &Value, v: &Value, spec: &AttentionSpec) -> Result<(Value, Value)> {
-        naive_attention(tape, q, k, v, *spec)
+        naive_attention(tape, q, k, v, spec.clone())
     }
 
     fn as_op(&self, spec: &AttentionSpec) -> Option<Arc<dyn Op>> {
-        Some(Arc::new(crate::ops::attention::NaiveAttention { spec: *spec }))
+        Some(Arc::new(crate::ops::attention::NaiveAttention { spec: spec.clone() }))
     }
 }
 
@@ -85,7 +85,7 @@ impl AttentionSlot {
 
     /// `spec` with this slot's window applied.
     fn spec(&self, spec: &AttentionSpec) -> AttentionSpec {
-        spec.narrowed(self.max_distance)
+        spec.clone().narrowed(self.max_distance)
     }
 
     /// Replaces the implementation.
@@ -179,6 +179,13 @@ pub trait CausalLm: Module {
 
     /// The model's dimensions.
     fn dims(&self) -> LmDims;
+
+    /// Whether the model honours packed documents ([`Tape::set_documents`]): positions restarting at each
+    /// document and attention masked to each token's own document. The default is `false`: the compiled
+    /// step refuses packed batches for such a model rather than train it across document boundaries.
+    fn supports_documents(&self) -> bool {
+        false
+    }
 }
 
 /// A node of the module tree.

@@ -72,6 +72,8 @@ pub(crate) struct Inner {
     pub(crate) inputs_checked: bool,
     /// The length of the whole sequence this forward is part of ([`Tape::sequence_length`]).
     pub(crate) sequence_length: Option<usize>,
+    /// The documents of the packed window this forward runs ([`Tape::documents`]).
+    pub(crate) documents: Option<std::sync::Arc<crate::ops::attention::Documents>>,
 }
 
 /// A reverse-mode autodiff tape over candle tensors, with checkpoint regions.
@@ -129,6 +131,7 @@ impl Tape {
                 replayed: HashMap::new(),
                 inputs_checked: false,
                 sequence_length: None,
+                documents: None,
             }),
         }
     }
@@ -159,6 +162,21 @@ impl Tape {
     /// back to its own positions: largest + 1).
     pub fn sequence_length(&self) -> Option<usize> {
         self.inner.borrow().sequence_length
+    }
+
+    /// Declares the documents of the packed window the next forward on this tape runs (`None`: one sequence,
+    /// the default): a model that supports packed sequences ([`crate::CausalLm::supports_documents`]) restarts
+    /// its positions at each document and masks attention to each token's own document. Its positions are
+    /// then window positions (`0..n`, padding past them), attention offsets are 0 (the window's start), and a
+    /// model reads the documents when it builds its forward, so a caller may set other documents before the
+    /// next forward on the same tape (the compiled step does, one group of rows at a time).
+    pub fn set_documents(&self, documents: Option<std::sync::Arc<crate::ops::attention::Documents>>) {
+        self.inner.borrow_mut().documents = documents;
+    }
+
+    /// The documents [`set_documents`](Self::set_documents) declared, if any.
+    pub fn documents(&self) -> Option<std::sync::Arc<crate::ops::attention::Documents>> {
+        self.inner.borrow().documents.clone()
     }
 
     /// Whether a gradient flows to `v` on this tape: it records, tracks `v`, and `v` is not a frozen leaf

@@ -33,20 +33,20 @@ fn check(slot: &AttentionSlot, spec: AttentionSpec, want: AttentionSpec) {
 
 #[test]
 fn the_slot_window_applies_on_top_of_the_spec() {
-    let causal = AttentionSpec::causal();
+    let causal = AttentionSpec::causal;
     let mut slot = AttentionSlot::new(Arc::new(NaiveAttention));
-    check(&slot, causal, causal);
-    check(&slot, causal.with_max_distance(3), causal.with_max_distance(3));
+    check(&slot, causal(), causal());
+    check(&slot, causal().with_max_distance(3), causal().with_max_distance(3));
     slot.set_max_distance(Some(2));
     assert_eq!(slot.max_distance(), Some(2));
-    check(&slot, causal, causal.with_max_distance(2));
-    check(&slot, causal.with_max_distance(5), causal.with_max_distance(2));
-    check(&slot, causal.with_max_distance(1), causal.with_max_distance(1));
+    check(&slot, causal(), causal().with_max_distance(2));
+    check(&slot, causal().with_max_distance(5), causal().with_max_distance(2));
+    check(&slot, causal().with_max_distance(1), causal().with_max_distance(1));
     check(&slot, AttentionSpec::full(), AttentionSpec::full().with_max_distance(2));
     // The window changes the result (the check is not vacuous).
     let (q, k, v) = (input(&[1, 9, 2, 4], 1), input(&[1, 9, 1, 4], 2), input(&[1, 9, 1, 4], 3));
-    let a = naive_attention_forward(&q, &k, &v, &causal).unwrap().0;
-    let b = naive_attention_forward(&q, &k, &v, &causal.with_max_distance(2)).unwrap().0;
+    let a = naive_attention_forward(&q, &k, &v, &causal()).unwrap().0;
+    let b = naive_attention_forward(&q, &k, &v, &causal().with_max_distance(2)).unwrap().0;
     assert!((a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap() > 1e-3);
 }
 

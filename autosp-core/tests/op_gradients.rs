@@ -189,12 +189,12 @@ fn naive_attention_all_variants() {
         (3, 4, 2, 2, false, 0, 6, Some(4)),
     ];
     for (i, &(nq, nk, h, hkv, causal, qo, ko, w)) in cases.iter().enumerate() {
-        let spec = AttentionSpec { causal, scale: None, q_offset: qo, k_offset: ko, max_distance: w };
+        let spec = AttentionSpec { causal, scale: None, q_offset: qo, k_offset: ko, max_distance: w, documents: None };
         let s = 30 + 3 * i as u64;
         let inputs = [rand(&[1, nq, h, 4], s), rand(&[1, nk, hkv, 4], s + 1), rand(&[1, nk, hkv, 4], s + 2)];
         check(
             move |t, v| {
-                let (o, lse) = ops::naive_attention(t, &v[0], &v[1], &v[2], spec)?;
+                let (o, lse) = ops::naive_attention(t, &v[0], &v[1], &v[2], spec.clone())?;
                 Ok(vec![o, lse])
             },
             &inputs,
@@ -205,7 +205,8 @@ fn naive_attention_all_variants() {
 
 #[test]
 fn attention_row_with_no_visible_key_is_zero_not_nan() {
-    let spec = AttentionSpec { causal: true, scale: None, q_offset: 0, k_offset: 1, max_distance: None };
+    let spec =
+        AttentionSpec { causal: true, scale: None, q_offset: 0, k_offset: 1, max_distance: None, documents: None };
     let (o, lse) = ops::attention::naive_attention_forward(
         &rand(&[1, 2, 1, 4], 40),
         &rand(&[1, 2, 1, 4], 41),

@@ -1,6 +1,8 @@
 //! Every attention kernel against the one definition of which keys a query sees (`AttentionSpec::key_range`),
 //! on random specs: causal or not, sliding windows from 0 to past every key, position offsets that differ
-//! between queries and keys (so some rows see no key at all), GQA and MQA, batch 2; the single-rank kernels
+//! between queries and keys (so some rows see no key at all), packed documents (half the specs: documents of
+//! 1 to 5 tokens, ending before or after the last position, so that padding past them is a document of its
+//! own; Ring's shards then hold pairs wholly in different documents, which it skips), GQA and MQA, batch 2; the single-rank kernels
 //! (the CPU flash kernel, the device-generic kernel on small blocks, the naive reference) and the
 //! sequence-parallel ones at P = 1..4 thread ranks (Ring contiguous and zigzag, Ulysses, hybrid).
 //!
@@ -22,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use autosp_core::comm::{run_ranks, ProcessGroup};
+use autosp_core::ops::attention::Documents;
 use autosp_core::ops::attention::{naive_attention_backward, naive_attention_forward, AttentionSpec};
 use autosp_core::ops::{self};
 use autosp_core::{Attention, CheckpointPolicy, Tape};
@@ -56,8 +59,20 @@ impl Rng {
     }
 }
 
+/// Random documents of 1 to 5 tokens over `m` positions, the first going on from a random position.
+fn random_documents(rng: &mut Rng, m: usize) -> Arc<Documents> {
+    let mut lengths = Vec::new();
+    let mut left = m.max(1);
+    while left > 0 {
+        let l = (1 + rng.below(5)).min(left);
+        lengths.push(l);
+        left -= l;
+    }
+    Arc::new(Documents::from_lengths(&lengths, rng.below(3)).unwrap())
+}
+
 /// A random spec for sequences around `n` long: causal or not, no window or one from 0 to past `n`, offsets
-/// that may differ.
+/// that may differ, and half the time packed documents over 1 to 2n positions (past them: padding).
 fn random_spec(rng: &mut Rng, n: usize) -> AttentionSpec {
     let window = match rng.below(3) {
         0 => None,
@@ -68,7 +83,14 @@ fn random_spec(rng: &mut Rng, n: usize) -> AttentionSpec {
         1 => (rng.below(n), 0),
         _ => (0, rng.below(n)),
     };
-    AttentionSpec { causal: rng.below(2) == 0, scale: None, q_offset, k_offset, max_distance: window }
+    let documents = match rng.below(2) {
+        0 => None,
+        _ => {
+            let m = 1 + rng.below(2 * n);
+            Some(random_documents(rng, m))
+        }
+    };
+    AttentionSpec { causal: rng.below(2) == 0, scale: None, q_offset, k_offset, max_distance: window, documents }
 }
 
 /// The probe inputs of the exact mask check: `q = 0`, `v[b, j, kv, c] = (kv + 1)·[c = j]`,
@@ -248,13 +270,14 @@ fn single_rank_kernels_see_exactly_the_keys_the_spec_gives() {
     let mut rng = Rng(11);
     let kernels: [(&str, Kernel); 4] =
         [("cpu", cpu), ("cpu (poisoned)", cpu_poisoned), ("generic", generic), ("naive", naive_kernel)];
-    let mut empty_rows = 0;
+    let (mut empty_rows, mut packed) = (0, 0);
     for _ in 0..40 {
         let (nq, nk) = (1 + rng.below(20), 1 + rng.below(20));
         let spec = random_spec(&mut rng, nq.max(nk));
         let (h, hkv) = HEADS[rng.below(HEADS.len())];
         let d = nq.max(nk);
         empty_rows += (0..nq).filter(|&i| spec.key_range(i, nk).is_empty()).count();
+        packed += usize::from(spec.documents.as_ref().is_some_and(|d| d.count() > 1));
         let p = probe(&mut rng, nq, nk, h, hkv, d);
         let x = random_inputs(&mut rng, nq, nk, h, hkv, d);
         let want = naive(&x, &spec);
@@ -266,6 +289,7 @@ fn single_rank_kernels_see_exactly_the_keys_the_spec_gives() {
         }
     }
     assert!(empty_rows > 0, "the specs must include rows that see no key");
+    assert!(packed > 5, "the specs must include packed documents: {packed} of 40");
 }
 
 /// A sequence-parallel strategy at P ranks.
@@ -328,6 +352,7 @@ fn run_sp(strategy: Strategy, p: usize, spec: &AttentionSpec, x: &Random) -> Res
 #[test]
 fn sequence_parallel_kernels_see_exactly_the_keys_the_spec_gives_at_every_p() {
     let mut rng = Rng(23);
+    let mut packed = 0;
     for p in 1..=4usize {
         let mut strategies = vec![Strategy::Ring(RingLayout::Contiguous), Strategy::Ring(RingLayout::Zigzag)];
         strategies.push(Strategy::Ulysses);
@@ -339,6 +364,7 @@ fn sequence_parallel_kernels_see_exactly_the_keys_the_spec_gives_at_every_p() {
             // 2P chunks of 1 to 3 tokens (the zigzag layouts need a multiple of 2P).
             let n = 2 * p * (1 + rng.below(3));
             let spec = random_spec(&mut rng, n);
+            packed += usize::from(spec.documents.as_ref().is_some_and(|d| d.count() > 1));
             // Heads Ulysses can split over P (and over the hybrid's groups of 2): 2P query heads, kv heads
             // split (2P), or replicated (one kv head per rank's group, or a single one).
             let h = 2 * p;
@@ -362,4 +388,5 @@ fn sequence_parallel_kernels_see_exactly_the_keys_the_spec_gives_at_every_p() {
             }
         }
     }
+    assert!(packed > 4, "the specs must include packed documents: {packed} of 24");
 }

@@ -158,7 +158,7 @@ fn bad_inputs_are_typed_errors() {
     let e = poisoned::cpu_forward(&big, &big, &big, &s).unwrap_err();
     assert!(matches!(e, Error::HeadDim { head_dim: 320, max: 256, .. }), "{e}");
     assert!(msg(&e).contains("[1, 5, 2, 320]"), "{e}");
-    let c = Case { b: 1, nq: 5, nk: 5, h: 2, hkv: 2, d: 320, spec: s };
+    let c = Case { b: 1, nq: 5, nk: 5, h: 2, hkv: 2, d: 320, spec: s.clone() };
     let (o, lse) = attention_forward(&big, &big, &big, &s).unwrap();
     let (o_ref, lse_ref) = naive_attention_forward(&big, &big, &big, &s).unwrap();
     assert_close("o, head_dim 320", &c, &o, &o_ref, 1e-5);

@@ -135,7 +135,7 @@ fn a_window_that_hides_nothing_gives_the_same_bits() {
         };
         let plain = run(&c.spec);
         for w in [250, 1000, usize::MAX] {
-            let got = run(&c.spec.with_max_distance(w));
+            let got = run(&c.spec.clone().with_max_distance(w));
             for (a, b) in plain.iter().zip(&got) {
                 assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "w {w}, {c:?}");
             }

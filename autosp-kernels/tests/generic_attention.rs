@@ -167,9 +167,9 @@ fn f64_matches_the_cpu_kernel() {
 #[test]
 fn any_block_size_gives_the_same_result() {
     let cs = cases();
-    for c in [cs[0], cs[1], cs[3], cs[4]] {
+    for c in [&cs[0], &cs[1], &cs[3], &cs[4]] {
         for block in [Some(7), Some(1), None] {
-            check_case(&c, 31, DType::F32, 1e-5, block, Reference::CpuKernel);
+            check_case(c, 31, DType::F32, 1e-5, block, Reference::CpuKernel);
         }
     }
 }
@@ -194,7 +194,7 @@ fn bf16_and_f16_match_the_f32_cpu_kernel() {
         check_case(&cases()[1], 590, dtype, reduced_tol(dtype), None, Reference::CpuKernelF32);
     }
     let cs = cases();
-    for (i, c) in [cs[0], cs[1], cs[3]].iter().enumerate() {
+    for (i, c) in [&cs[0], &cs[1], &cs[3]].into_iter().enumerate() {
         check_case(c, 600 + i as u64, DType::BF16, reduced_tol(DType::BF16), Some(BLOCK), Reference::CpuKernel);
     }
 }
@@ -203,7 +203,7 @@ fn bf16_and_f16_match_the_f32_cpu_kernel() {
 #[test]
 fn rows_that_see_no_key_give_minus_inf_zero_and_finite_gradients() {
     // Query positions 9..49 against key positions 25..55: query rows 0..16 see nothing.
-    let c = cases()[3];
+    let c = cases()[3].clone();
     let blind_rows = c.spec.k_offset - c.spec.q_offset;
     let x = inputs(&c, 900, DType::F32);
     let (o, lse) = generic_forward_with_block(&x.q, &x.k, &x.v, &c.spec, BLOCK).unwrap();
@@ -236,7 +236,8 @@ fn rows_that_see_no_key_give_minus_inf_zero_and_finite_gradients() {
         }
     }
     // And when no query sees any key at all: every lse -inf, o and every gradient 0.
-    let blind = AttentionSpec { causal: true, scale: None, q_offset: 0, k_offset: 100, max_distance: None };
+    let blind =
+        AttentionSpec { causal: true, scale: None, q_offset: 0, k_offset: 100, max_distance: None, documents: None };
     let (o, lse) = generic_forward_with_block(&x.q, &x.k, &x.v, &blind, BLOCK).unwrap();
     assert!(values(&lse).iter().all(|&l| l == f64::NEG_INFINITY));
     assert!(values(&o).iter().all(|&v| v == 0.0));
@@ -249,7 +250,7 @@ fn rows_that_see_no_key_give_minus_inf_zero_and_finite_gradients() {
 /// Strided inputs (a `[b, heads, n, d]` tensor transposed to the layout) give the bits of contiguous ones.
 #[test]
 fn strided_inputs_give_the_same_result() {
-    let c = cases()[1];
+    let c = cases()[1].clone();
     let x = inputs(&c, 77, DType::F32);
     let strided = |t: &Tensor| t.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
     let (qs, ks, vs, dos) = (strided(&x.q), strided(&x.k), strided(&x.v), strided(&x.d_o));
@@ -267,7 +268,7 @@ fn strided_inputs_give_the_same_result() {
 /// Misuse is the same typed error whichever kernel would have run: the door checks before it routes.
 #[test]
 fn bad_inputs_are_typed_errors() {
-    let c = cases()[0];
+    let c = cases()[0].clone();
     let x = inputs(&c, 1, DType::F32);
     let k64 = x.k.to_dtype(DType::F64).unwrap();
     let e = with_kernels(Kernels::Generic, || attention_forward(&x.q, &k64, &x.v, &c.spec)).unwrap_err();
@@ -329,7 +330,7 @@ fn keys_outside_the_window_are_never_read() {
         let nan = Tensor::full(f32::NAN, (1, 70, 2, 16), t.device()).unwrap();
         Tensor::cat(&[&nan, &t.narrow(1, 70, 26).unwrap()], 1).unwrap()
     };
-    let tail = AttentionSpec { q_offset: 80, ..c.spec };
+    let tail = AttentionSpec { q_offset: 80, ..c.spec.clone() };
     let (kp, vp) = (poison(&x.k), poison(&x.v));
     let (o_t, lse_t) = generic_forward_with_block(&q_tail, &kp, &vp, &tail, BLOCK).unwrap();
     assert_close("o of the last rows", &o_t, &o.narrow(1, 80, 16).unwrap(), 1e-6);
@@ -378,11 +379,11 @@ fn max_abs_score(c: &Case, x: &Inputs) -> f64 {
 fn sink_keys_match_the_cpu_kernel() {
     let cs = cases();
     let sinks: [(Case, &[(usize, f64)]); 5] = [
-        (cs[0], &[(0, 30.0)]),                         // causal, one sink at the first key
-        (cs[1], &[(0, 50.0), (20, 20.0)]),             // GQA, full, batch 2: two sinks
-        (cs[2], &[(0, 40.0), (17, 25.0), (33, 30.0)]), // MQA causal: sinks in three key blocks
-        (cs[4], &[(0, 20.0)]),                         // keys start mid-queries: the sink is on the diagonal
-        (cs[5], &[(0, 30.0), (63, 30.0)]),             // Ring: a later chunk, sinks at both ends
+        (cs[0].clone(), &[(0, 30.0)]),                         // causal, one sink at the first key
+        (cs[1].clone(), &[(0, 50.0), (20, 20.0)]),             // GQA, full, batch 2: two sinks
+        (cs[2].clone(), &[(0, 40.0), (17, 25.0), (33, 30.0)]), // MQA causal: sinks in three key blocks
+        (cs[4].clone(), &[(0, 20.0)]),                         // keys start mid-queries: the sink is on the diagonal
+        (cs[5].clone(), &[(0, 30.0), (63, 30.0)]),             // Ring: a later chunk, sinks at both ends
     ];
     for (i, (c, at)) in sinks.iter().enumerate() {
         let seed = 3000 + 10 * i as u64;

@@ -12,7 +12,8 @@
 //! those limits less `k_len - q_len` (clamped to what candle takes), then checks, row by row (O(q_len)), that
 //! every row sees exactly the keys the spec gives it; the unmasked kernel serves a spec under which every row
 //! sees every key. Anything else (e.g. a query shard that starts before its keys end, as Ring attention's
-//! shards do), other dtypes (f32, f64) and other head dimensions have no plan: the dispatch (`route.rs`) runs
+//! shards do, or packed documents: candle-flash-attn 0.11 has no varlen entry point that takes `cu_seqlens`
+//! with a window, so a document mask of more than one document agrees with none of its masks), other dtypes (f32, f64) and other head dimensions have no plan: the dispatch (`route.rs`) runs
 //! the device-generic kernel for them.
 
 use autosp_core::ops::AttentionSpec;
@@ -113,7 +114,7 @@ mod tests {
     use super::*;
 
     fn spec(causal: bool, q_offset: usize, k_offset: usize) -> AttentionSpec {
-        AttentionSpec { causal, scale: None, q_offset, k_offset, max_distance: None }
+        AttentionSpec { causal, scale: None, q_offset, k_offset, max_distance: None, documents: None }
     }
 
     /// Every mask candle-flash-attn can be asked for with these lengths.
@@ -192,6 +193,19 @@ mod tests {
         assert_eq!(flash_attn_mask(&spec(true, 0, 0).with_max_distance(100), 8, 8), win(None, 0));
         assert_eq!(flash_attn_mask(&spec(false, 0, 0).with_max_distance(7), 8, 8), Some(FlashAttnMask::Full));
         assert_eq!(flash_attn_mask(&spec(false, 0, 0).with_max_distance(usize::MAX), 8, 8), Some(FlashAttnMask::Full));
+    }
+
+    /// Packed documents: the checked translation refuses a mask of several documents (the dispatch runs the
+    /// generic kernel, which honours it), and one document covering every row and key is the causal kernel.
+    #[test]
+    fn packed_documents_have_no_plan_unless_one_document() {
+        use autosp_core::ops::Documents;
+        use std::sync::Arc;
+        let packed =
+            AttentionSpec::causal().with_documents(Some(Arc::new(Documents::from_lengths(&[3, 5], 0).unwrap())));
+        assert_eq!(plan(&packed, DType::BF16, &[1, 8, 2, 64], 8), None);
+        let one = AttentionSpec::causal().with_documents(Some(Arc::new(Documents::whole(8))));
+        assert_eq!(plan(&one, DType::BF16, &[1, 8, 2, 64], 8), Some(FlashAttnMask::Window { left: None, right: 0 }));
     }
 
     /// Only f16/bf16 with a head_dim that is a multiple of 8 up to 512 and an expressible mask get a plan; the

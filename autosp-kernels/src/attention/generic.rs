@@ -145,7 +145,7 @@ pub(crate) fn forward(
     dims: AttentionDims,
     tiles: TileSize,
 ) -> Result<(Tensor, Tensor)> {
-    let t = Tiles::new(dims, *spec, tiles, q.dtype(), q.device());
+    let t = Tiles::new(dims, spec.clone(), tiles, q.dtype(), q.device());
     let (b, h, d) = (dims.batch, dims.heads, dims.head_dim);
     let seeing = t.rows_that_see_keys();
     if seeing.is_empty() {
@@ -216,7 +216,7 @@ pub(crate) fn backward(
     dims: AttentionDims,
     tiles: TileSize,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let t = Tiles::new(dims, *spec, tiles, q.dtype(), q.device());
+    let t = Tiles::new(dims, spec.clone(), tiles, q.dtype(), q.device());
     let seeing = t.rows_that_see_keys();
     if seeing.is_empty() {
         return Ok((q.zeros_like()?, k.zeros_like()?, v.zeros_like()?));

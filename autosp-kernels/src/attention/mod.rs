@@ -164,11 +164,11 @@ impl Attention for LocalAttention {
         v: &Value,
         spec: &AttentionSpec,
     ) -> autosp_core::Result<(Value, Value)> {
-        attention(tape, q, k, v, *spec)
+        attention(tape, q, k, v, spec.clone())
     }
 
     fn as_op(&self, spec: &AttentionSpec) -> Option<Arc<dyn Op>> {
-        Some(Arc::new(AttentionOp { spec: *spec }))
+        Some(Arc::new(AttentionOp { spec: spec.clone() }))
     }
 
     /// The output of [`forward`](Attention::forward), recorded on the tape, when the tape records a gradient

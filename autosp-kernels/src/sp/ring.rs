@@ -7,7 +7,7 @@
 //! rank). The positions given to the attention kernel are the true global ones (plus the caller's `q_offset` /
 //! `k_offset`, which describe the start of the whole sequence); a (query chunk, key chunk) pair that the mask
 //! hides entirely ([`AttentionSpec::block`] says [`Visibility::Hidden`]: a causal cut, a sliding window
-//! `max_distance`) is skipped, a pair it does not touch runs unmasked, and a pair it cuts runs with the spec
+//! `max_distance`, a packed sequence's documents when the two chunks hold none in common) is skipped, a pair it does not touch runs unmasked, and a pair it cuts runs with the spec
 //! at the pair's true positions.
 //!
 //! Forward: step s = 0 … P-1 computes against the block of rank `t = r - s (mod P)`; for s < P-1 the block
@@ -67,7 +67,12 @@ pub struct RingAttention {
 impl RingAttention {
     /// The tape op for one call with `spec`.
     fn op(&self, spec: &AttentionSpec) -> Arc<dyn Op> {
-        Arc::new(RingAttentionOp { group: self.group.clone(), layout: self.layout, spec: *spec, overlap: self.overlap })
+        Arc::new(RingAttentionOp {
+            group: self.group.clone(),
+            layout: self.layout,
+            spec: spec.clone(),
+            overlap: self.overlap,
+        })
     }
 
     /// Ring attention over `group` in `layout`, with communication overlapped.
@@ -123,7 +128,7 @@ struct Segment {
 }
 
 /// One attention call of a step: query rows, key rows (local), and the spec to run them with.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Call {
     q: (usize, usize),
     k: (usize, usize),
@@ -144,12 +149,12 @@ impl RingAttentionOp {
     }
 
     /// The attention calls of the step where this rank's queries meet the block of rank `t`: (query segment, key
-    /// segment) pairs that the mask (causal cut, sliding window) hides entirely are skipped, pairs it does not
+    /// segment) pairs that the mask (causal cut, sliding window, documents) hides entirely are skipped, pairs it does not
     /// touch are grouped and run unmasked, the others run with the spec at their true positions.
     fn calls(&self, t: usize, n: usize) -> Vec<Call> {
         let r = self.group.rank();
         let (qs, ks) = (self.segments(r, n), self.segments(t, n));
-        let full = AttentionSpec { causal: false, q_offset: 0, k_offset: 0, max_distance: None, ..self.spec };
+        let full = self.spec.unmasked();
         let class = |a: &Segment, b: &Segment| pair_class(&self.spec, a, b);
         if qs.iter().all(|a| ks.iter().all(|b| class(a, b) == Visibility::Full)) {
             return vec![Call { q: (0, n), k: (0, n), spec: full }];
@@ -157,14 +162,14 @@ impl RingAttentionOp {
         let mut calls = Vec::new();
         for a in &qs {
             if ks.iter().all(|b| class(a, b) == Visibility::Full) {
-                calls.push(Call { q: (a.start, a.len), k: (0, n), spec: full });
+                calls.push(Call { q: (a.start, a.len), k: (0, n), spec: full.clone() });
                 continue;
             }
             for b in &ks {
                 let spec = match class(a, b) {
                     Visibility::Hidden => continue,
-                    Visibility::Full => full,
-                    Visibility::Partial => self.spec.shifted(a.pos, b.pos),
+                    Visibility::Full => full.clone(),
+                    Visibility::Partial => self.spec.clone().shifted(a.pos, b.pos),
                 };
                 calls.push(Call { q: (a.start, a.len), k: (b.start, b.len), spec });
             }
@@ -220,7 +225,7 @@ impl RingAttentionOp {
 /// How much of key segment `b` query segment `a` sees under `spec` (whose offsets are those of the whole
 /// sequence): the spec's own answer for the pair at its true positions. Segments are non-empty.
 fn pair_class(spec: &AttentionSpec, a: &Segment, b: &Segment) -> Visibility {
-    spec.shifted(a.pos, b.pos).block(0..a.len, 0..b.len)
+    spec.clone().shifted(a.pos, b.pos).block(0..a.len, 0..b.len)
 }
 
 impl Op for RingAttentionOp {
@@ -405,21 +410,26 @@ mod tests {
 
     /// The class of every (query segment, key segment) pair agrees with the spec's own `visible`, pair by pair:
     /// Hidden exactly when no pair is visible (the call is skipped), Full exactly when every pair is (the call
-    /// runs unmasked). Exhaustive over small segments, causal or not, without and with windows, and offsets.
+    /// runs unmasked). Exhaustive over small segments, causal or not, without and with windows, without and
+    /// with documents, and offsets.
     #[test]
     fn pair_classes_agree_with_the_mask() {
+        use autosp_core::ops::attention::Documents;
+        let packed = Some(Arc::new(Documents::from_lengths(&[2, 1, 4, 3], 0).unwrap()));
         let mut seen = [0usize; 3];
         for causal in [false, true] {
             for w in std::iter::once(None).chain((0..7).map(Some)) {
-                for (q_offset, k_offset) in [(0, 0), (3, 0), (0, 4)] {
-                    let spec = AttentionSpec { causal, scale: None, q_offset, k_offset, max_distance: w };
+                for (q_offset, k_offset, documents) in
+                    [(0, 0, None), (3, 0, None), (0, 4, None), (0, 0, packed.clone()), (3, 0, packed.clone())]
+                {
+                    let spec = AttentionSpec { causal, scale: None, q_offset, k_offset, max_distance: w, documents };
                     for (qpos, qlen, kpos, klen) in (0..6).flat_map(|qp| {
                         (1..4).flat_map(move |ql| (0..6).flat_map(move |kp| (1..4).map(move |kl| (qp, ql, kp, kl))))
                     }) {
                         let a = Segment { start: 0, len: qlen, pos: qpos };
                         let b = Segment { start: 0, len: klen, pos: kpos };
                         let vis = |i: usize, j: usize| {
-                            let s = AttentionSpec { q_offset: q_offset + qpos, k_offset: k_offset + kpos, ..spec };
+                            let s = spec.clone().shifted(qpos, kpos);
                             s.visible(i, j)
                         };
                         let pairs: Vec<bool> =

@@ -8,7 +8,7 @@ use autosp_kernels::attention::poisoned;
 use candle_core::{DType, Device, Tensor};
 
 /// One attention shape and mask.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Case {
     pub b: usize,
     pub nq: usize,
@@ -20,7 +20,7 @@ pub struct Case {
 }
 
 pub fn spec(causal: bool, q_offset: usize, k_offset: usize) -> AttentionSpec {
-    AttentionSpec { causal, scale: None, q_offset, k_offset, max_distance: None }
+    AttentionSpec { causal, scale: None, q_offset, k_offset, max_distance: None, documents: None }
 }
 
 /// Uniform numbers in [-2, 2) from a seeded splitmix64: every check gets its own fresh inputs.

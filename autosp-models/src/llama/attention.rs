@@ -126,7 +126,7 @@ impl LlamaAttention {
                 (k, v)
             }
         };
-        let mut spec = spec.narrowed(self.window);
+        let mut spec = spec.clone().narrowed(self.window);
         if self.scale.is_some() {
             spec.scale = self.scale;
         }

@@ -37,4 +37,8 @@ impl CausalLm for LlamaModel {
             vocab: c.vocab_size,
         }
     }
+
+    fn supports_documents(&self) -> bool {
+        true
+    }
 }

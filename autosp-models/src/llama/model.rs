@@ -247,9 +247,12 @@ impl LlamaModel {
 
     /// The RoPE frequencies a forward over `positions` on `tape` uses. A scaling that depends on the
     /// length (`dynamic`, `longrope`) reads the whole sequence's real length from the tape
-    /// ([`Tape::sequence_length`], which the compiled step sets from the global, unpadded length), else
-    /// from `positions` (largest + 1, transformers' `max(position_ids) + 1`): a caller that runs one
-    /// shard of a sequence itself must set it.
+    /// ([`Tape::sequence_length`], which the compiled step sets from the global, unpadded length, or for
+    /// packed documents from the longest document's positions, [`position_extent`]), else from `positions`
+    /// (largest + 1, transformers' `max(position_ids) + 1`; with documents these are the RoPE positions): a
+    /// caller that runs one shard of a sequence itself must set it.
+    ///
+    /// [`position_extent`]: autosp_core::ops::Documents::position_extent
     pub fn rope_frequencies(&self, tape: &Tape, positions: &[usize]) -> RopeFrequencies {
         match &self.config.rope_scaling {
             Some(s) if s.depends_on_length() => {
@@ -300,19 +303,29 @@ impl LlamaModel {
     /// The final hidden states (after the last norm): `ids: [b, n]` u32, `positions: [n]` (the absolute
     /// position of each token, shared by the batch) -> `[b, n, hidden]`. Attention is causal over the `n`
     /// tokens given, with offsets `q_offset = k_offset = positions[0]`.
+    ///
+    /// Packed documents ([`Tape::set_documents`], one set for every row of `ids`): `positions` are then
+    /// positions in the documents' window (the whole window `0..n` in order on one rank, or a rank's shard of
+    /// it under sequence-parallel attention; positions past the window are padding), each token's RoPE
+    /// position is [`Documents::position`](autosp_core::ops::Documents::position) (restarting at every
+    /// document, as transformers' packed `position_ids`), and attention sees only the token's own document,
+    /// with offsets 0 (the window's start: sequence-parallel attention places each shard itself).
     pub fn hidden_states(&self, tape: &Tape, ids: &Tensor, positions: &[usize]) -> ModelResult<Value> {
         let (_, n) = self.check_ids(tape, ids)?;
         if positions.len() != n {
             return Err(ModelError::PositionsMismatch { positions: positions.len(), seq: n });
         }
-        let spec = AttentionSpec {
-            causal: true,
-            scale: None,
-            q_offset: positions[0],
-            k_offset: positions[0],
-            max_distance: None,
-        };
-        self.run_layers(tape, ids, positions, &spec, None)
+        match tape.documents() {
+            None => {
+                let spec = AttentionSpec::causal().shifted(positions[0], positions[0]);
+                self.run_layers(tape, ids, positions, &spec, None)
+            }
+            Some(docs) => {
+                let rope_positions: Vec<usize> = positions.iter().map(|&p| docs.position(p)).collect();
+                let spec = AttentionSpec::causal().with_documents(Some(docs));
+                self.run_layers(tape, ids, &rope_positions, &spec, None)
+            }
+        }
     }
 
     /// Embedding, layers and the final norm; with `cache`, each layer appends to its part of it.
@@ -392,7 +405,7 @@ impl LlamaModel {
         cache.check(b, self.layers.0.len())?;
         let start = cache.len();
         let positions: Vec<usize> = (start..start + n).collect();
-        let spec = AttentionSpec { causal: true, scale: None, q_offset: start, k_offset: 0, max_distance: None };
+        let spec = AttentionSpec::causal().shifted(start, 0);
         let h = self.run_layers(tape, ids, &positions, &spec, Some(cache))?;
         cache.advance(b, n);
         self.head(tape, &h)

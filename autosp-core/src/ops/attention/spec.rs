@@ -7,23 +7,29 @@
 //! Properties every kernel may rely on (`tests/attention_mask.rs` in autosp-kernels holds each kernel to
 //! them on random specs): a row sees one interval of keys; both ends of it never decrease from one row to the
 //! next, and the non-empty intervals of consecutive rows overlap or touch, so the keys a run of rows sees are
-//! `key_range(first).start..key_range(last).end`. The same holds for the rows that see a key. A document mask
-//! for packed sequences (each row sees only keys of its own document) keeps all three properties: it raises
-//! each row's start to its document's first position, which never decreases either.
+//! `key_range(first).start..key_range(last).end`. The same holds for the rows that see a key. The document
+//! mask of packed sequences ([`AttentionSpec::documents`]: each row sees only keys of its own document) keeps
+//! all three properties: it raises each row's start to its document's first position and lowers its end to
+//! the document's end, both of which never decrease either, and every row's unclipped interval holds its own
+//! position, so a run of rows in two documents touches at the boundary. Kernels need nothing of their own for
+//! it: the CPU flash kernel never visits a tile before a row's document, Ring attention skips a pair of shards
+//! wholly in different documents (the pair is [`Visibility::Hidden`]).
 //!
 //! [`key_range`]: AttentionSpec::key_range
 //! [`row_range`]: AttentionSpec::row_range
 //! [`block`]: AttentionSpec::block
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use candle_core::Tensor;
 
+use super::Documents;
 use crate::{Error, Result};
 
 /// How attention is computed. Positions are absolute positions in the whole sequence: query row `i` sits at
 /// `q_offset + i`, key row `j` at `k_offset + j`; causal attention hides keys after the query.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct AttentionSpec {
     /// Hide key position > query position.
     pub causal: bool,
@@ -37,6 +43,11 @@ pub struct AttentionSpec {
     /// `|p - p'| <= w` (and, when causal, `p' <= p`). `None` sees every key the mask allows (Mistral's
     /// `sliding_window`, `llama_longctx --max-attention-distance`).
     pub max_distance: Option<usize>,
+    /// The documents of a packed sequence, indexed by the same absolute positions: when `Some`, query position
+    /// `p` sees only keys of its own document ([`Documents::range_of`]; positions past the documents' window,
+    /// padding, form one document of their own that no real token sees). `None`: one sequence, no document
+    /// mask. Shared (`Arc`), so that every layer's and every rank's spec points at one copy.
+    pub documents: Option<Arc<Documents>>,
 }
 
 /// How much of a block of keys a block of query rows sees ([`AttentionSpec::block`]).
@@ -53,12 +64,12 @@ pub enum Visibility {
 impl AttentionSpec {
     /// Causal attention of a block against itself at position 0, default scale.
     pub fn causal() -> Self {
-        Self { causal: true, scale: None, q_offset: 0, k_offset: 0, max_distance: None }
+        Self { causal: true, scale: None, q_offset: 0, k_offset: 0, max_distance: None, documents: None }
     }
 
     /// Full (unmasked) attention, default scale.
     pub fn full() -> Self {
-        Self { causal: false, scale: None, q_offset: 0, k_offset: 0, max_distance: None }
+        Self { causal: false, scale: None, q_offset: 0, k_offset: 0, max_distance: None, documents: None }
     }
 
     /// The softmax scale for this head dimension.
@@ -86,15 +97,27 @@ impl AttentionSpec {
         }
     }
 
+    /// The same spec with the document mask of `documents` (`None`: none), whose positions are this spec's
+    /// absolute positions (`q_offset + i`, `k_offset + j`).
+    pub fn with_documents(self, documents: Option<Arc<Documents>>) -> Self {
+        Self { documents, ..self }
+    }
+
+    /// The same spec without a mask: not causal, no window, no documents, offsets 0 (a block every row of
+    /// which sees every key, as [`block`](Self::block) answers [`Visibility::Full`]); the scale stays.
+    pub fn unmasked(&self) -> Self {
+        Self { scale: self.scale, ..Self::full() }
+    }
+
     /// The same spec with the rows and keys moved on: row 0 at `q_offset + rows`, key 0 at `k_offset + keys`
     /// (a block of a larger call, such as one Ring step's pair of shards).
     pub fn shifted(self, rows: usize, keys: usize) -> Self {
         Self { q_offset: self.q_offset + rows, k_offset: self.k_offset + keys, ..self }
     }
 
-    /// Whether this spec hides any (query, key) pair: causal or windowed.
+    /// Whether this spec may hide a (query, key) pair: causal, windowed or with documents.
     pub fn is_masked(&self) -> bool {
-        self.causal || self.max_distance.is_some()
+        self.causal || self.max_distance.is_some() || self.documents.is_some()
     }
 
     /// The keys query row `i` sees among keys `0..k_len`: one interval, empty (`start == end`) when it sees
@@ -109,7 +132,11 @@ impl AttentionSpec {
         if let Some(w) = self.max_distance {
             end = end.min(qp.saturating_add(w).saturating_add(1));
         }
-        let start = self.max_distance.map_or(0, |w| qp.saturating_sub(w));
+        let mut start = self.max_distance.map_or(0, |w| qp.saturating_sub(w));
+        if let Some(docs) = &self.documents {
+            let doc = docs.range_of(qp);
+            (start, end) = (start.max(doc.start), end.min(doc.end));
+        }
         let local = |p: usize| p.saturating_sub(self.k_offset).min(k_len);
         let (lo, hi) = (local(start), local(end));
         lo..hi.max(lo)
@@ -128,6 +155,10 @@ impl AttentionSpec {
         if let Some(w) = self.max_distance {
             first = first.max(kp.saturating_sub(w));
             end = kp.saturating_add(w).saturating_add(1);
+        }
+        if let Some(docs) = &self.documents {
+            let doc = docs.range_of(kp);
+            (first, end) = (first.max(doc.start), end.min(doc.end));
         }
         let local = |p: usize| p.saturating_sub(self.q_offset).min(q_len);
         let (lo, hi) = (local(first), local(end));
@@ -230,21 +261,34 @@ mod tests {
     use super::*;
 
     /// The visibility rule written out pair by pair from the definition (absolute positions, causal cut,
-    /// window), the reference for the interval forms.
+    /// window, same document), the reference for the interval forms.
     fn sees(s: &AttentionSpec, i: usize, j: usize) -> bool {
         let (qp, kp) = (s.q_offset + i, s.k_offset + j);
-        (!s.causal || kp <= qp) && s.max_distance.is_none_or(|w| qp.abs_diff(kp) <= w)
+        (!s.causal || kp <= qp)
+            && s.max_distance.is_none_or(|w| qp.abs_diff(kp) <= w)
+            && s.documents.as_ref().is_none_or(|d| d.document_of(qp) == d.document_of(kp))
+    }
+
+    /// No documents; one document shorter than the positions used (the rest is padding); four documents of
+    /// 1 to 5 tokens, the first going on from position 6.
+    fn documents() -> [Option<Arc<Documents>>; 3] {
+        [None, Some(Arc::new(Documents::whole(12))), Some(Arc::new(Documents::from_lengths(&[3, 1, 5, 5], 6).unwrap()))]
     }
 
     fn specs() -> impl Iterator<Item = AttentionSpec> {
         [false, true].into_iter().flat_map(|causal| {
             std::iter::once(None).chain((0..6).map(Some)).flat_map(move |w| {
-                [(0, 0), (3, 0), (0, 4), (7, 2), (2, 9)].into_iter().map(move |(q_offset, k_offset)| AttentionSpec {
-                    causal,
-                    scale: None,
-                    q_offset,
-                    k_offset,
-                    max_distance: w,
+                documents().into_iter().flat_map(move |documents| {
+                    [(0, 0), (3, 0), (0, 4), (7, 2), (2, 9)].into_iter().map(move |(q_offset, k_offset)| {
+                        AttentionSpec {
+                            causal,
+                            scale: None,
+                            q_offset,
+                            k_offset,
+                            max_distance: w,
+                            documents: documents.clone(),
+                        }
+                    })
                 })
             })
         })
@@ -300,5 +344,33 @@ mod tests {
             }
         }
         assert!(seen.iter().all(|&n| n > 0), "{seen:?}");
+    }
+}
+
+#[cfg(test)]
+mod document_tests {
+    use super::*;
+
+    /// Rows of a packed sequence see their own document's keys only (with a window, the last W of them);
+    /// a block wholly in different documents is hidden, one inside a document is as without documents.
+    #[test]
+    fn documents_hide_other_documents() {
+        let docs = Arc::new(Documents::from_lengths(&[4, 3, 5], 0).unwrap());
+        let s = AttentionSpec::causal().with_documents(Some(docs.clone()));
+        assert!(s.is_masked());
+        assert_eq!(s.key_range(2, 12), 0..3);
+        assert_eq!(s.key_range(4, 12), 4..5);
+        assert_eq!(s.key_range(11, 12), 7..12);
+        assert_eq!(s.clone().with_max_distance(2).key_range(11, 12), 9..12);
+        assert_eq!(s.row_range(5, 12), 5..7);
+        assert_eq!(s.block(7..12, 0..7), Visibility::Hidden);
+        assert_eq!(s.block(8..12, 7..8), Visibility::Full);
+        assert_eq!(s.block(6..9, 5..8), Visibility::Partial);
+        // Non-causal: the whole document, and padding past the window (12..) sees only padding.
+        let f = AttentionSpec::full().with_documents(Some(docs));
+        assert_eq!(f.key_range(5, 14), 4..7);
+        assert_eq!(f.key_range(12, 14), 12..14);
+        assert_eq!(f.key_range(11, 14), 7..12);
+        assert_eq!(f.unmasked(), AttentionSpec::full());
     }
 }

@@ -25,7 +25,7 @@ pub(crate) const PAD: usize = 16;
 pub(crate) const KT_LD: usize = BC + PAD;
 
 /// The dimensions, strides, mask and vector path of one attention call, as the kernels use them.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Geometry {
     pub b: usize,
     pub nq: usize,
@@ -58,7 +58,7 @@ impl Geometry {
             q_rs: dims.heads * dims.head_dim,
             k_rs: dims.kv_heads * dims.head_dim,
             scale: spec.scale_for(dims.head_dim),
-            spec: *spec,
+            spec: spec.clone(),
             path: simd_path(),
         }
     }
