@@ -38,6 +38,29 @@ pub enum CompileError {
     #[error("CompileConfig::rope_scaling: {0}")]
     RopeScaling(#[source] autosp_models::ModelError),
 
+    /// Packed documents given for a number of batch rows other than the batch's.
+    #[error(
+        "{given} document boundaries (Documents) given for a batch of {rows} row(s): pass one per row \
+         (Documents::whole(n) for a row that is one sequence)"
+    )]
+    DocumentsRows { rows: usize, given: usize },
+
+    /// A batch row's document boundaries do not fit its window.
+    #[error("documents of batch row {row}: {source}")]
+    Documents {
+        row: usize,
+        #[source]
+        source: autosp_core::ops::DocumentsError,
+    },
+
+    /// Packed documents for a model that does not honour them.
+    #[error(
+        "this model ({kind}) does not honour packed documents (CausalLm::supports_documents is false): its \
+         positions would run on and its attention cross document boundaries; implement them (restart RoPE \
+         positions at each document, put Tape::documents into its AttentionSpec) or train unpacked windows"
+    )]
+    DocumentsUnsupported { kind: &'static str },
+
     /// An error from the tape, an op or a collective.
     #[error(transparent)]
     Core(#[from] autosp_core::Error),

@@ -9,6 +9,7 @@
 pub mod config;
 pub mod error;
 pub mod mesh;
+mod packed;
 pub mod plan;
 pub mod sharded_build;
 pub mod sharding;

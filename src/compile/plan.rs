@@ -129,7 +129,7 @@ impl<M: CausalLm> Compiled<M> {
         let rows = self.mesh.data;
         let ids: Vec<u32> = (0..(rows * n) as u32).map(|i| (i * 7919 + 13) % vocab).collect();
         let ids = Tensor::from_vec(ids, (rows, n), &Device::Cpu)?;
-        self.run_step(&ids, None, policy.unwrap_or(self.tape_policy()), true, 1.0)
+        self.run_step(&ids, None, None, policy.unwrap_or(self.tape_policy()), true, 1.0)
     }
 
     /// Probes two lengths `n1` and `n2 = 2 n1` and fits the tape's bytes through them. The bytes after the

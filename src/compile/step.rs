@@ -11,13 +11,14 @@ use std::sync::Arc;
 use autosp_core::comm::{ProcessGroup, ReduceOp};
 use autosp_core::host_read;
 use autosp_core::module::trainable_params;
-use autosp_core::ops::{self, IGNORE_INDEX};
+use autosp_core::ops::{self, Documents, IGNORE_INDEX};
 use autosp_core::optim::sum_of_squares;
 use autosp_core::shard::ShardLevel;
 use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Param, Precision, Tape};
 use autosp_kernels::sp::layout::gather_unshard;
 use candle_core::{DType, Tensor};
 
+use super::packed::{self, per_group, row_groups, RowGroup};
 use super::{CompileError, Compiled};
 
 /// What one training step returns (the same on every rank).
@@ -127,13 +128,17 @@ fn host_scalar(x: f64) -> candle_core::Result<Tensor> {
 }
 
 /// One rank's part of a batch (see `Compiled::local_batch`).
-struct LocalBatch {
+pub(crate) struct LocalBatch {
     /// `[b / D, n_pad / P]` u32: this replica's rows, this rank's shard of them.
     ids_local: Tensor,
     /// The sequence positions of `ids_local`'s columns.
     positions: Vec<usize>,
-    /// `[b / D * n_pad / P]`, shifted, -100 where ignored.
+    /// `[b / D, n_pad / P]`, shifted, -100 where ignored.
     targets_local: Tensor,
+    /// The local rows grouped by their documents (one group without documents for an unpacked batch).
+    groups: Vec<RowGroup>,
+    /// What a length-dependent RoPE scaling reads ([`Tape::set_sequence_length`]).
+    sequence_length: usize,
     /// Valid targets over the ranks in `over` (> 0).
     total: f64,
     /// The ranks whose losses make the batch's: the world when the replicas split the rows, else the
@@ -149,7 +154,7 @@ impl<M: CausalLm> Compiled<M> {
     /// over the whole world, so a rank or replica whose part holds no valid target contributes zero; a batch
     /// with no valid target anywhere is [`CompileError::NoTargets`] on every rank (skip it).
     pub fn train_step(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<StepOutput, CompileError> {
-        self.run_step(ids, labels, self.tape_policy(), false, 1.0)
+        self.run_step(ids, labels, None, self.tape_policy(), false, 1.0)
     }
 
     /// [`train_step`](Self::train_step) with the loss multiplied by `loss_scale` before backward (f16's
@@ -164,35 +169,41 @@ impl<M: CausalLm> Compiled<M> {
         labels: Option<&Tensor>,
         loss_scale: f64,
     ) -> Result<StepOutput, CompileError> {
+        self.check_loss_scale(loss_scale)?;
+        self.run_step(ids, labels, None, self.tape_policy(), false, loss_scale)
+    }
+
+    /// Refuses a loss scale that is not a positive power of two.
+    pub(crate) fn check_loss_scale(&self, loss_scale: f64) -> Result<(), CompileError> {
         if !(loss_scale > 0.0 && loss_scale.is_finite() && loss_scale.log2().fract() == 0.0) {
             return Err(CompileError::Input(format!(
                 "loss_scale {loss_scale} must be a positive power of two (so that unscaling is exact)"
             )));
         }
-        self.run_step(ids, labels, self.tape_policy(), false, loss_scale)
+        Ok(())
     }
 
     /// A training step under the tape `policy` (blocks with their own policy keep it), tracing the tape's
-    /// memory when `trace`, with the loss scaled by `loss_scale` for backward (a power of two).
+    /// memory when `trace`, with the loss scaled by `loss_scale` for backward (a power of two); `documents`:
+    /// one per row of a packed batch ([`train_step_packed`](Self::train_step_packed)).
     pub(crate) fn run_step(
         &self,
         ids: &Tensor,
         labels: Option<&Tensor>,
+        documents: Option<&[Documents]>,
         policy: CheckpointPolicy,
         trace: bool,
         loss_scale: f64,
     ) -> Result<StepOutput, CompileError> {
-        let LocalBatch { ids_local, positions, targets_local, total, .. } = self.local_batch(ids, labels, true)?;
+        let batch = self.local_batch(ids, labels, documents, true)?;
+        let total = batch.total;
         let tape = Tape::new(policy);
         // `local_batch` checked every id and label on the host.
         tape.set_inputs_checked();
-        // The whole sequence's real length (not the padded one, not the shard's): RoPE's length-dependent
-        // scalings read it, as transformers' `max(position_ids) + 1`.
-        tape.set_sequence_length(ids.dim(1)?);
         if trace {
             tape.trace_memory();
         }
-        let (sum, _) = self.model.loss(&tape, &ids_local, &positions, &targets_local)?;
+        let sum = self.local_loss(&tape, &batch)?;
         let term = ops::scale(&tape, &sum, loss_scale / total)?;
         let after_forward = tape.memory();
         tape.backward(&term)?;
@@ -225,15 +236,48 @@ impl<M: CausalLm> Compiled<M> {
     /// Returns `(mean loss, valid target tokens)`, the same on every rank; [`CompileError::NoTargets`] on every
     /// rank when no target is valid.
     pub fn eval_loss(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<(f64, usize), CompileError> {
+        self.eval_loss_with(ids, labels, None)
+    }
+
+    /// [`eval_loss`](Self::eval_loss), with one [`Documents`] per row when `documents` is given.
+    pub(crate) fn eval_loss_with(
+        &self,
+        ids: &Tensor,
+        labels: Option<&Tensor>,
+        documents: Option<&[Documents]>,
+    ) -> Result<(f64, usize), CompileError> {
         let split = ids.dims2()?.0.is_multiple_of(self.mesh.data);
-        let LocalBatch { ids_local, positions, targets_local, total, over } = self.local_batch(ids, labels, split)?;
+        let batch = self.local_batch(ids, labels, documents, split)?;
         let tape = Tape::inference();
         tape.set_inputs_checked();
-        tape.set_sequence_length(ids.dim(1)?);
-        let (sum, _) = self.model.loss(&tape, &ids_local, &positions, &targets_local)?;
-        let local = host_read::read_f64(ops::scale(&tape, &sum, 1.0 / total)?.tensor())?;
-        let loss = over.all_reduce(&host_scalar(local)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0]; // host data
-        Ok((loss, total as usize))
+        let sum = self.local_loss(&tape, &batch)?;
+        let local = host_read::read_f64(ops::scale(&tape, &sum, 1.0 / batch.total)?.tensor())?;
+        let loss = batch.over.all_reduce(&host_scalar(local)?, ReduceOp::Sum)?.to_vec1::<f64>()?[0]; // host data
+        Ok((loss, batch.total as usize))
+    }
+
+    /// The summed token loss `[]` of this rank's part of a batch, one forward per group of rows with equal
+    /// documents (the documents on the tape while it runs), summed on the tape. Declares the sequence length
+    /// RoPE's length-dependent scalings read: the whole sequence's real length (not the padded one, not the
+    /// shard's), or the longest document's positions, as transformers' `max(position_ids) + 1`.
+    fn local_loss(&self, tape: &Tape, batch: &LocalBatch) -> Result<autosp_core::Value, CompileError> {
+        tape.set_sequence_length(batch.sequence_length);
+        let sums = per_group(tape, &batch.groups, &batch.ids_local, |g, ids| {
+            let targets = if batch.groups.len() == 1 {
+                batch.targets_local.clone()
+            } else {
+                let device = batch.targets_local.device();
+                let index = Tensor::from_vec(g.rows.iter().map(|&r| r as u32).collect(), g.rows.len(), device)?;
+                batch.targets_local.index_select(&index, 0)?
+            };
+            Ok(self.model.loss(tape, &ids, &batch.positions, &targets.flatten_all()?)?.0)
+        })?;
+        let mut sums = sums.into_iter();
+        let mut sum = sums.next().expect("at least one group");
+        for s in sums {
+            sum = ops::add(tape, &sum, &s)?;
+        }
+        Ok(sum)
     }
 
     /// This rank's part of a checked batch: `ids: [b, n]` and optional `labels: [b, n]` -> its replica's rows
@@ -242,11 +286,24 @@ impl<M: CausalLm> Compiled<M> {
     /// the batch (collective). A rank's shard, or a replica's rows, without a valid target adds nothing to the
     /// sums and weighs nothing; [`CompileError::NoTargets`] on every rank when no rank has one, and an error
     /// when `split` and D does not divide `b`.
-    fn local_batch(&self, ids: &Tensor, labels: Option<&Tensor>, split: bool) -> Result<LocalBatch, CompileError> {
+    ///
+    /// `documents` (one per row of the whole batch): checked against the windows, the targets that cross a
+    /// document boundary ignored, and the local rows grouped by their documents.
+    pub(crate) fn local_batch(
+        &self,
+        ids: &Tensor,
+        labels: Option<&Tensor>,
+        documents: Option<&[Documents]>,
+        split: bool,
+    ) -> Result<LocalBatch, CompileError> {
         check_batch(ids, labels, self.model.dims().vocab, 2)?;
         let (b, n) = ids.dims2()?;
+        self.check_documents(documents, b, n)?;
         let over = if split { self.world.clone() } else { self.sp.clone() };
         let rows = if split { self.mesh.rows(b, self.mesh.replica(self.world.rank()))? } else { 0..b };
+        let groups = row_groups(documents, rows.clone());
+        let sequence_length = packed::sequence_length(documents, n);
+        let replica_documents = documents.map(|d| &d[rows.clone()]);
         let (ids, labels) = if rows.len() < b {
             (ids.narrow(0, rows.start, rows.len())?, labels.map(|l| l.narrow(0, rows.start, rows.len())).transpose()?)
         } else {
@@ -259,10 +316,14 @@ impl<M: CausalLm> Compiled<M> {
         let host = candle_core::Device::Cpu;
         let (ids, labels) = (ids.to_device(&host)?, labels.map(|l| l.to_device(&host)).transpose()?);
         let (ids, targets) = shift_and_pad(&ids, labels.as_ref(), n_pad)?;
+        let targets = match replica_documents {
+            Some(d) => packed::ignore_boundary_targets(&targets, d)?,
+            None => targets,
+        };
         let positions = self.positions(n_pad, self.sp.rank())?;
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), &host)?;
-        let targets_local = targets.index_select(&index, 1)?.flatten_all()?;
-        let local_count = targets_local.to_vec1::<i64>()?.iter().filter(|&&t| t >= 0).count(); // host data
+        let targets_local = targets.index_select(&index, 1)?;
+        let local_count = targets_local.flatten_all()?.to_vec1::<i64>()?.iter().filter(|&&t| t >= 0).count(); // host data
         let device = self.device();
         let ids_local = ids.index_select(&index, 1)?.to_device(&device)?;
         let targets_local = targets_local.to_device(&device)?;
@@ -272,7 +333,20 @@ impl<M: CausalLm> Compiled<M> {
         if total == 0.0 {
             return Err(CompileError::NoTargets);
         }
-        Ok(LocalBatch { ids_local, positions, targets_local, total, over })
+        Ok(LocalBatch { ids_local, positions, targets_local, groups, sequence_length, total, over })
+    }
+
+    /// Checks `documents` (one per row of a batch of `b` rows of `n` tokens) when given.
+    pub(crate) fn check_documents(
+        &self,
+        documents: Option<&[Documents]>,
+        b: usize,
+        n: usize,
+    ) -> Result<(), CompileError> {
+        match documents {
+            Some(d) => packed::check_documents(d, b, n, self.model.supports_documents(), self.model.kind()),
+            None => Ok(()),
+        }
     }
 
     /// Sums every parameter's gradient over the world in its reduction dtype ([`Precision::reduce`]: f32 for
@@ -380,15 +454,25 @@ impl<M: CausalLm> Compiled<M> {
     /// gathered back into sequence order on every rank. Every replica computes the whole batch over its
     /// sequence-parallel group.
     pub fn logits(&self, ids: &Tensor) -> Result<Tensor, CompileError> {
+        self.logits_with(ids, None)
+    }
+
+    /// [`logits`](Self::logits), with one [`Documents`] per row when `documents` is given.
+    pub(crate) fn logits_with(&self, ids: &Tensor, documents: Option<&[Documents]>) -> Result<Tensor, CompileError> {
         check_batch(ids, None, self.model.dims().vocab, 1)?;
-        let (_, n) = ids.dims2()?;
+        let (b, n) = ids.dims2()?;
+        self.check_documents(documents, b, n)?;
         let n_pad = self.padded_len(n);
         let ids = pad_ids(&ids.to_device(&self.device())?, n_pad)?;
         let positions = self.positions(n_pad, self.sp.rank())?;
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
         let tape = Tape::inference();
-        tape.set_sequence_length(n);
-        let local = self.model.logits(&tape, &ids.index_select(&index, 1)?, &positions)?.into_tensor();
+        tape.set_sequence_length(packed::sequence_length(documents, n));
+        let groups = row_groups(documents, 0..b);
+        let parts = per_group(&tape, &groups, &ids.index_select(&index, 1)?, |_, ids| {
+            Ok(self.model.logits(&tape, &ids, &positions)?.into_tensor())
+        })?;
+        let local = packed::in_row_order(parts, &groups)?;
         let whole = gather_unshard(self.sp.as_ref(), &local.contiguous()?, 1, self.layout())?;
         Ok(whole.narrow(1, 0, n)?)
     }
@@ -402,8 +486,19 @@ impl<M: CausalLm> Compiled<M> {
     ///
     /// [`logits`]: Self::logits
     pub fn logits_at(&self, ids: &Tensor, rows: &[usize]) -> Result<Tensor, CompileError> {
+        self.logits_at_with(ids, rows, None)
+    }
+
+    /// [`logits_at`](Self::logits_at), with one [`Documents`] per row when `documents` is given.
+    pub(crate) fn logits_at_with(
+        &self,
+        ids: &Tensor,
+        rows: &[usize],
+        documents: Option<&[Documents]>,
+    ) -> Result<Tensor, CompileError> {
         check_batch(ids, None, self.model.dims().vocab, 1)?;
-        let (_, n) = ids.dims2()?;
+        let (b, n) = ids.dims2()?;
+        self.check_documents(documents, b, n)?;
         if let Some(&bad) = rows.iter().find(|&&t| t >= n) {
             return Err(CompileError::Input(format!(
                 "logits_at: row {bad} is outside the sequence of {n} tokens (rows must be below {n})"
@@ -425,8 +520,12 @@ impl<M: CausalLm> Compiled<M> {
         let positions = &shards[rank];
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
         let tape = Tape::inference();
-        tape.set_sequence_length(n);
-        let local = self.model.logits(&tape, &ids.index_select(&index, 1)?, positions)?.into_tensor();
+        tape.set_sequence_length(packed::sequence_length(documents, n));
+        let groups = row_groups(documents, 0..b);
+        let parts = per_group(&tape, &groups, &ids.index_select(&index, 1)?, |_, ids| {
+            Ok(self.model.logits(&tape, &ids, positions)?.into_tensor())
+        })?;
+        let local = packed::in_row_order(parts, &groups)?;
         // The requested rows each rank holds, in request order; rank r's come r-th in the gather.
         let home = &home;
         let held = |r: usize| rows.iter().filter(move |&&t| home[t].0 == r).map(move |&t| home[t].1 as u32);

@@ -3,11 +3,14 @@
 //! and LM head, run in row chunks so that no `[n, vocab]` logits tensor exists (as the training loss avoids it).
 
 use autosp_core::ops::cross_entropy::row_lse;
+use autosp_core::ops::Documents;
 use autosp_core::{Precision, Tape};
 use autosp_kernels::sp::layout::gather_unshard;
 use autosp_models::LlamaModel;
 use candle_core::{DType, Device, Tensor};
 
+use super::packed;
+use super::packed::{per_group, row_groups};
 use super::step::{check_batch, shift_and_pad};
 use super::{CompileError, Compiled};
 
@@ -23,24 +26,43 @@ impl Compiled<LlamaModel> {
     /// of its shard, `chunk` rows of logits at a time, and one gather brings the `[b, n / P]` losses home.
     /// Every replica scores the whole batch.
     pub fn token_losses(&self, ids: &Tensor, labels: Option<&Tensor>) -> Result<Tensor, CompileError> {
+        self.token_losses_with(ids, labels, None)
+    }
+
+    /// [`token_losses`](Self::token_losses), with one [`Documents`] per row when `documents` is given.
+    pub(crate) fn token_losses_with(
+        &self,
+        ids: &Tensor,
+        labels: Option<&Tensor>,
+        documents: Option<&[Documents]>,
+    ) -> Result<Tensor, CompileError> {
         let vocab = self.model.config.vocab_size;
         check_batch(ids, labels, vocab, 2)?;
         let (b, n) = ids.dims2()?;
+        self.check_documents(documents, b, n)?;
         let n_pad = self.padded_len(n);
         let host = Device::Cpu;
         let (ids, labels) = (ids.to_device(&host)?, labels.map(|l| l.to_device(&host)).transpose()?);
         let (ids, targets) = shift_and_pad(&ids, labels.as_ref(), n_pad)?;
+        let targets = match documents {
+            Some(d) => packed::ignore_boundary_targets(&targets, d)?,
+            None => targets,
+        };
         let positions = self.positions(n_pad, self.sp.rank())?;
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), &host)?;
         let device = self.device();
         let ids_local = ids.index_select(&index, 1)?.to_device(&device)?;
-        let targets_local = targets.index_select(&index, 1)?.flatten_all()?.to_device(&device)?;
         let tape = Tape::inference();
         tape.set_inputs_checked();
-        tape.set_sequence_length(n);
-        let hidden = self.model.hidden_states(&tape, &ids_local, &positions).map_err(autosp_core::Error::from)?;
+        tape.set_sequence_length(packed::sequence_length(documents, n));
+        let groups = row_groups(documents, 0..b);
+        let parts = per_group(&tape, &groups, &ids_local, |_, ids| {
+            Ok(self.model.hidden_states(&tape, &ids, &positions).map_err(autosp_core::Error::from)?.into_tensor())
+        })?;
+        let hidden = packed::in_row_order(parts, &groups)?;
+        let targets_local = targets.index_select(&index, 1)?.flatten_all()?.to_device(&device)?;
         let rows = b * positions.len();
-        let hidden = hidden.tensor().reshape((rows, self.model.config.hidden_size))?;
+        let hidden = hidden.reshape((rows, self.model.config.hidden_size))?;
         let dtype = Precision::float(hidden.dtype()).accumulate();
         let chunk = (CHUNK_ELEMS / vocab.max(1)).clamp(16, 4096);
         let mut parts = Vec::with_capacity(rows.div_ceil(chunk));
