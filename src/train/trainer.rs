@@ -487,23 +487,29 @@ impl Trainer {
         autosp_core::lora::seed_dropout(self.compiled.model(), self.step as u64);
         for _ in 0..micro {
             let (mut ids, mut labels) = (Vec::with_capacity(seq_len), Vec::with_capacity(seq_len));
+            // Packed by documents: each window's ([`Stream::packing`]), a row of the step each.
+            let mut documents = Vec::new();
             for _ in 0..replicas * seq_len / len {
                 let s = self.stream.next(len)?;
                 self.drawn += 1;
                 windows += 1;
                 untrained += usize::from(answers_only && s.answers.is_empty());
-                labels.extend(s.answer_labels());
+                labels.extend(s.labels(answers_only));
+                documents.extend(s.documents);
                 ids.extend(s.ids);
             }
             let rows = replicas * seq_len / len;
-            let labels = match answers_only {
+            let labels = match answers_only || !documents.is_empty() {
                 true => Some(Tensor::from_vec(labels, (rows, len), &Device::Cpu)?),
                 false => None,
             };
             let ids = Tensor::from_vec(ids, (rows, len), &Device::Cpu)?;
-            let out = match self.scaler {
-                Some(s) => self.compiled.train_step_scaled(&ids, labels.as_ref(), s.scale()),
-                None => self.compiled.train_step(&ids, labels.as_ref()),
+            let (c, labels) = (&self.compiled, labels.as_ref());
+            let out = match (self.scaler, documents.is_empty()) {
+                (Some(s), true) => c.train_step_scaled(&ids, labels, s.scale()),
+                (None, true) => c.train_step(&ids, labels),
+                (Some(s), false) => c.train_step_scaled_packed(&ids, labels, &documents, s.scale()),
+                (None, false) => c.train_step_packed(&ids, labels, &documents),
             };
             let out = match out {
                 Ok(out) => out,

@@ -121,12 +121,14 @@ impl HeldOut {
         Ok(Some(d))
     }
 
-    /// The mean next-token loss over every window's targets (each window scored as a sequence of its own, one
-    /// forward pass each; the mean weighs each window by its targets, so a window without one is skipped) and
+    /// The mean next-token loss over every window's targets (each window scored as a sequence of its own, with
+    /// its documents when it has them, one forward pass each; the mean weighs each window by its targets, so a
+    /// window without one is skipped) and
     /// the number of targets (collective: every rank calls it). An error when no window has a target.
     pub fn evaluate(&self, c: &Compiled<LlamaModel>) -> Result<(f64, usize)> {
         let (mut sum, mut count) = (0.0, 0usize);
         for (k, w) in self.windows().enumerate() {
+            let documents = self.window_documents(k, w.len())?;
             let labels = match &self.trained {
                 Some(t) => {
                     let t = &t[k * self.window..k * self.window + w.len()];
@@ -136,7 +138,12 @@ impl HeldOut {
                 None => None,
             };
             let ids = Tensor::from_vec(w.to_vec(), (1, w.len()), &Device::Cpu)?;
-            let (loss, targets) = match c.eval_loss(&ids, labels.as_ref()) {
+            // With documents the compiled step ignores the targets across their boundaries itself.
+            let scored = match &documents {
+                Some(d) => c.eval_loss_packed(&ids, labels.as_ref(), std::slice::from_ref(d)),
+                None => c.eval_loss(&ids, labels.as_ref()),
+            };
+            let (loss, targets) = match scored {
                 Ok(scored) => scored,
                 // A window without a scored token (a chat window with no assistant token) weighs nothing.
                 Err(crate::CompileError::NoTargets) => continue,
