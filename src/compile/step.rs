@@ -128,7 +128,7 @@ fn host_scalar(x: f64) -> candle_core::Result<Tensor> {
 }
 
 /// One rank's part of a batch (see `Compiled::local_batch`).
-pub(crate) struct LocalBatch {
+struct LocalBatch {
     /// `[b / D, n_pad / P]` u32: this replica's rows, this rank's shard of them.
     ids_local: Tensor,
     /// The sequence positions of `ids_local`'s columns.
@@ -289,7 +289,7 @@ impl<M: CausalLm> Compiled<M> {
     ///
     /// `documents` (one per row of the whole batch): checked against the windows, the targets that cross a
     /// document boundary ignored, and the local rows grouped by their documents.
-    pub(crate) fn local_batch(
+    fn local_batch(
         &self,
         ids: &Tensor,
         labels: Option<&Tensor>,
