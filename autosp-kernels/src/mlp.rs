@@ -7,12 +7,18 @@
 //! the replay or in the gradients. It is device-generic as it is (candle's matmuls, and SwiGLU through its
 //! door, [`crate::swiglu`], which picks SwiGLU's kernel); nothing is read on the host, so this file is the
 //! op's whole door and kernel.
+//!
+//! Every GEMM runs in the storage dtype, as [`autosp_core::ops::linear`] does: the op makes no widened copy
+//! of a weight (the old path held all three in f32 for the whole call) and bf16 GEMMs are what candle runs:
+//! cuBLAS with f32 accumulation on CUDA (tensor cores); on the CPU candle 0.11 widens a bf16 GEMM's operands
+//! to f32 for the duration of that one call and accumulates in f32. The products are rounded once to the
+//! storage dtype, as the unchunked composition rounds them; what is summed over chunks (the weight
+//! gradients) and the two halves of `dx` are summed in the accumulation dtype and rounded once.
 
 use candle_core::{DType, Tensor};
 
 use autosp_core::{Error, NodeKind, Op, Precision, Result, SavedTensors, Saves, Tape, Value};
 
-use crate::running_sum::add_to;
 use crate::shape_error::mismatch;
 use crate::swiglu::{swiglu_backward, swiglu_forward};
 
@@ -57,19 +63,47 @@ fn check(x: &Tensor, wg: &Tensor, wu: &Tensor, wd: &Tensor, chunk_rows: usize) -
     Ok((x.elem_count() / d, d, f))
 }
 
-/// The inputs in the compute dtype, `x` flattened to `[m, d]`, all contiguous.
+/// The inputs in their storage dtype, `x` flattened to `[m, d]`, all contiguous (a weight that already is,
+/// as a parameter is, is shared, not copied), and the dtype sums over chunks run in.
 struct Inputs {
     x: Tensor,
     wg: Tensor,
     wu: Tensor,
     wd: Tensor,
+    acc: DType,
 }
 
 fn prepare(x: &Tensor, wg: &Tensor, wu: &Tensor, wd: &Tensor, chunk_rows: usize) -> Result<(Inputs, usize)> {
     let (m, d, _) = check(x, wg, wu, wd, chunk_rows)?;
-    let cd = Precision::of(OP, x.dtype())?.compute();
-    let c = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(cd)?.contiguous()?) };
-    Ok((Inputs { x: c(&x.reshape((m, d))?)?, wg: c(wg)?, wu: c(wu)?, wd: c(wd)? }, m))
+    let acc = Precision::of(OP, x.dtype())?.accumulate();
+    let c = |t: &Tensor| -> Result<Tensor> { Ok(t.contiguous()?) };
+    Ok((Inputs { x: c(&x.reshape((m, d))?)?, wg: c(wg)?, wu: c(wu)?, wd: c(wd)?, acc }, m))
+}
+
+/// Rows `start..start + rows` of `t: [m, ..]`, contiguous: a copy of the chunk only (`[rows, d]`), so that a
+/// GEMM that converts its operands' storage (candle's CPU bf16 GEMM widens the whole storage to f32) converts
+/// the chunk, not all m rows, once per chunk.
+fn chunk(t: &Tensor, start: usize, rows: usize) -> Result<Tensor> {
+    let c = t.narrow(0, start, rows)?;
+    Ok(if rows == t.dim(0)? { c } else { c.contiguous()? })
+}
+
+/// `acc += x` with the sum in `wide` (x in the storage dtype); the first term is kept as it is, so one chunk
+/// widens nothing and f32/f64 sums are the plain running sum.
+fn add_wide(acc: &mut Option<Tensor>, x: Tensor, wide: DType) -> Result<()> {
+    *acc = Some(match acc.take() {
+        Some(a) => (a.to_dtype(wide)? + x.to_dtype(wide)?)?,
+        None => x,
+    });
+    Ok(())
+}
+
+/// `a + b` summed in `wide` and rounded once to their dtype.
+fn sum_rounded(a: &Tensor, b: &Tensor, wide: DType) -> Result<Tensor> {
+    if a.dtype() == wide {
+        return Ok((a + b)?);
+    }
+    Ok((a.to_dtype(wide)? + b.to_dtype(wide)?)?.to_dtype(a.dtype())?)
 }
 
 /// One chunk's gate and up projections: `xc: [rows, d]` -> `([rows, f], [rows, f])`.
@@ -85,7 +119,7 @@ pub fn chunked_mlp_forward(x: &Tensor, wg: &Tensor, wu: &Tensor, wd: &Tensor, ch
     let mut start = 0;
     while start < m {
         let rows = chunk_rows.min(m - start);
-        let xc = w.x.narrow(0, start, rows)?;
+        let xc = chunk(&w.x, start, rows)?;
         let (g, u) = gate_up(&xc, &w)?;
         parts.push(swiglu_forward(&g, &u)?.matmul(&w.wd.t()?)?);
         start += rows;
@@ -95,7 +129,7 @@ pub fn chunked_mlp_forward(x: &Tensor, wg: &Tensor, wu: &Tensor, wd: &Tensor, ch
         1 => parts.remove(0),
         _ => Tensor::cat(&parts, 0)?,
     };
-    Ok(y.reshape(x.shape())?.to_dtype(x.dtype())?)
+    Ok(y.reshape(x.shape())?)
 }
 
 /// The MLP's backward without a tape: `dy: [.., d]` (the output's gradient) -> `(dx: [.., d], d_gate: [f, d],
@@ -129,25 +163,25 @@ fn chunked_mlp_grads(
     if dy.dims() != x.dims() {
         return Err(mismatch(OP, "grad", dy.dims(), "x", x.dims(), "the output gradient must have x's shape".into()));
     }
-    let dy = dy.to_dtype(w.x.dtype())?.reshape(w.x.shape())?.contiguous()?;
+    let dy = dy.to_dtype(x.dtype())?.reshape(w.x.shape())?.contiguous()?;
     let (mut dwg, mut dwu, mut dwd) = (None, None, None);
     let mut dx_parts = Vec::with_capacity(m.div_ceil(chunk_rows));
     let mut start = 0;
     while start < m {
         let rows = chunk_rows.min(m - start);
-        let (xc, dyc) = (w.x.narrow(0, start, rows)?, dy.narrow(0, start, rows)?);
+        let (xc, dyc) = (chunk(&w.x, start, rows)?, chunk(&dy, start, rows)?);
         let (g, u) = gate_up(&xc, &w)?;
         if weights {
-            add_to(&mut dwd, dyc.t()?.matmul(&swiglu_forward(&g, &u)?)?)?;
+            add_wide(&mut dwd, dyc.t()?.matmul(&swiglu_forward(&g, &u)?)?, w.acc)?;
         }
         let ds = dyc.matmul(&w.wd)?;
         let (dg, du) = swiglu_backward(&g, &u, &ds)?;
         drop((g, u, ds));
         if weights {
-            add_to(&mut dwg, dg.t()?.matmul(&xc)?)?;
-            add_to(&mut dwu, du.t()?.matmul(&xc)?)?;
+            add_wide(&mut dwg, dg.t()?.matmul(&xc)?, w.acc)?;
+            add_wide(&mut dwu, du.t()?.matmul(&xc)?, w.acc)?;
         }
-        dx_parts.push((dg.matmul(&w.wg)? + du.matmul(&w.wu)?)?);
+        dx_parts.push(sum_rounded(&dg.matmul(&w.wg)?, &du.matmul(&w.wu)?, w.acc)?);
         start += rows;
     }
     let dx = match dx_parts.len() {
@@ -167,7 +201,7 @@ fn chunked_mlp_grads(
     } else {
         None
     };
-    Ok((dx.reshape(x.shape())?.to_dtype(x.dtype())?, dw))
+    Ok((dx.reshape(x.shape())?, dw))
 }
 
 impl Op for ChunkedMlpOp {
