@@ -227,9 +227,9 @@ mod tests {
         let got = ignore_boundary_targets(&t, std::slice::from_ref(&d)).unwrap().to_vec2::<i64>().unwrap();
         assert_eq!(got, vec![vec![1, -100, 3, 4, -100, -100]]);
         assert_eq!(sequence_length(Some(&[d.clone(), Documents::from_lengths(&[4, 1], 2).unwrap()]), 5), 6);
-        let e = check_documents(&[d.clone()], 2, 5, true, "m").unwrap_err();
+        let e = check_documents(std::slice::from_ref(&d), 2, 5, true, "m").unwrap_err();
         assert!(matches!(e, CompileError::DocumentsRows { rows: 2, given: 1 }), "{e}");
-        let e = check_documents(&[d.clone()], 1, 6, true, "m").unwrap_err();
+        let e = check_documents(std::slice::from_ref(&d), 1, 6, true, "m").unwrap_err();
         assert!(e.to_string().contains("documents of batch row 0") && e.to_string().contains("6 tokens"), "{e}");
         let e = check_documents(&[d], 1, 5, false, "MyLm").unwrap_err();
         assert!(matches!(e, CompileError::DocumentsUnsupported { kind: "MyLm" }), "{e}");
