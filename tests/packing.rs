@@ -158,21 +158,30 @@ fn text_data_packs_by_documents_and_a_resume_keeps_the_packing() {
     let data = t.join("d.jsonl");
     let line = |i: usize| format!("{{\"text\": \"{}\"}}\n", "the cat sat on the mat and looked ".repeat(1 + i % 4));
     std::fs::write(&data, (0..24).map(line).collect::<String>()).unwrap();
-    let (save, metrics) = (t.join("run"), t.join("m.jsonl"));
+    let (a, b, ma, mb) = (t.join("a"), t.join("b"), t.join("a.jsonl"), t.join("b.jsonl"));
     let args = ["--model", s(&model), "--data", s(&data), "--seq-len", "64", "--warmup", "1", "--lr", "1e-2"];
-    let out = run_ok(t, &[&args[..], &["--steps", "2", "--save", s(&save), "--metrics", s(&metrics)]].concat());
+    let args = [&args[..], &["--steps", "4", "--sp", "2"]].concat();
+    let out = run_ok(t, &[&args[..], &["--save-every", "2", "--save", s(&a), "--metrics", s(&ma)]].concat());
     assert!(out.contains("packing: documents (each token attends only to its own document"), "{out}");
-    assert!(losses(&metrics).iter().all(|l| l.1.is_finite()), "{out}");
     // The cache keeps where the documents start beside the tokens.
     let names: Vec<String> =
         std::fs::read_dir(t).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect();
     assert!(names.iter().any(|n| n.starts_with(".d.jsonl.autosp-") && n.ends_with(".starts")), "{names:?}");
+    // 2 steps + resume + 2 steps train on the windows, with their documents, of 4 steps in one go.
+    let step2 = a.join("step-2");
+    let resume = [&args[..], &["--resume", s(&step2)]].concat();
+    run_ok(t, &[&resume[..], &["--save", s(&b), "--metrics", s(&mb)]].concat());
+    let (la, lb) = (losses(&ma), losses(&mb));
+    assert_eq!(la[2..], lb[..], "the resumed steps' losses must be bit-identical");
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        let (x, y) = (std::fs::read(a.join("step-4").join(f)).unwrap(), std::fs::read(b.join("step-4").join(f)));
+        assert!(x == y.unwrap(), "{f} after 4 steps differs from 2 steps + resume + 2 steps");
+    }
     // Resuming with the other packing changes the run: refused unless allowed.
-    let step2 = save.join("step-2");
-    let resume = [&args[..], &["--steps", "3", "--resume", s(&step2)]].concat();
     let e = run_err(t, &[&resume[..], &["--packing", "stream"]].concat());
     assert!(e.contains("--packing documents -> stream") && e.contains("--allow-changes"), "{e}");
-    let out = run_ok(t, &[&resume[..], &["--packing", "stream", "--allow-changes"]].concat());
+    let c = t.join("c");
+    let out = run_ok(t, &[&resume[..], &["--packing", "stream", "--allow-changes", "--save", s(&c)]].concat());
     assert!(out.contains("packing: stream (document-blind"), "{out}");
 }
 
