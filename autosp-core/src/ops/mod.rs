@@ -8,6 +8,7 @@ pub mod broadcast;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod embedding;
+mod embedding_grad;
 pub mod linear;
 pub mod reduce;
 pub mod rms_norm;

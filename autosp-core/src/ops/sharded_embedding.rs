@@ -4,7 +4,8 @@
 //! gradient and reduce-scatters it: 1 GiB per rank and per step for a 128K × 2048 f32 table, for a few
 //! thousand rows that changed. Here backward all-gathers the tokens' ids and gradients over the shard's group
 //! (`tokens × hidden` numbers per rank) and each rank adds, in rank order, the rows that fall into its own
-//! slice of the flattened table (a row may straddle two slices; each rank takes its part).
+//! slice of the flattened table (a row may straddle two slices; each rank takes its part), with the
+//! embedding's row-sum kernel ([`super::embedding_grad`]: no `index_add`).
 //!
 //! The sum is taken in the accumulation dtype and rounded once to the gradient's dtype, as one rank's
 //! [`Embedding`] backward rounds its sum, then widened to the reduction dtype the optimizer gets. The lookups of
@@ -15,6 +16,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use super::embedding::Embedding;
+use super::embedding_grad::row_sums;
 use crate::precision::Precision;
 use crate::shard::{ParamShard, ShardLevel};
 use crate::{Error, NodeKind, Op, Result, SavedTensors, Saves, Tape, Value};
@@ -89,8 +91,8 @@ fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor, padding_idx: Option<
     let owned = shard.layout.owned();
     let (lo, hi) = (owned.start / hidden, owned.end.div_ceil(hidden));
     // Every gathered row is added on the device (no host read): a row whose id falls in [lo, hi) to its row of
-    // the part, the others (and the pad, id -1) to one spare row past the end, dropped after. Ids are exact in
-    // `acc` (checked above), so `id - lo` is an exact whole number.
+    // the part, the others (and the pad, id -1) sent to the spare id past the end, where they add nothing. Ids
+    // are exact in `acc` (checked above), so `id - lo` is an exact whole number.
     let ids = all.narrow(1, hidden, 1)?.flatten_all()?;
     let mut inside = ids.ge(lo as f64)?.mul(&ids.lt(hi as f64)?)?;
     if let Some(p) = padding_idx.filter(|&p| (lo..hi).contains(&p)) {
@@ -100,11 +102,11 @@ fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor, padding_idx: Option<
     let spare = Tensor::full((hi - lo) as f32, ids.shape(), g.device())?.to_dtype(acc)?;
     let local = inside.where_cond(&(ids - lo as f64)?, &spare)?.to_dtype(DType::U32)?;
     let rows = all.narrow(1, 0, hidden)?.contiguous()?;
-    let part = Tensor::zeros((hi - lo + 1, hidden), acc, g.device())?.index_add(&local, &rows, 0)?;
-    let part = part.narrow(0, 0, hi - lo)?;
-    // The owned elements of those rows, rounded once to the gradient's dtype, padded to the slice's length.
+    // Each row's sum in `acc`, rounded once to the gradient's dtype (the spare id, hi - lo, adds nothing).
+    let part = row_sums(&local, &rows, hi - lo, g.dtype())?;
+    // The owned elements of those rows, padded to the slice's length.
     let part = part.flatten_all()?.narrow(0, owned.start - lo * hidden, owned.len())?;
-    let part = part.to_dtype(g.dtype())?.to_dtype(precision.reduce())?;
+    let part = part.to_dtype(precision.reduce())?;
     let pad = shard.layout.chunk - owned.len();
     Ok(if pad > 0 { part.pad_with_zeros(0, 0, pad)? } else { part.contiguous()? })
 }
