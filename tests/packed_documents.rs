@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use autosp::compile::{compile, Checkpointing, CompileConfig, CompileError, Compiled, Strategy};
+use autosp::compile::{compile, Checkpointing, CompileConfig, CompileError, Compiled, Mesh, Strategy};
 use autosp_core::comm::run_ranks;
 use autosp_core::ops::Documents;
 use autosp_core::CheckpointPolicy;
@@ -74,14 +74,18 @@ fn miss(got: &Sums, want: &Sums) -> f64 {
     worst
 }
 
-/// On `p` thread ranks with `strategy` and window `w`: the packed batch `rows` (each row's documents' tokens
-/// and lengths) in one step, and every document alone; returns the worst miss of rank 0.
-fn packed_vs_alone(p: usize, strategy: Strategy, w: Option<usize>, rows: Vec<Vec<(Vec<u32>, usize)>>) -> f64 {
+/// On `p` thread ranks (a mesh of `d` replicas) with `strategy` and window `w`: the packed batch `rows` (each
+/// row's documents' tokens and lengths) in one step, and every document alone; returns the worst miss.
+fn packed_vs_alone(p: usize, d: usize, strategy: Strategy, w: Option<usize>, rows: Vec<Vec<(Vec<u32>, usize)>>) -> f64 {
     let rows = Arc::new(rows);
     let out = run_ranks(p, Duration::from_secs(120), move |pg| -> Result<f64, String> {
         let policy = Checkpointing::Policy(CheckpointPolicy::SequenceAware);
-        let cfg = CompileConfig::new(pg, strategy, policy).with_max_attention_distance(w);
-        let c = compile(tiny(), cfg).map_err(|e| e.to_string())?;
+        let cfg =
+            |mesh| CompileConfig::new(pg.clone(), strategy, policy).with_max_attention_distance(w).with_mesh(mesh);
+        let c = compile(tiny(), cfg(Mesh::new(d, p / d))).map_err(|e| e.to_string())?;
+        // The documents alone, one sequence each (a batch of one row): on the same ranks, as one replica.
+        let one = if d == 1 { None } else { Some(compile(tiny(), cfg(Mesh::new(1, p))).map_err(|e| e.to_string())?) };
+        let alone_on = one.as_ref().unwrap_or(&c);
         let mut all = Vec::new();
         let mut documents = Vec::new();
         let mut alone: Sums = (0.0, 0, HashMap::new());
@@ -90,7 +94,8 @@ fn packed_vs_alone(p: usize, strategy: Strategy, w: Option<usize>, rows: Vec<Vec
             documents.push(Documents::from_lengths(&lengths, 0).map_err(|e| e.to_string())?);
             for (doc, _) in row {
                 all.extend_from_slice(doc);
-                add(&mut alone, sums_of(&c, c.train_step(&ids_of(doc), None).map_err(|e| e.to_string())?));
+                let step = alone_on.train_step(&ids_of(doc), None).map_err(|e| e.to_string())?;
+                add(&mut alone, sums_of(alone_on, step));
             }
         }
         let n = all.len() / rows.len();
@@ -117,7 +122,7 @@ fn a_packed_window_trains_like_its_documents_one_by_one() {
         }
         for s in strategies {
             for w in [None, Some(3)] {
-                let m = packed_vs_alone(p, s, w, one_window());
+                let m = packed_vs_alone(p, 1, s, w, one_window());
                 assert!(m <= 1e-5, "P = {p}, {s:?}, window {w:?}: packed vs one by one off by {m:e}");
                 worst = worst.max(m);
             }
@@ -126,15 +131,18 @@ fn a_packed_window_trains_like_its_documents_one_by_one() {
     eprintln!("worst relative miss of a packed window against its documents one by one: {worst:e}");
 }
 
-/// Two rows with different documents (grouped by documents on one tape), and a row of one document (no mask).
+/// Two rows with different documents (grouped by documents on one tape), and a row of one document (no mask);
+/// on a mesh of 2 replicas × 2 sequence ranks each replica takes its row and that row's documents.
 #[test]
 fn rows_with_different_documents_train_like_their_documents() {
     let doc = |l: usize, s: u32| (tokens(l, s), l);
     let rows = vec![vec![doc(7, 1), doc(3, 2), doc(6, 3)], vec![doc(4, 4), doc(12, 5)], vec![doc(16, 6)]];
     for (p, s) in [(1, Strategy::Ulysses), (2, Strategy::Ring)] {
-        let m = packed_vs_alone(p, s, None, rows.clone());
+        let m = packed_vs_alone(p, 1, s, None, rows.clone());
         assert!(m <= 1e-5, "P = {p}, {s:?}: off by {m:e}");
     }
+    let m = packed_vs_alone(4, 2, Strategy::Ring, None, rows[..2].to_vec());
+    assert!(m <= 1e-5, "2 replicas × 2 ranks: off by {m:e}");
 }
 
 /// Logits, logits at rows and token losses of a packed window are those of each document alone (token
