@@ -103,6 +103,12 @@ fn the_token_cache_packs_or_truncates_conversations_with_their_masks() {
     let (_, answers) = packed.window(1, 128).unwrap();
     let want: Vec<usize> = (0..128).filter(|&k| trained[128 + k]).collect();
     assert_eq!(answers, want);
+    // Each conversation is a document, and so is each run of padding; none goes on across windows.
+    let docs = |k: u64| {
+        let d = packed.documents(128 * k, 128).unwrap();
+        (d.cu_seqlens().to_vec(), d.first_position())
+    };
+    assert_eq!((docs(0), docs(1)), ((vec![0, 51, 115, 128], 0), (vec![0, 65, 128], 0)));
     // Truncated: each conversation in a window of its own, padded with EOS (untrained).
     let cut = Corpus::prepare(&data, &t(ChatLayout::Truncate, 72)).unwrap();
     assert_ne!(cut.path, packed.path, "the layout is part of the cache key");
