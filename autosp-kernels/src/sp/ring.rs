@@ -449,4 +449,27 @@ mod tests {
         }
         assert!(seen.iter().all(|&n| n > 0), "{seen:?}");
     }
+
+    /// Packed documents that end at the chunk boundaries: a step whose (query, key) chunk pairs all hold
+    /// different documents makes no attention call at all, where the document-blind causal step computes them.
+    #[test]
+    fn chunk_pairs_in_different_documents_are_never_computed() {
+        use autosp_core::comm::run_ranks;
+        use autosp_core::ops::attention::Documents;
+        let out = run_ranks(2, std::time::Duration::from_secs(10), |group| {
+            let docs = Some(Arc::new(Documents::from_lengths(&[4, 4, 4, 4], 0).unwrap()));
+            let op = |spec| RingAttentionOp { group: group.clone(), layout: RingLayout::Zigzag, spec, overlap: false };
+            // Zigzag over 4 chunks of 4: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2; n = 8 local tokens.
+            let (blind, packed) = (op(AttentionSpec::causal()), op(AttentionSpec::causal().with_documents(docs)));
+            let other = 1 - group.rank();
+            (blind.calls(other, 8).len(), packed.calls(other, 8).len(), packed.calls(group.rank(), 8).len())
+        });
+        let (r0, r1) = (out[0].as_ref().unwrap(), out[1].as_ref().unwrap());
+        // Rank 0 against rank 1's chunks 1 and 2: its chunk 3 sees both without documents, neither with them.
+        assert!(r0.0 > 0 && r0.1 == 0, "rank 0: {r0:?}");
+        // Rank 1 against rank 0's chunks 0 and 3: chunks 1 and 2 see chunk 0 only without documents.
+        assert!(r1.0 > 0 && r1.1 == 0, "rank 1: {r1:?}");
+        // Each rank's own chunks: only the diagonal pairs (chunk against itself), masked.
+        assert_eq!((r0.2, r1.2), (2, 2));
+    }
 }
