@@ -196,3 +196,24 @@ fn packing_is_refused_with_the_synthetic_tasks_and_misspelt() {
     let e = run_err(t, &["--quick", "--packing", "neat"]);
     assert!(e.contains("`neat` is not a packing: use documents"), "{e}");
 }
+
+#[test]
+fn a_document_whose_positions_pass_the_models_window_is_warned_about() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let model = model(t);
+    let mut config = autosp_models::LlamaConfig::from_file(model.join("config.json")).unwrap();
+    config.max_position_embeddings = 100;
+    std::fs::write(model.join("config.json"), config.to_json()).unwrap();
+    let (f, _) = documents(t);
+    let data = format!("ids:{}", s(&f));
+    let args = ["--model", s(&model), "--data", &data, "--seq-len", "64", "--steps", "1", "--packing", "documents"];
+    // The longest line has 50 tokens: within the window of 100.
+    let out = run_ok(t, &[&args[..], &["--save", s(&t.join("a"))]].concat());
+    assert!(out.contains("the longest document spans 50 positions") && !out.contains("warning: --packing"), "{out}");
+    // One line of 155 tokens: a document split over the two windows of 64, its positions going on to 128.
+    let text = std::fs::read_to_string(&f).unwrap().replace('\n', " ");
+    std::fs::write(&f, text).unwrap();
+    let out = run_ok(t, &[&args[..], &["--save", s(&t.join("b"))]].concat());
+    assert!(out.contains("warning: --packing documents: the longest document spans 128 positions"), "{out}");
+}

@@ -130,14 +130,14 @@ impl Stream {
         let mut lines = vec![format!(
             "packing: documents (each token attends only to its own document, positions restart at each \
              document, no document's first token is trained on the one before; a document longer than the room \
-             left in a window goes on in the next with its positions continuing); the longest document has \
-             {longest} tokens"
+             left in a window goes on in the next with its positions continuing); the longest document spans \
+             {longest} positions"
         )];
         if longest > max_positions {
             lines.push(format!(
-                "warning: --packing documents: the longest document has {longest} tokens, so its positions go past \
-                 the model's max_position_embeddings {max_positions}; extend the window (--rope-scaling), cut the \
-                 long documents, or train with --packing stream"
+                "warning: --packing documents: the longest document spans {longest} positions, past the model's \
+                 max_position_embeddings {max_positions}; extend the window (--rope-scaling), cut the long \
+                 documents, or train with --packing stream"
             ));
         }
         Ok(lines)
