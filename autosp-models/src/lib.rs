@@ -28,8 +28,8 @@ pub use hub::{resolve_model, HubOptions, ModelSpec, ResolvedModel};
 pub use llama::{GenerateConfig, Generation, KvCache, LlamaModel, ModelError, ModelResult, Sampling};
 pub use peft::{is_adapter, load_adapter, save_adapter, Adapter};
 pub use rope::{
-    default_inv_freq, rope_frequencies, unscaled_window_warning, LongRope, RopeExtended, RopeExtension, RopeFrequencies,
-    Yarn,
+    default_inv_freq, rope_frequencies, unscaled_window_warning, LongRope, RopeExtended, RopeExtension,
+    RopeFrequencies, Yarn,
 };
 pub use save::{save_model, SaveOptions};
 pub use tiny::{random_weights, write_tiny, TinySpec};
