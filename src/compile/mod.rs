@@ -11,6 +11,7 @@ pub mod error;
 pub mod mesh;
 mod packed;
 pub mod plan;
+mod row_groups;
 pub mod sharded_build;
 pub mod sharding;
 pub mod step;

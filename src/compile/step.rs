@@ -18,7 +18,7 @@ use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Param, Pre
 use autosp_kernels::sp::layout::gather_unshard;
 use candle_core::{DType, Tensor};
 
-use super::packed::{self, per_group, row_groups, RowGroup};
+use super::row_groups::{self, per_group, row_groups, RowGroup};
 use super::{CompileError, Compiled};
 
 /// What one training step returns (the same on every rank).
@@ -302,7 +302,7 @@ impl<M: CausalLm> Compiled<M> {
         let over = if split { self.world.clone() } else { self.sp.clone() };
         let rows = if split { self.mesh.rows(b, self.mesh.replica(self.world.rank()))? } else { 0..b };
         let groups = row_groups(documents, rows.clone());
-        let sequence_length = packed::sequence_length(documents, n);
+        let sequence_length = row_groups::sequence_length(documents, n);
         let replica_documents = documents.map(|d| &d[rows.clone()]);
         let (ids, labels) = if rows.len() < b {
             (ids.narrow(0, rows.start, rows.len())?, labels.map(|l| l.narrow(0, rows.start, rows.len())).transpose()?)
@@ -317,7 +317,7 @@ impl<M: CausalLm> Compiled<M> {
         let (ids, labels) = (ids.to_device(&host)?, labels.map(|l| l.to_device(&host)).transpose()?);
         let (ids, targets) = shift_and_pad(&ids, labels.as_ref(), n_pad)?;
         let targets = match replica_documents {
-            Some(d) => packed::ignore_boundary_targets(&targets, d)?,
+            Some(d) => row_groups::ignore_boundary_targets(&targets, d)?,
             None => targets,
         };
         let positions = self.positions(n_pad, self.sp.rank())?;
@@ -344,7 +344,7 @@ impl<M: CausalLm> Compiled<M> {
         n: usize,
     ) -> Result<(), CompileError> {
         match documents {
-            Some(d) => packed::check_documents(d, b, n, self.model.supports_documents(), self.model.kind()),
+            Some(d) => row_groups::check_documents(d, b, n, self.model.supports_documents(), self.model.kind()),
             None => Ok(()),
         }
     }
@@ -467,12 +467,12 @@ impl<M: CausalLm> Compiled<M> {
         let positions = self.positions(n_pad, self.sp.rank())?;
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
         let tape = Tape::inference();
-        tape.set_sequence_length(packed::sequence_length(documents, n));
+        tape.set_sequence_length(row_groups::sequence_length(documents, n));
         let groups = row_groups(documents, 0..b);
         let parts = per_group(&tape, &groups, &ids.index_select(&index, 1)?, |_, ids| {
             Ok(self.model.logits(&tape, &ids, &positions)?.into_tensor())
         })?;
-        let local = packed::in_row_order(parts, &groups)?;
+        let local = row_groups::in_row_order(parts, &groups)?;
         let whole = gather_unshard(self.sp.as_ref(), &local.contiguous()?, 1, self.layout())?;
         Ok(whole.narrow(1, 0, n)?)
     }
@@ -520,12 +520,12 @@ impl<M: CausalLm> Compiled<M> {
         let positions = &shards[rank];
         let index = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect(), positions.len(), ids.device())?;
         let tape = Tape::inference();
-        tape.set_sequence_length(packed::sequence_length(documents, n));
+        tape.set_sequence_length(row_groups::sequence_length(documents, n));
         let groups = row_groups(documents, 0..b);
         let parts = per_group(&tape, &groups, &ids.index_select(&index, 1)?, |_, ids| {
             Ok(self.model.logits(&tape, &ids, positions)?.into_tensor())
         })?;
-        let local = packed::in_row_order(parts, &groups)?;
+        let local = row_groups::in_row_order(parts, &groups)?;
         // The requested rows each rank holds, in request order; rank r's come r-th in the gather.
         let home = &home;
         let held = |r: usize| rows.iter().filter(move |&&t| home[t].0 == r).map(move |&t| home[t].1 as u32);

@@ -9,8 +9,7 @@ use autosp_kernels::sp::layout::gather_unshard;
 use autosp_models::LlamaModel;
 use candle_core::{DType, Device, Tensor};
 
-use super::packed;
-use super::packed::{per_group, row_groups};
+use super::row_groups::{self, per_group, row_groups};
 use super::step::{check_batch, shift_and_pad};
 use super::{CompileError, Compiled};
 
@@ -45,7 +44,7 @@ impl Compiled<LlamaModel> {
         let (ids, labels) = (ids.to_device(&host)?, labels.map(|l| l.to_device(&host)).transpose()?);
         let (ids, targets) = shift_and_pad(&ids, labels.as_ref(), n_pad)?;
         let targets = match documents {
-            Some(d) => packed::ignore_boundary_targets(&targets, d)?,
+            Some(d) => row_groups::ignore_boundary_targets(&targets, d)?,
             None => targets,
         };
         let positions = self.positions(n_pad, self.sp.rank())?;
@@ -54,12 +53,12 @@ impl Compiled<LlamaModel> {
         let ids_local = ids.index_select(&index, 1)?.to_device(&device)?;
         let tape = Tape::inference();
         tape.set_inputs_checked();
-        tape.set_sequence_length(packed::sequence_length(documents, n));
+        tape.set_sequence_length(row_groups::sequence_length(documents, n));
         let groups = row_groups(documents, 0..b);
         let parts = per_group(&tape, &groups, &ids_local, |_, ids| {
             Ok(self.model.hidden_states(&tape, &ids, &positions).map_err(autosp_core::Error::from)?.into_tensor())
         })?;
-        let hidden = packed::in_row_order(parts, &groups)?;
+        let hidden = row_groups::in_row_order(parts, &groups)?;
         let targets_local = targets.index_select(&index, 1)?.flatten_all()?.to_device(&device)?;
         let rows = b * positions.len();
         let hidden = hidden.reshape((rows, self.model.config.hidden_size))?;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use autosp_core::ops::Documents;
 
 use super::error::{IoContext, Result, TrainError};
-use super::packing::documents_in;
+use super::packing::{documents_in, Packing};
 
 /// Where the training data comes from.
 #[derive(Clone, Debug, PartialEq)]
@@ -35,6 +35,23 @@ impl DataSource {
             DataSource::Ids(PathBuf::from(f))
         } else {
             DataSource::Text(PathBuf::from(s))
+        }
+    }
+
+    /// The packing of a run on this data given `--packing` (`given`): the one given, else documents for text,
+    /// JSONL and chat files and stream for `ids:` files (used as they are unless asked); `None` for the
+    /// synthetic tasks, whose samples have no documents: `--packing` with them is refused.
+    pub fn packing(&self, given: Option<Packing>) -> Result<Option<Packing>> {
+        match (self, given) {
+            (DataSource::Passkey | DataSource::Needles, Some(p)) => Err(TrainError::Config(format!(
+                "--packing {p} packs documents of a data file into windows, and --data {} is synthetic (each sample \
+                 is one sequence of its own): leave --packing out, or give a text, JSONL or ids: file as --data",
+                if *self == DataSource::Passkey { "passkey" } else { "needles" }
+            ))),
+            (DataSource::Passkey | DataSource::Needles, None) => Ok(None),
+            (DataSource::Ids(_), None) => Ok(Some(Packing::Stream)),
+            (DataSource::Text(_), None) => Ok(Some(Packing::Documents)),
+            (_, Some(p)) => Ok(Some(p)),
         }
     }
 }
@@ -121,6 +138,17 @@ pub fn pack_documents(ids: &[u32], starts: &[u64], seq_len: usize, source: &str)
 pub(crate) mod tests {
     use super::*;
     use autosp_models::Tokenizer;
+
+    #[test]
+    fn packing_defaults_by_data_and_the_synthetic_tasks_take_none() {
+        let text = DataSource::Text("a.jsonl".into());
+        assert_eq!(text.packing(None).unwrap(), Some(Packing::Documents));
+        assert_eq!(DataSource::Ids("f".into()).packing(None).unwrap(), Some(Packing::Stream));
+        assert_eq!(DataSource::Ids("f".into()).packing(Some(Packing::Documents)).unwrap(), Some(Packing::Documents));
+        assert_eq!(DataSource::Needles.packing(None).unwrap(), None);
+        let e = DataSource::Passkey.packing(Some(Packing::Stream)).unwrap_err().to_string();
+        assert!(e.contains("--packing stream") && e.contains("--data passkey is synthetic"), "{e}");
+    }
 
     #[test]
     fn ids_are_read_and_packed() {

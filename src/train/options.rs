@@ -108,7 +108,7 @@ pub struct RunOptions {
     /// `--chat-layout`: how conversations fill the training windows (pack or truncate).
     pub chat_layout: super::corpus::ChatLayout,
     /// `--packing`: windows with their document boundaries or document-blind ([`super::Packing`]); `None`:
-    /// documents for text, JSONL and chat data, stream for `ids:` files ([`super::packing::for_data`]).
+    /// documents for text, JSONL and chat data, stream for `ids:` files ([`super::DataSource::packing`]).
     pub packing: Option<super::Packing>,
 }
 

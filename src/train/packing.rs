@@ -11,9 +11,6 @@
 
 use autosp_core::ops::{Documents, DocumentsError, IGNORE_INDEX};
 
-use super::data::DataSource;
-use super::error::{Result, TrainError};
-
 /// How training windows are packed from documents (`--packing`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Packing {
@@ -48,23 +45,6 @@ impl std::str::FromStr for Packing {
             "stream" => Ok(Packing::Stream),
             _ => Err(format!("`{s}` is not a packing: use documents (attention within documents) or stream")),
         }
-    }
-}
-
-/// The packing of a run on `data` (`--data` as parsed) given `--packing` (`given`): the one given, else
-/// documents for text, JSONL and chat files and stream for `ids:` files (used as they are unless asked);
-/// `None` for the synthetic tasks, whose samples have no documents: `--packing` with them is refused.
-pub fn for_data(given: Option<Packing>, data: &DataSource) -> Result<Option<Packing>> {
-    match (data, given) {
-        (DataSource::Passkey | DataSource::Needles, Some(p)) => Err(TrainError::Config(format!(
-            "--packing {p} packs documents of a data file into windows, and --data {} is synthetic (each sample is \
-             one sequence of its own): leave --packing out, or give a text, JSONL or ids: file as --data",
-            if *data == DataSource::Passkey { "passkey" } else { "needles" }
-        ))),
-        (DataSource::Passkey | DataSource::Needles, None) => Ok(None),
-        (DataSource::Ids(_), None) => Ok(Some(Packing::Stream)),
-        (DataSource::Text(_), None) => Ok(Some(Packing::Documents)),
-        (_, Some(p)) => Ok(Some(p)),
     }
 }
 
@@ -126,13 +106,5 @@ mod tests {
         assert_eq!(one, vec![1, 2]);
         assert_eq!("stream".parse::<Packing>(), Ok(Packing::Stream));
         assert!("neat".parse::<Packing>().unwrap_err().contains("documents"));
-        // Defaults by data; the synthetic tasks take none.
-        let text = DataSource::Text("a.jsonl".into());
-        assert_eq!(for_data(None, &text).unwrap(), Some(Packing::Documents));
-        assert_eq!(for_data(None, &DataSource::Ids("f".into())).unwrap(), Some(Packing::Stream));
-        assert_eq!(for_data(Some(Packing::Documents), &DataSource::Ids("f".into())).unwrap(), Some(Packing::Documents));
-        assert_eq!(for_data(None, &DataSource::Needles).unwrap(), None);
-        let e = for_data(Some(Packing::Stream), &DataSource::Passkey).unwrap_err().to_string();
-        assert!(e.contains("--packing stream") && e.contains("--data passkey is synthetic"), "{e}");
     }
 }

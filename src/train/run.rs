@@ -147,7 +147,7 @@ impl Job {
         let micro = micro_batches(o.batch_tokens, o.seq_len)?;
         let dtype = o.compute_dtype();
         let source_kind = DataSource::parse(&o.data);
-        let packing = super::packing::for_data(o.packing, &source_kind)?;
+        let packing = source_kind.packing(o.packing)?;
         let curriculum = match (&source_kind, &o.curriculum) {
             (DataSource::Needles, Some(c)) => Curriculum::parse(c, o.seq_len)?,
             (DataSource::Needles, None) => Curriculum::default_for(o.seq_len, o.steps),
@@ -493,7 +493,7 @@ impl Job {
             trainer.record(&json!({ "step": trainer.step(), "eval_loss": loss }))?;
         }
         self.long_context.warnings.iter().for_each(|w| say(w.clone()));
-        let long_before = self.long_context.score(&mut trainer, When::Before)?;
+        let long_before = trainer.score_long_context(&self.long_context, When::Before)?;
 
         let out = trainer.run(stop, observe)?;
         if out.ended == Ended::Interrupted {
@@ -510,7 +510,7 @@ impl Job {
         if let (Some((loss, _)), true) = (eval_after, trained) {
             trainer.record(&json!({ "step": out.last_step, "eval_loss": loss }))?;
         }
-        let long_after = trained.then(|| self.long_context.score(&mut trainer, When::After)).transpose()?;
+        let long_after = trained.then(|| trainer.score_long_context(&self.long_context, When::After)).transpose()?;
         let mut tables = Vec::new();
         if rank0 && !self.long_context.is_empty() {
             let (t, pictures) = self.long_context.report(&long_before, long_after.as_ref())?;

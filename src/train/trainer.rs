@@ -24,7 +24,7 @@ use serde_json::json;
 use super::checkpoint::{self, RunShape, Saved, TrainerState};
 use super::config::{NonFinite, TrainConfig};
 use super::error::{Result, TrainError};
-use super::eval::{answer_accuracy, HeldOut};
+use super::eval::{answer_accuracy, HeldOut, LongContext, LongScores, When};
 use super::events::Event;
 use super::metrics::{MetricsLog, StepRecord};
 use super::stream::{Sample, Stream};
@@ -307,6 +307,16 @@ impl Trainer {
             Some(m) => m.write(line),
             None => Ok(()),
         }
+    }
+
+    /// Scores the long-context evaluations `long` asks for on the model ([`LongContext::evaluate`]; collective:
+    /// every rank calls it), appending their JSON lines (`when`: before or after training) to the metrics file.
+    pub fn score_long_context(&mut self, long: &LongContext, when: When) -> Result<LongScores> {
+        let scores = long.evaluate(&self.compiled)?;
+        for line in scores.json_lines(when) {
+            self.record(&line)?;
+        }
+        Ok(scores)
     }
 
     /// Trains to `config.steps`. Before each step every rank asks `stop()` and all agree (one all-reduce):

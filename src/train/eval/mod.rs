@@ -11,6 +11,7 @@
 //! - [`picture`]: their SVG pictures (a heatmap, a curve).
 //!
 //! [`LongContext`] is the door a run uses for the long-context pair: built from the options once, scored
+//! ([`Trainer::score_long_context`](super::Trainer::score_long_context))
 //! before and after training (once when no step ran), each time as JSON lines in the metrics file
 //! (`{"eval":"passkey",..}`, `{"eval":"positions",..}`), and reported at the end as tables in the run's
 //! [`Summary`](super::Summary) and pictures beside the metrics file (`passkey-before.svg`,
@@ -36,7 +37,6 @@ use super::error::{Result, TrainError};
 use super::metrics::Table;
 use super::options::RunOptions;
 use super::synthetic::PasskeyVocab;
-use super::trainer::Trainer;
 use crate::Compiled;
 
 /// When an evaluation ran: before training (or at the resumed step), or after it.
@@ -176,15 +176,6 @@ impl LongContext {
             passkey: self.passkey.as_ref().map(|g| g.evaluate(c)).transpose()?,
             positions: self.positions.as_ref().map(|p| p.evaluate(c)).transpose()?,
         })
-    }
-
-    /// [`evaluate`](Self::evaluate) on the trainer's model, appending the lines to its metrics file (rank 0).
-    pub fn score(&self, trainer: &mut Trainer, when: When) -> Result<LongScores> {
-        let scores = self.evaluate(trainer.compiled())?;
-        for line in scores.json_lines(when) {
-            trainer.record(&line)?;
-        }
-        Ok(scores)
     }
 
     /// The end of a run (rank 0): writes the pictures into [`dir`](Self::dir) and returns the summary's
