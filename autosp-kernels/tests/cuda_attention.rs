@@ -47,7 +47,7 @@ fn cuda_output_matches_the_cpu_kernel() {
         // KV-cache decoding: one query at position 259 against keys 0..260.
         (1, 260, 8, 4, 64, AttentionSpec { q_offset: 259, ..AttentionSpec::causal() }),
     ];
-    for (i, (nq, nk, h, hkv, d, spec)) in cases.into_iter().enumerate() {
+    for (i, (nq, nk, h, hkv, d, spec)) in cases.iter().cloned().enumerate() {
         let seed = 10 * i as u64;
         let (q, k, v) =
             (bf16(&[1, nq, h, d], seed), bf16(&[1, nk, hkv, d], seed + 1), bf16(&[1, nk, hkv, d], seed + 2));
@@ -75,7 +75,7 @@ fn generic_kernel_on_cuda_matches_the_cpu_kernel() {
         (100, 150, 4, 2, 64, AttentionSpec { q_offset: 128, k_offset: 64, ..AttentionSpec::causal() }),
     ];
     for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 3e-2)] {
-        for (i, (nq, nk, h, hkv, d, spec)) in cases.into_iter().enumerate() {
+        for (i, (nq, nk, h, hkv, d, spec)) in cases.iter().cloned().enumerate() {
             let seed = 100 + 10 * i as u64;
             let t = |shape: &[usize], s: u64| probe(shape, s, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
             let (q, k, v) = (t(&[1, nq, h, d], seed), t(&[1, nk, hkv, d], seed + 1), t(&[1, nk, hkv, d], seed + 2));
@@ -127,7 +127,7 @@ fn generic_kernel_on_cuda_with_small_tiles_matches_the_cpu_kernel() {
         (600, 600, 4, 2, 64, AttentionSpec::full(), 64, true),
     ];
     for (dtype, base_tol) in [(DType::F32, 1e-4f64), (DType::BF16, 3e-2)] {
-        for (i, (nq, nk, h, hkv, d, spec, block, sinks)) in cases.into_iter().enumerate() {
+        for (i, (nq, nk, h, hkv, d, spec, block, sinks)) in cases.iter().cloned().enumerate() {
             let seed = 500 + 10 * i as u64;
             let f64s = |shape: &[usize], s: u64| probe(shape, s, &Device::Cpu).unwrap();
             let mut k = f64s(&[1, nk, hkv, d], seed + 1);
