@@ -106,7 +106,9 @@ def training(out):
             print(f"| {arm.removeprefix('c-seed')} | not finished | | | | | |")
             continue
         secs = summary.get("seconds") or 0
-        peak = max((s.get("process_peak_bytes") or 0) for s in steps)
+        def bytes_of(v):  # one figure, or one per rank
+            return max(v) if isinstance(v, list) else (v or 0)
+        peak = max(bytes_of(s.get("process_peak_bytes")) for s in steps)
         print(f"| {arm.removeprefix('c-seed')} | {len(steps)} | {steps[0]['loss']:.4f} | {steps[-1]['loss']:.4f} | "
               f"{secs / len(steps):.0f} | {summary.get('tokens_per_s') or 0:.0f} | {peak / 2**30:.1f} GiB |")
     print()
