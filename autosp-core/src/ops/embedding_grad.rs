@@ -44,7 +44,7 @@ pub(crate) fn row_sums(ids: &Tensor, g: &Tensor, rows: usize, out: DType) -> Res
                 (acc, out) => Err(Error::Internal(format!("row_sums: sums in {acc:?} rounded to {out:?}"))),
             }
         }
-        Route::Generic => generic(ids, g, rows, out),
+        Route::Generic => generic(ids, g, rows, out, ONEHOT_ELEMENTS),
     }
 }
 
@@ -85,15 +85,16 @@ fn cpu<A: WithDType, O: WithDType>(ids: &[u32], g: &Tensor, hidden: usize, rows:
     Ok(Tensor::from_vec(out, (rows, hidden), &Device::Cpu)?)
 }
 
-/// The generic kernel: one-hot GEMMs over tiles of rows, in g's dtype, rounded to `out`.
-fn generic(ids: &Tensor, g: &Tensor, rows: usize, out: DType) -> Result<Tensor> {
+/// The generic kernel: one-hot GEMMs over tiles of rows (`onehot_elements` at most per tile), in g's dtype,
+/// rounded to `out`.
+fn generic(ids: &Tensor, g: &Tensor, rows: usize, out: DType, onehot_elements: usize) -> Result<Tensor> {
     let (t, hidden) = g.dims2()?;
     if t == 0 || rows == 0 {
         return Ok(Tensor::zeros((rows, hidden), out, g.device())?);
     }
     let ids = ids.to_dtype(DType::U32)?.reshape((1, t))?;
     let g = g.contiguous()?;
-    let tile = (ONEHOT_ELEMENTS / t).clamp(1, rows);
+    let tile = (onehot_elements / t).clamp(1, rows);
     let mut parts = Vec::with_capacity(rows.div_ceil(tile));
     let mut start = 0;
     while start < rows {
@@ -104,4 +105,31 @@ fn generic(ids: &Tensor, g: &Tensor, rows: usize, out: DType) -> Result<Tensor> 
         start += n;
     }
     Ok(if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(&parts, 0)? })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tiles of rows (here 4 of 37 rows a tile, the last one short) give the one-tile result bit for bit: each
+    /// row's sum is one GEMM row, whatever tile it falls in.
+    #[test]
+    fn the_generic_kernels_tiles_cover_every_row_once() {
+        let dev = Device::Cpu;
+        let (rows, hidden, t) = (37, 5, 60);
+        let ids = Tensor::from_vec((0..t as u32).map(|i| (i * 7) % 40).collect::<Vec<u32>>(), t, &dev).unwrap();
+        let g =
+            Tensor::from_vec((0..t * hidden).map(|i| (i as f32 * 0.37).sin()).collect(), (t, hidden), &dev).unwrap();
+        let whole = generic(&ids, &g, rows, DType::F32, usize::MAX).unwrap();
+        let tiled = generic(&ids, &g, rows, DType::F32, 4 * t).unwrap();
+        assert_eq!(tiled.dims(), [rows, hidden]);
+        let (a, b) = (
+            whole.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            tiled.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert_eq!(a, b);
+        let cpu = row_sums(&ids, &g, rows, DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let worst = a.iter().zip(&cpu).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(worst <= 1e-5, "tiled generic kernel {worst} from the CPU kernel");
+    }
 }
