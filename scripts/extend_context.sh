@@ -94,7 +94,7 @@ evaluate() {
 }
 
 # --- the arms, in the order that gives a whole result soonest: the first seed's training, the loss by position
-# of a, b and c, the second seed (the spread of c), then the passkey grids ---
+# of a, b and c, the passkey grids of a, b and c, then the other seeds (the spread of c) ---
 # Arm c trains LoRA adapters of rank 8 and the norms (not the embedding: at a rate that moves anything in a few
 # steps it would damage the 49152 x 576 table) at lr LR with one warm-up step, on the first STEPS windows of the
 # training books; the seeds differ in the adapters' initialisation.
@@ -106,20 +106,25 @@ train_arm() {
     --save "$dir/train" --metrics "$dir/train.jsonl.partial"
 }
 seeds=($SEEDS)
+# One seed of arm c: its training, its loss by position, its passkey grid.
+arm_c() {
+  local seed="$1" dir="$OUT/c-seed$1"
+  step "c-seed$seed-train" "$dir/train.jsonl" train_arm "$dir" "$seed"
+  step "c-seed$seed-positions" "$dir/positions.jsonl" evaluate "$dir" positions \
+    --lora-adapter "$dir/train/step-$STEPS"
+  if [ "${2:-}" = passkey ]; then
+    step "c-seed$seed-passkey" "$dir/passkey.jsonl" evaluate "$dir" passkey --lora-adapter "$dir/train/step-$STEPS"
+  fi
+}
 first="$OUT/c-seed${seeds[0]}"
 step "c-seed${seeds[0]}-train" "$first/train.jsonl" train_arm "$first" "${seeds[0]}"
 step a-positions "$OUT/a/positions.jsonl" evaluate "$OUT/a" positions
 step b-positions "$OUT/b/positions.jsonl" evaluate "$OUT/b" positions --rope-scaling "yarn:$FACTOR"
-for seed in "${seeds[@]}"; do
-  dir="$OUT/c-seed$seed"
-  step "c-seed$seed-train" "$dir/train.jsonl" train_arm "$dir" "$seed"
-  step "c-seed$seed-positions" "$dir/positions.jsonl" evaluate "$dir" positions \
-    --lora-adapter "$dir/train/step-$STEPS"
-done
+arm_c "${seeds[0]}"
 step a-passkey "$OUT/a/passkey.jsonl" evaluate "$OUT/a" passkey
 step b-passkey "$OUT/b/passkey.jsonl" evaluate "$OUT/b" passkey --rope-scaling "yarn:$FACTOR"
-for seed in "${seeds[@]}"; do
-  dir="$OUT/c-seed$seed"
-  step "c-seed$seed-passkey" "$dir/passkey.jsonl" evaluate "$dir" passkey --lora-adapter "$dir/train/step-$STEPS"
+arm_c "${seeds[0]}" passkey
+for seed in "${seeds[@]:1}"; do
+  arm_c "$seed" passkey
 done
 echo "extend_context: every step done; tables: python3 scripts/extend_context_tables.py $OUT"
