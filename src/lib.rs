@@ -10,6 +10,7 @@ pub mod capacity;
 pub mod compile;
 pub mod cpu_matmul;
 pub mod device;
+pub mod infer;
 pub mod precision;
 #[warn(missing_docs)]
 pub mod train;
@@ -17,6 +18,7 @@ pub mod train;
 pub use autosp_core::ShardLevel;
 pub use compile::{build_sharded, compile, Checkpointing, CompileConfig, CompileError, Compiled, Mesh, Strategy};
 pub use device::{DeviceError, DeviceSpec};
+pub use infer::{GenerateConfig, Generated, InferError};
 
 /// The heap of the library's unit-test binary, counted (the checkpoint hash must stream, not read whole files).
 #[cfg(test)]

@@ -11,17 +11,22 @@
 //!
 //! `route.rs` decides which one serves a call. Which keys a query sees comes from [`AttentionSpec`] alone.
 //!
+//! For generation, `kv_blocks.rs` holds one layer's part of a KV cache in blocks, and `decode.rs` attends a
+//! new query to the parts the ranks hold, merged by LSE.
+//!
 //! Layout (autosp's, see `autosp_core::ops::attention`): `q: [batch, q_len, heads, head_dim]`,
 //! `k, v: [batch, k_len, kv_heads, head_dim]`, `o` like `q`, `lse: [batch, heads, q_len]` (natural log, f32;
 //! f64 for f64 inputs). Query head `h` reads kv head `h / (heads / kv_heads)` (GQA/MQA) straight from `k, v`:
 //! repeated K/V are never materialised. A row that sees no key gets `lse = -inf` and `o = 0`.
 
 mod cpu;
+pub mod decode;
 #[cfg(feature = "flash-attn")]
 mod flash_attn;
 #[cfg(any(feature = "flash-attn", test))]
 mod flash_attn_plan;
 mod generic;
+pub mod kv_blocks;
 mod route;
 
 use std::sync::Arc;
@@ -33,7 +38,9 @@ use candle_core::{DType, Tensor};
 use crate::{Error, Result};
 use route::Backend;
 
+pub use decode::{attention_over_blocks, decode_attention};
 pub use generic::{TileSize, CHUNK_BUDGET_CPU, CHUNK_BUDGET_GPU, KEY_BLOCKS};
+pub use kv_blocks::KvBlocks;
 pub use route::CPU_MAX_HEAD_DIM;
 
 const FWD: &str = "attention_forward";

@@ -1,4 +1,4 @@
-//! Choosing the next token from logits: greedy, temperature and top-p (nucleus) sampling, with a tiny
+//! Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus) sampling, with a tiny
 //! seeded generator ([`SampleRng`], splitmix64) so that a seed gives the same text on every machine.
 
 use super::error::{ModelError, ModelResult};
@@ -13,6 +13,10 @@ pub enum Sampling {
     /// A draw from the smallest set of most likely tokens whose probability (after temperature) reaches
     /// `top_p`, renormalised; `temperature > 0`, `0 < top_p <= 1`.
     TopP { temperature: f64, top_p: f64 },
+    /// transformers' order of warpers: temperature, then the `top_k` most likely tokens (ties by lower id),
+    /// then of those, renormalised, the nucleus of `top_p` (1: all of them), then a draw; `temperature > 0`,
+    /// `top_k >= 1`, `0 < top_p <= 1`.
+    TopK { temperature: f64, top_k: usize, top_p: f64 },
 }
 
 /// The seeded generator sampling draws from.
@@ -70,24 +74,69 @@ pub fn sample(logits: &[f32], sampling: &Sampling, rng: &mut SampleRng) -> Model
             let p: Vec<(usize, f64)> = probabilities(logits, t).into_iter().enumerate().collect();
             Ok(draw(&p, 1.0, rng) as u32)
         }
-        Sampling::TopP { temperature, top_p } => {
-            check_t(temperature)?;
-            if !(top_p > 0.0 && top_p <= 1.0) {
-                return Err(ModelError::Generate(format!("top_p must be in (0, 1], got {top_p}")));
+        Sampling::TopP { temperature, top_p } => nucleus(logits, temperature, logits.len(), top_p, rng),
+        Sampling::TopK { temperature, top_k, top_p } => {
+            if top_k == 0 {
+                return Err(ModelError::Generate("top_k must be at least 1 (use Sampling::Greedy for 1)".into()));
             }
-            let mut p: Vec<(usize, f64)> = probabilities(logits, temperature).into_iter().enumerate().collect();
-            p.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            let mut total = 0.0;
-            let mut keep = 0;
-            for &(_, q) in &p {
-                total += q;
-                keep += 1;
-                if total >= top_p {
-                    break;
-                }
-            }
-            p.truncate(keep);
-            Ok(draw(&p, total, rng) as u32)
+            nucleus(logits, temperature, top_k, top_p, rng)
         }
+    }
+}
+
+/// A draw from the `top_k` most likely tokens after `temperature`, renormalised, cut to the nucleus of
+/// `top_p`.
+fn nucleus(logits: &[f32], temperature: f64, top_k: usize, top_p: f64, rng: &mut SampleRng) -> ModelResult<u32> {
+    if !(temperature.is_finite() && temperature > 0.0) {
+        return Err(ModelError::Generate(format!(
+            "temperature must be finite and > 0 (use Sampling::Greedy for 0), got {temperature}"
+        )));
+    }
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ModelError::Generate(format!("top_p must be in (0, 1], got {top_p}")));
+    }
+    let mut p: Vec<(usize, f64)> = probabilities(logits, temperature).into_iter().enumerate().collect();
+    p.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    p.truncate(top_k);
+    let kept: f64 = p.iter().map(|c| c.1).sum();
+    let mut total = 0.0;
+    let mut keep = 0;
+    for &(_, q) in &p {
+        total += q;
+        keep += 1;
+        if total >= top_p * kept {
+            break;
+        }
+    }
+    p.truncate(keep);
+    Ok(draw(&p, total, rng) as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_draws_only_the_k_most_likely_and_top_p_cuts_inside_them() {
+        let logits = [0.0f32, 3.0, 2.5, 1.0, 2.9];
+        let mut rng = SampleRng::new(7);
+        let mut seen = [0usize; 5];
+        for _ in 0..2000 {
+            let s = Sampling::TopK { temperature: 1.0, top_k: 2, top_p: 1.0 };
+            seen[sample(&logits, &s, &mut rng).unwrap() as usize] += 1;
+        }
+        // Only ids 1 and 4 (the two largest), in the ratio e^3 : e^2.9 (about 0.525 : 0.475).
+        assert_eq!(seen[0] + seen[2] + seen[3], 0);
+        let share = seen[1] as f64 / 2000.0;
+        assert!((share - 0.525).abs() < 0.05, "share of id 1: {share}");
+        // top_p inside the top 3 (renormalised: 0.38, 0.35, 0.27): 0.5 keeps ids 1 and 4 only.
+        for _ in 0..500 {
+            let s = Sampling::TopK { temperature: 1.0, top_k: 3, top_p: 0.5 };
+            assert!([1, 4].contains(&sample(&logits, &s, &mut rng).unwrap()));
+        }
+        // top_k 1 is greedy; 0 is refused.
+        let one = Sampling::TopK { temperature: 5.0, top_k: 1, top_p: 1.0 };
+        assert_eq!(sample(&logits, &one, &mut rng).unwrap(), 1);
+        assert!(sample(&logits, &Sampling::TopK { temperature: 1.0, top_k: 0, top_p: 1.0 }, &mut rng).is_err());
     }
 }

@@ -1,0 +1,64 @@
+//! [`InferError`]: what generation over a compiled model refuses, each saying what to change, and the errors
+//! of the layers below passing through.
+
+use autosp_models::ModelError;
+
+use crate::compile::CompileError;
+
+/// Errors of [`Compiled::generate`](crate::Compiled::generate).
+#[derive(Debug, thiserror::Error)]
+pub enum InferError {
+    /// The prompt has no token.
+    #[error("the prompt is empty: give at least one token (e.g. the tokenizer's BOS id, or text for --prompt)")]
+    EmptyPrompt,
+
+    /// A prompt id the model's embedding does not have.
+    #[error(
+        "prompt token {id} (index {index}) is outside the model's vocabulary of {vocab} ids: tokenize the prompt \
+         with the model's own tokenizer"
+    )]
+    TokenOutOfVocab { id: u32, index: usize, vocab: usize },
+
+    /// A stop token the model can never produce.
+    #[error(
+        "stop token {id} is outside the model's vocabulary of {vocab} ids, so it can never end generation: give \
+         ids below {vocab} (GenerateConfig::stop_tokens, --stop-token)"
+    )]
+    UnknownStopToken { id: u32, vocab: usize },
+
+    /// The prompt and the new tokens pass the positions the model has, with no RoPE scaling to go past them.
+    #[error(
+        "the prompt's {prompt} tokens plus max_new_tokens {new} pass the model's {max} positions \
+         (max_position_embeddings) and it has no RoPE scaling: shorten the prompt, lower max_new_tokens \
+         (--max-new-tokens), or extend the context with a scaling (--rope-scaling)"
+    )]
+    TooLong { prompt: usize, new: usize, max: usize },
+
+    /// A layer's attention window would hide cached keys that decode over ranks attends.
+    #[error(
+        "layer {layer} attends within a window of {window} positions (the checkpoint's sliding_window or \
+         --max-attention-distance), and decoding over a sharded cache attends every cached key: keep the prompt \
+         plus max_new_tokens at most {limit} tokens (now {total})"
+    )]
+    Window { layer: usize, window: usize, limit: usize, total: usize },
+
+    /// From the compiled model (positions, layout).
+    #[error(transparent)]
+    Compile(#[from] CompileError),
+
+    /// From the model (its forward, sampling).
+    #[error(transparent)]
+    Model(#[from] ModelError),
+
+    /// From autosp-core (collectives, parameters).
+    #[error(transparent)]
+    Core(#[from] autosp_core::Error),
+
+    /// From the kernels (the cache, decode attention).
+    #[error(transparent)]
+    Kernel(#[from] autosp_kernels::Error),
+
+    /// From candle.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}

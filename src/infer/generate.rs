@@ -1,0 +1,207 @@
+//! The generation loop over a compiled model: checks, the sequence-parallel prefill into the sharded cache,
+//! the last position's logits, then one decode forward per new token, each token sampled (the same on every
+//! rank: same logits, same seeded generator) and streamed to the caller.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use autosp_core::comm::broadcast;
+use autosp_core::module::visit_mut;
+use autosp_core::Tape;
+use autosp_models::llama::{sample, SampleRng};
+use autosp_models::{GenerateConfig, LlamaModel};
+use candle_core::{DType, Tensor};
+
+use super::cache::ShardedKv;
+use super::slots::{DecodeAttention, PrefillAttention, SharedKv};
+use super::stats::{per_second, GenerateStats};
+use super::weights::inference_copy;
+use super::{Finish, Generated, InferError, TokenEvent};
+use crate::Compiled;
+
+/// The stop tokens `cfg` asks for, or the config's end tokens.
+fn stop_tokens(model: &LlamaModel, cfg: &GenerateConfig) -> Result<Vec<u32>, InferError> {
+    let c = &model.config;
+    let stop = match &cfg.stop_tokens {
+        Some(s) => s.clone(),
+        None if !c.eos_token_ids.is_empty() => c.eos_token_ids.clone(),
+        None => c.eos_token_id.into_iter().collect(),
+    };
+    if let Some(&id) = stop.iter().find(|&&id| id as usize >= c.vocab_size) {
+        return Err(InferError::UnknownStopToken { id, vocab: c.vocab_size });
+    }
+    Ok(stop)
+}
+
+/// The checks that need no forward: the prompt's ids, the positions and the attention windows.
+fn check_request(model: &LlamaModel, prompt: &[u32], cfg: &GenerateConfig) -> Result<(), InferError> {
+    let c = &model.config;
+    if prompt.is_empty() {
+        return Err(InferError::EmptyPrompt);
+    }
+    if let Some((index, &id)) = prompt.iter().enumerate().find(|(_, &id)| id as usize >= c.vocab_size) {
+        return Err(InferError::TokenOutOfVocab { id, index, vocab: c.vocab_size });
+    }
+    let total = prompt.len() + cfg.max_new_tokens;
+    if c.rope_scaling.is_none() && total > c.max_position_embeddings {
+        return Err(InferError::TooLong {
+            prompt: prompt.len(),
+            new: cfg.max_new_tokens,
+            max: c.max_position_embeddings,
+        });
+    }
+    for (layer, l) in model.layers.0.iter().enumerate() {
+        let window =
+            autosp_core::ops::AttentionSpec::narrower(l.self_attn.window, l.self_attn.attention.max_distance());
+        // The last forward runs at position total - 2 and sees keys down to position 0.
+        if let Some(window) = window.filter(|&w| total > w + 1) {
+            return Err(InferError::Window { layer, window, limit: window + 1, total });
+        }
+    }
+    Ok(())
+}
+
+/// Puts `make(layer, slot's attention)` into every attention slot of `model`, in layer order.
+fn fill_slots(
+    model: &mut LlamaModel,
+    make: &mut dyn FnMut(usize, Arc<dyn autosp_core::Attention>) -> Arc<dyn autosp_core::Attention>,
+) {
+    let mut layer = 0;
+    visit_mut(model, "", &mut |_, m| {
+        if let Some(s) = m.attention_slot() {
+            let inner = s.get().clone();
+            s.set(make(layer, inner));
+            layer += 1;
+        }
+    });
+}
+
+/// The logits `[vocab]` (f32) of `hidden: [1, 1, hidden]`.
+fn logits_of(model: &LlamaModel, tape: &Tape, hidden: &Tensor) -> Result<Vec<f32>, InferError> {
+    let logits = model.head(tape, &tape.constant(hidden.clone()))?;
+    Ok(logits.tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
+impl Compiled<LlamaModel> {
+    /// Generates up to `cfg.max_new_tokens` tokens after `prompt` (see [`generate_streaming`]); collective
+    /// over the world: every rank calls it with the same prompt and config, and every rank returns the same
+    /// tokens.
+    ///
+    /// [`generate_streaming`]: Self::generate_streaming
+    pub fn generate(&self, prompt: &[u32], cfg: &GenerateConfig) -> Result<Generated, InferError> {
+        self.generate_streaming(prompt, cfg, |_| true)
+    }
+
+    /// Generates after `prompt` (ids of the model's vocabulary), calling `on_token` with each new token and
+    /// its logits as soon as it is chosen; `on_token` returning `false` stops the generation there
+    /// ([`Finish::Interrupted`], the token kept). The prompt is prefilled sequence-parallel with the compiled
+    /// strategy, each rank keeping the keys and values of its shard ([`crate::infer`]); each new token is
+    /// decoded against every rank's part, merged by LSE, one all-gather per layer. Ends at a stop token
+    /// (`cfg.stop_tokens`, else the config's end tokens; included), after `cfg.max_new_tokens`, or when
+    /// `on_token` says so. `max_new_tokens` 0 runs the prefill only (its figures in the stats).
+    pub fn generate_streaming(
+        &self,
+        prompt: &[u32],
+        cfg: &GenerateConfig,
+        mut on_token: impl FnMut(&TokenEvent<'_>) -> bool,
+    ) -> Result<Generated, InferError> {
+        let start = Instant::now();
+        check_request(self.model(), prompt, cfg)?;
+        let stop = stop_tokens(self.model(), cfg)?;
+        let (mut model, gathered) = inference_copy(self.model())?;
+        let sp = self.sp_group().clone();
+        let (p, rank, n) = (sp.size(), sp.rank(), prompt.len());
+        let n_pad = self.padded_len(n);
+        // Every rank's real (unpadded) prompt rows: the first ones of its shard (positions ascend in every layout).
+        // The rank holding the last prompt position computes the first token's logits.
+        let (mut fills, mut root) = (Vec::with_capacity(p), 0);
+        for r in 0..p {
+            let pos = self.positions(n_pad, r)?;
+            debug_assert!(pos.windows(2).all(|w| w[0] < w[1]), "a rank's positions ascend");
+            fills.push(pos.iter().filter(|&&x| x < n).count());
+            if pos.contains(&(n - 1)) {
+                root = r;
+            }
+        }
+        let layers = model.layers.0.len();
+        let cache: SharedKv = Arc::new(Mutex::new(ShardedKv::new(layers, rank, fills.clone())));
+
+        // Prefill: this rank's shard of the prompt through the compiled attention, its K/V into the cache.
+        let keep = fills[rank];
+        fill_slots(&mut model, &mut |layer, inner| {
+            Arc::new(PrefillAttention { inner, layer, keep, cache: cache.clone() })
+        });
+        let positions = self.positions(n_pad, rank)?;
+        let mut padded = prompt.to_vec();
+        padded.resize(n_pad, 0);
+        let local: Vec<u32> = positions.iter().map(|&x| padded[x]).collect();
+        let device = self.device();
+        let ids = Tensor::from_vec(local, (1, positions.len()), &device)?;
+        let tape = Tape::inference();
+        tape.set_inputs_checked();
+        tape.set_sequence_length(n);
+        let hidden = model.hidden_states(&tape, &ids, &positions)?.into_tensor();
+        // The last prompt position's hidden row, from the rank that holds it, to every rank.
+        let row = match positions.iter().position(|&x| x == n - 1) {
+            Some(i) => hidden.narrow(1, i, 1)?,
+            None => Tensor::zeros((1, 1, hidden.dim(2)?), hidden.dtype(), hidden.device())?,
+        };
+        drop(hidden);
+        let row = if p > 1 { broadcast(sp.as_ref(), &row.contiguous()?, root)? } else { row };
+        let mut logits = logits_of(&model, &tape, &row)?;
+        drop(tape);
+        let prefill_seconds = start.elapsed().as_secs_f64();
+
+        // Decode: one token at a time over the sharded cache.
+        fill_slots(&mut model, &mut |layer, _| {
+            Arc::new(DecodeAttention { layer, cache: cache.clone(), group: sp.clone() })
+        });
+        let mut rng = SampleRng::new(cfg.seed);
+        let mut tokens = Vec::with_capacity(cfg.max_new_tokens);
+        let mut finish = Finish::Length;
+        let decode_start = Instant::now();
+        while tokens.len() < cfg.max_new_tokens {
+            let token = sample(&logits, &cfg.sampling, &mut rng)?;
+            tokens.push(token);
+            let go_on = on_token(&TokenEvent { index: tokens.len() - 1, token, logits: &logits });
+            if stop.contains(&token) {
+                finish = Finish::Stop;
+                break;
+            }
+            if !go_on {
+                finish = Finish::Interrupted;
+                break;
+            }
+            if tokens.len() == cfg.max_new_tokens {
+                break;
+            }
+            let pos = n + tokens.len() - 1;
+            cache.lock().unwrap_or_else(|e| e.into_inner()).begin_token();
+            let tape = Tape::inference();
+            tape.set_inputs_checked();
+            let ids = Tensor::from_vec(vec![token], (1, 1), &device)?;
+            let hidden = model.hidden_states(&tape, &ids, &[pos])?.into_tensor();
+            logits = logits_of(&model, &tape, &hidden)?;
+        }
+        let decode_seconds = if tokens.len() > 1 { decode_start.elapsed().as_secs_f64() } else { 0.0 };
+
+        let c = cache.lock().unwrap_or_else(|e| e.into_inner());
+        let d = self.model().config.head_dim;
+        let heads = self.model().config.num_attention_heads;
+        let stats = GenerateStats {
+            prompt_tokens: n,
+            new_tokens: tokens.len(),
+            ranks: p,
+            prefill_seconds,
+            decode_seconds,
+            prefill_tokens_per_s: per_second(n, prefill_seconds),
+            decode_tokens_per_s: per_second(tokens.len().saturating_sub(1), decode_seconds),
+            query_rows: c.query_rows.first().copied().unwrap_or(0),
+            kv_rows: c.rows()?,
+            kv_cache_bytes: c.bytes(),
+            gathered_weight_bytes: gathered,
+            decode_comm_bytes_per_token: if p > 1 { layers * p * heads * (d + 1) * 4 } else { 0 },
+        };
+        Ok(Generated { tokens, finish, stats })
+    }
+}

@@ -1,0 +1,108 @@
+//! The attention a generation puts into a model's slots (on its own copy of the model; the compiled model
+//! keeps its own): [`PrefillAttention`] runs the compiled sequence-parallel attention and keeps the keys and
+//! values of this rank's shard in the cache; [`DecodeAttention`] stores the new token's keys and values on
+//! the rank whose turn it is and attends the query to every rank's part, merged by LSE
+//! ([`decode_attention`]).
+
+use std::sync::{Arc, Mutex};
+
+use autosp_core::comm::ProcessGroup;
+use autosp_core::ops::AttentionSpec;
+use autosp_core::{Attention, Tape, Value};
+use autosp_kernels::attention::decode_attention;
+use candle_core::Tensor;
+
+use super::cache::ShardedKv;
+
+/// A cache shared by the slots of every layer of one generation.
+pub(crate) type SharedKv = Arc<Mutex<ShardedKv>>;
+
+fn lock(cache: &SharedKv) -> std::sync::MutexGuard<'_, ShardedKv> {
+    // A slot that panicked mid-step leaves the cache as it was; the generation fails with that panic anyway.
+    cache.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Layer `layer`'s prefill attention: the compiled attention `inner`, which first hands the keys and values
+/// of this rank's real rows (the first `keep` of the shard: padding past the prompt is left out) to the
+/// cache.
+#[derive(Debug)]
+pub(crate) struct PrefillAttention {
+    pub inner: Arc<dyn Attention>,
+    pub layer: usize,
+    pub keep: usize,
+    pub cache: SharedKv,
+}
+
+impl PrefillAttention {
+    /// Stores `k, v: [1, rows, kv_heads, head_dim]` (their first `keep` rows) and the query rows of `q`.
+    fn record(&self, q: &Value, k: &Value, v: &Value) -> autosp_core::Result<()> {
+        let mut c = lock(&self.cache);
+        c.query_rows[self.layer] = q.tensor().dim(1)?;
+        let (k, v) = (k.tensor().narrow(1, 0, self.keep)?, v.tensor().narrow(1, 0, self.keep)?);
+        c.layers[self.layer].push_rows(&k, &v)?;
+        Ok(())
+    }
+}
+
+impl Attention for PrefillAttention {
+    fn describe(&self) -> String {
+        format!("prefill({}) > kv cache", self.inner.describe())
+    }
+
+    fn forward(
+        &self,
+        tape: &Tape,
+        q: &Value,
+        k: &Value,
+        v: &Value,
+        spec: &AttentionSpec,
+    ) -> autosp_core::Result<(Value, Value)> {
+        self.record(q, k, v)?;
+        self.inner.forward(tape, q, k, v, spec)
+    }
+
+    fn forward_output(
+        &self,
+        tape: &Tape,
+        q: &Value,
+        k: &Value,
+        v: &Value,
+        spec: &AttentionSpec,
+    ) -> autosp_core::Result<Value> {
+        self.record(q, k, v)?;
+        self.inner.forward_output(tape, q, k, v, spec)
+    }
+}
+
+/// Layer `layer`'s decode attention over the cache the ranks of `group` hold (see the module doc):
+/// `q: [1, 1, heads, head_dim]`, `k, v: [1, 1, kv_heads, head_dim]`, the same on every rank.
+#[derive(Debug)]
+pub(crate) struct DecodeAttention {
+    pub layer: usize,
+    pub cache: SharedKv,
+    pub group: Arc<dyn ProcessGroup>,
+}
+
+impl Attention for DecodeAttention {
+    fn describe(&self) -> String {
+        format!("decode over {} ranks' kv cache", self.group.size())
+    }
+
+    fn forward(
+        &self,
+        _: &Tape,
+        q: &Value,
+        k: &Value,
+        v: &Value,
+        spec: &AttentionSpec,
+    ) -> autosp_core::Result<(Value, Value)> {
+        let mut c = lock(&self.cache);
+        if c.owns_token() {
+            c.layers[self.layer].push_token(k.tensor(), v.tensor())?;
+        }
+        let holds = c.holds();
+        let (o, lse): (Tensor, Tensor) =
+            decode_attention(self.group.as_ref(), q.tensor(), &c.layers[self.layer], spec.scale, &holds)?;
+        Ok((Value::constant(o), Value::constant(lse)))
+    }
+}
