@@ -1,7 +1,9 @@
 //! Which device a run trains on: `--device cpu|cuda|cuda:N|metal|metal:N` parsed into a candle [`Device`], the
 //! default (the first CUDA device when this build has CUDA and one exists, else the CPU), and the device of
 //! one rank of an MPI job (`cuda:(local rank mod device count)`). Thread ranks of one process share the
-//! device they are given, which on CUDA allows one thread rank ([`DeviceSpec::check_thread_ranks`]).
+//! device they are given, which on CUDA allows one thread rank ([`DeviceSpec::check_thread_ranks`]). A CUDA device
+//! is opened with the memory pool keeping its memory and cudarc's per-allocation events off (see
+//! [`cuda_runtime_settings`]).
 
 use candle_core::Device;
 
@@ -36,6 +38,18 @@ pub enum DeviceError {
         spec: String,
         /// The thread ranks asked for.
         ranks: usize,
+    },
+    /// This build has CUDA but the machine shows no CUDA device (no GPU, no driver, or
+    /// `CUDA_VISIBLE_DEVICES` hides them all).
+    #[error(
+        "--device {spec}: no CUDA device ({driver}): no NVIDIA GPU or driver here, or CUDA_VISIBLE_DEVICES \
+         hides them (`nvidia-smi` lists what the driver sees); use --device cpu on this machine"
+    )]
+    NoCudaDevice {
+        /// What was asked for, as the user spelled it.
+        spec: String,
+        /// The driver's answer (`cuInit` / `cuDeviceGetCount`).
+        driver: String,
     },
     /// The device exists in name only for this build or machine.
     #[error("--device {spec}: {why}")]
@@ -124,7 +138,21 @@ impl DeviceSpec {
                     (None, Some((local_rank, _))) => local_rank % cuda_device_count().max(1),
                     (None, None) => 0,
                 };
-                Device::new_cuda(i).map_err(|e| open_err(format!("opening cuda:{i}: {e}")))
+                let count =
+                    cuda_devices().map_err(|driver| DeviceError::NoCudaDevice { spec: self.to_string(), driver })?;
+                if count == 0 {
+                    let driver = "the driver lists 0 devices".to_string();
+                    return Err(DeviceError::NoCudaDevice { spec: self.to_string(), driver });
+                }
+                if i >= count {
+                    return Err(open_err(format!(
+                        "this machine has {count} CUDA device(s), cuda:0 to cuda:{}: pick one of them",
+                        count - 1
+                    )));
+                }
+                let device = Device::new_cuda(i).map_err(|e| open_err(format!("opening cuda:{i}: {e}")))?;
+                cuda_runtime_settings(&device).map_err(|e| open_err(format!("setting up cuda:{i}: {e}")))?;
+                Ok(device)
             }
             DeviceSpec::Metal(i) => {
                 if !candle_core::utils::metal_is_available() {
@@ -138,15 +166,70 @@ impl DeviceSpec {
     }
 }
 
-/// The number of CUDA devices this process sees (0 without CUDA).
-pub fn cuda_device_count() -> usize {
-    #[cfg(feature = "cuda")]
-    {
-        if let Ok(n) = candle_core::cuda_backend::cudarc::driver::CudaContext::device_count() {
-            return n.max(0) as usize;
+/// What [`DeviceSpec::open`] sets on a CUDA device it opens, for a run with one rank (one thread) per GPU:
+///
+/// - the default memory pool's release threshold to `u64::MAX`: cudarc allocates stream-ordered from the
+///   device's default pool, whose threshold (0 by default) hands every freed byte back to the driver at each
+///   synchronisation, so each step would map its memory again; the process keeps what it used instead (its
+///   peak stays as [`device_memory_peak`] reports it);
+/// - event tracking off: cudarc records two CUDA events for every allocation so that several streams can be
+///   ordered, but it waits on them only in its multi-stream mode, which candle's device (one stream of the
+///   opening thread) never enters; with one rank per GPU ([`DeviceSpec::check_thread_ranks`]) nothing is lost.
+///   Only tensors made after this call are untracked. Skipped (tracking kept) if the context is in
+///   multi-stream mode.
+///
+/// A driver without stream-ordered allocation has no pool: the threshold is then left alone.
+#[cfg(feature = "cuda")]
+fn cuda_runtime_settings(device: &Device) -> Result<(), String> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    let Device::Cuda(d) = device else {
+        return Ok(());
+    };
+    let stream = d.cuda_stream();
+    let ctx = stream.context();
+    ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e:?}"))?;
+    if ctx.has_async_alloc() {
+        let mut threshold = u64::MAX;
+        // SAFETY: the device belongs to the live context bound above, and the attribute is a cuuint64_t.
+        unsafe {
+            let pool = result::device::get_default_mem_pool(ctx.cu_device())
+                .map_err(|e| format!("cuDeviceGetDefaultMemPool: {e:?}"))?;
+            let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+            result::mem_pool::set_attribute(pool, attr, (&mut threshold as *mut u64).cast())
+                .map_err(|e| format!("raising the memory pool's release threshold: {e:?}"))?;
         }
     }
-    0
+    if !ctx.is_in_multi_stream_mode() {
+        // SAFETY: one stream: every tensor of this device is made and used on the stream of the one thread
+        // rank that opened it (more thread ranks on a CUDA device are refused before it is opened), so the
+        // events cudarc would record are never waited on (it orders streams only in multi-stream mode).
+        unsafe { d.disable_event_tracking() };
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_runtime_settings(_device: &Device) -> Result<(), String> {
+    Ok(())
+}
+
+/// The number of CUDA devices this process sees (0 without CUDA, or when the driver cannot be initialised).
+pub fn cuda_device_count() -> usize {
+    cuda_devices().unwrap_or(0)
+}
+
+/// The number of CUDA devices, or the driver's error (`cuInit`, `cuDeviceGetCount`) when it cannot say.
+#[cfg(feature = "cuda")]
+fn cuda_devices() -> Result<usize, String> {
+    candle_core::cuda_backend::cudarc::driver::CudaContext::device_count()
+        .map(|n| n.max(0) as usize)
+        .map_err(|e| format!("{e:?}"))
+}
+
+/// No CUDA in this build: no devices.
+#[cfg(not(feature = "cuda"))]
+fn cuda_devices() -> Result<usize, String> {
+    Ok(0)
 }
 
 /// The peak of device memory in use on `device` so far, bytes: on CUDA the high-water mark of the device's
