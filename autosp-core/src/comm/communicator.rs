@@ -13,7 +13,7 @@ use super::groups;
 use super::process_group::{PendingRecv, ProcessGroup};
 use super::reduce::{chunk_sizes, reduce_in_rank_order};
 use super::stamp::Stamp;
-use super::stats::{tensor_bytes, CommStats, StatsCounter};
+use super::stats::{all_reduce_bytes, tensor_bytes, CommStats, StatsCounter};
 use super::transport::Transport;
 
 /// A process group over transport `T` (see [`ThreadGroup`](super::ThreadGroup) and, with feature `mpi`,
@@ -145,6 +145,11 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         let stamp = self.stamp(c);
         let ctx = self.ctx(c);
         let (size, rank) = (self.size(), self.rank());
+        let elem = x.dtype().size_in_bytes();
+        if let Some(reduced) = self.transport.all_reduce(stamp, x, op) {
+            self.stats.record(c, all_reduce_bytes(x.elem_count(), size, rank, elem));
+            return reduced;
+        }
         // Phase 1, reduce-scatter: rank j receives chunk j of every rank's flattened tensor and reduces it.
         let flat = x.flatten_all().map_err(|e| ctx.candle(e))?;
         let sizes = chunk_sizes(flat.elem_count(), size);
@@ -154,7 +159,7 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
             chunks.push(flat.narrow(0, offset, len).map_err(|e| ctx.candle(e))?);
             offset += len;
         }
-        let elem = x.dtype().size_in_bytes() as u64;
+        let elem = elem as u64;
         // Bytes: every chunk but its own in phase 1, its reduced chunk to P-1 ranks in phase 2.
         let bytes = |parts: &[Tensor]| self.bytes_to_others(parts) + (size as u64 - 1) * sizes[rank] as u64 * elem;
         let mine = self.round(stamp, Ok(chunks), bytes, x.device())?;
@@ -176,6 +181,12 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
         let stamp = self.stamp(c);
         let ctx = self.ctx(c);
         let size = self.size();
+        if dim < x.rank() {
+            if let Some(gathered) = self.transport.all_gather(stamp, x, dim) {
+                self.stats.record(c, (size as u64 - 1) * tensor_bytes(x));
+                return gathered;
+            }
+        }
         let prepared = if dim < x.rank() {
             Ok(vec![x.clone(); size])
         } else {
@@ -212,6 +223,10 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
                 x.dims()[dim]
             )))
         } else {
+            if let Some(reduced) = self.transport.reduce_scatter(stamp, x, dim, op) {
+                self.stats.record(c, (size as u64 - 1) * tensor_bytes(x) / size as u64);
+                return reduced;
+            }
             let len = x.dims()[dim] / size;
             (0..size).map(|j| x.narrow(dim, j * len, len).map_err(|e| ctx.candle(e))).collect()
         };

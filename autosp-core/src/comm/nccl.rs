@@ -1,15 +1,30 @@
 //! NCCL back end (feature `nccl`, through cudarc): one rank per GPU, in one process (a thread per GPU) or in
 //! several (e.g. one per rank under `mpirun`). Built on [`Communicator`] like the other back ends, so the
-//! argument checks, rank-order reductions and statistics are the same code; NCCL only moves bytes.
+//! argument checks and statistics are the same code.
 //!
-//! How calls map onto NCCL: every transfer is `ncclSend`/`ncclRecv` of raw bytes on the candle device's
-//! stream, in two rounds, because NCCL's receivers must know sizes in advance: first a fixed-size header per
-//! peer (`nccl_header.rs`: dtype and shape, or an empty marker), then the payloads. A personalised exchange
-//! (all-to-all, and through [`Communicator`] all-gather, reduce-scatter, all-reduce, barrier) issues each
-//! round's sends and receives to all peers, in the order of [`pairwise_schedule`], inside one
-//! `ncclGroupStart`/`ncclGroupEnd` group. Reductions are done by [`Communicator`] in rank order with candle
-//! ops (on the GPU), not by `ncclAllReduce`, so results are the bits the other back ends give. Point-to-point
-//! calls use a second communicator (an `ncclCommSplit` duplicate), so they never pair with collective rounds.
+//! How calls map onto NCCL, all on the candle device's stream:
+//!
+//! - `all_reduce` and `reduce_scatter`: NCCL's own `ncclAllReduce` / `ncclReduceScatter` (ring or tree, 2(P-1)/P
+//!   of the bytes per rank), with no header round: every rank passes the same shape and dtype, so every
+//!   receiver knows the sizes. The call's header (its [`Stamp`], dtype and shape; `nccl_header.rs`) is
+//!   all-gathered in the same NCCL group as the payload, so ranks in different collectives, or with different
+//!   shapes, fail with `CommError::OutOfStep` / `CommError::Mismatch` once the group is done (a shape mismatch
+//!   can also end in the timeout: NCCL itself cannot tell). bf16/f16 sums are widened to f32 before and
+//!   rounded once after (as the rank-order reduction of the other back ends accumulates them); the sum is in
+//!   NCCL's order, not rank order, so every rank gets the same bits but not the other back ends' bits. Dtypes
+//!   NCCL cannot reduce (i16, the f8 kinds) take the header path below.
+//! - `all_gather`: the shapes are not known to the receivers (the sizes along `dim` may differ between
+//!   ranks), so the headers go first, as one `ncclAllGather` of fixed-size headers; then the payload as one
+//!   `ncclAllGather` when every rank's shape is the same, else as grouped sends and receives of the announced
+//!   sizes.
+//! - The header path (headers, then payloads, each a grouped round of `ncclSend`/`ncclRecv` in the order of
+//!   [`pairwise_schedule`], inside `ncclGroupStart`/`ncclGroupEnd`), where a receiver does not know what
+//!   arrives: `all_to_all` (each rank may send each peer another shape), `send`/`recv`/`send_recv` (the
+//!   receiver names only the sender), `barrier` (headers only) and `split`'s agreement. Point-to-point calls
+//!   use a second communicator (an `ncclCommSplit` duplicate), so they never pair with collective rounds.
+//!
+//! Each call waits for its NCCL work from the host (polling an event against the timeout, below): one wait
+//! for `all_reduce` and `reduce_scatter`, two for the header path and `all_gather`.
 //!
 //! # Bootstrapping
 //!
@@ -37,7 +52,8 @@
 //!
 //! Every header carries the message's [`Stamp`] (operation and call number): a collective round whose ranks
 //! are in different collectives fails on every rank with `CommError::OutOfStep` right after the header round
-//! (before any payload moves), and the group is poisoned. `abort` poisons this rank's group and aborts its
+//! (before any payload moves; for `all_reduce` and `reduce_scatter`, whose headers travel with the payload,
+//! once the round is done), and the group is poisoned. `abort` poisons this rank's group and aborts its
 //! NCCL communicators; NCCL has no way to carry a message to the other ranks, so tell them through the group
 //! the NCCL group was bootstrapped over as well (e.g. `abort` on the `MpiGroup`, which notifies every
 //! process); until then they stop at their timeout.
@@ -58,13 +74,13 @@ use std::time::{Duration, Instant};
 
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use candle_core::cuda_backend::CudaStorageSlice;
-use candle_core::{Device, Storage, Tensor};
+use candle_core::{DType, Device, Storage, Tensor};
 use cudarc::nccl::{result, sys};
 
-use super::collective::Collective;
+use super::collective::{Collective, ReduceOp};
 use super::communicator::Communicator;
 use super::error::{CommError, ErrCtx, Result};
-use super::nccl_header::{decode_header, encode_header, HEADER_WORDS};
+use super::nccl_header::{decode_header, encode_header, Announced, HEADER_WORDS};
 use super::process_group::{nanos, PendingRecv, ProcessGroup};
 use super::schedule::pairwise_schedule;
 use super::stamp::{check_message, check_round, PairCounter, Stamp};
@@ -314,6 +330,39 @@ fn payload_bytes(t: &Tensor) -> usize {
     t.elem_count() * t.dtype().size_in_bytes()
 }
 
+/// NCCL's element type for `dtype`, where NCCL can reduce it.
+fn nccl_dtype(dtype: DType) -> Option<sys::ncclDataType_t> {
+    use sys::ncclDataType_t as T;
+    Some(match dtype {
+        DType::U8 => T::ncclUint8,
+        DType::U32 => T::ncclUint32,
+        DType::I32 => T::ncclInt32,
+        DType::I64 => T::ncclInt64,
+        DType::F16 => T::ncclFloat16,
+        DType::BF16 => T::ncclBfloat16,
+        DType::F32 => T::ncclFloat32,
+        DType::F64 => T::ncclFloat64,
+        _ => return None,
+    })
+}
+
+/// The dtype a native reduction of `dtype` runs in (bf16/f16 sums in f32, as the rank-order reduction) and
+/// NCCL's type for it; `None` where NCCL cannot reduce it.
+fn reduction_dtype(dtype: DType, op: ReduceOp) -> Option<(DType, sys::ncclDataType_t)> {
+    let wide = match (op, dtype) {
+        (ReduceOp::Sum, DType::BF16 | DType::F16) => DType::F32,
+        (_, d) => d,
+    };
+    nccl_dtype(wide).map(|t| (wide, t))
+}
+
+fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+    }
+}
+
 impl NcclTransport {
     fn ctx(&self, collective: Collective) -> ErrCtx<'_> {
         ErrCtx { collective, group: &self.name, rank: self.rank }
@@ -505,6 +554,260 @@ impl NcclTransport {
         self.grouped(collective, comm, &s, &r)
     }
 
+    /// One round of NCCL's own collectives on the collective communicator: this rank's `header` all-gathered
+    /// (every rank's, in rank order) in one NCCL group with what `issue` queues (given the communicator and
+    /// the stream), then waited for. Checks every rank's stamp against `stamp` (`OutOfStep`, poisoning the
+    /// group) and returns what every rank announced. Call with the lock held.
+    fn native_round(
+        &self,
+        stamp: Stamp,
+        header: [u64; HEADER_WORDS],
+        issue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<(), String>,
+    ) -> Result<Vec<Announced>> {
+        let collective = stamp.collective;
+        let size = self.members.len();
+        self.stream.context().bind_to_thread().map_err(|e| self.ctx(collective).nccl(format!("{e:?}")))?;
+        let err = |e: candle_core::cuda_backend::cudarc::driver::DriverError| {
+            self.fatal(collective, format!("header buffers: {e:?}"))
+        };
+        let send_buf = self.stream.clone_htod(&header[..]).map_err(err)?;
+        let recv_buf = self.stream.alloc_zeros::<u64>(size * HEADER_WORDS).map_err(err)?;
+        let (send_ptr, recv_ptr) = (send_buf.device_ptr(&self.stream).0, recv_buf.device_ptr(&self.stream).0);
+        let stream = self.stream.cu_stream() as sys::cudaStream_t;
+        let comm = self.coll.comm;
+        let mut failed = result::group_start().err().map(|e| format!("ncclGroupStart: {:?}", e.0));
+        if failed.is_none() {
+            // SAFETY: both header buffers live until `wait_done` returned (they are dropped at the end of this
+            // function); the communicator is live (checked healthy by the caller, lock held).
+            let gathered = unsafe {
+                result::all_gather(
+                    send_ptr as *const c_void,
+                    recv_ptr as *mut c_void,
+                    HEADER_WORDS,
+                    sys::ncclDataType_t::ncclUint64,
+                    comm,
+                    stream,
+                )
+            };
+            if let Err(e) = gathered {
+                failed = Some(format!("ncclAllGather of the headers: {:?}", e.0));
+            } else if let Err(detail) = issue(comm, stream) {
+                failed = Some(detail);
+            }
+            if let Err(e) = result::group_end() {
+                failed.get_or_insert(format!("ncclGroupEnd: {:?}", e.0));
+            }
+        }
+        if let Some(detail) = failed {
+            return Err(self.fatal(collective, detail));
+        }
+        let peers: Vec<usize> = (0..size).filter(|&i| i != self.rank).collect();
+        self.wait_done(collective, &self.coll, peers)?;
+        // The stream is done: this copy only moves the headers (counted as a host read).
+        crate::host_read::count();
+        let words = self.stream.clone_dtoh(&recv_buf).map_err(err)?;
+        let mut stamps = Vec::with_capacity(size);
+        let mut announced = Vec::with_capacity(size);
+        for (i, h) in words.chunks(HEADER_WORDS).enumerate() {
+            let (got, what) =
+                decode_header(h).map_err(|d| self.fatal(collective, format!("bad header from rank {i}: {d}")))?;
+            if i != self.rank {
+                stamps.push((i, got));
+            }
+            announced.push(what);
+        }
+        if let Err(e) = check_round(self.ctx(collective), stamp, &stamps) {
+            self.fail(e.to_string());
+            return Err(e);
+        }
+        Ok(announced)
+    }
+
+    /// Checks that every rank announced this rank's dtype and shape (a reduction's contract); a rank that did
+    /// not poisons the group (the NCCL collective paired buffers of different sizes).
+    fn check_same(&self, collective: Collective, announced: &[Announced], x: &Tensor) -> Result<()> {
+        let mine = Some((x.dtype(), x.dims().to_vec()));
+        for (i, a) in announced.iter().enumerate() {
+            if *a != mine {
+                let detail = format!(
+                    "rank {i} passed {a:?} where rank {} passed {:?} {:?}: every rank must pass the same dtype and shape",
+                    self.rank,
+                    x.dtype(),
+                    x.dims()
+                );
+                self.fail(detail.clone());
+                return Err(self.ctx(collective).mismatch(detail));
+            }
+        }
+        Ok(())
+    }
+
+    /// `x` on this rank's GPU in `dtype`, contiguous, and a zeroed output of `shape` there.
+    fn on_gpu(&self, collective: Collective, x: &Tensor, dtype: DType, out: &[usize]) -> Result<(Tensor, Tensor)> {
+        let ctx = self.ctx(collective);
+        let input = x.to_device(&self.device).and_then(|t| t.to_dtype(dtype)).and_then(|t| t.contiguous());
+        let input = input.map_err(|e| ctx.candle(e))?;
+        let output = Tensor::zeros(out, dtype, &self.device).map_err(|e| ctx.candle(e))?;
+        Ok((input, output))
+    }
+
+    /// `ncclAllReduce` of `x` in `wide` (NCCL type `datatype`), its header gathered alongside.
+    fn native_all_reduce(
+        &self,
+        stamp: Stamp,
+        x: &Tensor,
+        op: ReduceOp,
+        wide: DType,
+        datatype: sys::ncclDataType_t,
+    ) -> Result<Tensor> {
+        let c = stamp.collective;
+        self.check_healthy(c)?;
+        let ctx = self.ctx(c);
+        let header = encode_header(Some((x.dtype(), x.dims())), stamp).map_err(|d| ctx.invalid(d))?;
+        let (input, output) = self.on_gpu(c, x, wide, x.dims())?;
+        let _nccl = self.nccl_lock();
+        let sp = device_address(&input, &self.stream).map_err(|d| self.fatal(c, d))?;
+        let rp = device_address(&output, &self.stream).map_err(|d| self.fatal(c, d))?;
+        let n = input.elem_count();
+        let announced = self.native_round(stamp, header, |comm, stream| {
+            // SAFETY: `input` and `output` are live device buffers of `n` elements of `datatype` on this
+            // rank's GPU, kept until `native_round` waited for the group.
+            unsafe {
+                result::all_reduce(sp as *const c_void, rp as *mut c_void, n, datatype, nccl_op(op), comm, stream)
+            }
+            .map(|_| ())
+            .map_err(|e| format!("ncclAllReduce: {:?}", e.0))
+        })?;
+        self.check_same(c, &announced, x)?;
+        output.to_dtype(x.dtype()).and_then(|t| t.to_device(x.device())).map_err(|e| ctx.candle(e))
+    }
+
+    /// `ncclReduceScatter` of `x` along `dim` (which divides by the group size) in `wide`: the P blocks along
+    /// `dim` are stacked first (NCCL's blocks are contiguous), block j reduced onto rank j.
+    fn native_reduce_scatter(
+        &self,
+        stamp: Stamp,
+        x: &Tensor,
+        dim: usize,
+        op: ReduceOp,
+        wide: DType,
+        datatype: sys::ncclDataType_t,
+    ) -> Result<Tensor> {
+        let c = stamp.collective;
+        self.check_healthy(c)?;
+        let ctx = self.ctx(c);
+        let size = self.members.len();
+        let header = encode_header(Some((x.dtype(), x.dims())), stamp).map_err(|d| ctx.invalid(d))?;
+        let len = x.dims()[dim] / size;
+        let mut block = x.dims().to_vec();
+        block[dim] = len;
+        let (whole, output) = self.on_gpu(c, x, wide, &block)?;
+        let blocks: Vec<Tensor> = (0..size)
+            .map(|j| whole.narrow(dim, j * len, len))
+            .collect::<candle_core::Result<_>>()
+            .map_err(|e| ctx.candle(e))?;
+        let input = Tensor::stack(&blocks, 0).map_err(|e| ctx.candle(e))?;
+        drop(whole);
+        let _nccl = self.nccl_lock();
+        let sp = device_address(&input, &self.stream).map_err(|d| self.fatal(c, d))?;
+        let rp = device_address(&output, &self.stream).map_err(|d| self.fatal(c, d))?;
+        let count = output.elem_count();
+        let announced = self.native_round(stamp, header, |comm, stream| {
+            // SAFETY: `input` holds `size * count` and `output` `count` elements of `datatype`, live on this
+            // rank's GPU until `native_round` waited for the group.
+            unsafe {
+                result::reduce_scatter(
+                    sp as *const c_void,
+                    rp as *mut c_void,
+                    count,
+                    datatype,
+                    nccl_op(op),
+                    comm,
+                    stream,
+                )
+            }
+            .map(|_| ())
+            .map_err(|e| format!("ncclReduceScatter: {:?}", e.0))
+        })?;
+        self.check_same(c, &announced, x)?;
+        output.to_dtype(x.dtype()).and_then(|t| t.to_device(x.device())).map_err(|e| ctx.candle(e))
+    }
+
+    /// All-gather along `dim`: the headers as one `ncclAllGather` (the receivers do not know the other ranks'
+    /// sizes along `dim`), then the payload as one `ncclAllGather` of bytes when every shape is the same, else
+    /// grouped sends and receives of the announced shapes.
+    fn native_all_gather(&self, stamp: Stamp, x: &Tensor, dim: usize) -> Result<Tensor> {
+        let c = stamp.collective;
+        self.check_healthy(c)?;
+        let ctx = self.ctx(c);
+        let size = self.members.len();
+        let header = encode_header(Some((x.dtype(), x.dims())), stamp).map_err(|d| ctx.invalid(d))?;
+        let input = x.to_device(&self.device).and_then(|t| t.contiguous()).map_err(|e| ctx.candle(e))?;
+        let _nccl = self.nccl_lock();
+        let announced = self.native_round(stamp, header, |_, _| Ok(()))?;
+        let mut shapes = Vec::with_capacity(size);
+        for (i, a) in announced.into_iter().enumerate() {
+            let fits =
+                |dims: &[usize]| dims.len() == x.rank() && (0..x.rank()).all(|d| d == dim || dims[d] == x.dims()[d]);
+            match a {
+                Some((dtype, dims)) if dtype == x.dtype() && fits(&dims) => shapes.push(dims),
+                other => {
+                    // Every rank saw the same headers and stops here alike: the group stays usable.
+                    return Err(ctx.mismatch(format!(
+                        "rank {i} sent {other:?} where rank {} sent {:?} {:?} (only dim {dim} may differ)",
+                        self.rank,
+                        x.dtype(),
+                        x.dims()
+                    )));
+                }
+            }
+        }
+        let parts: Vec<Tensor> = if shapes.iter().all(|s| s == x.dims()) {
+            let mut all = vec![size];
+            all.extend_from_slice(x.dims());
+            let output = Tensor::zeros(all, x.dtype(), &self.device).map_err(|e| ctx.candle(e))?;
+            let sp = device_address(&input, &self.stream).map_err(|d| self.fatal(c, d))?;
+            let rp = device_address(&output, &self.stream).map_err(|d| self.fatal(c, d))?;
+            let bytes = payload_bytes(&input);
+            self.stream.context().bind_to_thread().map_err(|e| ctx.nccl(format!("{e:?}")))?;
+            let stream = self.stream.cu_stream() as sys::cudaStream_t;
+            // SAFETY: `input` holds `bytes` bytes and `output` `size * bytes`, live on this rank's GPU until
+            // `wait_done` returned; the communicator is live (healthy, lock held).
+            let r = unsafe {
+                result::all_gather(
+                    sp as *const c_void,
+                    rp as *mut c_void,
+                    bytes,
+                    sys::ncclDataType_t::ncclUint8,
+                    self.coll.comm,
+                    stream,
+                )
+            };
+            if let Err(e) = r {
+                return Err(self.fatal(c, format!("ncclAllGather: {:?}", e.0)));
+            }
+            let peers: Vec<usize> = (0..size).filter(|&i| i != self.rank).collect();
+            self.wait_done(c, &self.coll, peers)?;
+            (0..size).map(|i| output.get(i)).collect::<candle_core::Result<_>>().map_err(|e| ctx.candle(e))?
+        } else {
+            let received: Vec<Option<Tensor>> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, dims)| {
+                    (i != self.rank)
+                        .then(|| Tensor::zeros(dims.as_slice(), x.dtype(), &self.device).map_err(|e| ctx.candle(e)))
+                        .transpose()
+                })
+                .collect::<Result<_>>()?;
+            let sends: Vec<(usize, &Tensor)> = (0..size).filter(|&i| i != self.rank).map(|i| (i, &input)).collect();
+            let recvs: Vec<(usize, &Tensor)> =
+                received.iter().enumerate().filter_map(|(i, t)| t.as_ref().map(|t| (i, t))).collect();
+            self.payload_round(c, &self.coll, &sends, &recvs)?;
+            received.into_iter().map(|t| t.unwrap_or_else(|| input.clone())).collect()
+        };
+        Tensor::cat(&parts, dim).and_then(|t| t.to_device(x.device())).map_err(|e| ctx.candle(e))
+    }
+
     /// Sends `x` to `dst` (if given) and receives from `src` (if given) on the point-to-point communicator.
     fn p2p(
         &self,
@@ -649,6 +952,20 @@ impl Transport for NcclTransport {
             });
         }
         Ok(incoming)
+    }
+
+    fn all_reduce(&self, stamp: Stamp, x: &Tensor, op: ReduceOp) -> Option<Result<Tensor>> {
+        let (wide, datatype) = reduction_dtype(x.dtype(), op)?;
+        Some(self.native_all_reduce(stamp, x, op, wide, datatype))
+    }
+
+    fn reduce_scatter(&self, stamp: Stamp, x: &Tensor, dim: usize, op: ReduceOp) -> Option<Result<Tensor>> {
+        let (wide, datatype) = reduction_dtype(x.dtype(), op)?;
+        Some(self.native_reduce_scatter(stamp, x, dim, op, wide, datatype))
+    }
+
+    fn all_gather(&self, stamp: Stamp, x: &Tensor, dim: usize) -> Option<Result<Tensor>> {
+        Some(self.native_all_gather(stamp, x, dim))
     }
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {

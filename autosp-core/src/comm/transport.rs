@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 
+use super::collective::ReduceOp;
 use super::error::Result;
 use super::process_group::PendingRecv;
 use super::stamp::Stamp;
@@ -36,6 +37,26 @@ pub trait Transport: Send + Sync + fmt::Debug + Sized + 'static {
     /// where the back end has to materialise them. Every rank's `stamp` travels with its messages; when the
     /// ranks' stamps differ, every rank fails with `CommError::OutOfStep` and the group is poisoned.
     fn exchange(&self, stamp: Stamp, outgoing: Vec<Option<Tensor>>, device: &Device) -> Result<Vec<Option<Tensor>>>;
+
+    /// The back end's own all-reduce of `x` (the call `stamp`; `x` valid, the same shape and dtype on every
+    /// rank), or `None` (the default) to have `Communicator` build it from [`exchange`](Self::exchange). A back
+    /// end answers alike on every rank for the same dtype, so that all ranks take the same path. The result
+    /// is on `x`'s device; the timeout, poisoning and stamp rules are [`exchange`](Self::exchange)'s.
+    fn all_reduce(&self, _stamp: Stamp, _x: &Tensor, _op: ReduceOp) -> Option<Result<Tensor>> {
+        None
+    }
+
+    /// The back end's own reduce-scatter of `x` along `dim` (valid, dividing by the group size, the same shape
+    /// and dtype on every rank), or `None` (the default); as [`all_reduce`](Self::all_reduce).
+    fn reduce_scatter(&self, _stamp: Stamp, _x: &Tensor, _dim: usize, _op: ReduceOp) -> Option<Result<Tensor>> {
+        None
+    }
+
+    /// The back end's own all-gather of every rank's `x` along `dim` (valid; the sizes along `dim` may differ
+    /// between ranks), or `None` (the default); as [`all_reduce`](Self::all_reduce).
+    fn all_gather(&self, _stamp: Stamp, _x: &Tensor, _dim: usize) -> Option<Result<Tensor>> {
+        None
+    }
 
     /// Sends `x` to rank `dst` (see `ProcessGroup::send` for the blocking rules).
     fn send(&self, x: &Tensor, dst: usize) -> Result<()>;
