@@ -7,13 +7,14 @@ use std::time::Instant;
 
 use autosp_core::comm::broadcast;
 use autosp_core::module::visit_mut;
-use autosp_core::Tape;
+use autosp_core::{Attention, Tape};
+use autosp_models::config::ModelType;
 use autosp_models::llama::{sample, SampleRng};
-use autosp_models::{GenerateConfig, LlamaModel};
+use autosp_models::{GenerateConfig, LlamaModel, RopeScaling};
 use candle_core::{DType, Tensor};
 
 use super::cache::ShardedKv;
-use super::slots::{DecodeAttention, PrefillAttention, SharedKv};
+use super::slots::{lock, DecodeAttention, PrefillAttention, SharedKv};
 use super::stats::{per_second, GenerateStats};
 use super::weights::inference_copy;
 use super::{Finish, Generated, InferError, TokenEvent};
@@ -62,10 +63,7 @@ fn check_request(model: &LlamaModel, prompt: &[u32], cfg: &GenerateConfig) -> Re
 }
 
 /// Puts `make(layer, slot's attention)` into every attention slot of `model`, in layer order.
-fn fill_slots(
-    model: &mut LlamaModel,
-    make: &mut dyn FnMut(usize, Arc<dyn autosp_core::Attention>) -> Arc<dyn autosp_core::Attention>,
-) {
+fn fill_slots(model: &mut LlamaModel, make: &mut dyn FnMut(usize, Arc<dyn Attention>) -> Arc<dyn Attention>) {
     let mut layer = 0;
     visit_mut(model, "", &mut |_, m| {
         if let Some(s) = m.attention_slot() {
@@ -82,7 +80,70 @@ fn logits_of(model: &LlamaModel, tape: &Tape, hidden: &Tensor) -> Result<Vec<f32
     Ok(logits.tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
 }
 
+/// The position whose forward transformers' Phi-3 generation turns into a new prefill of the whole sequence
+/// (`Phi3ForCausalLM.prepare_inputs_for_generation`: the first forward past the original window drops the
+/// cache built with LongRoPE's short factors), for a Phi-3 model with a LongRoPE scaling; `None` otherwise.
+fn relongrope_position(model: &LlamaModel) -> Option<usize> {
+    match &model.config.rope_scaling {
+        Some(RopeScaling::LongRope(l)) if model.config.model_type == ModelType::Phi3 => {
+            Some(l.original_max_position_embeddings)
+        }
+        _ => None,
+    }
+}
+
 impl Compiled<LlamaModel> {
+    /// Prefills `seq` into a new sharded cache (see [`crate::infer`]) with `model`'s slots, then leaves its
+    /// slots decoding over that cache. Returns the cache and the logits `[vocab]` of `seq`'s last position.
+    ///
+    /// `compiled`: the compiled attention of each layer (what the slots held before the first prefill).
+    fn prefill(
+        &self,
+        model: &mut LlamaModel,
+        compiled: &[Arc<dyn Attention>],
+        seq: &[u32],
+    ) -> Result<(SharedKv, Vec<f32>), InferError> {
+        let sp = self.sp_group().clone();
+        let (p, rank, n) = (sp.size(), sp.rank(), seq.len());
+        let n_pad = self.padded_len(n);
+        // Every rank's real (unpadded) rows: the first ones of its shard (positions ascend in every layout). The
+        // rank holding the last position computes the first token's logits.
+        let (mut fills, mut root) = (Vec::with_capacity(p), 0);
+        for r in 0..p {
+            let pos = self.positions(n_pad, r)?;
+            debug_assert!(pos.windows(2).all(|w| w[0] < w[1]), "a rank's positions ascend");
+            fills.push(pos.iter().filter(|&&x| x < n).count());
+            if pos.contains(&(n - 1)) {
+                root = r;
+            }
+        }
+        let keep = fills[rank];
+        let cache: SharedKv = Arc::new(Mutex::new(ShardedKv::new(model.layers.0.len(), rank, fills)));
+        fill_slots(model, &mut |layer, _| {
+            let inner = compiled[layer].clone();
+            Arc::new(PrefillAttention { inner, layer, keep, cache: cache.clone() })
+        });
+        let positions = self.positions(n_pad, rank)?;
+        let mut padded = seq.to_vec();
+        padded.resize(n_pad, 0);
+        let local: Vec<u32> = positions.iter().map(|&x| padded[x]).collect();
+        let ids = Tensor::from_vec(local, (1, positions.len()), &self.device())?;
+        let tape = Tape::inference();
+        tape.set_inputs_checked();
+        tape.set_sequence_length(n);
+        let hidden = model.hidden_states(&tape, &ids, &positions)?.into_tensor();
+        // The last position's hidden row, from the rank that holds it, to every rank: only its logits are made.
+        let row = match positions.iter().position(|&x| x == n - 1) {
+            Some(i) => hidden.narrow(1, i, 1)?,
+            None => Tensor::zeros((1, 1, hidden.dim(2)?), hidden.dtype(), hidden.device())?,
+        };
+        drop(hidden);
+        let row = if p > 1 { broadcast(sp.as_ref(), &row.contiguous()?, root)? } else { row };
+        let logits = logits_of(model, &tape, &row)?;
+        fill_slots(model, &mut |layer, _| Arc::new(DecodeAttention { layer, cache: cache.clone(), group: sp.clone() }));
+        Ok((cache, logits))
+    }
+
     /// Generates up to `cfg.max_new_tokens` tokens after `prompt` (see [`generate_streaming`]); collective
     /// over the world: every rank calls it with the same prompt and config, and every rank returns the same
     /// tokens.
@@ -110,52 +171,20 @@ impl Compiled<LlamaModel> {
         let stop = stop_tokens(self.model(), cfg)?;
         let (mut model, gathered) = inference_copy(self.model())?;
         let sp = self.sp_group().clone();
-        let (p, rank, n) = (sp.size(), sp.rank(), prompt.len());
-        let n_pad = self.padded_len(n);
-        // Every rank's real (unpadded) prompt rows: the first ones of its shard (positions ascend in every layout).
-        // The rank holding the last prompt position computes the first token's logits.
-        let (mut fills, mut root) = (Vec::with_capacity(p), 0);
-        for r in 0..p {
-            let pos = self.positions(n_pad, r)?;
-            debug_assert!(pos.windows(2).all(|w| w[0] < w[1]), "a rank's positions ascend");
-            fills.push(pos.iter().filter(|&&x| x < n).count());
-            if pos.contains(&(n - 1)) {
-                root = r;
-            }
-        }
+        let (p, n) = (sp.size(), prompt.len());
         let layers = model.layers.0.len();
-        let cache: SharedKv = Arc::new(Mutex::new(ShardedKv::new(layers, rank, fills.clone())));
-
-        // Prefill: this rank's shard of the prompt through the compiled attention, its K/V into the cache.
-        let keep = fills[rank];
-        fill_slots(&mut model, &mut |layer, inner| {
-            Arc::new(PrefillAttention { inner, layer, keep, cache: cache.clone() })
+        let mut compiled = Vec::with_capacity(layers);
+        fill_slots(&mut model, &mut |_, inner| {
+            compiled.push(inner.clone());
+            inner
         });
-        let positions = self.positions(n_pad, rank)?;
-        let mut padded = prompt.to_vec();
-        padded.resize(n_pad, 0);
-        let local: Vec<u32> = positions.iter().map(|&x| padded[x]).collect();
-        let device = self.device();
-        let ids = Tensor::from_vec(local, (1, positions.len()), &device)?;
-        let tape = Tape::inference();
-        tape.set_inputs_checked();
-        tape.set_sequence_length(n);
-        let hidden = model.hidden_states(&tape, &ids, &positions)?.into_tensor();
-        // The last prompt position's hidden row, from the rank that holds it, to every rank.
-        let row = match positions.iter().position(|&x| x == n - 1) {
-            Some(i) => hidden.narrow(1, i, 1)?,
-            None => Tensor::zeros((1, 1, hidden.dim(2)?), hidden.dtype(), hidden.device())?,
-        };
-        drop(hidden);
-        let row = if p > 1 { broadcast(sp.as_ref(), &row.contiguous()?, root)? } else { row };
-        let mut logits = logits_of(&model, &tape, &row)?;
-        drop(tape);
+        let (mut cache, mut logits) = self.prefill(&mut model, &compiled, prompt)?;
+        let query_rows = lock(&cache).query_rows.first().copied().unwrap_or(0);
         let prefill_seconds = start.elapsed().as_secs_f64();
 
         // Decode: one token at a time over the sharded cache.
-        fill_slots(&mut model, &mut |layer, _| {
-            Arc::new(DecodeAttention { layer, cache: cache.clone(), group: sp.clone() })
-        });
+        let device = self.device();
+        let restart = relongrope_position(&model);
         let mut rng = SampleRng::new(cfg.seed);
         let mut tokens = Vec::with_capacity(cfg.max_new_tokens);
         let mut finish = Finish::Length;
@@ -176,7 +205,14 @@ impl Compiled<LlamaModel> {
                 break;
             }
             let pos = n + tokens.len() - 1;
-            cache.lock().unwrap_or_else(|e| e.into_inner()).begin_token();
+            if restart == Some(pos) {
+                // transformers' Phi-3 drops its cache when the sequence first passes the original window and
+                // prefills it again, every key with the long factors.
+                let seq: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
+                (cache, logits) = self.prefill(&mut model, &compiled, &seq)?;
+                continue;
+            }
+            lock(&cache).begin_token();
             let tape = Tape::inference();
             tape.set_inputs_checked();
             let ids = Tensor::from_vec(vec![token], (1, 1), &device)?;
@@ -185,7 +221,7 @@ impl Compiled<LlamaModel> {
         }
         let decode_seconds = if tokens.len() > 1 { decode_start.elapsed().as_secs_f64() } else { 0.0 };
 
-        let c = cache.lock().unwrap_or_else(|e| e.into_inner());
+        let c = lock(&cache);
         let d = self.model().config.head_dim;
         let heads = self.model().config.num_attention_heads;
         let stats = GenerateStats {
@@ -196,7 +232,7 @@ impl Compiled<LlamaModel> {
             decode_seconds,
             prefill_tokens_per_s: per_second(n, prefill_seconds),
             decode_tokens_per_s: per_second(tokens.len().saturating_sub(1), decode_seconds),
-            query_rows: c.query_rows.first().copied().unwrap_or(0),
+            query_rows,
             kv_rows: c.rows()?,
             kv_cache_bytes: c.bytes(),
             gathered_weight_bytes: gathered,

@@ -17,7 +17,7 @@ use super::cache::ShardedKv;
 /// A cache shared by the slots of every layer of one generation.
 pub(crate) type SharedKv = Arc<Mutex<ShardedKv>>;
 
-fn lock(cache: &SharedKv) -> std::sync::MutexGuard<'_, ShardedKv> {
+pub(crate) fn lock(cache: &SharedKv) -> std::sync::MutexGuard<'_, ShardedKv> {
     // A slot that panicked mid-step leaves the cache as it was; the generation fails with that panic anyway.
     cache.lock().unwrap_or_else(|e| e.into_inner())
 }
