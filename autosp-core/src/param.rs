@@ -91,9 +91,11 @@ impl Param {
     /// on ranks that share memory (threads), every rank then holds rank 0's tensor: one copy in the process,
     /// as after every update ([`set_update`](Self::set_update)). Every rank of `group` calls it with the same
     /// whole parameter (collective). Fails when the parameter is sharded already. A frozen parameter
-    /// ([`set_frozen`](Self::set_frozen)) has no gradient or optimizer state to shard and stays whole.
+    /// ([`set_frozen`](Self::set_frozen)) has no gradient or optimizer state to shard: it stays whole below
+    /// `Parameters` and is stored as a slice at `Parameters` (LoRA's base: 1/W of it per rank), gathered for
+    /// each use by a gather that records no gradient ([`crate::Tape::param`]).
     pub fn shard_over(&self, level: ShardLevel, group: Arc<dyn ProcessGroup>) -> Result<()> {
-        if level == ShardLevel::None || self.is_frozen() {
+        if level == ShardLevel::None || (self.is_frozen() && level != ShardLevel::Parameters) {
             return Ok(());
         }
         let whole = self.tensor();

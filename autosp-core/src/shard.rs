@@ -112,9 +112,10 @@ impl ShardLayout {
 
     /// The whole tensor of `shape` from every rank's slice (`slice: [chunk]`; collective over `group`, whose
     /// size and rank are this layout's). Thread ranks get one tensor they all hold
-    /// ([`all_gather_once`](crate::comm::all_gather_once)), not a copy each.
+    /// ([`all_gather_once`](crate::comm::all_gather_once)), not a copy each. Noted by [`note_gathered`].
     pub fn gather(&self, group: &dyn ProcessGroup, slice: &Tensor, shape: &Shape) -> Result<Tensor> {
         let all = crate::comm::all_gather_once(group, &slice.reshape((1, self.chunk))?, 0)?;
+        note_gathered(&all);
         Ok(all.flatten_all()?.narrow(0, 0, self.numel)?.reshape(shape)?)
     }
 
@@ -126,6 +127,24 @@ impl ShardLayout {
         let mine = group.reduce_scatter(&self.padded_rows(&g)?, 0, ReduceOp::Sum)?;
         Ok(mine.reshape(self.chunk)?)
     }
+}
+
+thread_local! {
+    /// The bytes of the largest tensor of weights this thread gathered since [`take_largest_gathered`].
+    static LARGEST_GATHERED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Notes a tensor of weights gathered from slices (a whole parameter, a vocabulary tile of the LM head), for
+/// [`take_largest_gathered`]: every gather of sharded weights calls it. Per thread, so per thread rank.
+pub fn note_gathered(t: &Tensor) {
+    let bytes = crate::memory::storage_bytes(t);
+    LARGEST_GATHERED.with(|c| c.set(c.get().max(bytes)));
+}
+
+/// The bytes of the largest weight tensor this thread gathered ([`note_gathered`]) since the last call, and a
+/// fresh start: what a test or a benchmark compares with one block's weights.
+pub fn take_largest_gathered() -> usize {
+    LARGEST_GATHERED.with(|c| c.replace(0))
 }
 
 /// The sharding of one parameter: the level, the group its state is sliced over, its layout there and its

@@ -221,10 +221,17 @@ impl Tape {
     /// backward; the leaf's gradient is then this rank's reduced slice. An inference tape gets the whole
     /// weight (gathered at `Parameters`).
     ///
-    /// A frozen parameter ([`Param::set_frozen`]) is a leaf that takes no gradient (the whole weight; frozen
-    /// parameters are never sharded): the ops that use it skip the products that would only feed its gradient.
+    /// A frozen parameter ([`Param::set_frozen`]) is a leaf that takes no gradient: the ops that use it skip
+    /// the products that would only feed its gradient. Whole, it is the weight itself; sharded (frozen weights
+    /// are sliced at `Parameters` only), its slice is the leaf and each use records a gather node that takes no
+    /// gradient (no reduce-scatter in backward): regions drop its output when they close and backward replays
+    /// it where it needs the weight, so a frozen base lives whole one block at a time, like a trainable one.
     pub fn param(&self, p: &Param) -> Result<Value> {
         if p.is_frozen() {
+            if let Some((leaf, shard)) = self.param_slice(p)? {
+                let op: Arc<dyn Op> = Arc::new(ShardedParam { param: p.clone(), shard });
+                return Ok(self.apply_node(op, &[&leaf], true)?.remove(0));
+            }
             // One leaf per frozen parameter that takes no gradient; like every parameter's, its bytes are the
             // model's, not the tape's.
             return self.param_leaf(p, false, || p.whole());
@@ -244,7 +251,7 @@ impl Tape {
         if !self.is_recording() {
             return Ok(None);
         }
-        let leaf = self.param_leaf(p, true, || match shard.level {
+        let leaf = self.param_leaf(p, !p.is_frozen(), || match shard.level {
             ShardLevel::Parameters => Ok(p.tensor()),
             _ => shard.slice(&p.tensor()),
         })?;
@@ -298,6 +305,13 @@ impl Tape {
 
     /// [`apply`](Self::apply) for an op already behind an `Arc`.
     pub fn apply_arc(&self, op: Arc<dyn Op>, inputs: &[&Value]) -> Result<Vec<Value>> {
+        self.apply_node(op, inputs, false)
+    }
+
+    /// Runs `op` on `inputs` and records it when a recording tape has an input that takes a gradient, or
+    /// whenever it records if `always` (a frozen weight's gather, which a region drops and backward replays):
+    /// the outputs take a gradient only when an input does.
+    fn apply_node(&self, op: Arc<dyn Op>, inputs: &[&Value], always: bool) -> Result<Vec<Value>> {
         for v in inputs {
             if let Some(r) = v.id {
                 if r.tape != self.id {
@@ -312,8 +326,8 @@ impl Tape {
             op.forward(&tensors)?
         };
         let mut inner = self.inner.borrow_mut();
-        let tracked =
-            inner.recording && inputs.iter().any(|v| v.id.is_some_and(|r| inner.values[r.index].requires_grad));
+        let grad_in = inputs.iter().any(|v| v.id.is_some_and(|r| inner.values[r.index].requires_grad));
+        let tracked = inner.recording && (grad_in || always);
         if !tracked {
             return Ok(outputs.into_iter().map(Value::constant).collect());
         }
@@ -335,7 +349,7 @@ impl Tape {
         let mut output_ids = Vec::with_capacity(outputs.len());
         let mut values = Vec::with_capacity(outputs.len());
         for (j, t) in outputs.into_iter().enumerate() {
-            let index = inner.push_value(Origin::Node(node), &t, true);
+            let index = inner.push_value(Origin::Node(node), &t, grad_in);
             inner.values[index].region = region;
             if saves.output(j) {
                 inner.values[index].save_count += 1;

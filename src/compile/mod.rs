@@ -283,7 +283,8 @@ pub fn compile<M: CausalLm + 'static>(mut model: M, config: CompileConfig) -> Re
         (None, None, _) => sharding::default_level(&counts, config.dtype, w, world.shares_memory()),
     };
     if built.is_none() && sharding.0 != ShardLevel::None {
-        for param in &trainable {
+        // Frozen weights (LoRA's base) too: sliced at `parameters`, left whole below it (Param::shard_over).
+        for param in &params {
             param.shard_over(sharding.0, world.clone())?;
         }
     }

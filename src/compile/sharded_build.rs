@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use autosp_core::comm::{ProcessGroup, ReduceOp};
-use autosp_core::module::trainable_params;
+use autosp_core::module::all_params;
 use autosp_core::{Module, ShardLevel};
 use candle_core::{Device, Tensor};
 
@@ -38,7 +38,8 @@ where
         if turn == rank {
             let built = (build.take().expect("one turn per rank"))().and_then(|model| {
                 // One rank has nothing to shard (as `compile` says).
-                for p in trainable_params(&model).into_iter().filter(|_| size > 1) {
+                // Frozen weights (LoRA's base) too: sliced at `Parameters`, whole below (Param::shard_over).
+                for p in all_params(&model).into_iter().filter(|_| size > 1) {
                     p.shard_over(level, world.clone()).map_err(|e| E::from(CompileError::from(e)))?;
                 }
                 Ok(model)

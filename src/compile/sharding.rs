@@ -4,13 +4,16 @@
 //! about N/W (a slice) as the level keeps them ([`autosp_core::shard`]):
 //! parameters `n·b`; gradients in the reduction dtype, `n·4` (whole below `Gradients`: the tape holds them
 //! whole until they are reduced); AdamW's two moments `n·8`; f32 masters of bf16/f16 weights `n·4`. At `Parameters` a whole weight exists only while an op
-//! uses it: the largest block's weights (or the largest single weight outside the blocks) at once, counted as
-//! `gathered`. Frozen parameters (LoRA's base weights) count `N·b` whole on every rank and nothing else.
+//! uses it: the largest block's weights, frozen ones included (or the largest single weight outside the blocks
+//! other than the `[vocab, hidden]` embedding and head, which are never whole: the embedding moves the rows its
+//! tokens use and the loss gathers the head one vocabulary tile of at most a block's size at a time), counted
+//! as `gathered`. Frozen parameters (LoRA's base weights) count `N·b` and nothing else: whole on every rank
+//! below `Parameters`, a slice (`ceil(N/W)·b` each) at `Parameters`.
 
 use std::sync::Arc;
 
 use autosp_core::comm::ProcessGroup;
-use autosp_core::module::{all_params, trainable_params, visit_mut};
+use autosp_core::module::{all_params, visit_mut};
 use autosp_core::optim::AdamW;
 use autosp_core::shard::{ShardLayout, ShardLevel};
 use autosp_core::{Gradients, LmDims, Module, Param, Precision};
@@ -98,10 +101,12 @@ impl std::fmt::Display for ModelStateBytes {
 pub struct ParamCounts {
     /// Whole element counts, one per distinct parameter that trains.
     pub elems: Vec<usize>,
-    /// The elements of the frozen parameters (LoRA's base weights): held whole on every rank, with no
-    /// gradient, moments or masters.
+    /// The elements of the frozen parameters (LoRA's base weights), with no gradient, moments or masters:
+    /// whole on every rank below `Parameters`, sliced at it.
     pub frozen: usize,
-    /// The largest unit gathered at once.
+    /// Each frozen parameter's whole element count (their sum is `frozen`), for their slices at `Parameters`.
+    pub frozen_elems: Vec<usize>,
+    /// The largest unit gathered at once (a block's weights, frozen ones included).
     pub largest_unit: usize,
     /// The parameters of modules with a checkpoint region.
     pub in_block: std::collections::HashSet<autosp_core::ParamId>,
@@ -117,21 +122,30 @@ impl ParamCounts {
         let mut largest = 0;
         visit_mut(model, "", &mut |_, m| {
             if m.region_slot().is_some() {
-                let ps = trainable_params(m);
+                // Gathered whole for the block's use at `Parameters`, the frozen weights as well.
+                let ps = all_params(m);
                 largest = largest.max(ps.iter().map(|p| p.shape().elem_count()).sum::<usize>());
                 in_blocks.extend(ps.iter().map(Param::id));
             }
         });
         let all = all_params(model);
-        let frozen = all.iter().filter(|p| p.is_frozen()).map(|p| p.shape().elem_count()).sum();
+        let frozen_elems: Vec<usize> = all.iter().filter(|p| p.is_frozen()).map(|p| p.shape().elem_count()).collect();
+        // Outside the blocks: the largest weight gathered whole for one use (the final norm's); the
+        // [vocab, hidden] embedding and head never are (their ops move rows and vocabulary tiles).
+        let vocab_sized = |p: &Param| p.shape().dims() == [dims.vocab, dims.hidden];
+        let outside = all
+            .iter()
+            .filter(|p| !in_blocks.contains(&p.id()) && !vocab_sized(p))
+            .map(|p| p.shape().elem_count())
+            .max()
+            .unwrap_or(0);
         let params: Vec<Param> = all.into_iter().filter(|p| !p.is_frozen()).collect();
-        let outside =
-            params.iter().filter(|p| !in_blocks.contains(&p.id())).map(|p| p.shape().elem_count()).max().unwrap_or(0);
-        let heads: Vec<&Param> = params.iter().filter(|p| p.shape().dims() == [dims.vocab, dims.hidden]).collect();
+        let heads: Vec<&Param> = params.iter().filter(|p| vocab_sized(p)).collect();
         let tied = if heads.len() == 1 { Some(heads[0].id()) } else { None };
         Self {
             elems: params.iter().map(|p| p.shape().elem_count()).collect(),
-            frozen,
+            frozen: frozen_elems.iter().sum(),
+            frozen_elems,
             largest_unit: largest.max(outside),
             in_block: in_blocks,
             tied,
@@ -155,9 +169,15 @@ pub fn model_state_bytes(counts: &ParamCounts, dtype: DType, level: ShardLevel, 
     let wide = precision.reduce().size_in_bytes();
     let sharded = level != ShardLevel::None && world > 1;
     let state = sum(sharded);
-    let gathered = if level == ShardLevel::Parameters && world > 1 { counts.largest_unit * b } else { 0 };
+    let zero3 = level == ShardLevel::Parameters && world > 1;
+    let gathered = if zero3 { counts.largest_unit * b } else { 0 };
+    let frozen: usize = if zero3 {
+        counts.frozen_elems.iter().map(|&n| ShardLayout::new(n, 0, world).chunk).sum()
+    } else {
+        counts.frozen
+    };
     ModelStateBytes {
-        params: (sum(level == ShardLevel::Parameters && world > 1) + counts.frozen) * b,
+        params: (sum(zero3) + frozen) * b,
         grads: sum(level >= ShardLevel::Gradients && world > 1) * wide,
         moments: 2 * state * precision.master().size_in_bytes(),
         masters: if precision.needs_master() { state * precision.master().size_in_bytes() } else { 0 },

@@ -1,5 +1,9 @@
-//! Embedding lookup from a table sharded at `Gradients` or `Parameters` ([`crate::shard`]), whose backward
-//! never makes the whole table's gradient. The plain path (a [`ShardedParam`](super::shard_param::ShardedParam)
+//! Embedding lookup from a table sharded at `Gradients` or `Parameters` ([`crate::shard`]), whose forward
+//! never gathers the whole table and whose backward never makes the whole table's gradient. At `Parameters`
+//! the forward all-gathers the ranks' ids (`tokens` numbers per rank), each rank fills the parts of those rows
+//! that lie in its own slice (zeros elsewhere) and a reduce-scatter hands every rank its own tokens' rows: each
+//! element is one rank's value plus zeros, so the rows equal the whole table's bit for bit, and what moves is
+//! `tokens × hidden` per rank, never `vocab × hidden`. The plain path (a [`ShardedParam`](super::shard_param::ShardedParam)
 //! gather, then [`Embedding`]) scatter-adds every rank's token gradients into a whole `[vocab, hidden]`
 //! gradient and reduce-scatters it: 1 GiB per rank and per step for a 128K × 2048 f32 table, for a few
 //! thousand rows that changed. Here backward all-gathers the tokens' ids and gradients over the shard's group
@@ -42,11 +46,10 @@ impl Op for ShardedEmbedding {
         NodeKind::Embedding
     }
     fn forward(&self, i: &[&Tensor]) -> Result<Vec<Tensor>> {
-        let table = match self.shard.level {
-            ShardLevel::Parameters => self.shard.gather(i[1])?,
-            _ => self.stored.clone(),
-        };
-        Embedding { padding_idx: self.padding_idx }.forward(&[i[0], &table])
+        match self.shard.level {
+            ShardLevel::Parameters => Ok(vec![slice_rows(&self.shard, i[0], i[1])?]),
+            _ => Embedding { padding_idx: self.padding_idx }.forward(&[i[0], &self.stored]),
+        }
     }
     fn saves(&self) -> Saves {
         Saves::inputs(&[0])
@@ -55,6 +58,53 @@ impl Op for ShardedEmbedding {
         let Some(g) = &g[0] else { return Ok(vec![None, None]) };
         Ok(vec![None, Some(slice_grad(&self.shard, &s.input(0)?.flatten_all()?, g, self.padding_idx)?)])
     }
+}
+
+/// The rows of `ids: [..]` (u32 or i64) from a table sharded at `Parameters`, `slice: [chunk]` this rank's
+/// slice -> `[.., hidden]` in the table's dtype, without the whole table: every rank's ids are gathered, each
+/// rank fills the parts of those rows its slice holds, and a reduce-scatter sums the parts (one rank's value
+/// and zeros: exact) into each rank's own rows. Collective over the shard's group; `ids` must be below the
+/// vocabulary (checked by the caller).
+pub fn slice_rows(shard: &ParamShard, ids: &Tensor, slice: &Tensor) -> Result<Tensor> {
+    let (vocab, hidden) = shard.shape.dims2()?;
+    let group = shard.group.as_ref();
+    let t = ids.elem_count();
+    // The ids as floats of the accumulation dtype (exact below 2^24 in f32), padded with -1 to the most any
+    // rank holds; the counts are host data (made and gathered on the host).
+    let acc = Precision::float(slice.dtype()).accumulate();
+    if vocab as f64 >= f64::from(1u32 << 24) && acc == DType::F32 {
+        return Err(Error::InvalidArgument {
+            op: "sharded_embedding",
+            msg: format!(
+                "a table of {vocab} rows is past the ids f32 carries exactly: use an f64 model or --shard optimizer"
+            ),
+        });
+    }
+    let counts = group.all_gather(&Tensor::new(&[t as f64], &Device::Cpu)?, 0)?.to_vec1::<f64>()?;
+    let most = counts.iter().fold(0.0f64, |a, &b| a.max(b)) as usize;
+    let mut mine = ids.flatten_all()?.to_dtype(acc)?;
+    if most > t {
+        mine = Tensor::cat(&[&mine, &Tensor::full(-1.0f32, most - t, ids.device())?.to_dtype(acc)?], 0)?;
+    }
+    let all = group.all_gather(&mine.contiguous()?, 0)?;
+    // This rank's part of the table: the rows [lo, hi) its flat slice touches, with the elements outside the
+    // slice zero, and one more zero row (the spare) for the ids of other rows and the padding.
+    let owned = shard.layout.owned();
+    let (lo, hi) = (owned.start / hidden, owned.end.div_ceil(hidden));
+    let before = owned.start - lo * hidden;
+    let after = (hi + 1 - lo) * hidden - before - owned.len();
+    let part = slice.narrow(0, 0, owned.len())?.pad_with_zeros(0, before, after)?.reshape((hi + 1 - lo, hidden))?;
+    let inside = all.ge(lo as f64)?.mul(&all.lt(hi as f64)?)?;
+    let spare = Tensor::full((hi - lo) as f32, all.shape(), all.device())?.to_dtype(acc)?;
+    let local = inside.where_cond(&(&all - lo as f64)?, &spare)?.to_dtype(DType::U32)?;
+    // Summed in the accumulation dtype (every back end reduces it) and narrowed back: exact, as each element
+    // is one rank's value and zeros.
+    let parts = part.index_select(&local, 0)?.to_dtype(acc)?.reshape((group.size(), most, hidden))?;
+    let rows = group.reduce_scatter(&parts, 0, crate::comm::ReduceOp::Sum)?.reshape((most, hidden))?;
+    let rows = rows.to_dtype(slice.dtype())?;
+    let mut dims = ids.dims().to_vec();
+    dims.push(hidden);
+    Ok(rows.narrow(0, 0, t)?.contiguous()?.reshape(dims)?)
 }
 
 /// This rank's slice `[chunk]` of the table's gradient, summed over every rank's tokens but those of

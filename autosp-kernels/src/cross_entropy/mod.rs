@@ -11,6 +11,9 @@
 //!   over the vocabulary so each tile of `d_lm_head` is final at once and written into one preallocated
 //!   `[vocab, d]` gradient; see that module for the algorithm, precision and memory.
 //!
+//! - the sharded head (`sharded.rs`, a head sharded at `Gradients` or `Parameters`): vocabulary tiles gathered
+//!   one at a time and their gradients reduce-scattered tile by tile ([`chunked_cross_entropy_param`]).
+//!
 //! Forward keeps nothing but its inputs; backward recomputes the logits. Returns the sum of token losses and
 //! the valid-token count, as [`autosp_core::ops::cross_entropy()`] does, for the global reduction of sequence
 //! parallelism; the loss in f32 (f64 for f64; [`Precision::accumulate`]). Both kernels sum in a fixed order:
@@ -24,8 +27,10 @@
 
 mod cpu;
 mod generic;
+mod sharded;
 
 pub use generic::{LossTiles, MIN_VOCAB_TILE, TILE_BYTES_CPU, TILE_BYTES_GPU};
+pub use sharded::{chunked_cross_entropy_param, ShardedHeadLoss};
 
 use autosp_core::dispatch::{select, Route};
 use autosp_core::host_read::{read_f64, read_vec};

@@ -388,13 +388,16 @@ impl LlamaModel {
         let h = self.hidden_states(tape, ids, positions)?;
         let h = ops::reshape(tape, &h, (b * n, self.config.hidden_size))?;
         let head = match &self.lm_head {
-            Some(l) => tape.param(&l.weight)?,
-            None => tape.param(&self.embed_tokens.table)?,
+            Some(l) => &l.weight,
+            None => &self.embed_tokens.table,
         };
         let targets = tape.constant(targets.to_dtype(DType::I64)?);
         // The loss in row chunks: no [b * n, vocab] logits tensor is ever held (about 32 MiB of logits at a time).
         let chunk = ((8usize << 20) / self.config.vocab_size.max(1)).clamp(16, 4096);
-        Ok(autosp_kernels::chunked_cross_entropy(tape, &h, &head, &targets, chunk)?)
+        // A sharded head is taken in vocabulary tiles of at most one block's weights (none is ever whole).
+        let elems = |l: &LlamaDecoderLayer| all_params(l).iter().map(|p| p.shape().elem_count()).sum::<usize>();
+        let block = self.layers.0.iter().map(elems).max().unwrap_or(0);
+        Ok(autosp_kernels::chunked_cross_entropy_param(tape, &h, head, &targets, chunk, block)?)
     }
 
     /// Logits of new tokens against a KV cache: `ids: [b, n]` u32 take positions `cache.len()..+n`;
