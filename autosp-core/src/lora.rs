@@ -227,12 +227,13 @@ pub fn lora_config_of(m: &dyn Module) -> Option<LoraConfig> {
     })
 }
 
-/// Starts every adapter's dropout masks of optimizer step `step` ([`LoraAdapter::seed_step`]): call it before
-/// each step, so that a resumed run draws the masks an uninterrupted one drew.
-pub fn seed_dropout(m: &dyn Module, step: u64) {
+/// Sets every adapter's dropout masks to optimizer step `step` and a micro-batch whose first sequence is
+/// `first_sequence` in the step's batch ([`LoraAdapter::seed_batch`]): call it before each micro-batch, so
+/// that a resumed run draws the masks an uninterrupted one drew, and every mesh the same ones.
+pub fn seed_dropout(m: &dyn Module, step: u64, first_sequence: u64) {
     walk(m, "", &mut |_, module| {
         if let Some(lora) = module.as_linear().and_then(|l| l.lora.as_ref()) {
-            lora.seed_step(step);
+            lora.seed_batch(step, first_sequence);
         }
     });
 }

@@ -74,6 +74,8 @@ pub(crate) struct Inner {
     pub(crate) sequence_length: Option<usize>,
     /// The documents of the packed window this forward runs ([`Tape::documents`]).
     pub(crate) documents: Option<std::sync::Arc<crate::ops::attention::Documents>>,
+    /// Where the next forward's tokens sit in the step's global batch ([`Tape::token_coordinates`]).
+    pub(crate) coordinates: Option<std::sync::Arc<crate::TokenCoordinates>>,
 }
 
 /// A reverse-mode autodiff tape over candle tensors, with checkpoint regions.
@@ -132,6 +134,7 @@ impl Tape {
                 inputs_checked: false,
                 sequence_length: None,
                 documents: None,
+                coordinates: None,
             }),
         }
     }
@@ -177,6 +180,19 @@ impl Tape {
     /// The documents [`set_documents`](Self::set_documents) declared, if any.
     pub fn documents(&self) -> Option<std::sync::Arc<crate::ops::attention::Documents>> {
         self.inner.borrow().documents.clone()
+    }
+
+    /// Declares where the rows and columns of the next forward's `[rows, columns]` tokens sit in the step's
+    /// global batch (`None`: the forward's own rows and columns, from 0). Per-token random draws (LoRA's
+    /// dropout masks) read it, so they depend on the token, not on the rank that computes it; the compiled
+    /// step sets it for each group of rows it runs.
+    pub fn set_token_coordinates(&self, coordinates: Option<std::sync::Arc<crate::TokenCoordinates>>) {
+        self.inner.borrow_mut().coordinates = coordinates;
+    }
+
+    /// The coordinates [`set_token_coordinates`](Self::set_token_coordinates) declared, if any.
+    pub fn token_coordinates(&self) -> Option<std::sync::Arc<crate::TokenCoordinates>> {
+        self.inner.borrow().coordinates.clone()
     }
 
     /// Whether a gradient flows to `v` on this tape: it records, tracks `v`, and `v` is not a frozen leaf

@@ -322,23 +322,24 @@ fn gelu_tanh_in_bf16_follows_f32() {
 fn dropout_with_a_seeded_mask() {
     let x = rand(&[3, 50], 21);
     // The op itself (`ops::dropout` is the identity on the inference tapes finite differences evaluate on).
-    let op = || ops::dropout::Dropout { p: 0.3, seed: 7 };
+    let coordinates = std::sync::Arc::new(autosp_core::TokenCoordinates::local(1, 3));
+    let op = || ops::dropout::Dropout { p: 0.3, seed: 7, first_sequence: 0, coordinates: coordinates.clone() };
     check(|t, v| Ok(vec![t.apply(op(), &[&v[0]])?.remove(0)]), &[x.clone()], &[0]);
     let ones = Tensor::ones((100, 100), DType::F64, &Device::Cpu).unwrap();
     let tape = Tape::new(CheckpointPolicy::None);
-    let y = ops::dropout(&tape, &tape.leaf(ones.clone()), 0.3, 7).unwrap().tensor().clone();
+    let y = ops::dropout(&tape, &tape.leaf(ones.clone()), 0.3, 7, 0).unwrap().tensor().clone();
     let v = y.flatten_all().unwrap().to_vec1::<f64>().unwrap();
     let dropped = v.iter().filter(|&&e| e == 0.0).count() as f64 / v.len() as f64;
     // 10,000 draws: the dropped fraction's standard deviation is 0.0046; 0.02 is over four of them.
     assert!((dropped - 0.3).abs() < 0.02, "dropped {dropped}");
     let keep = 1.0 / (1.0 - f64::from(0.3f32));
     assert!(v.iter().all(|&e| e == 0.0 || e == keep));
-    let again = ops::dropout(&tape, &tape.leaf(ones.clone()), 0.3, 7).unwrap().tensor().clone();
-    let other = ops::dropout(&tape, &tape.leaf(ones.clone()), 0.3, 8).unwrap().tensor().clone();
+    let again = ops::dropout(&tape, &tape.leaf(ones.clone()), 0.3, 7, 0).unwrap().tensor().clone();
+    let other = ops::dropout(&tape, &tape.leaf(ones.clone()), 0.3, 8, 0).unwrap().tensor().clone();
     assert_eq!(v, again.flatten_all().unwrap().to_vec1::<f64>().unwrap());
     assert_ne!(v, other.flatten_all().unwrap().to_vec1::<f64>().unwrap());
     let inference = Tape::inference();
-    let same = ops::dropout(&inference, &inference.leaf(ones.clone()), 0.3, 7).unwrap();
+    let same = ops::dropout(&inference, &inference.leaf(ones.clone()), 0.3, 7, 0).unwrap();
     assert_eq!(same.tensor().sum_all().unwrap().to_scalar::<f64>().unwrap(), 10_000.0);
-    assert!(ops::dropout(&tape, &tape.leaf(ones), 1.0, 7).is_err());
+    assert!(ops::dropout(&tape, &tape.leaf(ones), 1.0, 7, 0).is_err());
 }

@@ -14,7 +14,7 @@ use autosp_core::module::trainable_params;
 use autosp_core::ops::{self, Documents, IGNORE_INDEX};
 use autosp_core::optim::sum_of_squares;
 use autosp_core::shard::ShardLevel;
-use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Param, Precision, Tape};
+use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Param, Precision, Tape, TokenCoordinates};
 use autosp_kernels::sp::layout::gather_unshard;
 use candle_core::{DType, Tensor};
 
@@ -137,6 +137,8 @@ struct LocalBatch {
     targets_local: Tensor,
     /// The local rows grouped by their documents (one group without documents for an unpacked batch).
     groups: Vec<RowGroup>,
+    /// The batch row of local row 0 (this replica's first row).
+    first_row: usize,
     /// What a length-dependent RoPE scaling reads ([`Tape::set_sequence_length`]).
     sequence_length: usize,
     /// Valid targets over the ranks in `over` (> 0).
@@ -262,7 +264,12 @@ impl<M: CausalLm> Compiled<M> {
     /// shard's), or the longest document's positions, as transformers' `max(position_ids) + 1`.
     fn local_loss(&self, tape: &Tape, batch: &LocalBatch) -> Result<autosp_core::Value, CompileError> {
         tape.set_sequence_length(batch.sequence_length);
+        let positions: Vec<u64> = batch.positions.iter().map(|&p| p as u64).collect();
         let sums = per_group(tape, &batch.groups, &batch.ids_local, |g, ids| {
+            // Where the group's tokens sit in the batch, for per-token draws (LoRA's dropout masks).
+            let sequences = g.rows.iter().map(|&r| (batch.first_row + r) as u64).collect();
+            let coordinates = TokenCoordinates { sequences, positions: positions.clone() };
+            tape.set_token_coordinates(Some(Arc::new(coordinates)));
             let targets = if batch.groups.len() == 1 {
                 batch.targets_local.clone()
             } else {
@@ -272,6 +279,7 @@ impl<M: CausalLm> Compiled<M> {
             };
             Ok(self.model.loss(tape, &ids, &batch.positions, &targets.flatten_all()?)?.0)
         })?;
+        tape.set_token_coordinates(None);
         let mut sums = sums.into_iter();
         let mut sum = sums.next().expect("at least one group");
         for s in sums {
@@ -333,7 +341,8 @@ impl<M: CausalLm> Compiled<M> {
         if total == 0.0 {
             return Err(CompileError::NoTargets);
         }
-        Ok(LocalBatch { ids_local, positions, targets_local, groups, sequence_length, total, over })
+        let first_row = rows.start;
+        Ok(LocalBatch { ids_local, positions, targets_local, groups, first_row, sequence_length, total, over })
     }
 
     /// Checks `documents` (one per row of a batch of `b` rows of `n` tokens) when given.

@@ -493,13 +493,15 @@ impl Trainer {
         let (mut loss_sum, mut count, mut tape_peak) = (0f64, 0usize, 0usize);
         let (mut windows, mut untrained) = (0usize, 0usize);
         let answers_only = self.stream.answers_only();
-        // LoRA's dropout masks follow the step, so a resumed run draws the ones an uninterrupted run drew.
-        autosp_core::lora::seed_dropout(self.compiled.model(), self.step as u64);
-        for _ in 0..micro {
+        let rows = replicas * seq_len / len;
+        for m in 0..micro {
+            // LoRA's dropout masks follow the step and each sequence's place in its batch, so a resumed run
+            // draws the ones an uninterrupted run drew, on any mesh.
+            autosp_core::lora::seed_dropout(self.compiled.model(), self.step as u64, (m * rows) as u64);
             let (mut ids, mut labels) = (Vec::with_capacity(seq_len), Vec::with_capacity(seq_len));
             // Packed by documents: each window's ([`Stream::packing`]), a row of the step each.
             let mut documents = Vec::new();
-            for _ in 0..replicas * seq_len / len {
+            for _ in 0..rows {
                 let s = self.stream.next(len)?;
                 self.drawn += 1;
                 windows += 1;
@@ -508,7 +510,6 @@ impl Trainer {
                 documents.extend(s.documents);
                 ids.extend(s.ids);
             }
-            let rows = replicas * seq_len / len;
             let labels = match answers_only || !documents.is_empty() {
                 true => Some(Tensor::from_vec(labels, (rows, len), &Device::Cpu)?),
                 false => None,

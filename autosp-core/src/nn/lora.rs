@@ -22,9 +22,10 @@ pub struct LoraAdapter {
     pub scale: f64,
     /// Dropout probability on the adapter's input (training tapes only).
     pub dropout: f32,
-    /// The dropout masks' seed; each recorded forward draws the next mask.
+    /// The dropout masks' seed (one per adapter: [`crate::lora::add_lora`] hashes the module's name into it).
     seed: u64,
-    calls: Arc<AtomicU64>,
+    /// The step and the first sequence of the micro-batch the next forwards run ([`Self::seed_batch`]).
+    batch: Arc<[AtomicU64; 2]>,
 }
 
 impl LoraAdapter {
@@ -32,7 +33,7 @@ impl LoraAdapter {
     /// dropout masks.
     pub fn new(a: Param, b: Param, alpha: f64, dropout: f32, seed: u64) -> Self {
         let r = a.shape().dims().first().copied().unwrap_or(1).max(1);
-        Self { a, b, scale: alpha / r as f64, dropout, seed, calls: Arc::new(AtomicU64::new(0)) }
+        Self { a, b, scale: alpha / r as f64, dropout, seed, batch: Arc::new([AtomicU64::new(0), AtomicU64::new(0)]) }
     }
 
     /// A fresh adapter for a linear layer `[out, inp]` named `prefix` (e.g. `model.layers.0.self_attn.q_proj`):
@@ -70,10 +71,13 @@ impl LoraAdapter {
         ))
     }
 
-    /// Starts the dropout masks of optimizer step `step`: each forward on a recording tape draws the next mask
-    /// of that step's sequence, so a run resumed at a step draws the masks an uninterrupted run drew there.
-    pub fn seed_step(&self, step: u64) {
-        self.calls.store(step << 32, Ordering::Relaxed);
+    /// Sets the optimizer step and the index of the micro-batch's first sequence in the step's batch that the
+    /// next forwards' dropout masks are drawn for. A mask element is a function of (seed, step, sequence,
+    /// position, feature), the sequence and position read from the tape's [`crate::TokenCoordinates`]: a run
+    /// resumed at a step draws the masks an uninterrupted run drew there, on any mesh.
+    pub fn seed_batch(&self, step: u64, first_sequence: u64) {
+        self.batch[0].store(step, Ordering::Relaxed);
+        self.batch[1].store(first_sequence, Ordering::Relaxed);
     }
 
     /// The rank `r`.
@@ -89,8 +93,8 @@ impl LoraAdapter {
     /// The adapter's output `x: [.., in]` -> `scale · dropout(x) Aᵀ Bᵀ: [.., out]`.
     pub fn forward(&self, tape: &Tape, x: &Value) -> Result<Value> {
         let x = if self.dropout > 0.0 && tape.is_recording() {
-            let call = self.calls.fetch_add(1, Ordering::Relaxed);
-            ops::dropout(tape, x, self.dropout, self.seed ^ call.wrapping_mul(0x9e37_79b9_7f4a_7c15))?
+            let (step, first) = (self.batch[0].load(Ordering::Relaxed), self.batch[1].load(Ordering::Relaxed));
+            ops::dropout(tape, x, self.dropout, crate::rng::SplitMix64::key(self.seed, step), first)?
         } else {
             x.clone()
         };
