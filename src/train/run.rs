@@ -419,7 +419,8 @@ impl Job {
         // Every rank of this process holds its own handle on the starting weights now: the job's goes, and the
         // weights with the last rank's (below).
         pg.barrier()?;
-        if pg.rank() == 0 {
+        // Thread ranks share the job (rank 0 lets it go); one process per rank has a job of its own (#41).
+        if pg.rank() == 0 || !self.threads {
             self.base.lock().expect("job lock poisoned").take();
         }
         let mut c = compile(model, cfg).map_err(|cause| TrainError::Compile {
@@ -463,6 +464,9 @@ impl Job {
         if let Some(heap) = self.heap {
             trainer = trainer.with_heap(heap);
         }
+        // The optimizer holds what it keeps of the masters (its slices when sharded): the whole loaded weights
+        // go now, not at the end of the run (#41).
+        drop(masters);
         drop(base);
         if let Some((dir, st)) = &self.resume {
             trainer.resume(dir, st)?;
