@@ -1,150 +1,433 @@
 #!/usr/bin/env bash
-# The one prepared device script: everything autosp checks on a CUDA GPU, in one run that fits in 8 minutes
-# on a 16-core, 1-GPU machine with no network (README "Building with CUDA" says what it needs installed).
+# The first run on a CUDA GPU, in minutes: every check autosp has for a GPU, each stage printing PASS, FAIL or
+# SKIP (with the reason) and the script going on after a failure, ending with a table of all stages. Exits 1
+# when a stage failed.
 #
-#   1. builds with `--features cuda` (candle's CUDA backend + the device-generic kernels), and with
-#      `flash-attn` on top when CUTLASS is already on disk (candle-flash-attn's build clones it otherwise);
-#   2. runs the CUDA tests (`autosp-kernels/tests/cuda_attention.rs`, `cuda_ops.rs`: the generic attention
-#      and ops on CUDA against the CPU kernels, forward and backward, f32 and bf16; candle-flash-attn's
-#      forward when built);
-#   3. runs `llama_longctx --quick` on CUDA at P = 1 and 2 (thread ranks sharing the GPU) in f32 and bf16 and
-#      compares every step's loss with the CPU run (f32: 1e-4 relative; bf16: 2e-2);
-#   4. on CUDA: saves and resumes a run (the resumed losses must equal the uninterrupted run's bit for bit);
-#      bf16 and f16 (dynamic loss scaling) against f32 over 20 steps (2e-2 relative); the host reads per step
-#      (`host_reads` in the metrics: the same on every step, at most 3);
-#   5. prints `bench_attention` on CUDA (generic attention vs candle-flash-attn forward, bf16, N = 16384,
-#      head_dim 64 and 128), llama_longctx tokens/s at 8K and 32K tokens, and bench_memory's device-memory
-#      peak at 8K against the plan's prediction (tape peak + model states).
+#   scripts/gpu_check.sh --bundle DIR        on the GPU machine: runs a bundle built beforehand on any machine
+#                                            by scripts/gpu_bundle.sh (no cargo, no nvcc, no build); about 5
+#                                            minutes on an H100 (8 at most).
+#   scripts/gpu_check.sh                     the same after building the bundle here (scripts/gpu_bundle.sh:
+#                                            network to PyPI the first time, 15+ minutes cold on 2 cores).
+#   scripts/gpu_check.sh --device cpu        the CPU dry run (CI runs it; under 3 minutes on 2 cores): every
+#                                            stage's host half, on the CPU, with small sizes: the binaries of
+#                                            target/release (or --bundle's), the scripts' parsing and
+#                                            comparisons, the error a CUDA request gets here. Stages that need a
+#                                            GPU SKIP with the reason; every other stage must PASS.
 #
-# Results go to $OUT (default target/gpu_check): the logs, metrics and JSON lines.
-# Crates: with no network, run `cargo vendor vendor/` on a machine with one first and bring `vendor/` along;
-# the script then builds offline from it.
-set -euo pipefail
+# Stages (cuda: what runs on the GPU; cpu: the dry run's host half):
+#   versions    the GPU, driver and the CUDA version it supports against the toolkit the bundle was built with
+#               (the driver JIT-compiles candle's PTX and refuses PTX newer than itself), and where each CUDA
+#               library comes from (bundle/run --libs). cpu: the binaries and the bundle's manifest.
+#   no_device   cpu only: `llama_longctx --device cuda` fails with autosp's own error (a bundle: "no CUDA
+#               device"; a CPU build: "built without CUDA"), not a loader error.
+#   cuda_tests  the CUDA test binaries (cuda_attention, cuda_ops: the generic kernels on CUDA against the CPU
+#               kernels, forward and backward, f32 and bf16; cuda_state). cpu: SKIP.
+#   grads       examples/grad_compare: per-tensor gradients of one step of the bench model shape (4 layers,
+#               hidden 512) at 2048 and 4096 tokens, CUDA in f32 (1e-4) and bf16 (3e-2) against the CPU in f32
+#               with the generic kernels forced. cpu: 2 layers at 512 tokens, the CPU's fast kernels against
+#               the generic ones.
+#   losses      llama_longctx --quick (12 steps) on the device in f32 and bf16 against the CPU in f32, every
+#               step's loss (1e-4, 2e-2). cpu: the CPU in f32 with the generic kernels forced as the reference.
+#   resume      save at step 6 and resume: steps 7-12 equal the uninterrupted run's bit for bit (bf16).
+#   precision   20 steps in f32, bf16 and f16 (dynamic loss scaling): bf16/f16 losses within 2e-2 of f32; host
+#               reads per step the same on every step and at most 3. cpu: 6 steps, the generic kernels forced.
+#   attention   bench_attention, generic attention forward and forward+backward (bf16, causal, N = 16384,
+#               head_dim 64 and 128; timings after a warm-up). cpu: f32, N = 1024, head_dim 64.
+#   sdpa        PyTorch's scaled_dot_product_attention on the same device, shapes and dtype, forward and
+#               forward+backward, beside our attention's times (when python3 has torch; SKIP otherwise).
+#   train       llama_longctx tokens/s at 8192 tokens, 6 steps: the median of steps 3-6 (steps 1-2, with the
+#               PTX JIT and the allocator warming up, excluded). cpu: 1024 tokens.
+#   memory      bench_memory on the bench shape at 8192 and 32768 tokens (bf16, sequence-aware): tokens/s of
+#               the measured step (after a warm-up step) and the device-memory peak against the plan's
+#               prediction (tape peak + model states). cpu: 1024 tokens, the process peak.
+#   nccl        NCCL collectives on two GPUs: SKIP (one GPU; and no NCCL test binary is built yet).
+#
+# Results go to $GPU_CHECK_OUT (default target/gpu_check): one log per stage, summary.txt (the table).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-target/gpu_check}"
+
+bundle="" device=cuda
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bundle) bundle="$2"; shift 2 ;;
+    --device) device="$2"; shift 2 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
+    *) echo "gpu_check: unknown argument $1 (use --bundle DIR, --device cuda|cpu)" >&2; exit 2 ;;
+  esac
+done
+case "$device" in cuda|cpu) ;; *) echo "gpu_check: --device $device: use cuda or cpu" >&2; exit 2 ;; esac
+OUT="${GPU_CHECK_OUT:-target/gpu_check}"
+rm -rf "$OUT"
 mkdir -p "$OUT"
-log() { echo "gpu_check: $*" | tee -a "$OUT/summary.txt"; }
-
-command -v nvidia-smi >/dev/null || { echo "gpu_check: nvidia-smi not found: this needs an NVIDIA GPU and its driver" >&2; exit 2; }
-command -v nvcc >/dev/null || export PATH="${CUDA_ROOT:-${CUDA_PATH:-/usr/local/cuda}}/bin:$PATH"
-command -v nvcc >/dev/null || { echo "gpu_check: nvcc not found: install the CUDA toolkit (>= 12) or set CUDA_ROOT" >&2; exit 2; }
-export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)}"
-log "GPU: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1), compute cap $CUDA_COMPUTE_CAP, nvcc $(nvcc --version | tail -1)"
-
-cargo_flags=(--release)
-if [ -d vendor ]; then
-  cargo_flags+=(--offline --config "source.crates-io.replace-with='vendored'" --config "source.vendored.directory='vendor'")
-fi
-features=cuda
-if [ -d "${CUDAFORGE_HOME:-$HOME/.cudaforge}" ]; then
-  features=cuda,flash-attn
-else
-  log "no CUTLASS under \${CUDAFORGE_HOME:-~/.cudaforge}: building without flash-attn (candle-flash-attn's build would clone it)"
-fi
-export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-$(nproc)}"
-
-t0=$SECONDS
-cargo build "${cargo_flags[@]}" --features "$features" --example llama_longctx --example bench_attention \
-  --example bench_memory 2>&1 | tail -3
-log "build (--features $features): $((SECONDS - t0)) s"
-
-t0=$SECONDS
-cargo test "${cargo_flags[@]}" --features "$features" -p autosp-kernels --test cuda_attention --test cuda_ops \
-  -- --nocapture 2>&1 | tee "$OUT/cuda_tests.log" | grep -E "^test |test result|error|max relative" | tail -40
-cargo test "${cargo_flags[@]}" --features "$features" --test cuda_state 2>&1 | tee -a "$OUT/cuda_tests.log" \
-  | grep -E "^test |test result|error" | tail -10
-log "CUDA tests: $((SECONDS - t0)) s"
-
-bin=target/release/examples
+OUT="$(cd "$OUT" && pwd)"
 export AUTOSP_CACHE="$OUT/cache" HF_HUB_OFFLINE=1
-compare() { # compare METRICS_A METRICS_B TOLERANCE WHAT
+start=$SECONDS
+
+if [ "$device" = cuda ] && [ -z "$bundle" ]; then
+  scripts/gpu_bundle.sh target/gpu-bundle || { echo "gpu_check: building the bundle failed" >&2; exit 1; }
+  bundle=target/gpu-bundle
+fi
+if [ -n "$bundle" ]; then
+  bundle="$(cd "$bundle" && pwd)"
+  if [ ! -x "$bundle/run" ] && [ -f "$bundle/autosp-gpu-bundle.tar.xz" ]; then
+    unpacked="${TMPDIR:-/tmp}/autosp-gpu-bundle"
+    rm -rf "$unpacked"
+    mkdir -p "$unpacked"
+    t0=$SECONDS
+    if command -v xz >/dev/null; then
+      tar -C "$unpacked" -xJf "$bundle/autosp-gpu-bundle.tar.xz"
+    else
+      python3 - "$bundle/autosp-gpu-bundle.tar.xz" "$unpacked" <<'PY'
+import sys, tarfile
+with tarfile.open(sys.argv[1], "r:xz") as t:
+    try:
+        t.extractall(sys.argv[2], filter="data")
+    except TypeError:  # a Python without extraction filters
+        t.extractall(sys.argv[2])
+PY
+    fi
+    echo "gpu_check: unpacked $bundle/autosp-gpu-bundle.tar.xz into $unpacked ($((SECONDS - t0)) s)"
+    bundle="$unpacked"
+  fi
+  [ -x "$bundle/run" ] || { echo "gpu_check: $bundle is not a bundle (no run, no autosp-gpu-bundle.tar.xz): scripts/gpu_bundle.sh makes one" >&2; exit 2; }
+  bin() { "$bundle/run" "$@"; }
+  has_bin() { [ -x "$bundle/bin/$1" ]; }
+else
+  examples="${CARGO_TARGET_DIR:-target}/release/examples"
+  bin() { local b=$1; shift; "$examples/$b" "$@"; }
+  has_bin() { [ -x "$examples/$1" ]; }
+fi
+cpu_dry() { [ "$device" = cpu ]; }
+
+# --- the stage runner: each stage is a function run in a subshell, its output in $OUT/NAME.log; exit 0 is
+# PASS, 77 SKIP (the reason: the last line it printed), anything else FAIL. A stage prints its findings as lines
+# starting with "> ", which go to the terminal and the table's note. ---
+names=() results=() times=() notes=()
+stage() { # stage NAME TIMEOUT_S FUNCTION
+  local name=$1 limit=$2 fn=$3 t0=$SECONDS rc result note
+  echo "gpu_check: --- $name"
+  timeout "$limit" bash -c "set -euo pipefail; $fn" > "$OUT/$name.log" 2>&1
+  rc=$?
+  case $rc in
+    0) result=PASS ;;
+    77) result=SKIP ;;
+    124) result=FAIL; echo "> timed out after $limit s" >> "$OUT/$name.log" ;;
+    *) result=FAIL ;;
+  esac
+  grep '^> ' "$OUT/$name.log" | sed "s/^> /gpu_check: $name: /"
+  if [ "$result" = FAIL ] && ! grep -q '^> ' "$OUT/$name.log"; then
+    tail -n 5 "$OUT/$name.log" | sed "s/^/gpu_check: $name: | /"
+  fi
+  if [ "$result" = SKIP ]; then
+    note="$(tail -n 1 "$OUT/$name.log" | cut -c1-110)"
+    echo "gpu_check: $name: $note"
+  else
+    note="$(grep '^> ' "$OUT/$name.log" | tail -n 1 | sed 's/^> //' | cut -c1-110)"
+  fi
+  [ "$result" = FAIL ] && [ -z "$note" ] && note="exit $rc; see $name.log"
+  echo "gpu_check: [$result] $name ($((SECONDS - t0)) s)"
+  names+=("$name") results+=("$result") times+=("$((SECONDS - t0))") notes+=("$note")
+}
+export OUT device bundle examples=${examples:-}
+
+# compare_losses A.jsonl B.jsonl TOLERANCE WHAT: every step's loss of A within TOLERANCE (relative) of B's.
+compare_losses() {
   python3 - "$1" "$2" "$3" "$4" <<'PY'
 import json, sys
-# Step lines only (the file ends with a summary line).
-a = [j["loss"] for j in map(json.loads, open(sys.argv[1])) if "loss" in j]
-b = [j["loss"] for j in map(json.loads, open(sys.argv[2])) if "loss" in j]
+a = [j["loss"] for j in map(json.loads, open(sys.argv[1])) if "loss" in j and "summary" not in j]
+b = [j["loss"] for j in map(json.loads, open(sys.argv[2])) if "loss" in j and "summary" not in j]
 tol, what = float(sys.argv[3]), sys.argv[4]
-worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
-ok = len(a) == len(b) and worst <= tol
-print(f"gpu_check: {what}: {len(a)} steps, worst relative loss difference {worst:.2e} (tolerance {tol:g}): {'ok' if ok else 'FAILED'}")
+worst = max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=float("inf"))
+ok = len(a) == len(b) > 0 and worst <= tol
+print(f"> {what}: {len(a)} steps, worst relative loss difference {worst:.2e} (tolerance {tol:g}): {'ok' if ok else 'FAILED'}")
 sys.exit(0 if ok else 1)
 PY
 }
-status=0
-# One thread rank per GPU (more are refused: thread ranks on one device race, README "Building with CUDA"), so the
-# CUDA runs are P = 1 against the CPU's P = 1.
-for p in 1; do
-  "$bin/llama_longctx" --quick --no-progress --sp "$p" --device cpu --dtype f32 --save "$OUT/cpu$p" \
-    --metrics "$OUT/cpu_p$p.jsonl" > "$OUT/cpu_p$p.log"
-  for dtype in f32 bf16; do
-    "$bin/llama_longctx" --quick --no-progress --sp "$p" --device cuda --dtype "$dtype" --save "$OUT/cuda$p$dtype" \
-      --metrics "$OUT/cuda_p${p}_$dtype.jsonl" > "$OUT/cuda_p${p}_$dtype.log"
-    tol=1e-4; [ "$dtype" = bf16 ] && tol=2e-2
-    compare "$OUT/cuda_p${p}_$dtype.jsonl" "$OUT/cpu_p$p.jsonl" "$tol" "llama_longctx --quick P=$p cuda $dtype vs cpu f32" \
-      | tee -a "$OUT/summary.txt" || status=1
-  done
-done
 
-cuda() { # cuda NAME ARGS...: llama_longctx on CUDA with metrics $OUT/NAME.jsonl and a checkpoint under $OUT/NAME
-  local name=$1; shift
-  "$bin/llama_longctx" --no-progress --device cuda --save "$OUT/$name" --metrics "$OUT/$name.jsonl" "$@" > "$OUT/$name.log"
+st_versions() {
+  if [ -n "$bundle" ]; then
+    head -n 3 "$bundle/MANIFEST"
+    echo "> bundle: $(sed -n 2p "$bundle/MANIFEST" | cut -c1-100)"
+    "$bundle/run" --libs
+  fi
+  for b in llama_longctx bench_attention bench_memory grad_compare; do
+    has_bin "$b" || { echo "> binary $b missing (CPU: cargo build --release --examples; GPU: scripts/gpu_bundle.sh)"; exit 1; }
+  done
+  if cpu_dry; then
+    echo "> binaries present; $(command -v nvidia-smi >/dev/null && echo "nvidia-smi present" || echo "no nvidia-smi: no driver here (cpu dry run)")"
+    return 0
+  fi
+  command -v nvidia-smi >/dev/null || { echo "> nvidia-smi not found: this needs an NVIDIA GPU and its driver"; exit 1; }
+  nvidia-smi
+  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader
+  local driver_cuda built
+  driver_cuda="$(nvidia-smi | sed -nE 's/.*CUDA Version: ([0-9]+\.[0-9]+).*/\1/p' | head -1)"
+  built="$(sed -nE 's/.*release ([0-9]+\.[0-9]+).*/\1/p' "$bundle/MANIFEST" | head -1)"
+  echo "> $(nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader | head -1); driver CUDA $driver_cuda; bundle's toolkit $built; $(nvidia-smi -L | wc -l) GPU(s)"
+  if "$bundle/run" --libs | grep -q STUB; then
+    echo "> a CUDA library was not found (see the log: run --libs): install the toolkit or PyTorch's nvidia-* wheels"
+    exit 1
+  fi
+  if [ -n "$driver_cuda" ] && [ -n "$built" ] && [ "$(printf '%s\n' "$built" "$driver_cuda" | sort -V | tail -1)" != "$driver_cuda" ]; then
+    echo "> the driver supports CUDA $driver_cuda, older than the bundle's toolkit $built: its PTX will not load; rebuild the bundle with an older toolkit"
+    exit 1
+  fi
 }
-# Save and resume on CUDA: steps 7-12 of the resumed run must be the uninterrupted run's, bit for bit.
-cuda resume_a --quick --dtype bf16 --save-every 6 || status=1
-"$bin/llama_longctx" --no-progress --device cuda --quick --dtype bf16 --resume "$OUT/resume_a/step-6" \
-  --save "$OUT/resume_b" --metrics "$OUT/resume_b.jsonl" > "$OUT/resume_b.log" || status=1
-python3 - "$OUT/resume_a.jsonl" "$OUT/resume_b.jsonl" <<'PY' | tee -a "$OUT/summary.txt" || status=1
+
+st_no_device() {
+  cpu_dry || { echo "a GPU is present (this stage checks the error where there is none)"; exit 77; }
+  local log="$OUT/no_device.out" rc=0
+  bin llama_longctx --device cuda --quick --no-progress > "$log" 2>&1 || rc=$?
+  cat "$log"
+  if [ "$rc" -eq 0 ]; then echo "> llama_longctx --device cuda ran on a machine without a GPU"; exit 1; fi
+  if grep -qiE "error while loading shared libraries|cannot open shared object" "$log"; then
+    echo "> a loader error, not autosp's: $(grep -iE 'shared' "$log" | head -1)"; exit 1
+  fi
+  if grep -q "no CUDA device" "$log" || grep -q "built without CUDA" "$log"; then
+    echo "> --device cuda here: $(grep -oE '(no CUDA device[^:]*|this binary was built without CUDA)' "$log" | head -1) (exit $rc)"
+  else
+    echo "> unexpected error: $(tail -1 "$log")"; exit 1
+  fi
+}
+
+st_cuda_tests() {
+  cpu_dry && { echo "needs a GPU (the CUDA tests compare CUDA with the CPU)"; exit 77; }
+  local t failed=0
+  for t in cuda_attention cuda_ops cuda_state; do
+    if bin "$t" --nocapture > "$OUT/test_$t.log" 2>&1; then
+      echo "> $t: $(grep -E '^test result' "$OUT/test_$t.log" | tail -1)"
+    else
+      failed=1
+      echo "> $t FAILED: $(grep -E '^test .*FAILED|panicked' "$OUT/test_$t.log" | head -3 | tr '\n' ' ')"
+    fi
+  done
+  exit $failed
+}
+
+st_grads() {
+  local args=(--device cuda --n 2048,4096 --dtype f32,bf16)
+  cpu_dry && args=(--device cpu --n 512 --layers 2 --dtype f32,bf16)
+  local rc=0
+  bin grad_compare "${args[@]}" > "$OUT/grads.jsonl" || rc=$?
+  python3 - "$OUT/grads.jsonl" <<'PY'
 import json, sys
-a = [j["loss"] for j in map(json.loads, open(sys.argv[1])) if "loss" in j]
-b = [j["loss"] for j in map(json.loads, open(sys.argv[2])) if "loss" in j]
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+for j in lines:
+    print(f"> n {j['n']} {j['dtype']}: {j['tensors']} tensors, worst {j['worst']} {j['worst_rel']:.2e} (tolerance {j['rtol']:g}), "
+          f"loss {j['loss']:.6f} vs {j['loss_reference']:.6f}: {'ok' if j['pass'] else 'FAILED'}")
+sys.exit(0 if lines and all(j["pass"] for j in lines) else 1)
+PY
+  [ "$rc" -eq 0 ]
+}
+
+st_losses() {
+  local dev=cuda
+  cpu_dry && dev=cpu
+  # The reference: the CPU in f32 (in the dry run with the generic kernels forced, against the fast ones).
+  AUTOSP_KERNELS="$(cpu_dry && echo generic || echo auto)" bin llama_longctx --quick --no-progress --sp 1 \
+    --device cpu --dtype f32 --metrics "$OUT/losses_cpu.jsonl" > "$OUT/losses_cpu.log"
+  local dtype tol ok=0
+  for dtype in f32 bf16; do
+    tol=1e-4; [ "$dtype" = bf16 ] && tol=2e-2
+    bin llama_longctx --quick --no-progress --sp 1 --device "$dev" --dtype "$dtype" \
+      --metrics "$OUT/losses_$dtype.jsonl" > "$OUT/losses_$dtype.log"
+    compare_losses "$OUT/losses_$dtype.jsonl" "$OUT/losses_cpu.jsonl" "$tol" "--quick $dev $dtype vs cpu f32" || ok=1
+  done
+  exit $ok
+}
+
+st_resume() {
+  local dev=cuda
+  cpu_dry && dev=cpu
+  bin llama_longctx --quick --no-progress --sp 1 --device "$dev" --dtype bf16 --save "$OUT/resume_a" \
+    --save-every 6 --metrics "$OUT/resume_a.jsonl" > "$OUT/resume_a.log"
+  bin llama_longctx --quick --no-progress --sp 1 --device "$dev" --dtype bf16 --resume "$OUT/resume_a/step-6" \
+    --save "$OUT/resume_b" --metrics "$OUT/resume_b.jsonl" > "$OUT/resume_b.log"
+  python3 - "$OUT/resume_a.jsonl" "$OUT/resume_b.jsonl" <<'PY'
+import json, sys
+a = [j["loss"] for j in map(json.loads, open(sys.argv[1])) if "loss" in j and "summary" not in j]
+b = [j["loss"] for j in map(json.loads, open(sys.argv[2])) if "loss" in j and "summary" not in j]
 ok = len(a) == 12 and a[6:] == b
-print(f"gpu_check: save at step 6 and resume on CUDA: steps 7-12 {'bit-identical' if ok else 'DIFFER'}: {a[6:]} vs {b}")
+print(f"> save at step 6, resume: steps 7-12 {'bit-identical' if ok else 'DIFFER'} ({len(b)} steps resumed)")
 sys.exit(0 if ok else 1)
 PY
-# bf16 and f16 (dynamic loss scaling) against f32, 20 steps on CUDA; host reads per step from the same runs.
-for dtype in f32 bf16 f16; do cuda "steps20_$dtype" --quick --steps 20 --dtype "$dtype" || status=1; done
-for dtype in bf16 f16; do
-  compare "$OUT/steps20_$dtype.jsonl" "$OUT/steps20_f32.jsonl" 2e-2 "llama_longctx --quick --steps 20 cuda $dtype vs cuda f32" \
-    | tee -a "$OUT/summary.txt" || status=1
-done
-python3 - "$OUT"/steps20_*.jsonl <<'PY' | tee -a "$OUT/summary.txt" || status=1
+}
+
+st_precision() {
+  local dev=cuda steps=20 dtype ok=0
+  # The dry run forces the generic kernels (a GPU's): the CPU's fast bf16 path reads the host once more a step.
+  cpu_dry && { dev=cpu; steps=6; export AUTOSP_KERNELS=generic; }
+  for dtype in f32 bf16 f16; do
+    bin llama_longctx --quick --steps "$steps" --no-progress --sp 1 --device "$dev" --dtype "$dtype" \
+      --metrics "$OUT/precision_$dtype.jsonl" > "$OUT/precision_$dtype.log"
+  done
+  for dtype in bf16 f16; do
+    compare_losses "$OUT/precision_$dtype.jsonl" "$OUT/precision_f32.jsonl" 2e-2 "$steps steps $dev $dtype vs $dev f32" || ok=1
+  done
+  python3 - "$OUT"/precision_*.jsonl <<'PY' || ok=1
 import json, sys
 ok = True
 for f in sys.argv[1:]:
     lines = [json.loads(l) for l in open(f)]
     reads = [j["host_reads"] for j in lines if "host_reads" in j]
     scale = [j.get("loss_scale") for j in lines if "host_reads" in j]
-    good = len(set(reads)) == 1 and reads[0] <= 3
+    good = bool(reads) and len(set(reads)) == 1 and reads[0] <= 3
     ok = ok and good
-    print(f"gpu_check: {f.split('/')[-1]}: host reads per step {sorted(set(reads))} ({'ok' if good else 'FAILED: not constant or above 3'}); "
-          f"loss scale at the end {scale[-1]}")
+    print(f"> {f.split('/')[-1]}: host reads per step {sorted(set(reads))} ({'ok' if good else 'FAILED: not constant or above 3'}); loss scale at the end {scale[-1] if scale else None}")
 sys.exit(0 if ok else 1)
 PY
+  exit $ok
+}
 
-"$bin/bench_attention" --device cuda --kernel generic,flash-attn --dtype bf16 --causal --n 16384 --head-dim 64,128 \
-  --repeats 3 --naive-max-gib 0 | tee "$OUT/bench_attention_cuda.jsonl" || status=1
-for n in 8192 32768; do
-  cuda "tput_$n" --seq-len "$n" --curriculum none --steps 6 --warmup 1 || status=1
-  grep -E "^\| (throughput|tape peak|device memory|training loss)" "$OUT/tput_$n.log" | sed "s/^/gpu_check: $n tokens: /" \
-    | tee -a "$OUT/summary.txt"
-done
-# Device memory at 8K against the plan's prediction (the tape's peak plus this rank's model states).
-"$bin/bench_memory" --device cuda --dtype bf16 --preset bench --n 8192 --steps 2 --checkpoint sequence-aware \
-  > "$OUT/bench_memory_cuda.jsonl" || status=1
-python3 - "$OUT/bench_memory_cuda.jsonl" <<'PY' | tee -a "$OUT/summary.txt" || status=1
+attention_args() { # the shapes of the attention and sdpa stages
+  if cpu_dry; then echo "--device cpu --dtype f32 --n 1024 --head-dim 64"; else echo "--device cuda --dtype bf16 --n 16384 --head-dim 64,128"; fi
+}
+
+st_attention() {
+  # shellcheck disable=SC2046
+  bin bench_attention --kernel generic --causal --repeats 3 --naive-max-gib 0 $(attention_args) > "$OUT/attention.jsonl"
+  python3 - "$OUT/attention.jsonl" <<'PY'
 import json, sys
-for j in map(json.loads, open(sys.argv[1])):
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+for j in lines:
+    print(f"> ours (generic) N={j['n']} d={j['head_dim']} {j['dtype']}: fwd {j['generic_fwd_s']*1e3:.2f} ms, "
+          f"fwd+bwd {j['generic_fwd_bwd_s']*1e3:.2f} ms ({j['generic_fwd_bwd_gflops']:.0f} GFLOP/s)")
+sys.exit(0 if lines else 1)
+PY
+}
+
+st_sdpa() {
+  python3 -c "import torch" 2>/dev/null || { echo "python3 has no torch: no PyTorch baseline"; exit 77; }
+  if ! cpu_dry && ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "torch sees no CUDA device"; exit 77
+  fi
+  # shellcheck disable=SC2046
+  python3 - "$OUT/attention.jsonl" $(attention_args) <<'PY'
+import json, statistics, sys, time
+import torch
+import torch.nn.functional as F
+ours_file, rest = sys.argv[1], sys.argv[2:]
+opt = dict(zip(rest[::2], rest[1::2]))
+dev = opt["--device"]
+dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[opt["--dtype"]]
+n = int(opt["--n"])
+ours = {}
+try:
+    for l in open(ours_file):
+        if l.startswith("{"):
+            j = json.loads(l)
+            ours[(j["n"], j["head_dim"])] = j
+except FileNotFoundError:
+    pass
+def sync():
+    if dev == "cuda":
+        torch.cuda.synchronize()
+def timed(f, repeats=3):
+    f(); sync()  # warm-up
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter(); f(); sync(); ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+torch.manual_seed(0)
+for d in [int(x) for x in opt["--head-dim"].split(",")]:
+    q, k, v = (torch.randn(1, 8, n, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    fwd = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    def fb():
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(o, (q, k, v), do)
+    fwd_bwd = timed(fb)
+    line = {"bench": "sdpa", "torch": torch.__version__, "device": dev, "n": n, "head_dim": d, "heads": 8,
+            "dtype": opt["--dtype"], "fwd_s": fwd, "fwd_bwd_s": fwd_bwd}
+    o = ours.get((n, d))
+    note = ""
+    if o:
+        line["ours_over_sdpa_fwd"] = o["generic_fwd_s"] / fwd
+        line["ours_over_sdpa_fwd_bwd"] = o["generic_fwd_bwd_s"] / fwd_bwd
+        note = f"; ours/SDPA: fwd {line['ours_over_sdpa_fwd']:.2f}x, fwd+bwd {line['ours_over_sdpa_fwd_bwd']:.2f}x"
+    print(json.dumps(line))
+    print(f"> torch {torch.__version__} SDPA N={n} d={d} {opt['--dtype']} on {dev}: fwd {fwd*1e3:.2f} ms, fwd+bwd {fwd_bwd*1e3:.2f} ms{note}")
+PY
+}
+
+st_train() {
+  local dev=cuda n=8192
+  cpu_dry && { dev=cpu; n=1024; }
+  bin llama_longctx --no-progress --sp 1 --device "$dev" --seq-len "$n" --curriculum none --steps 6 --warmup 1 \
+    --metrics "$OUT/train.jsonl" > "$OUT/train.log"
+  python3 - "$OUT/train.jsonl" "$n" "$dev" <<'PY'
+import json, statistics, sys
+steps = [j for j in map(json.loads, open(sys.argv[1])) if "tokens_per_s" in j and "step" in j and "summary" not in j]
+later = [j["tokens_per_s"] for j in steps[2:] if j["tokens_per_s"]]
+first = [round(j["tokens_per_s"] or 0) for j in steps[:2]]
+if not later:
+    print("> no step after the first two reported tokens/s"); sys.exit(1)
+peak = max((j.get("device_peak_bytes") or 0) for j in steps)
+print(f"> llama_longctx {sys.argv[2]} tokens on {sys.argv[3]}: {statistics.median(later):.0f} tokens/s (median of steps 3-{len(steps)}; "
+      f"steps 1-2: {first}){f', device peak {peak / 2**20:.0f} MiB' if peak else ''}")
+PY
+}
+
+st_memory() {
+  local args=(--device cuda --dtype bf16 --n 8192,32768)
+  cpu_dry && args=(--device cpu --dtype f32 --n 1024)
+  bin bench_memory --preset bench --steps 2 --checkpoint sequence-aware "${args[@]}" > "$OUT/memory.jsonl"
+  python3 - "$OUT/memory.jsonl" "$device" <<'PY'
+import json, sys
+mib = lambda b: b / 2**20
+ok, seen = True, 0
+for j in map(json.loads, (l for l in open(sys.argv[1]) if l.startswith("{"))):
     if j.get("bench") != "memory":
         continue
-    states = j["model_state_bytes_per_rank"]["total"]
-    pred = (j["predicted_peak_bytes"] or 0) + states
-    dev = j["device_peak_bytes"]
-    if dev is None:
-        print("gpu_check: bench_memory reported no device peak (the CUDA memory pool could not be read): FAILED")
-        sys.exit(1)
-    mib = lambda b: b / 2**20
-    print(f"gpu_check: bench_memory 8K bf16: device peak {mib(dev):.0f} MiB, predicted (tape peak + model states) "
-          f"{mib(pred):.0f} MiB, ratio {dev / pred:.2f}; {j['tokens_per_s']:.0f} tokens/s")
+    seen += 1
+    pred = (j["predicted_peak_bytes"] or 0) + j["model_state_bytes_per_rank"]["total"]
+    if sys.argv[2] == "cuda":
+        dev = j["device_peak_bytes"]
+        if dev is None:
+            print(f"> N={j['n']}: no device peak (the CUDA memory pool could not be read)"); ok = False; continue
+        print(f"> bench N={j['n']} bf16: {j['tokens_per_s']:.0f} tokens/s; device peak {mib(dev):.0f} MiB, "
+              f"predicted (tape peak + model states) {mib(pred):.0f} MiB, ratio {dev / pred:.2f}")
+    else:
+        print(f"> bench N={j['n']} on the CPU: {j['tokens_per_s']:.0f} tokens/s; process peak {mib(j['process_peak_bytes']):.0f} MiB, "
+              f"predicted tape peak + model states {mib(pred):.0f} MiB")
+sys.exit(0 if ok and seen else 1)
 PY
-log "done, status $status"
-exit $status
+}
+
+st_nccl() {
+  cpu_dry && { echo "NCCL needs two GPUs (cpu dry run)"; exit 77; }
+  local gpus
+  gpus="$(nvidia-smi -L 2>/dev/null | wc -l)"
+  [ "$gpus" -ge 2 ] || { echo "$gpus GPU(s): the NCCL collectives need two"; exit 77; }
+  echo "$gpus GPUs, but no NCCL test binary is built yet (the NCCL back end is type-checked only)"
+  exit 77
+}
+
+if cpu_dry; then echo "gpu_check: CPU dry run (--device cpu): the host half of every stage"; fi
+export -f bin has_bin cpu_dry compare_losses attention_args $(declare -F | awk '$3 ~ /^st_/ { print $3 }')
+stage versions 60 st_versions
+stage no_device 60 st_no_device
+stage cuda_tests 180 st_cuda_tests
+stage grads 180 st_grads
+stage losses 120 st_losses
+stage resume 90 st_resume
+stage precision 120 st_precision
+stage attention 90 st_attention
+stage sdpa 90 st_sdpa
+stage train 120 st_train
+stage memory 150 st_memory
+stage nccl 60 st_nccl
+
+failed=0
+{
+  echo
+  echo "| stage | result | seconds | note |"
+  echo "|---|---|---|---|"
+  for i in "${!names[@]}"; do
+    echo "| ${names[$i]} | ${results[$i]} | ${times[$i]} | ${notes[$i]//|/\\|} |"
+    [ "${results[$i]}" = FAIL ] && failed=1
+  done
+  echo
+  echo "gpu_check ($device${bundle:+, bundle $bundle}): $((SECONDS - start)) s, $( [ $failed = 0 ] && echo "no stage failed" || echo "FAILED")"
+} | tee "$OUT/summary.txt"
+exit $failed
