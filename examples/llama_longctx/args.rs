@@ -288,9 +288,46 @@ pub struct Args {
     /// `cuda` gives each rank `cuda:(local rank mod device count)`.
     #[arg(long)]
     pub device: Option<autosp::DeviceSpec>,
+
+    /// Generate instead of training: the prompt, a file (UTF-8) or the text itself (`ids:1,2,3` for token
+    /// ids), prefilled over the --sp ranks into a sharded KV cache and continued (docs/INFERENCE.md).
+    #[arg(long, value_name = "FILE|TEXT")]
+    pub prompt: Option<String>,
+
+    /// With --prompt: at most N new tokens (the model's end tokens stop earlier).
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    pub max_new_tokens: usize,
+
+    /// With --prompt: the sampling temperature (0: greedy, the default).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+
+    /// With --prompt and a temperature: sample from the nucleus of this probability (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+
+    /// With --prompt and a temperature: sample from the K most likely tokens only (0: off).
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub top_k: usize,
+
+    /// With --prompt: wrap it as one user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
 }
 
 impl Args {
+    /// What --prompt asks to generate, when it is given.
+    pub fn prompt_options(&self) -> Option<autosp::infer::cli::PromptOptions> {
+        Some(autosp::infer::cli::PromptOptions {
+            prompt: self.prompt.clone()?,
+            max_new_tokens: self.max_new_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            chat: self.chat,
+        })
+    }
+
     /// Applies `--quick` (only where the user did not set a value).
     pub fn finish(mut self, given: &clap::ArgMatches) -> Self {
         let default = |name: &str| given.value_source(name) != Some(clap::parser::ValueSource::CommandLine);

@@ -68,6 +68,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
+    if let Some(g) = args.prompt_options() {
+        return generate(&args, &g);
+    }
     let result = match args.launcher.as_str() {
         "mpi" => run_mpi(args),
         _ => run_threads(args),
@@ -79,6 +82,19 @@ fn main() -> ExitCode {
         Ok(None) => ExitCode::FAILURE,
         Err(e) => {
             report(&e);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `--prompt`: generation over thread ranks (`autosp::infer::cli`); exit 130 after Ctrl-C.
+fn generate(args: &Args, g: &autosp::infer::cli::PromptOptions) -> ExitCode {
+    let p = args.sp.unwrap_or_else(|| args.options().default_sp_threads());
+    match autosp::infer::cli::run_threads(&args.options(), g, p, Some(&ALLOC)) {
+        Ok(out) if out.finish == autosp::infer::Finish::Interrupted => ExitCode::from(INTERRUPTED),
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            report(&e.into());
             ExitCode::FAILURE
         }
     }

@@ -42,6 +42,19 @@ pub enum InferError {
     )]
     Window { layer: usize, window: usize, limit: usize, total: usize },
 
+    /// The command line's prompt or model could not be used (`--prompt`, `--chat`, `--resume`), or a rank
+    /// failed (the message names it).
+    #[error("{0}")]
+    Prompt(String),
+
+    /// From the trainer's loading of the model, its adapter or the checkpoint resumed.
+    #[error(transparent)]
+    Train(Box<crate::train::TrainError>),
+
+    /// From autosp-models' files (tokenizer, chat template).
+    #[error(transparent)]
+    Files(#[from] autosp_models::Error),
+
     /// From the compiled model (positions, layout).
     #[error(transparent)]
     Compile(#[from] CompileError),
@@ -61,4 +74,10 @@ pub enum InferError {
     /// From candle.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+}
+
+impl From<crate::train::TrainError> for InferError {
+    fn from(e: crate::train::TrainError) -> Self {
+        InferError::Train(Box::new(e))
+    }
 }

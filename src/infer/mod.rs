@@ -27,6 +27,7 @@
 //! `generate.rs`, the figures `stats.rs`.
 
 mod cache;
+pub mod cli;
 mod error;
 mod generate;
 mod slots;
