@@ -7,10 +7,8 @@
 //! parts in rank order, so every rank gets the same bits.
 
 use autosp_core::comm::ProcessGroup;
-use autosp_core::ops::AttentionSpec;
 use candle_core::{DType, Tensor};
 
-use super::attention_forward;
 use super::kv_blocks::KvBlocks;
 use crate::merge::RunningAttention;
 use crate::Result;
@@ -18,12 +16,40 @@ use crate::Result;
 /// Attention of `q: [1, q_len, heads, head_dim]` over every key of `part`, unmasked (every cached key is at
 /// an earlier position than the query), with softmax scale `scale` (`None`: `1 / sqrt(head_dim)`): `(o: [1,
 /// q_len, heads, head_dim]` in q's dtype, `lse: [1, heads, q_len]` in f32, f64 for f64`)`, or `None` when
-/// `part` holds no row.
+/// `part` holds no row. Per block, two batched matmuls over the kv heads (`[kv_heads, group · q_len, head_dim]`
+/// against the block's head-major keys, then values), softmax in f32 (f64), blocks merged by LSE: the cache is
+/// read once, never packed or copied (query head `h` reads kv head `h / (heads / kv_heads)`).
 pub fn attention_over_blocks(q: &Tensor, part: &KvBlocks, scale: Option<f64>) -> Result<Option<(Tensor, Tensor)>> {
-    let spec = AttentionSpec { scale, ..AttentionSpec::full() };
+    let (b, nq, h, d) = q.dims4()?;
+    let views = part.views()?;
+    let Some((k0, _)) = views.first() else { return Ok(None) };
+    let hkv = k0.dim(0)?;
+    if b != 1 || hkv == 0 || h % hkv != 0 || k0.dim(2)? != d {
+        return Err(crate::Error::Shape {
+            op: "attention_over_blocks",
+            name: "k",
+            got: k0.dims().to_vec(),
+            want: vec![hkv.max(1), k0.dim(1)?, d],
+            q_shape: q.dims().to_vec(),
+        });
+    }
+    let g = h / hkv;
+    let acc = if q.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+    let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
+    // [1, nq, h, d] -> [hkv, g·nq, d]: head h = kh·g + j.
+    let qg = q.squeeze(0)?.reshape((nq, hkv, g, d))?.permute((1, 2, 0, 3))?.reshape((hkv, g * nq, d))?;
+    let qg = (qg.to_dtype(acc)? * scale)?;
     let mut run: Option<RunningAttention> = None;
-    for (k, v) in part.views()? {
-        let (o, lse) = attention_forward(q, &k, &v, &spec)?;
+    for (k, v) in &views {
+        let (k, v) = (k.to_dtype(acc)?, v.to_dtype(acc)?);
+        let s = qg.matmul(&k.t()?)?; // [hkv, g·nq, rows]
+        let m = s.max_keepdim(2)?;
+        let p = s.broadcast_sub(&m)?.exp()?;
+        let l = p.sum_keepdim(2)?;
+        let o = p.matmul(&v)?.broadcast_div(&l)?; // [hkv, g·nq, d]
+        let lse = (m + l.log()?)?; // [hkv, g·nq, 1]
+        let o = o.reshape((hkv, g, nq, d))?.permute((2, 0, 1, 3))?.reshape((1, nq, h, d))?.to_dtype(q.dtype())?;
+        let lse = lse.reshape((h, nq))?.unsqueeze(0)?;
         match run.as_mut() {
             None => run = Some(RunningAttention::new(&o, &lse)?),
             Some(r) => r.merge(&o, &lse)?,
@@ -80,4 +106,34 @@ fn empty_cache_error(holds: &[bool]) -> crate::Error {
              before attending"
         ),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use autosp_core::ops::attention::{naive_attention_forward, AttentionSpec};
+    use candle_core::Device;
+
+    #[test]
+    fn blocks_attention_equals_attention_over_all_keys_with_gqa() -> Result<()> {
+        let dev = Device::Cpu;
+        let (h, hkv, d) = (6, 2, 8);
+        let q = Tensor::randn(0f32, 1., (1, 1, h, d), &dev)?;
+        let k = Tensor::randn(0f32, 1., (1, 13, hkv, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (1, 13, hkv, d), &dev)?;
+        // A prefill block of 6 rows, then 7 tokens in blocks of 4.
+        let mut part = KvBlocks::with_block_rows(4);
+        part.push_rows(&k.narrow(1, 0, 6)?, &v.narrow(1, 0, 6)?)?;
+        for i in 6..13 {
+            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?)?;
+        }
+        let scale = Some(0.3);
+        let (o, lse) = attention_over_blocks(&q, &part, scale)?.expect("rows held");
+        let spec = AttentionSpec { scale, ..AttentionSpec::full() };
+        let (want_o, want_lse) = naive_attention_forward(&q, &k, &v, &spec)?;
+        let err = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
+        assert!(err(&o, &want_o)? < 1e-5 && err(&lse, &want_lse)? < 1e-5);
+        assert!(attention_over_blocks(&q, &KvBlocks::default(), None)?.is_none());
+        Ok(())
+    }
 }

@@ -6,7 +6,8 @@
 //! The rows are a set, not a sequence: a rank of a sequence-parallel run holds the keys of its shard
 //! (Ring's zigzag chunks, for instance) and of the decoded tokens given to it, at whatever positions; a
 //! decode query sees every cached key (every one is at an earlier position), so their order never matters.
-//! Keys are stored after RoPE.
+//! Keys are stored after RoPE, head-major (`[kv_heads, rows, head_dim]`), so that a decode query reads each
+//! head's keys and values as one contiguous matrix (a matmul, no packing or copy per token).
 
 use candle_core::{DType, Tensor};
 
@@ -15,7 +16,7 @@ use crate::{Error, Result};
 /// Rows per block of decoded tokens unless asked otherwise ([`KvBlocks::with_block_rows`]).
 pub const DEFAULT_BLOCK_ROWS: usize = 256;
 
-/// One block: `k, v: [1, capacity, kv_heads, head_dim]`, rows `0..filled` written.
+/// One block: `k, v: [kv_heads, capacity, head_dim]`, rows `0..filled` written.
 #[derive(Clone, Debug)]
 struct Block {
     k: Tensor,
@@ -27,6 +28,11 @@ impl Block {
     fn capacity(&self) -> usize {
         self.k.dim(1).unwrap_or(0)
     }
+}
+
+/// `[1, rows, kv_heads, head_dim]` -> `[kv_heads, rows, head_dim]`, contiguous.
+fn head_major(x: &Tensor) -> Result<Tensor> {
+    Ok(x.squeeze(0)?.transpose(0, 1)?.contiguous()?)
 }
 
 /// One layer's cached keys and values on one rank, in blocks (see the module doc). Batch 1.
@@ -65,13 +71,13 @@ impl KvBlocks {
         self.block_rows
     }
 
-    /// Adds `rows` rows at once (a prefill's shard): `k, v: [1, rows, kv_heads, head_dim]`, kept as they are,
-    /// as one full block. Zero rows add nothing.
+    /// Adds `rows` rows at once (a prefill's shard): `k, v: [1, rows, kv_heads, head_dim]`, as one full block
+    /// (copied once into the head-major layout). Zero rows add nothing.
     pub fn push_rows(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         check_pair("KvBlocks::push_rows", k, v)?;
         let rows = k.dim(1)?;
         if rows > 0 {
-            self.blocks.push(Block { k: k.contiguous()?, v: v.contiguous()?, filled: rows });
+            self.blocks.push(Block { k: head_major(k)?, v: head_major(v)?, filled: rows });
         }
         Ok(())
     }
@@ -92,27 +98,27 @@ impl KvBlocks {
         let full = self.blocks.last().is_none_or(|b| b.filled == b.capacity());
         if full {
             let (_, _, h, d) = k.dims4()?;
-            let shape = (1, self.block_rows, h, d);
+            let shape = (h, self.block_rows, d);
             let (kz, vz) = (Tensor::zeros(shape, k.dtype(), k.device())?, Tensor::zeros(shape, v.dtype(), v.device())?);
             self.blocks.push(Block { k: kz, v: vz, filled: 0 });
         }
         let b = self.blocks.last_mut().expect("a block with room was just ensured");
-        if b.k.dims()[2..] != k.dims()[2..] || b.k.dtype() != k.dtype() {
+        if [b.k.dim(0)?, b.k.dim(2)?] != k.dims()[2..] || b.k.dtype() != k.dtype() {
             return Err(Error::Shape {
                 op: "KvBlocks::push_token",
                 name: "k",
                 got: k.dims().to_vec(),
-                want: vec![1, 1, b.k.dim(2)?, b.k.dim(3)?],
+                want: vec![1, 1, b.k.dim(0)?, b.k.dim(2)?],
                 q_shape: vec![],
             });
         }
-        b.k.slice_set(&k.contiguous()?, 1, b.filled)?;
-        b.v.slice_set(&v.contiguous()?, 1, b.filled)?;
+        b.k.slice_set(&head_major(k)?, 1, b.filled)?;
+        b.v.slice_set(&head_major(v)?, 1, b.filled)?;
         b.filled += 1;
         Ok(())
     }
 
-    /// The written rows of each block: `(k, v)`, each `[1, rows, kv_heads, head_dim]` (views, not copies).
+    /// The written rows of each block: `(k, v)`, each `[kv_heads, rows, head_dim]` (views, not copies).
     pub fn views(&self) -> Result<Vec<(Tensor, Tensor)>> {
         self.blocks
             .iter()
@@ -164,10 +170,12 @@ mod tests {
         assert_eq!(views.iter().map(|(k, _)| k.dim(1).unwrap()).collect::<Vec<_>>(), vec![2, 3, 2]);
         assert_eq!(part.rows()?, 7);
         assert_eq!(part.bytes(), 2 * 4 * (2 * 2 * 4 + 2 * 3 * 2 * 4));
-        let ks: Vec<Tensor> = views.iter().map(|(k, _)| k.clone()).collect();
+        // Read back in the model's layout, `[1, rows, kv_heads, head_dim]`, in the order written.
+        let back = |x: &Tensor| x.transpose(0, 1).and_then(|t| t.unsqueeze(0));
+        let ks: Vec<Tensor> = views.iter().map(|(k, _)| back(k)).collect::<candle_core::Result<_>>()?;
         let got = Tensor::cat(&ks, 1)?.flatten_all()?.to_vec1::<f32>()?;
         assert_eq!(got, Tensor::cat(&want, 1)?.flatten_all()?.to_vec1::<f32>()?);
-        let vs: Vec<Tensor> = views.iter().map(|(_, v)| v.clone()).collect();
+        let vs: Vec<Tensor> = views.iter().map(|(_, v)| back(v)).collect::<candle_core::Result<_>>()?;
         assert_eq!(Tensor::cat(&vs, 1)?.flatten_all()?.to_vec1::<f32>()?, got.iter().map(|x| -x).collect::<Vec<_>>());
         // A row of another head layout is refused.
         assert!(part
