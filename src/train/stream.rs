@@ -77,10 +77,12 @@ pub enum Stream {
     },
 }
 
-/// Where a stream is: what checkpoints save.
+/// Where a stream is: what checkpoints save. It counts global samples: every rank draws every replica's
+/// sequences of a micro-batch (the compiled step takes its own), so the position is the same on every rank and
+/// a run resumed on another `--dp` goes on from the same sample of the same stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Position {
-    /// Sequences drawn so far.
+    /// Sequences drawn so far, over every replica.
     pub drawn: u64,
     /// The synthetic generator's random state (0 for packed data).
     pub rng: u64,

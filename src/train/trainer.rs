@@ -179,24 +179,12 @@ impl Trainer {
 
     /// Continues the checkpoint at `dir` ([`checkpoint::verify`] gave `state`): the optimizer's moments, step
     /// count and master weights, the step, and the data position. The model's weights must already be the
-    /// checkpoint's (build it with `LlamaModel::load(dir, ..)`). A checkpoint whose optimizer state is whole
-    /// resumes on any mesh and sharding level (each rank takes its slices); one sharded over W ranks resumes on
-    /// W ranks with sharded model states (collective when the masters are written back).
+    /// checkpoint's (build it with `LlamaModel::load(dir, ..)`). A checkpoint, whole or sharded over any W ranks,
+    /// resumes on any mesh and sharding level, each rank reading only its own elements
+    /// ([`checkpoint::restore_state`]; collective).
     pub fn resume(&mut self, dir: &std::path::Path, state: &TrainerState) -> Result<()> {
-        match state.sharded_over {
-            Some(world) => checkpoint::restore_sharded(
-                dir,
-                world,
-                self.compiled.group().as_ref(),
-                &mut self.opt,
-                &self.params,
-                state.optimizer_step,
-            )?,
-            None => {
-                let config = &self.compiled.model().config;
-                checkpoint::restore_optimizer(dir, config, &mut self.opt, &self.params, state.optimizer_step)?
-            }
-        }
+        let (config, group) = (&self.compiled.model().config, self.compiled.group());
+        checkpoint::restore_state(dir, state, config, group.as_ref(), &mut self.opt, &self.params)?;
         if let (Some(scaler), Some((scale, good))) = (self.scaler.as_mut(), state.loss_scale) {
             let interval = match self.config.loss_scale {
                 super::config::LossScaling::Dynamic { growth_interval, .. } => growth_interval,

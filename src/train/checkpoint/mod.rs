@@ -16,13 +16,17 @@
 //! dead runs (their PID no longer runs; [`clean_stale`]). One run at a time saves into a directory: [`SaveLock`]
 //! holds `DIR/.lock` (the owner's PID, `flock`ed) for the run, and a second run is refused naming that PID.
 //! Loading ([`verify`]) checks every file, hashed streaming, against the recorded size and hash and names the
-//! damage; [`restore_optimizer`] puts AdamW's state and the master weights back, so a resumed run continues
-//! bit for bit.
+//! damage; [`restore_state`] puts AdamW's state and the master weights back, each rank reading only its own
+//! elements from the files' byte ranges, on any mesh, so a resumed run continues bit for bit on the same mesh
+//! and within f32 rounding on another.
 
 mod atomic;
 mod lock;
+mod ranges;
+mod resume;
 mod sharded;
 mod state_names;
+mod streamed_model;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -37,7 +41,9 @@ use serde_json::{json, Value};
 
 pub use atomic::clean_stale;
 pub use lock::{SaveLock, LOCK_FILE};
-pub use sharded::{rank_file, restore_sharded, save_sharded};
+pub use ranges::{Entry, TensorFile};
+pub use resume::restore_state;
+pub use sharded::{rank_file, save_sharded};
 
 use super::error::{IoContext, Result, TrainError};
 use super::fingerprint::fingerprint;
@@ -165,8 +171,9 @@ impl TrainerState {
         }
     }
 
-    /// Checks that a run of shape `now` may resume this checkpoint (at `dir`, for the messages). The
-    /// micro-batches, data, seed and dtype must be the same ([`TrainError::Checkpoint`] otherwise). The sequence
+    /// Checks that a run of shape `now` may resume this checkpoint (at `dir`, for the messages). A change of
+    /// `--dp` is allowed and reported (any mesh resumes any checkpoint). The micro-batches, data, seed and
+    /// dtype must be the same ([`TrainError::Checkpoint`] otherwise). The sequence
     /// length, window, steps, learning rate, warm-up, curriculum, RoPE scaling and packing may differ only with
     /// `allow_changes` ([`TrainError::Config`] naming each change otherwise); returns the changes
     /// (`--steps 4 -> 8`), which the caller should report. Older checkpoints that did not record the schedule
@@ -208,7 +215,6 @@ impl TrainerState {
         }
         let same = [
             ("--batch-tokens / --seq-len", self.micro_batches.to_string(), now.micro_batches.to_string()),
-            ("--dp", self.data_parallel.to_string(), now.data_parallel.to_string()),
             ("--data", self.data_source.clone(), now.data_source.clone()),
             ("--seed", self.seed.to_string(), now.seed.to_string()),
             ("--dtype", self.dtype.as_str().to_string(), now.dtype.as_str().to_string()),
@@ -226,6 +232,11 @@ impl TrainerState {
                     dir.display()
                 )));
             }
+        }
+        // Another mesh needs no permission: the state is re-split, and the data position counts global samples
+        // (every replica's), so the stream goes on from the same sample; a step then trains `--dp` replicas'.
+        if self.data_parallel != now.data_parallel {
+            changes.push(format!("--dp {} -> {}", self.data_parallel, now.data_parallel));
         }
         Ok(changes)
     }

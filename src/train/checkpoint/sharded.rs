@@ -3,17 +3,17 @@
 //! in one file per rank, `optimizer-rank-RRRRR-of-WWWWW.safetensors`, each holding that rank's slices (the
 //! same names as `optimizer.safetensors`: `<param>.exp_avg`, `<param>.exp_avg_sq`, `<param>.master`).
 //!
-//! Saving is collective: every rank gathers the sharded weights and masters for the model file (rank 0 keeps
-//! them), rank 0 writes the model into the hidden `.step-N.partial-PID` directory (PID: rank 0's), every rank
-//! writes and fsyncs its optimizer file there, and rank 0 writes the rest, hashes every file (the other ranks' too) into
+//! Saving is collective: rank 0 makes the hidden `.step-N.partial-PID` directory (PID: rank 0's); the model
+//! file streams there one weight at a time (every rank gathers it, rank 0 appends it and frees it:
+//! [`super::streamed_model`]; a LoRA adapter or a Phi-3 model, whose files fuse projections, is gathered whole
+//! onto rank 0 first and written as before), every rank writes and fsyncs its optimizer file there, and rank 0 writes the rest, hashes every file (the other ranks' too) into
 //! `trainer_state.json` and renames the directory into place as an unsharded save does. Each stage ends with
 //! the ranks agreeing that it succeeded (one all-reduce), so a failure on one rank stops them all at once, the
 //! directory is removed and the last good checkpoint is untouched. The directory must be on storage every
 //! rank sees (one machine, or a shared file system).
 //!
-//! Resuming reads this rank's file: the slices are exact on the same W ranks (and, as every resume, the same
-//! `--dp`) at any sharded level, which all slice the world the same way; another W, or an unsharded run, is
-//! refused, naming both.
+//! Resuming ([`super::restore_state`]) reads from the rank files the byte ranges of the elements this rank's
+//! own layout owns, so a sharded checkpoint resumes on any W, D and S, sharded at any level or not at all.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -21,11 +21,11 @@ use std::sync::Arc;
 
 use autosp_core::comm::{ProcessGroup, ReduceOp};
 use autosp_core::optim::AdamW;
-use autosp_core::{Param, Precision, ShardLevel};
+use autosp_core::{Param, ShardLevel};
 use autosp_models::LlamaModel;
 use candle_core::{DType, Device, Tensor};
 
-use super::{atomic, clean_stale, step_dir, write_model, write_rest, Saved, TrainerState};
+use super::{atomic, clean_stale, step_dir, streamed_model, write_model, write_rest, Saved, TrainerState};
 use crate::train::error::{IoContext, Result, TrainError};
 
 /// The optimizer file of `rank` of `world`.
@@ -41,7 +41,7 @@ fn agree(world: &dyn ProcessGroup, ok: bool) -> Result<bool> {
 
 /// A stage's result on this rank, agreed over the world: `Ok` when every rank's is, else this rank's error or
 /// one naming the rank that failed.
-fn settle<T>(world: &dyn ProcessGroup, stage: &str, result: Result<T>) -> Result<T> {
+pub(super) fn settle<T>(world: &dyn ProcessGroup, stage: &str, result: Result<T>) -> Result<T> {
     let all_ok = agree(world, result.is_ok())?;
     match (result, all_ok) {
         (Ok(v), true) => Ok(v),
@@ -64,8 +64,10 @@ pub fn save_sharded(
     let (rank, size) = (world.rank(), world.size());
     let rank0 = rank == 0;
     let disk = model.config.torch_dtype.unwrap_or(DType::F32);
-    // The whole weights for the model file (rank 0 keeps them), from the masters where AdamW has them; this
-    // rank's slices of the optimizer state for its own file.
+    // This rank's slices of the optimizer state for its own file. The model file streams one weight at a time
+    // ([`streamed_model`]) where it can; otherwise (a LoRA adapter, Phi-3's fused files) the whole weights are
+    // gathered first (rank 0 keeps them), from the masters where AdamW has them.
+    let streamed = streamed_model::streamable(model, params, disk);
     let mut weights = HashMap::new();
     let mut mine: HashMap<String, Tensor> = HashMap::new();
     for p in params {
@@ -73,12 +75,10 @@ pub fn save_sharded(
             TrainError::Config(format!("parameter `{}` is not sharded: save with checkpoint::save", p.name()))
         })?;
         let master = opt.master(p).cloned();
-        let whole_master = master.as_ref().map(|m| shard.gather(m)).transpose()?;
-        let w = p.whole()?;
-        let own_master = match master {
-            Some(m) => Some(m),
+        let own_master = match &master {
+            Some(m) => Some(m.clone()),
             // An f32 weight the model file's dtype cannot hold exactly: its exact slice goes with the state.
-            None if w.dtype() != disk => Some(p.update_view()?),
+            None if p.tensor().dtype() != disk => Some(p.update_view()?),
             None => None,
         };
         if let Some(m) = own_master {
@@ -88,8 +88,15 @@ pub fn save_sharded(
             mine.insert(format!("{}.exp_avg", p.name()), m.clone());
             mine.insert(format!("{}.exp_avg_sq", p.name()), v.clone());
         }
-        if rank0 {
-            weights.insert(p.name().to_string(), whole_master.unwrap_or(w));
+        if !streamed {
+            // Collective alike on every rank (the masters are the same parameters' everywhere).
+            let whole = match &master {
+                Some(m) => shard.gather(m)?,
+                None => p.whole()?,
+            };
+            if rank0 {
+                weights.insert(p.name().to_string(), whole);
+            }
         }
     }
     let dir = step_dir(root, state.step);
@@ -104,7 +111,10 @@ pub fn save_sharded(
             if tmp.exists() {
                 std::fs::remove_dir_all(&tmp).io(|| format!("removing {}", tmp.display()))?;
             }
-            write_model(&tmp, model, disk, &weights, state.base_model.as_deref())?;
+            match streamed {
+                true => std::fs::create_dir_all(&tmp).io(|| format!("creating {}", tmp.display()))?,
+                false => write_model(&tmp, model, disk, &weights, state.base_model.as_deref())?,
+            }
             Ok(cleaned)
         })()
     } else {
@@ -121,6 +131,10 @@ pub fn save_sharded(
         }
         TrainError::Save { dir: dir.clone(), cause: Box::new(e) }
     };
+    if streamed {
+        let written = streamed_model::write(rank0.then_some(tmp.as_path()), model, opt, params, disk);
+        settle(world.as_ref(), "writing the model", written).map_err(fail)?;
+    }
     // Every rank's optimizer file, written and flushed.
     let written = (|| -> Result<()> {
         let path = tmp.join(rank_file(rank, size));
@@ -148,65 +162,6 @@ pub fn save_sharded(
     };
     settle(world.as_ref(), "putting the checkpoint in place", finished)?;
     Ok(Saved { dir, cleaned })
-}
-
-/// Restores this rank's slices of AdamW's state from the sharded checkpoint at `dir` (`world` ranks when
-/// saved) into `opt` for the sharded `params` of a run on `group` (collective below `Parameters`: the masters
-/// are written through [`Param::set_update`]).
-pub fn restore_sharded(
-    dir: &Path,
-    saved_world: usize,
-    group: &dyn ProcessGroup,
-    opt: &mut AdamW,
-    params: &[Param],
-    step: u64,
-) -> Result<()> {
-    let (rank, size) = (group.rank(), group.size());
-    let sharded = params.iter().all(|p| p.shard().is_some());
-    if saved_world != size || !sharded {
-        return Err(TrainError::checkpoint(format!(
-            "--resume {}: its optimizer state is sharded over {saved_world} ranks; this run {}: resume on {saved_world} \
-             ranks (the checkpoint's --dp and --sp) with --shard optimizer, gradients or parameters, which all \
-             read the same slices",
-            dir.display(),
-            if sharded { format!("has {size} ranks") } else { "does not shard its model states".to_string() }
-        )));
-    }
-    let path = dir.join(rank_file(rank, size));
-    let mut t = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| TrainError::Checkpoint {
-        message: format!("checkpoint {} is damaged: {} cannot be read", dir.display(), rank_file(rank, size)),
-        cause: Some(Box::new(e.into())),
-    })?;
-    for p in params {
-        let s = p.shard().expect("checked above");
-        let chunk = [s.layout.chunk];
-        let other_model = |what: &str, dims: &[usize]| {
-            TrainError::checkpoint(format!(
-                "checkpoint {}: {} holds {what} of `{}` with shape {dims:?}, but this rank's slice is {chunk:?}; it \
-                 belongs to another model",
-                dir.display(),
-                rank_file(rank, size),
-                p.name()
-            ))
-        };
-        match (t.remove(&format!("{}.exp_avg", p.name())), t.remove(&format!("{}.exp_avg_sq", p.name()))) {
-            (Some(m), Some(v)) if m.dims() == chunk && v.dims() == chunk => opt.set_state(step, p, m, v)?,
-            (None, None) if step == 0 => {}
-            (m, _) => return Err(other_model("the moments", m.as_ref().map_or(&[][..], |m| m.dims()))),
-        }
-        if let Some(master) = t.remove(&format!("{}.master", p.name())) {
-            if master.dims() != chunk {
-                return Err(other_model("master weights", master.dims()));
-            }
-            if Precision::float(p.tensor().dtype()).needs_master() {
-                opt.set_master(p, &master)?;
-            } else {
-                let w = p.tensor();
-                p.set_update(master.to_dtype(w.dtype())?.to_device(w.device())?)?;
-            }
-        }
-    }
-    Ok(())
 }
 
 /// The per-rank optimizer files a sharded checkpoint's state lists (for [`super::verify`]).

@@ -3,7 +3,7 @@
 //! so a Phi-3 checkpoint's state is keyed by its fused `qkv_proj` / `gate_up_proj` (each moment fused as the
 //! weight is: [`autosp_models::fused`]), and split back into the model's parts on resume. Other families pass
 //! as they are. (The per-rank files of a sharded checkpoint hold flat slices of the model's own parameters and
-//! keep the model's names: they are read back only by a run on the same mesh.)
+//! keep the model's names: any mesh reads its elements back from them, [`super::restore_state`].)
 
 use std::collections::HashMap;
 
