@@ -70,11 +70,10 @@ impl Dropout {
         let mut out = vec![dropped; tokens * features];
         let rows = |first: usize, chunk: &mut [T]| {
             for (i, row) in chunk.chunks_mut(features).enumerate() {
-                let key = self.row_key(first + i);
-                for (f, e) in row.iter_mut().enumerate() {
-                    if SplitMix64::at(key, f as u64) >> 11 >= threshold {
-                        *e = kept;
-                    }
+                // The row's stream walked in order: output f is `SplitMix64::at(key, f)`.
+                let mut stream = SplitMix64::new(self.row_key(first + i));
+                for e in row.iter_mut() {
+                    *e = if stream.next_u64() >> 11 >= threshold { kept } else { dropped };
                 }
             }
         };
