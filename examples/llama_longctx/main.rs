@@ -90,11 +90,7 @@ fn main() -> ExitCode {
 /// `--prompt`: generation over thread ranks (`autosp::infer::cli`); exit 130 after Ctrl-C.
 fn generate(args: &Args, g: &autosp::infer::cli::PromptOptions) -> ExitCode {
     if args.launcher == "mpi" {
-        report(&anyhow::anyhow!(
-            "--prompt runs its ranks as threads of one process; generation under --launcher mpi is not built yet: \
-             drop --launcher mpi (--sp P runs P thread ranks)"
-        ));
-        return ExitCode::FAILURE;
+        return generate_mpi(args, g);
     }
     let p = args.sp.unwrap_or_else(|| args.options().default_sp_threads());
     match autosp::infer::cli::run_threads(&args.options(), g, p, Some(&ALLOC)) {
@@ -105,6 +101,49 @@ fn generate(args: &Args, g: &autosp::infer::cli::PromptOptions) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `--prompt` under mpirun: one rank per process, each reading the model itself; a failing rank tells the others.
+#[cfg(feature = "mpi")]
+fn generate_mpi(args: &Args, g: &autosp::infer::cli::PromptOptions) -> ExitCode {
+    use autosp::core::comm::{MpiGroup, ProcessGroup};
+    use autosp::infer::cli;
+    let pg: std::sync::Arc<dyn ProcessGroup> = match MpiGroup::init(TIMEOUT) {
+        Ok(pg) => std::sync::Arc::new(pg),
+        Err(e) => {
+            report(&e.into());
+            return ExitCode::FAILURE;
+        }
+    };
+    // The default tiny model is made once, by rank 0, before the others read it.
+    if args.model.is_none() && args.resume.is_none() {
+        let made = if pg.rank() == 0 { autosp::train::model::tiny_model(args.seed).map(|_| ()) } else { Ok(()) };
+        if let Err(e) = pg.barrier().map_err(anyhow::Error::from).and(made.map_err(anyhow::Error::from)) {
+            report(&e);
+            pg.abort(&format!("{e:#}"));
+            return ExitCode::FAILURE;
+        }
+    }
+    let o = args.options();
+    match cli::prepare(&o, g).and_then(|job| cli::run_rank(&o, &job, pg.clone(), Some(&ALLOC))) {
+        Ok(out) if out.finish == autosp::infer::Finish::Interrupted => ExitCode::from(INTERRUPTED),
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            report(&anyhow::anyhow!("rank {}: {e}", pg.rank()));
+            pg.abort(&e.to_string());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn generate_mpi(_args: &Args, _g: &autosp::infer::cli::PromptOptions) -> ExitCode {
+    report(&anyhow::anyhow!(
+        "--launcher mpi needs the MPI back end, which this binary was built without: build with \
+         `cargo build --release --features mpi --example llama_longctx` and start it with \
+         `mpirun -np P target/release/examples/llama_longctx --launcher mpi --prompt ...`"
+    ));
+    ExitCode::FAILURE
 }
 
 /// Prints a run's error on stderr (the one line every failing rank prints).

@@ -3,10 +3,12 @@
 //! template under `--chat`), loads the model the training options name (`--model`, `--lora-adapter`,
 //! `--resume`, `--rope-scaling`, `--shard`, `--strategy`, `--dtype`), compiles it on `--sp` thread ranks and
 //! generates, printing the text as it comes, then a summary and one closing JSON line. Ctrl-C stops the
-//! decode (every rank agrees on it, one all-reduce per token) and prints what was generated.
+//! decode (every rank agrees on it, one all-reduce per token) and prints what was generated. One process
+//! per rank (`--launcher mpi`) runs [`prepare`] and [`run_rank`] itself.
 
 use std::io::Write;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use autosp_core::comm::{run_ranks_fallible, ProcessGroup, ReduceOp};
@@ -137,14 +139,19 @@ fn stop_agreed(pg: &dyn ProcessGroup) -> Result<bool, InferError> {
     Ok(any.to_vec1::<f32>()?[0] > 0.0)
 }
 
-/// Generates on `p` thread ranks as `o` and `g` ask, printing on stdout (see the module doc). Returns rank 0's
-/// generation.
-pub fn run_threads(
-    o: &RunOptions,
-    g: &PromptOptions,
-    p: usize,
-    heap: Option<&'static TrackingAllocator>,
-) -> Result<Generated, InferError> {
+/// What every rank needs, read once per process before the ranks start.
+pub struct Prepared {
+    prompt: Vec<u32>,
+    cfg: GenerateConfig,
+    config: autosp_models::LlamaConfig,
+    weights: std::collections::HashMap<String, Tensor>,
+    lora: Option<LoraRun>,
+    dtype: DType,
+    tokenizer: Option<Tokenizer>,
+}
+
+/// Reads the prompt and the model `o` and `g` name, and tokenizes the prompt (see the module doc).
+pub fn prepare(o: &RunOptions, g: &PromptOptions) -> Result<Prepared, InferError> {
     let text = prompt_text(&g.prompt)?;
     let (source, lora) = source(o)?;
     let dtype = o.dtype.unwrap_or(DType::F32);
@@ -155,55 +162,99 @@ pub fn run_threads(
     }
     let cfg =
         GenerateConfig { max_new_tokens: g.max_new_tokens, sampling: g.sampling(), seed: o.seed, stop_tokens: None };
-    let weights = loaded.model.to_weights();
-    let config = loaded.model.config.clone();
-    let results = run_ranks_fallible(p, Duration::from_secs(1800), |pg| -> Result<Generated, InferError> {
-        let mut m = LlamaModel::from_weights(&config, weights.clone())?;
-        if let Some(l) = &lora {
-            l.apply(&mut m)?;
+    Ok(Prepared {
+        prompt,
+        cfg,
+        config: loaded.model.config.clone(),
+        weights: loaded.model.to_weights(),
+        lora,
+        dtype,
+        tokenizer: loaded.tokenizer,
+    })
+}
+
+/// One rank's generation over `pg` (thread or process): builds its model on its device, compiles it and
+/// generates; rank 0 prints the text as it comes, then the summary and the closing JSON line (every rank's
+/// KV-cache bytes gathered, one all-gather).
+pub fn run_rank(
+    o: &RunOptions,
+    job: &Prepared,
+    pg: Arc<dyn ProcessGroup>,
+    heap: Option<&'static TrackingAllocator>,
+) -> Result<Generated, InferError> {
+    let device = o.device_spec().open(Some((crate::device::local_rank(pg.rank()), pg.size())))?;
+    let weights = job
+        .weights
+        .iter()
+        .map(|(k, t)| Ok((k.clone(), t.to_device(&device)?)))
+        .collect::<Result<std::collections::HashMap<_, _>, candle_core::Error>>()?;
+    let mut m = LlamaModel::from_weights(&job.config, weights)?;
+    if let Some(l) = &job.lora {
+        l.apply(&mut m)?;
+    }
+    let mut c = CompileConfig::new(pg.clone(), o.strategy, o.checkpoint)
+        .with_dtype(job.dtype)
+        .with_max_attention_distance(o.max_attention_distance);
+    if let Some(level) = o.shard {
+        c = c.with_sharding(level);
+    }
+    if let Some(r) = &o.rope_scaling {
+        c = c.with_rope_scaling(r.clone());
+    }
+    let compiled = compile(m, c)?;
+    let rank0 = pg.rank() == 0;
+    let (mut ids, mut printed, mut failed) = (Vec::new(), 0, None);
+    let out = compiled.generate_streaming(&job.prompt, &job.cfg, |e| {
+        if rank0 {
+            ids.push(e.token);
+            print_new(job.tokenizer.as_ref(), &ids, &mut printed);
         }
-        let mut c = CompileConfig::new(pg.clone(), o.strategy, o.checkpoint)
-            .with_dtype(dtype)
-            .with_max_attention_distance(o.max_attention_distance);
-        if let Some(level) = o.shard {
-            c = c.with_sharding(level);
-        }
-        if let Some(r) = &o.rope_scaling {
-            c = c.with_rope_scaling(r.clone());
-        }
-        let compiled = compile(m, c)?;
-        let rank0 = pg.rank() == 0;
-        let (mut ids, mut printed, mut failed) = (Vec::new(), 0, None);
-        let out = compiled.generate_streaming(&prompt, &cfg, |e| {
-            if rank0 {
-                ids.push(e.token);
-                print_new(loaded.tokenizer.as_ref(), &ids, &mut printed);
+        match stop_agreed(pg.as_ref()) {
+            Ok(stop) => !stop,
+            Err(err) => {
+                failed = Some(err);
+                false
             }
-            match stop_agreed(pg.as_ref()) {
-                Ok(stop) => !stop,
-                Err(err) => {
-                    failed = Some(err);
-                    false
-                }
-            }
-        })?;
-        if let Some(err) = failed {
-            return Err(err);
         }
-        Ok(out)
-    });
-    let mut outs = Vec::with_capacity(p);
+    })?;
+    if let Some(err) = failed {
+        return Err(err);
+    }
+    let mine = Tensor::new(&[out.stats.kv_cache_bytes as f64], &Device::Cpu)?;
+    let all = if pg.size() > 1 { pg.all_gather(&mine, 0).map_err(autosp_core::Error::from)? } else { mine };
+    let kv: Vec<usize> = all.to_vec1::<f64>()?.into_iter().map(|b| b as usize).collect();
+    if rank0 {
+        summary(&out, &kv, heap.map(|h| h.peak_bytes()), pg.size(), o);
+    }
+    Ok(out)
+}
+
+/// Generates on `p` thread ranks as `o` and `g` ask, printing on stdout (see the module doc). Returns rank 0's
+/// generation.
+pub fn run_threads(
+    o: &RunOptions,
+    g: &PromptOptions,
+    p: usize,
+    heap: Option<&'static TrackingAllocator>,
+) -> Result<Generated, InferError> {
+    let job = prepare(o, g)?;
+    let results = run_ranks_fallible(p, Duration::from_secs(1800), |pg| run_rank(o, &job, pg, heap));
+    let mut first = None;
     for (rank, r) in results.into_iter().enumerate() {
         match r {
-            Ok(Ok(out)) => outs.push(out),
+            Ok(Ok(out)) => {
+                first.get_or_insert(out);
+            }
             Ok(Err(e)) => return Err(InferError::Prompt(format!("rank {rank}: {e}"))),
             Err(e) => return Err(InferError::Prompt(format!("rank {rank}: {e}"))),
         }
     }
-    let out = outs[0].clone();
+    first.ok_or_else(|| InferError::Prompt("no rank ran: give --sp 1 or more".into()))
+}
+
+/// Rank 0's report: the summary line and the closing JSON line.
+fn summary(out: &Generated, kv: &[usize], peak: Option<usize>, p: usize, o: &RunOptions) {
     let s = &out.stats;
-    let kv: Vec<usize> = outs.iter().map(|o| o.stats.kv_cache_bytes).collect();
-    let peak = heap.map(|h| h.peak_bytes());
     println!();
     if out.finish == Finish::Interrupted {
         println!("interrupted: {} tokens generated", out.tokens.len());
@@ -217,7 +268,7 @@ pub fn run_threads(
         s.decode_tokens_per_s,
         kv,
         peak.map_or("-".into(), |b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)),
-        compiled_strategy(o),
+        crate::train::strategy_flag(o.strategy),
     );
     let mut line = s.to_json();
     line["kv_cache_bytes_per_rank"] = json!(kv);
@@ -225,10 +276,5 @@ pub fn run_threads(
     line["finish"] = json!(format!("{:?}", out.finish).to_lowercase());
     line["tokens"] = json!(out.tokens);
     println!("{line}");
-    Ok(out)
-}
-
-/// The strategy the options ask for, as the summary names it.
-fn compiled_strategy(o: &RunOptions) -> String {
-    crate::train::strategy_flag(o.strategy)
+    let _ = std::io::stdout().flush();
 }

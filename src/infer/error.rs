@@ -71,6 +71,10 @@ pub enum InferError {
     #[error(transparent)]
     Kernel(#[from] autosp_kernels::Error),
 
+    /// The device `--device` names could not be opened.
+    #[error(transparent)]
+    Device(#[from] crate::DeviceError),
+
     /// From candle.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
