@@ -189,12 +189,12 @@ pub fn model_state_bytes(counts: &ParamCounts, dtype: DType, level: ShardLevel, 
 /// [`SHARD_FROM_BYTES`] of unsharded model state, `Gradients` from it. Over one process per rank the bytes
 /// are one rank's; over thread ranks (`shares_memory`) the process's, W copies of it: sharded, thread ranks
 /// hold one copy of the parameters between them (they gather into one tensor) and 1/W each of the rest. Frozen
-/// parameters, which no level shards, are left out of the decision.
+/// parameters, which only `Parameters` shards (never chosen by default), are left out of the decision.
 pub fn default_level(counts: &ParamCounts, dtype: DType, world: usize, shares_memory: bool) -> (ShardLevel, String) {
     if world == 1 {
         return (ShardLevel::None, "one rank: nothing to shard".into());
     }
-    // Frozen parameters (LoRA's base) are never sharded: only what trains decides the level.
+    // Frozen parameters (LoRA's base) are sliced at `Parameters` only: only what trains decides the level.
     let whole =
         model_state_bytes(counts, dtype, ShardLevel::None, world).total() - counts.frozen * dtype.size_in_bytes();
     let (held, whose) = if shares_memory {
