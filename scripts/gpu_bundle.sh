@@ -28,7 +28,8 @@
 # refuses PTX from a newer toolkit than its own, and the GPU machines' driver (580) is CUDA 13.0. The link needs
 # the libraries only by name: the stubs above serve. CUDA_COMPUTE_CAP=90 (H100/H200) unless set. The build has its
 # own target dir ($CARGO_TARGET_DIR, default target/cuda-build), so it leaves target/release alone. Needs network
-# to PyPI the first time. A cold build takes about 15 minutes on 2 cores (candle-kernels' PTX most of it).
+# to PyPI the first time. A cold build took 49 minutes on a loaded 2-core machine (candle-kernels' build script
+# twice: `-p autosp-kernels` resolves features apart from the root's); a rebuild after source changes about 10.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
