@@ -53,7 +53,7 @@ export PATH="$cuda_root/bin:$PATH"
 export CUDA_HOME="$cuda_root" CUDA_ROOT="$cuda_root" CUDA_PATH="$cuda_root"
 export CUDARC_CUDA_VERSION=13000 CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
 export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-$(nproc)}"
-nvcc_version="$(nvcc --version | tail -1)"
+nvcc_version="$(nvcc --version | grep -m1 release)"  # "Cuda compilation tools, release 13.0, V13.0.88"
 echo "gpu_bundle: $nvcc_version, compute cap $CUDA_COMPUTE_CAP, target dir $CARGO_TARGET_DIR"
 
 # --- the stubs: one C function per entry point cudarc declares for the library, each returning an error ---

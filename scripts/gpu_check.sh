@@ -175,7 +175,7 @@ st_versions() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader
   local driver_cuda built
   driver_cuda="$(nvidia-smi | sed -nE 's/.*CUDA Version: ([0-9]+\.[0-9]+).*/\1/p' | head -1)"
-  built="$(sed -nE 's/.*release ([0-9]+\.[0-9]+).*/\1/p' "$bundle/MANIFEST" | head -1)"
+  built="$(sed -nE 's/.*(release |cuda_)([0-9]+\.[0-9]+).*/\2/p' "$bundle/MANIFEST" | head -1)"
   echo "> $(nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader | head -1); driver CUDA $driver_cuda; bundle's toolkit $built; $(nvidia-smi -L | wc -l) GPU(s)"
   if "$bundle/run" --libs | grep -q STUB; then
     echo "> a CUDA library was not found (see the log: run --libs): install the toolkit or PyTorch's nvidia-* wheels"
