@@ -256,3 +256,42 @@ fn bad_requests_are_refused_with_what_to_change() {
     assert!(matches!(err, InferError::Window { window: 16, .. }), "{err}");
     assert!(windowed.generate(&prompt(9), &greedy(8)).is_ok());
 }
+
+#[test]
+fn each_decoded_token_costs_one_all_gather_per_layer_of_the_stated_bytes() {
+    use autosp::core::comm::Collective;
+    let (prompt, gen) = (prompt(30), greedy(6));
+    let cfg = TinySpec::default().config();
+    let (layers, h, d) = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim);
+    for (p, strategy) in [(2, Strategy::Ring), (4, Strategy::Ulysses)] {
+        let out = run_ranks(p, Duration::from_secs(120), |pg| -> Result<(Vec<(u64, u64, u64)>, usize), String> {
+            let policy = Checkpointing::Policy(CheckpointPolicy::None);
+            let c = compile(tiny(), CompileConfig::new(pg.clone(), strategy, policy)).map_err(|e| e.to_string())?;
+            let mut seen = Vec::new();
+            let out = c
+                .generate_streaming(&prompt, &gen, |_| {
+                    let s = pg.stats();
+                    seen.push((s.total_calls(), s.calls(Collective::AllGather), s.bytes_sent(Collective::AllGather)));
+                    true
+                })
+                .map_err(|e| e.to_string())?;
+            Ok((seen, out.stats.decode_comm_bytes_per_token))
+        });
+        for (r, o) in out.into_iter().enumerate() {
+            let (seen, stated) = o.unwrap().unwrap();
+            assert_eq!(seen.len(), 6);
+            for w in seen.windows(2) {
+                let (calls, gathers, bytes) = (w[1].0 - w[0].0, w[1].1 - w[0].1, w[1].2 - w[0].2);
+                assert_eq!(
+                    (calls, gathers),
+                    (layers as u64, layers as u64),
+                    "P = {p}, rank {r}: collectives per token"
+                );
+                // Each rank sends its partial (o, lse), heads · (head_dim + 1) f32, to the P - 1 others.
+                assert_eq!(bytes as usize, layers * (p - 1) * h * (d + 1) * 4, "P = {p}, rank {r}: bytes per token");
+            }
+            // The stated figure is what a rank receives: P parts per layer.
+            assert_eq!(stated, layers * p * h * (d + 1) * 4);
+        }
+    }
+}
