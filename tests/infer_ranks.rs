@@ -257,6 +257,9 @@ fn bad_requests_are_refused_with_what_to_change() {
     assert!(windowed.generate(&prompt(9), &greedy(8)).is_ok());
 }
 
+/// Per decoded token: (collective calls, all-gathers, all-gather bytes sent) so far on this rank.
+type Counts = Vec<(u64, u64, u64)>;
+
 #[test]
 fn each_decoded_token_costs_one_all_gather_per_layer_of_the_stated_bytes() {
     use autosp::core::comm::Collective;
@@ -264,7 +267,7 @@ fn each_decoded_token_costs_one_all_gather_per_layer_of_the_stated_bytes() {
     let cfg = TinySpec::default().config();
     let (layers, h, d) = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim);
     for (p, strategy) in [(2, Strategy::Ring), (4, Strategy::Ulysses)] {
-        let out = run_ranks(p, Duration::from_secs(120), |pg| -> Result<(Vec<(u64, u64, u64)>, usize), String> {
+        let out = run_ranks(p, Duration::from_secs(120), |pg| -> Result<(Counts, usize), String> {
             let policy = Checkpointing::Policy(CheckpointPolicy::None);
             let c = compile(tiny(), CompileConfig::new(pg.clone(), strategy, policy)).map_err(|e| e.to_string())?;
             let mut seen = Vec::new();
