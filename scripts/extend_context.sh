@@ -98,12 +98,20 @@ evaluate() {
 # Arm c trains LoRA adapters of rank 8 and the norms (not the embedding: at a rate that moves anything in a few
 # steps it would damage the 49152 x 576 table) at lr LR with one warm-up step, on the first STEPS windows of the
 # training books; the seeds differ in the adapters' initialisation.
+# Saved every step: a training stopped part-way resumes from its last whole checkpoint, appending to its metrics.
 train_arm() {
-  local dir="$1" seed="$2"
-  rm -rf "$dir/train" # a training stopped part-way starts again
+  local dir="$1" seed="$2" resume=() last
+  last="$(ls -d "$dir"/train/step-* 2>/dev/null | sed 's/.*step-//' | sort -n | tail -1)"
+  if [ -n "$last" ] && [ -f "$dir/train/step-$last/trainer_state.json" ]; then
+    resume=(--resume "$dir/train/step-$last")
+    echo "train_arm: resuming $dir from step $last"
+  else
+    rm -rf "$dir/train" "$dir/train-metrics.jsonl"
+  fi
   "$bin" --model "$gguf" --sp "$SP" --seq-len "$LENGTH" --rope-scaling "yarn:$FACTOR" --data "$train_data" \
     --steps "$STEPS" --warmup 1 --lr "$LR" --lora 8 --lora-train norm --seed "$seed" --no-progress \
-    --save "$dir/train" --metrics "$dir/train.jsonl.partial"
+    --save "$dir/train" --save-every 1 --metrics "$dir/train-metrics.jsonl" "${resume[@]}"
+  cp "$dir/train-metrics.jsonl" "$dir/train.jsonl.partial"
 }
 seeds=($SEEDS)
 # One seed of arm c: its training, its loss by position, its passkey grid.

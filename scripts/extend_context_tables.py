@@ -13,6 +13,7 @@ import pathlib
 import sys
 
 ARMS = {"a": "(a) as it is", "b": "(b) YaRN, no training"}
+LENGTH = 16384  # tokens per step (--seq-len, one sequence a step)
 
 
 def lines(path):
@@ -100,17 +101,20 @@ def training(out):
         if not arm.startswith("c-seed"):
             continue
         ls = lines(out / arm / "train.jsonl")
-        steps = [l for l in ls if "loss" in l and "step" in l and "summary" not in l]
-        summary = next((l["summary"] for l in ls if "summary" in l), None)
+        # A training resumed across sittings appends: a step logged twice (stopped before its save) counts once,
+        # the last time; its seconds come from each step's own tokens/s.
+        by_step = {l["step"]: l for l in ls if "loss" in l and "step" in l and "summary" not in l}
+        steps = [by_step[k] for k in sorted(by_step)]
+        summary = next((l["summary"] for l in reversed(ls) if "summary" in l), None)
         if not steps or not summary:
             print(f"| {arm.removeprefix('c-seed')} | not finished | | | | | |")
             continue
-        secs = summary.get("seconds") or 0
+        secs = sum(l.get("tokens", LENGTH) / l["tokens_per_s"] for l in steps if l.get("tokens_per_s"))
         def bytes_of(v):  # one figure, or one per rank
             return max(v) if isinstance(v, list) else (v or 0)
         peak = max(bytes_of(s.get("process_peak_bytes")) for s in steps)
         print(f"| {arm.removeprefix('c-seed')} | {len(steps)} | {steps[0]['loss']:.4f} | {steps[-1]['loss']:.4f} | "
-              f"{secs / len(steps):.0f} | {summary.get('tokens_per_s') or 0:.0f} | {peak / 2**30:.1f} GiB |")
+              f"{secs / len(steps):.0f} | {LENGTH * len(steps) / max(secs, 1e-9):.0f} | {peak / 2**30:.1f} GiB |")
     print()
 
 
