@@ -8,14 +8,18 @@
 //! - [`ThreadGroup`] (always built): P ranks as threads of one process; start them with [`run_ranks`].
 //! - `MpiGroup` (feature `mpi`, the `mpi` crate over OpenMPI): one process per rank under `mpirun`; see
 //!   `autosp-core/examples/mpi_collectives.rs`.
-//! - `NcclGroup` (feature `nccl`, NCCL through cudarc): one rank per GPU; all-to-all from grouped
-//!   `ncclSend`/`ncclRecv`; bootstrapped over another group (`NcclId::share`); see `nccl.rs` for what its
-//!   timeouts cover. Type-checked only: it has not run on a GPU.
+//! - `NcclGroup` (feature `nccl`, NCCL through cudarc): one rank per GPU; all-reduce, reduce-scatter and
+//!   all-gather are NCCL's own (the shape header travels in the same NCCL group and is checked after),
+//!   all-to-all and send/recv are grouped `ncclSend`/`ncclRecv` after a header round; bootstrapped over another
+//!   group (`NcclId::share`); see `nccl.rs` for what its timeouts cover. Type-checked only: it has not run on a
+//!   GPU.
 //!
 //! Every back end provides a small [`Transport`] (one synchronising personalised exchange plus point-to-point
-//! transfers) and share [`Communicator`], which builds the collectives, checks arguments, reduces in rank
-//! order and counts. So they all give the same bits: reductions run in rank order 0, 1, ..., P-1 (bf16/f16
-//! accumulated in f32), and every rank of `all_reduce` receives the very chunks their owners reduced.
+//! transfers, and optionally its own all-reduce, reduce-scatter and all-gather) and shares [`Communicator`],
+//! which builds the collectives, checks arguments, reduces in rank order and counts. The threads and MPI back
+//! ends give the same bits: reductions run in rank order 0, 1, ..., P-1 (bf16/f16 accumulated in f32), and every
+//! rank of `all_reduce` receives the very chunks their owners reduced; NCCL's sums are in its own order (the
+//! same bits on every rank, not rank order).
 //!
 //! # Failures
 //!
