@@ -1,7 +1,9 @@
 //! Long-context evaluation (`autosp::train::eval`): the passkey grid and the loss by position give one rank's
 //! numbers at P = 2 (Ulysses and Ring) and on a 2 × 2 mesh, their pictures hold a cell per grid cell and a point per bucket, bad
-//! options are refused naming them, and `llama_longctx --eval-passkey --eval-positions` scores once with
-//! `--steps 0` and before and after otherwise.
+//! options are refused naming them, the grid by generation (`--eval-passkey-generate`) is what direct
+//! `Compiled::generate` calls give and agrees with the one-forward grid for fixed ids, and `llama_longctx
+//! --eval-passkey --eval-passkey-generate --eval-positions` scores once with `--steps 0` and before and after
+//! otherwise.
 
 mod longctx_cli;
 
@@ -10,6 +12,8 @@ use std::time::Duration;
 
 use autosp::core::comm::run_ranks;
 use autosp::core::CheckpointPolicy;
+use autosp::infer::GenerateConfig;
+use autosp::models::tokenizer::decode;
 use autosp::models::{load_tokenizer, random_weights, write_tiny, LlamaConfig, LlamaModel, TinySpec, Tokenizer};
 use autosp::train::synthetic::{Passkey, PasskeyVocab};
 use autosp::train::{HeldOut, LongContext, LongScores, PasskeyGrid, PositionLoss, RunOptions};
@@ -126,6 +130,97 @@ fn the_passkey_grid_and_the_loss_by_position_at_p2_are_one_ranks() {
     }
 }
 
+/// Each answer row's argmax given the true prompt and earlier answer tokens (the one-forward score's view),
+/// and the greedy tokens `Compiled::generate` writes after the prompt (the answer's length + 4).
+fn forced_and_generated(c: &Compiled<LlamaModel>, sample: &autosp::train::Sample) -> (Vec<u32>, Vec<u32>) {
+    let n = sample.ids.len();
+    let ids = Tensor::from_vec(sample.ids.clone(), (1, n), &Device::Cpu).unwrap();
+    let rows: Vec<usize> = sample.answers.iter().map(|a| a - 1).collect();
+    let forced = c.logits_at(&ids, &rows).unwrap().argmax(2).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let cfg = GenerateConfig { max_new_tokens: sample.answers.len() + 4, ..GenerateConfig::default() };
+    let generated = c.generate(&sample.ids[..sample.answers[0]], &cfg).unwrap().tokens;
+    (forced, generated)
+}
+
+/// The first run of ASCII digits in `text`.
+fn digits(text: &str) -> String {
+    text.chars().skip_while(|ch| !ch.is_ascii_digit()).take_while(|ch| ch.is_ascii_digit()).collect()
+}
+
+#[test]
+fn the_passkey_grid_by_generation_is_the_direct_generations_and_one_ranks_at_p2() {
+    let ids = PasskeyVocab::Ids { vocab: 400 };
+    let lengths = format!("{},200", Passkey::shortest(&ids).unwrap() + 3);
+    let grid = PasskeyGrid::parse(&lengths, Some("0,50,100"), 2, 7, ids.clone()).unwrap();
+    let text = PasskeyVocab::Text(Box::new(tokenizer()));
+    let text_grid = PasskeyGrid::parse("200", Some("0,100"), 2, 7, text.clone()).unwrap();
+    let probes: Vec<_> = [0usize, 50, 100].iter().map(|&d| Passkey::at_depth(&ids, 200, d, 3).unwrap()).collect();
+    let score = |c: &Compiled<LlamaModel>| {
+        let direct: Vec<_> = probes.iter().map(|s| forced_and_generated(c, s)).collect();
+        (grid.evaluate(c).unwrap(), grid.evaluate_generated(c).unwrap(), direct)
+    };
+    let (forced1, generated1, direct1) = on_ranks(1, Strategy::Ulysses, score).remove(0);
+    assert!(generated1.generated && !forced1.generated);
+    assert_eq!(generated1.cells.len(), 2 * 3);
+    // With fixed ids and an exact prefix the two scores agree: greedy generation writes the k answer ids iff
+    // each is the argmax given the true ones before it.
+    assert_eq!(generated1.cells, forced1.cells, "generated vs teacher-forced hits at P = 1");
+    // Token by token: generation writes the teacher-forced argmax up to and including the first wrong one.
+    for (s, (forced, generated)) in probes.iter().zip(&direct1) {
+        let answer: Vec<u32> = s.answers.iter().map(|&a| s.ids[a]).collect();
+        let wrong = forced.iter().zip(&answer).position(|(f, a)| f != a);
+        let upto = wrong.unwrap_or(answer.len() - 1);
+        assert_eq!(generated[..=upto], forced[..=upto], "{generated:?} vs {forced:?}");
+        assert_eq!(generated.starts_with(&answer), wrong.is_none());
+    }
+    for strategy in [Strategy::Ulysses, Strategy::Ring] {
+        for (rank, got) in on_ranks(2, strategy, score).into_iter().enumerate() {
+            let what = format!("P = 2 {strategy:?} rank {rank}");
+            assert_eq!(got.1, generated1, "{what}: generated-grid cells");
+            assert_eq!(got.2, direct1, "{what}: generated tokens");
+        }
+    }
+    // Through the tokenizer: a hit when the generated text's first digits are the key's.
+    let (scores, expected) = on_ranks(1, Strategy::Ulysses, |c| {
+        let scores = text_grid.evaluate_generated(c).unwrap();
+        let tok = tokenizer();
+        let expected: Vec<usize> = [0usize, 100]
+            .iter()
+            .map(|&d| {
+                (0..2)
+                    .filter(|&i| {
+                        // The grid's seed of sample i (passkey.rs's sample_seed).
+                        let seed = 7u64.wrapping_add((i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                        let s = Passkey::at_depth(&text, 200, d, seed).unwrap();
+                        let answer: Vec<u32> = s.answers.iter().map(|&a| s.ids[a]).collect();
+                        let key = digits(&decode(&tok, &answer).unwrap());
+                        let got = decode(&tok, &forced_and_generated(c, &s).1).unwrap();
+                        key.len() == 5 && digits(&got) == key
+                    })
+                    .count()
+            })
+            .collect();
+        (scores, expected)
+    })
+    .remove(0);
+    assert_eq!(scores.cells.iter().map(|c| c.hits).collect::<Vec<_>>(), expected);
+    // The door: lines `passkey_generated` beside `passkey`, and a second table.
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = options(dir.path());
+    o.eval_passkey = Some(lengths.clone());
+    o.eval_depths = Some("0,50,100".into());
+    o.eval_samples = Some(1);
+    o.eval_passkey_generate = true;
+    let long = LongContext::from_options(&o, &config(), None, None, dir.path()).unwrap();
+    let scores = on_ranks(1, Strategy::Ulysses, |c| long.evaluate(c).unwrap()).remove(0);
+    let lines = scores.json_lines(autosp::train::When::Before);
+    assert_eq!(lines.iter().filter(|j| j["eval"] == "passkey").count(), 6);
+    assert_eq!(lines.iter().filter(|j| j["eval"] == "passkey_generated").count(), 6);
+    let (tables, _) = long.report(&scores, None).unwrap();
+    assert_eq!(tables.len(), 2);
+    assert!(tables[1].title.starts_with("passkey retrieval by generation: keys generated per needle depth"));
+}
+
 /// Options for a run at `seq_len` 128 with its metrics file in `dir`.
 fn options(dir: &Path) -> RunOptions {
     RunOptions { seq_len: 128, metrics: Some(dir.join("m.jsonl")), ..RunOptions::default() }
@@ -214,6 +309,17 @@ fn bad_evaluation_options_are_refused_naming_them() {
     assert!(e.contains("--eval-samples 0"), "{e}");
     let e = err(&|o| o.eval_depths = Some("50".into()), None, Some(&tok));
     assert!(e.contains("give --eval-passkey LENGTHS too"), "{e}");
+    let e = err(&|o| o.eval_passkey_generate = true, None, Some(&tok));
+    assert!(e.contains("--eval-passkey-generate") && e.contains("give --eval-passkey LENGTHS too"), "{e}");
+    let e = err(
+        &|o| {
+            o.eval_passkey = Some("200,300".into());
+            o.eval_passkey_generate = true
+        },
+        None,
+        None,
+    );
+    assert!(e.contains("--eval-passkey-generate cannot generate after a 300-token prompt") && e.contains("256"), "{e}");
     let e = err(&|o| o.eval_positions = true, None, Some(&tok));
     assert!(e.contains("--eval-positions") && e.contains("--eval-data"), "{e}");
     // A model without a tokenizer spells the prompt with fixed ids (the synthetic task's), shorter.
@@ -274,6 +380,7 @@ fn llama_longctx_scores_the_grid_and_the_positions_once_without_steps_and_before
             "--eval-samples",
             "2",
             "--eval-positions",
+            "--eval-passkey-generate",
             "--save",
             s(&ckpt),
             "--metrics",
@@ -295,6 +402,9 @@ fn llama_longctx_scores_the_grid_and_the_positions_once_without_steps_and_before
         assert_eq!(heldout, whens.len(), "held-out loss lines");
         assert!(out.contains("passkey retrieval: keys found per needle depth"), "{out}");
         assert!(out.contains("held-out loss by position"), "{out}");
+        let generated = lines.iter().filter(|j| j["eval"] == "passkey_generated").count();
+        assert_eq!(generated, 2 * whens.len(), "{lines:?}");
+        assert!(out.contains("passkey retrieval by generation: keys generated per needle depth"), "{out}");
         assert!(run.join("passkey-before.svg").is_file() && run.join("positions.svg").is_file());
         assert_eq!(run.join("passkey-after.svg").is_file(), whens.len() == 2);
     }

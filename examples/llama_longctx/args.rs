@@ -212,6 +212,12 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub eval_samples: Option<usize>,
 
+    /// With --eval-passkey: also score each sample by greedy generation after its question (the answer's
+    /// tokens + 4): a hit when the generated text's first digits are the key (fixed ids: the answer's ids
+    /// exactly). JSON lines {"eval":"passkey_generated",..} and a second table beside the one-forward ones.
+    #[arg(long)]
+    pub eval_passkey_generate: bool,
+
     /// With --eval-data: the held-out loss by token position (buckets 0-1K, 1-2K, 2-4K, ... up to --seq-len;
     /// below 2048, sixteenths to halves of it), each window the first --seq-len tokens of a document, before
     /// and after training. JSON lines in --metrics, a table in the summary, positions.svg beside the metrics
@@ -379,6 +385,7 @@ impl Args {
             eval_passkey: a.eval_passkey,
             eval_depths: a.eval_depths,
             eval_samples: a.eval_samples,
+            eval_passkey_generate: a.eval_passkey_generate,
             eval_positions: a.eval_positions,
             dump_grads: a.dump_grads,
             seed: a.seed,

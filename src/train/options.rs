@@ -79,6 +79,8 @@ pub struct RunOptions {
     pub eval_depths: Option<String>,
     /// `--eval-samples`: its keys per cell; `None`: [`super::DEFAULT_SAMPLES`].
     pub eval_samples: Option<usize>,
+    /// `--eval-passkey-generate`: also score the passkey grid by greedy generation (exact key digits).
+    pub eval_passkey_generate: bool,
     /// `--eval-positions`: the held-out loss by position ([`super::PositionLoss`]).
     pub eval_positions: bool,
     /// `--dump-grads`.
@@ -145,6 +147,7 @@ impl Default for RunOptions {
             eval_passkey: None,
             eval_depths: None,
             eval_samples: None,
+            eval_passkey_generate: false,
             eval_positions: false,
             dump_grads: None,
             seed: 0,

@@ -5,7 +5,8 @@
 //! - [`answer_accuracy`]: teacher-forced retrieval accuracy on samples with marked answers (the synthetic
 //!   tasks' probes);
 //! - [`PasskeyGrid`]: the passkey test over prompt lengths × needle depths (`--eval-passkey`, `--eval-depths`,
-//!   `--eval-samples`);
+//!   `--eval-samples`), one forward per sample, and with `--eval-passkey-generate` also by greedy generation
+//!   (`passkey_generated.rs`);
 //! - [`PositionLoss`]: the held-out loss by token position in buckets, each window starting at a document's
 //!   start (`--eval-positions`);
 //! - [`picture`]: their SVG pictures (a heatmap, a curve).
@@ -13,13 +14,14 @@
 //! [`LongContext`] is the door a run uses for the long-context pair: built from the options once, scored
 //! ([`Trainer::score_long_context`](super::Trainer::score_long_context))
 //! before and after training (once when no step ran), each time as JSON lines in the metrics file
-//! (`{"eval":"passkey",..}`, `{"eval":"positions",..}`), and reported at the end as tables in the run's
+//! (`{"eval":"passkey",..}`, `{"eval":"passkey_generated",..}`, `{"eval":"positions",..}`), and reported at the end as tables in the run's
 //! [`Summary`](super::Summary) and pictures beside the metrics file (`passkey-before.svg`,
 //! `passkey-after.svg`, `positions.svg`; in the `--save` directory when there is no metrics file).
 
 mod answers;
 mod heldout;
 mod passkey;
+mod passkey_generated;
 pub mod picture;
 mod positions;
 
@@ -83,6 +85,8 @@ pub fn model_windows(config: &LlamaConfig) -> (usize, usize) {
 pub struct LongContext {
     /// The passkey grid, when asked for.
     pub passkey: Option<PasskeyGrid>,
+    /// Whether the passkey grid is also scored by generation (`--eval-passkey-generate`).
+    pub passkey_generate: bool,
     /// The loss by position, when asked for.
     pub positions: Option<PositionLoss>,
     /// The model's original window, marked on the loss-by-position picture ([`model_windows`]).
@@ -99,6 +103,8 @@ pub struct LongContext {
 pub struct LongScores {
     /// The passkey grid's cells.
     pub passkey: Option<PasskeyScores>,
+    /// The passkey grid's cells scored by generation, when asked for.
+    pub passkey_generated: Option<PasskeyScores>,
     /// The loss by position's buckets.
     pub positions: Option<PositionScores>,
 }
@@ -107,6 +113,7 @@ impl LongScores {
     /// The metrics lines of this evaluation, tagged `when`.
     pub fn json_lines(&self, when: When) -> Vec<Value> {
         let mut lines = self.passkey.as_ref().map(|p| p.json_lines(when)).unwrap_or_default();
+        lines.extend(self.passkey_generated.as_ref().map(|p| p.json_lines(when)).unwrap_or_default());
         lines.extend(self.positions.as_ref().map(|p| p.json_lines(when)).unwrap_or_default());
         lines
     }
@@ -131,6 +138,11 @@ impl LongContext {
                 "--eval-depths and --eval-samples shape the passkey grid: give --eval-passkey LENGTHS too".into(),
             ));
         }
+        if o.eval_passkey.is_none() && o.eval_passkey_generate {
+            return Err(TrainError::Config(
+                "--eval-passkey-generate scores the passkey grid by generation: give --eval-passkey LENGTHS too".into(),
+            ));
+        }
         let passkey = match &o.eval_passkey {
             Some(lengths) => {
                 let vocab = match tokenizer {
@@ -139,6 +151,9 @@ impl LongContext {
                 };
                 let samples = o.eval_samples.unwrap_or(DEFAULT_SAMPLES);
                 let grid = PasskeyGrid::parse(lengths, o.eval_depths.as_deref(), samples, o.seed, vocab)?;
+                if o.eval_passkey_generate {
+                    grid.check_generation(config)?;
+                }
                 warnings.extend(grid.warnings(window));
                 Some(grid)
             }
@@ -162,7 +177,7 @@ impl LongContext {
             Some(d) => d.to_path_buf(),
             None => save_dir.to_path_buf(),
         };
-        Ok(Self { passkey, positions, original_window, warnings, dir })
+        Ok(Self { passkey, passkey_generate: o.eval_passkey_generate, positions, original_window, warnings, dir })
     }
 
     /// Whether nothing is asked for.
@@ -174,6 +189,10 @@ impl LongContext {
     pub fn evaluate(&self, c: &Compiled<LlamaModel>) -> Result<LongScores> {
         Ok(LongScores {
             passkey: self.passkey.as_ref().map(|g| g.evaluate(c)).transpose()?,
+            passkey_generated: match &self.passkey {
+                Some(g) if self.passkey_generate => Some(g.evaluate_generated(c)?),
+                _ => None,
+            },
             positions: self.positions.as_ref().map(|p| p.evaluate(c)).transpose()?,
         })
     }
@@ -192,6 +211,9 @@ impl LongContext {
                 picture::passkey_heatmap(&path, &format!("passkey {} training: {hits}/{n} keys", when.as_str()), s)?;
                 pictures.push(path);
             }
+        }
+        if let Some(b) = &before.passkey_generated {
+            tables.push(passkey_table(b, after.and_then(|a| a.passkey_generated.as_ref())));
         }
         if let Some(b) = &before.positions {
             let a = after.and_then(|a| a.positions.as_ref());
@@ -220,7 +242,8 @@ fn change<T: std::fmt::Display>(before: T, after: Option<T>) -> String {
     }
 }
 
-/// The passkey grid as a length × depth table, each cell `hits/samples` (before -> after).
+/// The passkey grid as a length × depth table, each cell `hits/samples` (before -> after); by one forward or
+/// by generation, as `before` was scored.
 fn passkey_table(before: &PasskeyScores, after: Option<&PasskeyScores>) -> Table {
     let (lengths, depths) = before.axes();
     let mut header = vec!["length".to_string()];
@@ -238,7 +261,8 @@ fn passkey_table(before: &PasskeyScores, after: Option<&PasskeyScores>) -> Table
         })
         .collect();
     let when = if after.is_some() { "before -> after training" } else { "no step ran" };
-    Table { title: format!("passkey retrieval: keys found per needle depth ({when})"), header, rows }
+    let what = if before.generated { " by generation: keys generated" } else { ": keys found" };
+    Table { title: format!("passkey retrieval{what} per needle depth ({when})"), header, rows }
 }
 
 /// The loss by position as a table: a row per bucket with its targets and mean loss (before -> after).

@@ -1,7 +1,8 @@
 //! The passkey grid (`--eval-passkey LENGTHS`, `--eval-depths`, `--eval-samples`): the standard passkey prompt
 //! ([`Passkey::at_depth`]: filler, "The pass key is NNNNN. Remember it.", the question at the end) at every
 //! length × needle depth, `samples` keys per cell, each scored in one sequence-parallel forward pass (the
-//! logits of the answer rows only, [`answer_accuracy`]): a hit when every answer token is the argmax.
+//! logits of the answer rows only, [`answer_accuracy`]): a hit when every answer token is the argmax. With
+//! `--eval-passkey-generate` each sample is also scored by greedy generation (`passkey_generated.rs`).
 
 use autosp_models::LlamaModel;
 use serde_json::{json, Value};
@@ -9,6 +10,7 @@ use serde_json::{json, Value};
 use super::answers::answer_accuracy;
 use super::When;
 use crate::train::error::{Result, TrainError};
+use crate::train::stream::Sample;
 use crate::train::synthetic::{Passkey, PasskeyVocab};
 use crate::Compiled;
 
@@ -42,7 +44,8 @@ pub struct PasskeyCell {
     pub length: usize,
     /// The needle depth in percent.
     pub depth: usize,
-    /// Samples whose every answer digit was the argmax.
+    /// Samples whose every answer digit was the argmax (one forward), or whose generated digits were the key
+    /// (by generation).
     pub hits: usize,
     /// Samples scored.
     pub samples: usize,
@@ -60,6 +63,9 @@ impl PasskeyCell {
 pub struct PasskeyScores {
     /// Every (length, depth) cell.
     pub cells: Vec<PasskeyCell>,
+    /// Whether the hits are generated keys ([`PasskeyGrid::evaluate_generated`]) rather than one forward's
+    /// argmax ([`PasskeyGrid::evaluate`]).
+    pub generated: bool,
 }
 
 /// A comma-separated list of whole numbers for `flag`; an error naming it for an empty list or a bad entry.
@@ -130,17 +136,26 @@ impl PasskeyGrid {
     /// Scores every cell (collective: every rank calls it; one forward pass per sample, only the answer rows'
     /// logits travel between the ranks).
     pub fn evaluate(&self, c: &Compiled<LlamaModel>) -> Result<PasskeyScores> {
+        self.score_cells(false, |samples| Ok(answer_accuracy(c, samples)?.whole))
+    }
+
+    /// Every cell's samples handed to `hits` (which counts the hits among them), as scores `generated` or not.
+    pub(super) fn score_cells(
+        &self,
+        generated: bool,
+        mut hits: impl FnMut(&[Sample]) -> Result<usize>,
+    ) -> Result<PasskeyScores> {
         let mut cells = Vec::with_capacity(self.lengths.len() * self.depths.len());
         for &length in &self.lengths {
             for &depth in &self.depths {
                 let samples = (0..self.samples)
                     .map(|i| Passkey::at_depth(&self.vocab, length, depth, sample_seed(self.seed, i)))
                     .collect::<Result<Vec<_>>>()?;
-                let hits = answer_accuracy(c, &samples)?.whole;
+                let hits = hits(&samples)?;
                 cells.push(PasskeyCell { length, depth, hits, samples: self.samples });
             }
         }
-        Ok(PasskeyScores { cells })
+        Ok(PasskeyScores { cells, generated })
     }
 }
 
@@ -150,13 +165,15 @@ fn sample_seed(seed: u64, i: usize) -> u64 {
 }
 
 impl PasskeyScores {
-    /// One metrics line per cell: `{"eval":"passkey","when","length","depth","hits","samples","accuracy"}`.
+    /// One metrics line per cell: `{"eval":"passkey","when","length","depth","hits","samples","accuracy"}`
+    /// (`"eval":"passkey_generated"` for scores by generation).
     pub fn json_lines(&self, when: When) -> Vec<Value> {
+        let eval = if self.generated { "passkey_generated" } else { "passkey" };
         self.cells
             .iter()
             .map(|c| {
                 json!({
-                    "eval": "passkey", "when": when.as_str(), "length": c.length, "depth": c.depth,
+                    "eval": eval, "when": when.as_str(), "length": c.length, "depth": c.depth,
                     "hits": c.hits, "samples": c.samples, "accuracy": c.accuracy(),
                 })
             })
