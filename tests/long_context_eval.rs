@@ -16,7 +16,7 @@ use autosp::infer::GenerateConfig;
 use autosp::models::tokenizer::decode;
 use autosp::models::{load_tokenizer, random_weights, write_tiny, LlamaConfig, LlamaModel, TinySpec, Tokenizer};
 use autosp::train::synthetic::{Passkey, PasskeyVocab};
-use autosp::train::{HeldOut, LongContext, LongScores, PasskeyGrid, PositionLoss, RunOptions};
+use autosp::train::{answer_accuracy, HeldOut, LongContext, LongScores, PasskeyGrid, PositionLoss, RunOptions};
 use autosp::{compile, Checkpointing, CompileConfig, Compiled, Mesh, Strategy};
 use candle_core::{DType, Device, Tensor};
 use longctx_cli::{run_ok, s};
@@ -173,6 +173,21 @@ fn the_passkey_grid_by_generation_is_the_direct_generations_and_one_ranks_at_p2(
         assert_eq!(generated[..=upto], forced[..=upto], "{generated:?} vs {forced:?}");
         assert_eq!(generated.starts_with(&answer), wrong.is_none());
     }
+    // A sample whose answer is the model's own greedy continuation is a hit both ways: every later generated
+    // token (decoded over the cache) is the one forward's argmax given the generated ones before it.
+    on_ranks(1, Strategy::Ulysses, |c| {
+        for (s, (_, generated)) in probes.iter().zip(&direct1) {
+            let k = s.answers.len();
+            assert!(generated.len() >= k && !generated[..k].contains(&2), "{generated:?}");
+            let mut own = s.clone();
+            for (j, &a) in s.answers.iter().enumerate() {
+                own.ids[a] = generated[j];
+            }
+            let (forced, again) = forced_and_generated(c, &own);
+            assert_eq!((&forced[..], &again), (&generated[..k], generated));
+            assert_eq!(answer_accuracy(c, &[own]).unwrap().whole, 1);
+        }
+    });
     for strategy in [Strategy::Ulysses, Strategy::Ring] {
         for (rank, got) in on_ranks(2, strategy, score).into_iter().enumerate() {
             let what = format!("P = 2 {strategy:?} rank {rank}");
