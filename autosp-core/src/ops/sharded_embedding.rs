@@ -70,7 +70,7 @@ pub fn slice_rows(shard: &ParamShard, ids: &Tensor, slice: &Tensor) -> Result<Te
     let group = shard.group.as_ref();
     let t = ids.elem_count();
     // The ids as floats of the accumulation dtype (exact below 2^24 in f32), padded with -1 to the most any
-    // rank holds; the counts are host data (made and gathered on the host).
+    // rank holds.
     let acc = Precision::float(slice.dtype()).accumulate();
     if vocab as f64 >= f64::from(1u32 << 24) && acc == DType::F32 {
         return Err(Error::InvalidArgument {
@@ -80,6 +80,7 @@ pub fn slice_rows(shard: &ParamShard, ids: &Tensor, slice: &Tensor) -> Result<Te
             ),
         });
     }
+    // The counts are host data (made and gathered on the host).
     let counts = group.all_gather(&Tensor::new(&[t as f64], &Device::Cpu)?, 0)?.to_vec1::<f64>()?;
     let most = counts.iter().fold(0.0f64, |a, &b| a.max(b)) as usize;
     let mut mine = ids.flatten_all()?.to_dtype(acc)?;
@@ -117,6 +118,7 @@ fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor, padding_idx: Option<
     let t = ids.elem_count();
     // Ranks may hold different token counts: pad every rank's rows to the largest with the id -1. The counts
     // are host data (made and gathered on the host).
+    // The counts are host data (made and gathered on the host).
     let counts = group.all_gather(&Tensor::new(&[t as f64], &Device::Cpu)?, 0)?.to_vec1::<f64>()?;
     let most = counts.iter().fold(0.0f64, |a, &b| a.max(b)) as usize;
     if vocab as f64 >= f64::from(1u32 << 24) && acc == DType::F32 {
