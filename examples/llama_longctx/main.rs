@@ -125,7 +125,12 @@ fn generate_mpi(args: &Args, g: &autosp::infer::cli::PromptOptions) -> ExitCode 
         }
     }
     let o = args.options();
-    match cli::prepare(&o, g).and_then(|job| cli::run_rank(&o, &job, pg.clone(), Some(&ALLOC))) {
+    // Boxed: with CUDA's errors inside, an InferError is too large to pass by value (clippy result_large_err).
+    let run = || -> Result<autosp::infer::Generated, Box<autosp::infer::InferError>> {
+        let job = cli::prepare(&o, g)?;
+        Ok(cli::run_rank(&o, &job, pg.clone(), Some(&ALLOC))?)
+    };
+    match run() {
         Ok(out) if out.finish == autosp::infer::Finish::Interrupted => ExitCode::from(INTERRUPTED),
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {
