@@ -136,4 +136,31 @@ mod tests {
         assert!(attention_over_blocks(&q, &KvBlocks::default(), None)?.is_none());
         Ok(())
     }
+
+    /// A bf16 cache (widened to f32 block by block) against f32 attention over the same bf16-rounded inputs:
+    /// within 1e-2 of the outputs (bf16 output rounding, 8 bits of mantissa) and 1e-4 of the LSE (kept in f32).
+    #[test]
+    fn a_bf16_cache_matches_f32_attention_over_the_rounded_inputs() -> Result<()> {
+        let dev = Device::Cpu;
+        let (h, hkv, d, n) = (4, 2, 8, 11);
+        let round = |t: Tensor| t.to_dtype(DType::BF16);
+        let q = round(Tensor::randn(0f32, 1., (1, 1, h, d), &dev)?)?;
+        let k = round(Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?)?;
+        let v = round(Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?)?;
+        let mut part = KvBlocks::with_block_rows(4);
+        part.push_rows(&k.narrow(1, 0, 5)?, &v.narrow(1, 0, 5)?)?;
+        for i in 5..n {
+            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?)?;
+        }
+        let (o, lse) = attention_over_blocks(&q, &part, None)?.expect("rows held");
+        assert_eq!(o.dtype(), DType::BF16);
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+        let (want_o, want_lse) = naive_attention_forward(&f32(&q)?, &f32(&k)?, &f32(&v)?, &AttentionSpec::full())?;
+        let err = |a: &Tensor, b: &Tensor| -> Result<f32> {
+            Ok((f32(a)? - f32(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar()?)
+        };
+        assert!(err(&o, &want_o)? < 1e-2, "o: {}", err(&o, &want_o)?);
+        assert!(err(&lse, &want_lse)? < 1e-4, "lse: {}", err(&lse, &want_lse)?);
+        Ok(())
+    }
 }
