@@ -396,12 +396,22 @@ fn llama_longctx_scores_the_grid_and_the_positions_once_without_steps_and_before
             "2",
             "--eval-positions",
             "--eval-passkey-generate",
-            "--save",
-            s(&ckpt),
             "--metrics",
             s(&metrics),
         ];
+        // An evaluation run (--steps 0) writes no checkpoint unless --save asks for one.
+        let save = ["--save", s(&ckpt)];
+        let args = if steps == "0" { args.to_vec() } else { [&args[..], &save].concat() };
         let out = run_ok(t, &args);
+        let summary = longctx_cli::metrics_summary(&metrics);
+        if steps == "0" {
+            let runs = t.join("cache").join("runs");
+            let written = std::fs::read_dir(runs.join("latest")).map(|d| d.flatten().any(|e| e.path().is_dir()));
+            assert!(!written.unwrap_or(false), "an evaluation run wrote a checkpoint in {}", runs.display());
+            assert!(summary["checkpoint"].is_null() && out.contains("none written (nothing trained"), "{out}");
+        } else {
+            assert_eq!(summary["checkpoint"], s(&ckpt.join("step-2")));
+        }
         let lines = eval_lines(&metrics);
         let passkey: Vec<_> = lines.iter().filter(|j| j["eval"] == "passkey").collect();
         let positions: Vec<_> = lines.iter().filter(|j| j["eval"] == "positions").collect();

@@ -140,8 +140,9 @@ pub struct Summary {
     pub loss_scale: Option<(f64, usize)>,
     /// On a GPU, each rank's device-memory peak, bytes (`None` on the CPU).
     pub device_peak: Option<Vec<f64>>,
-    /// The checkpoint written at the end.
-    pub checkpoint: PathBuf,
+    /// The checkpoint written at the end; `None` when nothing was trained and none was asked for (an
+    /// evaluation run: `--steps 0`, or no step past the checkpoint resumed, without `--save`).
+    pub checkpoint: Option<PathBuf>,
     /// Further tables printed after the summary's own (the long-context evaluations: the passkey grid, the
     /// loss by position).
     pub tables: Vec<Table>,
@@ -317,18 +318,15 @@ impl Summary {
                 format!("{scale} at the end; {overflows} step(s) skipped for a gradient overflow"),
             ));
         }
-        rows.push((
-            "checkpoint".to_string(),
-            format!(
+        let checkpoint = match &self.checkpoint {
+            Some(dir) => format!(
                 "{} ({}; optimizer and trainer state beside)",
-                self.checkpoint.display(),
-                if autosp_models::is_adapter(&self.checkpoint) {
-                    "the LoRA adapter in PEFT's layout"
-                } else {
-                    "HF layout"
-                }
+                dir.display(),
+                if autosp_models::is_adapter(dir) { "the LoRA adapter in PEFT's layout" } else { "HF layout" }
             ),
-        ));
+            None => "none written (nothing trained; --save DIR writes the model as loaded)".to_string(),
+        };
+        rows.push(("checkpoint".to_string(), checkpoint));
         rows
     }
 
@@ -379,7 +377,7 @@ impl Summary {
             "loss_scale": self.loss_scale.map(|l| l.0),
             "overflow_skips": self.loss_scale.map(|l| l.1),
             "device_peak_bytes": self.device_peak.as_ref().map(|d| d.iter().map(|b| *b as u64).collect::<Vec<_>>()),
-            "checkpoint": self.checkpoint.display().to_string(),
+            "checkpoint": self.checkpoint.as_ref().map(|c| c.display().to_string()),
         }})
     }
 }
@@ -410,7 +408,7 @@ mod tests {
             no_target_steps: 0,
             loss_scale: None,
             device_peak: None,
-            checkpoint: PathBuf::from("runs/x/step-4"),
+            checkpoint: Some(PathBuf::from("runs/x/step-4")),
             tables: Vec::new(),
         }
     }
@@ -473,7 +471,7 @@ mod tests {
             skipped: 1,
             untrained_windows: (3, 10),
             no_target_steps: 1,
-            checkpoint: PathBuf::from("c"),
+            checkpoint: Some(PathBuf::from("c")),
             ..Summary::default()
         };
         let t = s.table("llama_longctx");

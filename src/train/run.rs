@@ -295,6 +295,9 @@ impl Job {
             (None, Some((dir, _))) => dir.parent().map(PathBuf::from).unwrap_or_else(|| PathBuf::from(".")),
             (None, None) => model::cache_dir().join("runs").join("latest"),
         };
+        // An evaluation run (nothing to train: --steps 0, or no step past the checkpoint resumed) writes a
+        // checkpoint only when asked (--save: the model as loaded, with any --rope-scaling; --merge-lora).
+        let saves = o.steps > resume.as_ref().map_or(0, |(_, s)| s.step) || o.save.is_some() || o.merge_lora.is_some();
         let train = TrainConfig {
             seq_len: o.seq_len,
             steps: o.steps,
@@ -305,13 +308,13 @@ impl Job {
             curriculum,
             nonfinite: if o.skip_nonfinite { NonFinite::Skip } else { NonFinite::Stop },
             loss_scale: o.loss_scale,
-            save_every: o.save_every,
+            save_every: if saves { o.save_every } else { 0 },
             eval_every: o.eval_every,
             adamw: Default::default(),
             decay_all,
             data: o.data.clone(),
             seed: o.seed,
-            save_dir: Some(save_root.clone()),
+            save_dir: saves.then(|| save_root.clone()),
             metrics: o.metrics.clone(),
             dump_grads: o.dump_grads.clone(),
             base_model: shape.base_model.clone(),
@@ -456,8 +459,12 @@ impl Job {
             Some(w) => base.iter().chain(w.iter()).map(|(k, t)| (k.clone(), t.clone())).collect(),
             None => (*base).clone(),
         };
-        let mut trainer = Trainer::new(c, self.train.clone(), self.stream.clone())?
-            .with_masters(&masters)?
+        let mut trainer = Trainer::new(c, self.train.clone(), self.stream.clone())?;
+        // An evaluation run that saves nothing (no save_dir) needs no f32 masters (a copy of every bf16 weight).
+        if self.train.save_dir.is_some() {
+            trainer = trainer.with_masters(&masters)?;
+        }
+        let mut trainer = trainer
             .with_tokenizer(self.tokenizer_files.clone())
             .with_heldout(self.heldout.clone())
             .with_probes(self.probes.clone());
@@ -559,7 +566,7 @@ impl Job {
             no_target_steps: out.no_target_steps,
             loss_scale: out.loss_scale,
             device_peak: out.device_peak,
-            checkpoint: out.checkpoint.unwrap_or_default(),
+            checkpoint: out.checkpoint,
             tables,
         };
         let adapter = summary.checkpoint.clone();
@@ -567,7 +574,8 @@ impl Job {
         if rank0 {
             observe(Event::Summary(Box::new(summary)));
         }
-        if let (Some(_), Some(scaling), true) = (&self.lora, &self.config.rope_scaling, rank0) {
+        if let (Some(_), Some(scaling), Some(adapter), true) = (&self.lora, &self.config.rope_scaling, &adapter, rank0)
+        {
             let (dir, file) = (adapter.display(), autosp_models::peft::BASE_CONFIG);
             observe(Event::Info(format!(
                 "the adapter was trained with {} RoPE scaling ({dir}/{file}), and PEFT loads the base's own config: \
@@ -576,9 +584,9 @@ impl Job {
                 scaling.rope_type()
             )));
         }
-        if let (Some(out), true) = (&o.merge_lora, rank0) {
+        if let (Some(out), Some(adapter), true) = (&o.merge_lora, &adapter, rank0) {
             // The adapter's checkpoint holds the run's positions (its base config).
-            let merged = merge_into(&self.source, &adapter, out, None)?;
+            let merged = merge_into(&self.source, adapter, out, None)?;
             observe(Event::Info(format!(
                 "merged the adapter of {} into the base model: {} (an HF checkpoint transformers loads as it is)",
                 adapter.display(),
