@@ -10,17 +10,23 @@ use autosp_core::comm::ProcessGroup;
 use candle_core::{DType, Tensor};
 
 use super::kv_blocks::KvBlocks;
+use super::route::{backend, Backend};
 use crate::merge::RunningAttention;
 use crate::Result;
+use autosp_core::simd::simd_path;
+
+mod cpu;
 
 /// Attention of `q: [1, q_len, heads, head_dim]` over every key of `part`, unmasked (every cached key is at
 /// an earlier position than the query), with softmax scale `scale` (`None`: `1 / sqrt(head_dim)`): `(o: [1,
 /// q_len, heads, head_dim]` in q's dtype, `lse: [1, heads, q_len]` in f32, f64 for f64`)`, or `None` when
-/// `part` holds no row. Per block, two batched matmuls over the kv heads (`[kv_heads, group · q_len, head_dim]`
-/// against the block's head-major keys, then values), softmax in f32 (f64), blocks merged by LSE: the cache is
-/// read once, never packed or copied (query head `h` reads kv head `h / (heads / kv_heads)`).
+/// `part` holds no row. On the CPU with f32 or bf16 queries and cache, the decode kernel (`decode/cpu.rs`:
+/// per kv head and 256 cached rows, fused scores, softmax and `p · v` on the vector path, tasks on rayon's
+/// pool); elsewhere (f64, f16, other devices, or the generic route forced) candle tensor ops, per block two
+/// batched matmuls over the kv heads. Both read the cache once in place, never packed or copied (query head
+/// `h` reads kv head `h / (heads / kv_heads)`), softmax in f32 (f64 for f64), blocks merged by LSE.
 pub fn attention_over_blocks(q: &Tensor, part: &KvBlocks, scale: Option<f64>) -> Result<Option<(Tensor, Tensor)>> {
-    let (b, nq, h, d) = q.dims4()?;
+    let (b, _, h, d) = q.dims4()?;
     let views = part.views()?;
     let Some((k0, _)) = views.first() else { return Ok(None) };
     let hkv = k0.dim(0)?;
@@ -33,14 +39,28 @@ pub fn attention_over_blocks(q: &Tensor, part: &KvBlocks, scale: Option<f64>) ->
             q_shape: q.dims().to_vec(),
         });
     }
+    let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
+    if backend(q, d) == Backend::Cpu && cpu::serves(q.dtype(), k0.dtype()) {
+        if let Some(out) = cpu::attend(simd_path(), q, &views, scale)? {
+            return Ok(Some(out));
+        }
+    }
+    over_blocks_with_tensor_ops(q, &views, scale)
+}
+
+/// [`attention_over_blocks`] in candle tensor ops (any device and dtype; the CPU kernel's reference): per
+/// block, two batched matmuls over the kv heads, softmax in f32 (f64), blocks merged by LSE. `views` not
+/// empty, shapes checked.
+fn over_blocks_with_tensor_ops(q: &Tensor, views: &[(Tensor, Tensor)], scale: f64) -> Result<Option<(Tensor, Tensor)>> {
+    let (_, nq, h, d) = q.dims4()?;
+    let hkv = views[0].0.dim(0)?;
     let g = h / hkv;
     let acc = if q.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-    let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
     // [1, nq, h, d] -> [hkv, g·nq, d]: head h = kh·g + j.
     let qg = q.squeeze(0)?.reshape((nq, hkv, g, d))?.permute((1, 2, 0, 3))?.reshape((hkv, g * nq, d))?;
     let qg = (qg.to_dtype(acc)? * scale)?;
     let mut run: Option<RunningAttention> = None;
-    for (k, v) in &views {
+    for (k, v) in views {
         let (k, v) = (k.to_dtype(acc)?, v.to_dtype(acc)?);
         let s = qg.matmul(&k.t()?)?; // [hkv, g·nq, rows]
         let m = s.max_keepdim(2)?;
@@ -134,6 +154,36 @@ mod tests {
         let err = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
         assert!(err(&o, &want_o)? < 1e-5 && err(&lse, &want_lse)? < 1e-5);
         assert!(attention_over_blocks(&q, &KvBlocks::default(), None)?.is_none());
+        Ok(())
+    }
+
+    /// The CPU kernel (on every vector path this CPU has, and the scalar loops) against the tensor-op path,
+    /// over a prefill block of 300 rows (two tasks, the second partial) and decoded rows in blocks of 7, with
+    /// GQA (3 query heads per kv head) and two query rows: within 1e-5 (f32; the two sum the dot products
+    /// and exponentials in different orders, each error a few ulps of values near 1).
+    #[test]
+    fn the_cpu_kernel_equals_the_tensor_op_path() -> Result<()> {
+        let dev = Device::Cpu;
+        let (h, hkv, d, n) = (6, 2, 64, 320);
+        let q = Tensor::randn(0f32, 1., (1, 2, h, d), &dev)?;
+        let k = (Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)? * 2.0)?;
+        let v = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?;
+        let mut part = KvBlocks::with_block_rows(7);
+        part.push_rows(&k.narrow(1, 0, 300)?, &v.narrow(1, 0, 300)?)?;
+        for i in 300..n {
+            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?)?;
+        }
+        let views = part.views()?;
+        let (want_o, want_lse) = over_blocks_with_tensor_ops(&q, &views, 0.125)?.expect("rows held");
+        let err = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
+        for path in autosp_core::simd::supported_paths() {
+            let (o, lse) = cpu::attend(path, &q, &views, 0.125)?.expect("laid out for the kernel");
+            assert!(err(&o, &want_o)? < 1e-5, "{path:?} o: {}", err(&o, &want_o)?);
+            assert!(err(&lse, &want_lse)? < 1e-5, "{path:?} lse: {}", err(&lse, &want_lse)?);
+        }
+        // The door takes the kernel here, with the same result.
+        let (o, _) = attention_over_blocks(&q, &part, Some(0.125))?.expect("rows held");
+        assert!(err(&o, &want_o)? < 1e-5);
         Ok(())
     }
 
