@@ -96,6 +96,7 @@ impl Attention for DecodeAttention {
         v: &Value,
         spec: &AttentionSpec,
     ) -> autosp_core::Result<(Value, Value)> {
+        let _span = autosp_core::profile::span("forward", "decode attention", String::new);
         let mut c = lock(&self.cache);
         if c.owns_token() {
             c.layers[self.layer].push_token(k.tensor(), v.tensor())?;
