@@ -27,7 +27,32 @@ impl Tape {
         self.backward_from(v, Some(seed), retain)
     }
 
+    /// [`backward`](Self::backward), handing each parameter's gradient to `ready` as soon as it is final: right
+    /// after backward differentiated the last node that uses the parameter (its first use in the forward
+    /// pass), so a parameter used several times (tied, or in several forwards on one tape) is handed over
+    /// once, with every use's contribution summed. The gradient is moved out: [`param_grads`](Self::param_grads)
+    /// no longer has it. A parameter no gradient reached is not handed over. While backward runs, this
+    /// thread's [`BackwardMark`](crate::progress::BackwardMark) says how far it got
+    /// ([`current_mark`](crate::progress::current_mark)); `ready` is called with node `n` already counted done.
+    pub fn backward_with_ready(
+        &self,
+        v: &Value,
+        ready: &mut dyn FnMut(crate::ParamId, Tensor) -> Result<()>,
+    ) -> Result<()> {
+        self.backward_from_with(v, None, false, Some(ready))
+    }
+
     fn backward_from(&self, v: &Value, seed: Option<&Tensor>, retain: bool) -> Result<()> {
+        self.backward_from_with(v, seed, retain, None)
+    }
+
+    fn backward_from_with(
+        &self,
+        v: &Value,
+        seed: Option<&Tensor>,
+        retain: bool,
+        mut ready: Option<&mut dyn FnMut(crate::ParamId, Tensor) -> Result<()>>,
+    ) -> Result<()> {
         let mut guard = self.inner.borrow_mut();
         let inner = &mut *guard;
         if !inner.recording {
@@ -79,6 +104,20 @@ impl Tape {
         inner.memory.track(&seed);
         grads.insert(root, seed);
         if let Origin::Node(last) = inner.values[root].origin {
+            // For `ready`: the parameters (that take a gradient) whose first use is node n, by n.
+            let mut ready_at: HashMap<usize, Vec<usize>> = HashMap::new();
+            if ready.is_some() {
+                let mut seen = HashSet::new();
+                for n in 0..=last {
+                    for &i in &inner.nodes[n].inputs {
+                        let info = &inner.values[i];
+                        if matches!(info.origin, Origin::Param(_)) && info.requires_grad && seen.insert(i) {
+                            ready_at.entry(n).or_default().push(i);
+                        }
+                    }
+                }
+            }
+            let _mark = MarkGuard::start(last + 1);
             let mut current: Option<usize> = None;
             for n in (0..=last).rev() {
                 let region = inner.nodes[n].region;
@@ -89,6 +128,19 @@ impl Tape {
                     current = region;
                 }
                 inner.backward_node(n, &mut grads, retain)?;
+                crate::progress::set_mark(Some(crate::progress::BackwardMark { done: last + 1 - n, total: last + 1 }));
+                if let (Some(ready), Some(finished)) = (ready.as_mut(), ready_at.remove(&n)) {
+                    for index in finished {
+                        let Some(g) = grads.remove(&index) else { continue };
+                        inner.memory.untrack(&g);
+                        let g = match inner.leaf_grads.remove(&index) {
+                            Some(cur) => (cur + g)?,
+                            None => g,
+                        };
+                        let Origin::Param(id) = inner.values[index].origin else { unreachable!("a parameter") };
+                        ready(id, g)?;
+                    }
+                }
             }
             if let Some(pr) = current {
                 inner.leave_region(pr, retain);
@@ -117,6 +169,23 @@ impl Tape {
             }
         }
         Ok(())
+    }
+}
+
+/// Sets this thread's backward mark for the nodes of one backward pass, and clears it when the pass ends
+/// (or fails).
+struct MarkGuard;
+
+impl MarkGuard {
+    fn start(total: usize) -> Self {
+        crate::progress::set_mark(Some(crate::progress::BackwardMark { done: 0, total }));
+        MarkGuard
+    }
+}
+
+impl Drop for MarkGuard {
+    fn drop(&mut self) {
+        crate::progress::set_mark(None);
     }
 }
 

@@ -36,6 +36,7 @@ pub mod optim;
 pub mod param;
 pub mod precision;
 pub mod profile;
+pub mod progress;
 pub mod rng;
 pub mod shard;
 pub mod simd;

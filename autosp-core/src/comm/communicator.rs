@@ -21,7 +21,8 @@ use super::transport::Transport;
 #[derive(Debug)]
 pub struct Communicator<T: Transport> {
     transport: T,
-    stats: StatsCounter,
+    /// Shared with the handles [`ProcessGroup::duplicate`] made from this one.
+    stats: Arc<StatsCounter>,
     /// Collective calls this rank made on this group (numbers each call's [`Stamp`]).
     calls: AtomicU64,
 }
@@ -29,7 +30,7 @@ pub struct Communicator<T: Transport> {
 impl<T: Transport> Communicator<T> {
     /// Wraps a transport; counters start at zero.
     pub fn new(transport: T) -> Self {
-        Self { transport, stats: StatsCounter::default(), calls: AtomicU64::new(0) }
+        Self { transport, stats: Arc::default(), calls: AtomicU64::new(0) }
     }
 
     /// The underlying transport.
@@ -284,6 +285,34 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
     }
 
     fn split(&self, groups: &[Vec<usize>]) -> Result<Arc<dyn ProcessGroup>> {
+        Ok(Arc::new(Communicator::new(self.split_transport(groups)?)))
+    }
+
+    fn duplicate(&self) -> Result<Arc<dyn ProcessGroup>> {
+        let transport = self.split_transport(&[(0..self.size()).collect()])?;
+        Ok(Arc::new(Communicator { transport, stats: self.stats.clone(), calls: AtomicU64::new(0) }))
+    }
+
+    fn concurrent_handles(&self) -> bool {
+        self.transport.concurrent_handles()
+    }
+
+    fn abort(&self, message: &str) {
+        self.transport.abort(message)
+    }
+
+    fn stats(&self) -> CommStats {
+        self.stats.snapshot()
+    }
+
+    fn reset_stats(&self) {
+        self.stats.reset()
+    }
+}
+
+impl<T: Transport> Communicator<T> {
+    /// The transport of this rank's subgroup of `groups` (the collective part of `split`).
+    fn split_transport(&self, groups: &[Vec<usize>]) -> Result<T> {
         let c = Collective::Split;
         let stamp = self.stamp(c);
         let ctx = self.ctx(c);
@@ -304,19 +333,6 @@ impl<T: Transport> ProcessGroup for Communicator<T> {
                 )));
             }
         }
-        let transport = self.transport.split(groups, group, index)?;
-        Ok(Arc::new(Communicator::new(transport)))
-    }
-
-    fn abort(&self, message: &str) {
-        self.transport.abort(message)
-    }
-
-    fn stats(&self) -> CommStats {
-        self.stats.snapshot()
-    }
-
-    fn reset_stats(&self) {
-        self.stats.reset()
+        self.transport.split(groups, group, index)
     }
 }

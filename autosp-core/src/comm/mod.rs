@@ -3,7 +3,9 @@
 //! [`ProcessGroup`] is the interface the sharded attention strategies and the loss/gradient reductions call:
 //! `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `send`/`recv`/`send_recv` (the ring step;
 //! `start_send_recv` returns a [`PendingRecv`] so compute can overlap the transfer),
-//! `barrier`, and `split` into subgroups (for 2D layouts: [`contiguous_groups`], [`strided_groups`]). Back ends:
+//! `barrier`, `split` into subgroups (for 2D layouts: [`contiguous_groups`], [`strided_groups`]) and
+//! `duplicate` (a second handle for a communication thread; [`ProcessGroup::concurrent_handles`] says whether
+//! the two may run at once: threads yes, MPI and NCCL not yet). Back ends:
 //!
 //! - [`ThreadGroup`] (always built): P ranks as threads of one process; start them with [`run_ranks`].
 //! - `MpiGroup` (feature `mpi`, the `mpi` crate over OpenMPI): one process per rank under `mpirun`; see
@@ -55,6 +57,10 @@
 //! | `recv`, `barrier` | 0 |
 //! | `split(groups)` | `(P-1)·8·(1 + G + P)` (the group list, G groups, as i64, to compare across ranks) |
 //!
+//! [`RecordingGroup`] wraps any group and logs every call (group, kind, elements, dtype, thread, and the
+//! [`BackwardMark`](crate::progress::BackwardMark) of the backward pass that posted it), for tests that
+//! assert the order of a step's collectives.
+//!
 //! A call counts once it passed this rank's own argument checks, before any waiting, so a call that then
 //! fails (timeout, mismatch) is still counted.
 
@@ -69,6 +75,7 @@ pub mod nccl;
 #[cfg(any(feature = "nccl", test))]
 mod nccl_header;
 pub mod process_group;
+pub mod recording;
 mod reduce;
 pub mod schedule;
 pub mod shared;
@@ -87,6 +94,7 @@ pub use mpi::{MpiGroup, MpiTransport};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclGroup, NcclId, NcclTransport};
 pub use process_group::{PendingRecv, ProcessGroup, DEFAULT_TIMEOUT};
+pub use recording::{CallRecord, RecordingGroup};
 pub use schedule::{pairwise_schedule, PairStep};
 pub use shared::{all_gather_once, broadcast};
 pub use stamp::Stamp;

@@ -109,6 +109,23 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
     /// The subgroup keeps its own statistics and inherits the timeout.
     fn split(&self, groups: &[Vec<usize>]) -> Result<Arc<dyn ProcessGroup>>;
 
+    /// A second handle on the same ranks, for collectives that run on another thread beside this handle's
+    /// (a gradient reduction overlapped with backward); a collective call, like `split`. Its calls have their
+    /// own sequence (they never pair with this handle's), and they count in this handle's
+    /// [`stats`](Self::stats) (back ends built on [`Communicator`](super::Communicator); the default, a
+    /// one-group `split`, counts apart). Whether the two may really run at once is
+    /// [`concurrent_handles`](Self::concurrent_handles).
+    fn duplicate(&self) -> Result<Arc<dyn ProcessGroup>> {
+        self.split(&[(0..self.size()).collect()])
+    }
+
+    /// Whether this handle and a [`duplicate`](Self::duplicate) of it may run collectives from two threads at
+    /// once. Threads: yes. MPI: no (the transport holds its process-wide MPI lock while a collective polls,
+    /// so a second thread's collective would wait behind it, and a peer's behind that); NCCL: not yet.
+    fn concurrent_handles(&self) -> bool {
+        false
+    }
+
     /// Tells every rank of the job (every rank of the world this group was split from) that this rank
     /// failed, with `message` (its error): the other ranks' calls in progress and all their later calls, on
     /// every group of the job, fail within moments with [`CommError::PeerFailed`](super::CommError::PeerFailed)

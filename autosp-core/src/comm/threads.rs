@@ -383,6 +383,11 @@ impl Transport for ThreadTransport {
         self.rank
     }
 
+    /// Rounds are keyed by group and call number in one shared state, and a waiting call holds no lock.
+    fn concurrent_handles(&self) -> bool {
+        true
+    }
+
     fn size(&self) -> usize {
         self.members.len()
     }

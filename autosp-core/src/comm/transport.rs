@@ -30,6 +30,12 @@ pub trait Transport: Send + Sync + fmt::Debug + Sized + 'static {
     fn shares_memory(&self) -> bool {
         false
     }
+    /// Whether two handles on this rank (a group and its [`duplicate`](super::ProcessGroup::duplicate)) may
+    /// run collectives from two threads at once without either waiting for the other's to finish. `false`
+    /// unless a back end says so.
+    fn concurrent_handles(&self) -> bool {
+        false
+    }
 
     /// One synchronising round of the collective call `stamp`: `outgoing[j]` (`outgoing.len() == size()`) goes to rank j, and entry i of the
     /// result is what rank i put at this rank's index. `None` entries carry no payload but the round still
