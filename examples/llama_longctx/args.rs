@@ -43,6 +43,16 @@ pub struct Args {
     #[arg(long, value_parser = str::parse::<autosp::core::ShardLevel>)]
     pub shard: Option<autosp::core::ShardLevel>,
 
+    /// The dtype gradients travel in when they are reduced over the ranks (--shard none and optimizer):
+    /// f32, or bf16 for half the bytes (summed in f32 after each receive).
+    #[arg(long, default_value = "f32", value_parser = autosp::compile::GradReduction::parse_dtype)]
+    pub reduce_dtype: DType,
+
+    /// MiB of f32 gradient per reduction bucket; each bucket is reduced as soon as backward has made all of
+    /// it, while backward goes on (thread ranks; after backward under MPI).
+    #[arg(long, value_name = "MIB", default_value = "16", value_parser = autosp::compile::GradReduction::parse_bucket_mb)]
+    pub bucket_mb: usize,
+
     /// How attention is made whole across ranks: ulysses, ring, hybrid:U (Ulysses degree U), auto.
     #[arg(long, default_value = "auto", value_parser = parse_strategy)]
     pub strategy: Strategy,
@@ -359,6 +369,11 @@ impl Args {
             seq_len: a.seq_len,
             dp: a.dp,
             shard: a.shard,
+            reduction: autosp::compile::GradReduction {
+                dtype: a.reduce_dtype,
+                bucket_bytes: a.bucket_mb,
+                ..Default::default()
+            },
             strategy: a.strategy,
             checkpoint: a.checkpoint,
             dtype: a.dtype,

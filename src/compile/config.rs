@@ -1,6 +1,6 @@
 //! What the compile step is asked for: the ranks (the process group) and their mesh (data × sequence), the
-//! strategy, the checkpoint policy or byte budget, the dtype, how model states are sharded, and an optional
-//! sliding attention window.
+//! strategy, the checkpoint policy or byte budget, the dtype, how model states are sharded, how gradients are
+//! reduced, and an optional sliding attention window.
 
 use std::sync::Arc;
 
@@ -35,6 +35,72 @@ pub enum Checkpointing {
     /// A per-rank byte budget for the tape: the planner picks a policy per block (keeping the most that fits,
     /// recomputing the cheapest work first).
     Budget(usize),
+}
+
+/// How a step reduces the gradients over the world (at `--shard none` and `optimizer`; at `gradients` and
+/// `parameters` the tape reduce-scatters each use's gradient in f32 as backward makes it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GradReduction {
+    /// The dtype the gradients travel in: f32 (the default) or bf16, which halves the bytes sent. The sum is
+    /// taken in f32 after each receive (the threads and MPI back ends reduce bf16 in f32 and round the
+    /// reduced chunk once to bf16 before handing it back; NCCL sums in bf16), and the result is f32 again.
+    /// f64 gradients (f64 checks) always travel in f64.
+    pub dtype: DType,
+    /// The bytes of f32 gradient per bucket (one collective each; a larger parameter is a bucket of its own).
+    pub bucket_bytes: usize,
+    /// Post each bucket's reduction as soon as backward made every gradient in it, on a communication thread,
+    /// while backward goes on, where the back end allows two handles at once
+    /// ([`ProcessGroup::concurrent_handles`]: thread ranks; MPI and NCCL reduce after backward). `false`:
+    /// always after backward.
+    pub overlap: bool,
+}
+
+impl Default for GradReduction {
+    /// f32, 16 MiB buckets, overlapped.
+    fn default() -> Self {
+        Self { dtype: DType::F32, bucket_bytes: 16 << 20, overlap: true }
+    }
+}
+
+impl GradReduction {
+    /// Gradient elements per bucket (`bucket_bytes` of f32, at least one).
+    pub fn bucket_elems(&self) -> usize {
+        (self.bucket_bytes / 4).max(1)
+    }
+
+    /// `--reduce-dtype`: `f32` or `bf16`.
+    pub fn parse_dtype(s: &str) -> Result<DType, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32" => Ok(DType::F32),
+            "bf16" => Ok(DType::BF16),
+            _ => Err(format!("--reduce-dtype `{s}`: use f32 (the default) or bf16 (half the reduction bytes)")),
+        }
+    }
+
+    /// `--bucket-mb`: MiB of f32 gradient per reduction bucket, more than 0 (fractions allowed) -> bytes.
+    pub fn parse_bucket_mb(s: &str) -> Result<usize, String> {
+        match s.trim().parse::<f64>() {
+            Ok(mb) if mb.is_finite() && mb * 1048576.0 >= 4.0 => Ok((mb * 1048576.0) as usize),
+            _ => Err(format!("--bucket-mb `{s}`: give the MiB of f32 gradient per bucket, more than 0 (default 16)")),
+        }
+    }
+
+    /// Refuses a dtype other than f32 and bf16, and an empty bucket, naming the option.
+    pub fn check(&self) -> Result<(), super::CompileError> {
+        if !matches!(self.dtype, DType::F32 | DType::BF16) {
+            return Err(super::CompileError::Input(format!(
+                "gradient reduction dtype (--reduce-dtype, GradReduction::dtype) {:?}: use f32 or bf16",
+                self.dtype
+            )));
+        }
+        if self.bucket_bytes < 4 {
+            return Err(super::CompileError::Input(format!(
+                "gradient bucket size (--bucket-mb, GradReduction::bucket_bytes) {} bytes holds no f32 gradient:                  use at least 4 bytes (the default is 16 MiB)",
+                self.bucket_bytes
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// The compile step's configuration.
@@ -79,6 +145,8 @@ pub struct CompileConfig {
     /// `TrainConfig::rope_scaling` only records the option's spelling, so that a resumed run does not apply it
     /// twice.
     pub rope_scaling: Option<autosp_models::RopeExtension>,
+    /// How the gradients are reduced over the world: dtype, bucket size, overlap with backward.
+    pub reduction: GradReduction,
 }
 
 impl CompileConfig {
@@ -95,6 +163,7 @@ impl CompileConfig {
             max_attention_distance: None,
             lora: None,
             rope_scaling: None,
+            reduction: GradReduction::default(),
         }
     }
 
@@ -129,10 +198,36 @@ impl CompileConfig {
         self
     }
 
+    /// The same configuration reducing the gradients as `reduction` says (see [`GradReduction`]).
+    pub fn with_reduction(mut self, reduction: GradReduction) -> Self {
+        self.reduction = reduction;
+        self
+    }
+
     /// The same configuration with a sliding attention window of `distance` positions (`None`: none; see
     /// [`CompileConfig::max_attention_distance`]).
     pub fn with_max_attention_distance(mut self, distance: Option<usize>) -> Self {
         self.max_attention_distance = distance;
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reduction_flags_parse_and_bad_ones_name_the_option() {
+        assert_eq!(GradReduction::parse_dtype(" BF16"), Ok(DType::BF16));
+        assert_eq!(GradReduction::parse_dtype("f32"), Ok(DType::F32));
+        assert!(GradReduction::parse_dtype("f16").unwrap_err().contains("--reduce-dtype `f16`"));
+        assert_eq!(GradReduction::parse_bucket_mb("16"), Ok(16 << 20));
+        assert_eq!(GradReduction::parse_bucket_mb("0.5"), Ok(1 << 19));
+        for bad in ["0", "-1", "lots", "inf"] {
+            assert!(GradReduction::parse_bucket_mb(bad).unwrap_err().contains("--bucket-mb"), "{bad}");
+        }
+        assert_eq!(GradReduction::default().bucket_elems(), 1 << 22);
+        assert!(GradReduction { dtype: DType::F64, ..GradReduction::default() }.check().is_err());
+        assert!(GradReduction::default().check().is_ok());
     }
 }

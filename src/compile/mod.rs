@@ -8,6 +8,7 @@
 
 pub mod config;
 pub mod error;
+mod grad_reduce;
 pub mod mesh;
 mod packed;
 pub mod plan;
@@ -28,13 +29,13 @@ use autosp_core::{Attention, CausalLm, CheckpointPolicy};
 use candle_core::DType;
 
 pub use autosp_kernels::SeqLayout;
-pub use config::{Checkpointing, CompileConfig, Strategy};
+pub use config::{Checkpointing, CompileConfig, GradReduction, Strategy};
 pub use error::CompileError;
 pub use mesh::Mesh;
 pub use plan::{Flops, LinearFit, Plan, PolicyMemory, PROBE_CAP};
 pub use sharded_build::build_sharded;
 pub use sharding::{model_state_bytes, ModelStateBytes, ParamCounts};
-pub use step::StepOutput;
+pub use step::{Accumulation, MicroStep, StepOutput};
 pub use strategy::Resolved;
 
 /// A model rewritten for a data × sequence mesh on one rank of its world.
@@ -58,6 +59,12 @@ pub struct Compiled<M> {
     attention_groups: Vec<Arc<dyn ProcessGroup>>,
     /// The sliding attention window every attention slot applies.
     max_attention_distance: Option<usize>,
+    /// How the gradients are reduced over the world.
+    reduction: GradReduction,
+    /// A second handle on the world for the communication thread that reduces gradient buckets while
+    /// backward runs (`Some` only where that happens: W > 1, `--shard none` or `optimizer`, overlap asked for
+    /// and a back end with concurrent handles).
+    reduce_group: Option<Arc<dyn ProcessGroup>>,
 }
 
 impl<M: CausalLm> Compiled<M> {
@@ -162,6 +169,17 @@ impl<M: CausalLm> Compiled<M> {
             .map_or(candle_core::Device::Cpu, |p| p.tensor().device().clone())
     }
 
+    /// How the gradients are reduced over the world (see [`GradReduction`]).
+    pub fn reduction(&self) -> GradReduction {
+        self.reduction
+    }
+
+    /// Whether a step reduces gradient buckets on a communication thread while backward runs (see
+    /// [`GradReduction::overlap`]).
+    pub fn overlaps_reduction(&self) -> bool {
+        self.reduce_group.is_some()
+    }
+
     /// Gives back the model.
     pub fn into_inner(self) -> M {
         self.model
@@ -201,6 +219,7 @@ pub fn compile<M: CausalLm + 'static>(mut model: M, config: CompileConfig) -> Re
         };
         llama.extend_rope(extension).map_err(CompileError::RopeScaling)?;
     }
+    config.reduction.check()?;
     let world = config.group.clone();
     let w = world.size();
     let mesh = config.mesh.unwrap_or(Mesh::sequence_only(w));
@@ -288,6 +307,9 @@ pub fn compile<M: CausalLm + 'static>(mut model: M, config: CompileConfig) -> Re
             param.shard_over(sharding.0, world.clone())?;
         }
     }
+    // A second handle on the world (collective) for the thread that reduces buckets during backward.
+    let overlap = w > 1 && sharding.0 <= ShardLevel::Optimizer && config.reduction.overlap;
+    let reduce_group = if overlap && world.concurrent_handles() { Some(world.duplicate()?) } else { None };
     let mut compiled = Compiled {
         model,
         world,
@@ -300,6 +322,8 @@ pub fn compile<M: CausalLm + 'static>(mut model: M, config: CompileConfig) -> Re
         dtype: config.dtype,
         attention_groups,
         max_attention_distance: config.max_attention_distance,
+        reduction: config.reduction,
+        reduce_group,
     };
     if let Checkpointing::Budget(bytes) = config.checkpoint {
         let n = config.seq_len.ok_or_else(|| {

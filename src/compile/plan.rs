@@ -9,7 +9,8 @@ use autosp_core::{CausalLm, CheckpointPolicy, Param, Precision};
 use candle_core::{DType, Device, Tensor};
 
 use super::config::Strategy;
-use super::step::{grad_buckets, StepOutput, GRAD_BUCKET_ELEMS};
+use super::grad_reduce::{grad_buckets, wire_dtype};
+use super::step::StepOutput;
 use super::strategy::comm_bytes_per_layer_step;
 use super::{CompileError, Compiled};
 
@@ -334,12 +335,14 @@ impl<M: CausalLm> Compiled<M> {
         }
         let params = autosp_core::module::trainable_params(&self.model);
         let size_of = |p: &Param| Precision::float(p.tensor().dtype()).reduce().size_in_bytes();
+        // Buckets travel in the reduction's dtype (bf16 for f32 gradients under `--reduce-dtype bf16`).
+        let wire_of = |p: &Param| wire_dtype(Precision::float(p.tensor().dtype()).reduce(), self.reduction.dtype);
         let level = self.sharding();
         if level <= ShardLevel::Optimizer {
-            return grad_buckets(&params, GRAD_BUCKET_ELEMS)
+            return grad_buckets(&params, self.reduction.bucket_elems())
                 .into_iter()
                 .map(|bucket| {
-                    let size = size_of(bucket[0]);
+                    let size = wire_of(bucket[0]).size_in_bytes();
                     match level {
                         ShardLevel::None => {
                             let elems: usize = bucket.iter().map(|x| x.shape().elem_count()).sum();

@@ -1,11 +1,13 @@
 //! Running a compiled model: shifting labels before sharding, padding to the layout's multiple, taking this
 //! rank's replica's rows and its shard of them, the global loss (sum of token losses over the valid count of
 //! the whole world) and the parameter gradients reduced over the world (all-reduced whole, or this rank's
-//! slice when model states are sharded); forward-only evaluation loss; and forward-only logits gathered back
+//! slice when model states are sharded; how, in `grad_reduce.rs`), once per step however many micro-batches
+//! it accumulates ([`Accumulation`]); forward-only evaluation loss; and forward-only logits gathered back
 //! into sequence order. Inputs are checked on the
 //! whole batch, which every rank holds, before sharding: a bad batch fails on every rank at once, with the
 //! same error and before any collective, instead of on the one rank whose shard holds the bad id.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use autosp_core::comm::{ProcessGroup, ReduceOp};
@@ -14,10 +16,11 @@ use autosp_core::module::trainable_params;
 use autosp_core::ops::{self, Documents, IGNORE_INDEX};
 use autosp_core::optim::sum_of_squares;
 use autosp_core::shard::ShardLevel;
-use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, Param, Precision, Tape, TokenCoordinates};
+use autosp_core::{CausalLm, CheckpointPolicy, Gradients, MemoryStats, ParamId, Precision, Tape, TokenCoordinates};
 use autosp_kernels::sp::layout::gather_unshard;
 use candle_core::{DType, Tensor};
 
+use super::grad_reduce::{self, Buckets};
 use super::row_groups::{self, per_group, row_groups, RowGroup};
 use super::{CompileError, Compiled};
 
@@ -42,6 +45,69 @@ pub struct StepOutput {
     /// This rank's tape bytes after every increase over the step (only for the plan's probe steps; empty
     /// otherwise).
     pub memory_trace: Vec<usize>,
+}
+
+/// What one micro-batch of an accumulated step returns ([`Compiled::accumulate_step`]); the gradients stay in
+/// the [`Accumulation`].
+#[derive(Clone, Debug)]
+pub struct MicroStep {
+    /// The micro-batch's mean token loss over the whole world.
+    pub loss: f64,
+    /// Its valid target tokens over the world (its weight in the step's mean).
+    pub valid_tokens: usize,
+    /// This rank's tape bytes when the forward pass ended.
+    pub after_forward: MemoryStats,
+    /// This rank's tape peak over the micro-batch.
+    pub peak_bytes: usize,
+    /// This rank's tape bytes after every increase (probe steps only; empty otherwise).
+    pub memory_trace: Vec<usize>,
+}
+
+/// The gradients of one step's micro-batches, kept on this rank until the step's one reduction: the sum of
+/// each micro-batch's local (unreduced) gradients, each in its reduction dtype (f32 for bf16/f16/f32
+/// parameters) and weighted by the micro-batch's valid tokens when the step has several micro-batches (so
+/// that the step's gradient is the token-weighted mean, as one batch of all of them would give). Made per step
+/// by [`Accumulation::new`], filled by [`Compiled::accumulate_step`], turned into the step's gradients by
+/// [`Compiled::finish_accumulation`].
+#[derive(Debug, Default)]
+pub struct Accumulation {
+    /// Whether micro-batches are weighted by their tokens (a step of several).
+    weighted: bool,
+    /// Σ weight · local gradient, by parameter (whole, or the tape's reduced slices at `gradients` and
+    /// `parameters`).
+    sums: HashMap<ParamId, Tensor>,
+    /// The reduced gradients, once the last micro-batch reduced them.
+    reduced: Option<Gradients>,
+    /// Valid target tokens over the world, summed over the micro-batches so far.
+    tokens: usize,
+    /// The loss scale of the step's micro-batches.
+    loss_scale: Option<f64>,
+}
+
+impl Accumulation {
+    /// An empty accumulation for a step of `micro_batches` micro-batches (1: the gradients pass unweighted,
+    /// bit for bit what [`Compiled::train_step`] returns).
+    pub fn new(micro_batches: usize) -> Self {
+        Self { weighted: micro_batches > 1, ..Self::default() }
+    }
+
+    /// Valid target tokens over the world of the micro-batches accumulated so far.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Parameter `id`'s local gradient `g` in its reduction dtype, times `weight` (unless 1), plus what the
+    /// earlier micro-batches left for it (taken out of the sums).
+    fn fold(&mut self, id: ParamId, g: Tensor, weight: f64) -> candle_core::Result<Tensor> {
+        let mut g = g.to_dtype(Precision::float(g.dtype()).reduce())?;
+        if weight != 1.0 {
+            g = (g * weight)?;
+        }
+        match self.sums.remove(&id) {
+            Some(before) => before + g,
+            None => Ok(g),
+        }
+    }
 }
 
 /// `ids: [b, n]` -> `(ids, targets)` padded to `n_pad`: `targets[t] = labels[t + 1]`, the last one and the pad
@@ -187,7 +253,8 @@ impl<M: CausalLm> Compiled<M> {
 
     /// A training step under the tape `policy` (blocks with their own policy keep it), tracing the tape's
     /// memory when `trace`, with the loss scaled by `loss_scale` for backward (a power of two); `documents`:
-    /// one per row of a packed batch ([`train_step_packed`](Self::train_step_packed)).
+    /// one per row of a packed batch ([`train_step_packed`](Self::train_step_packed)). One micro-batch of
+    /// an [`Accumulation`] of one.
     pub(crate) fn run_step(
         &self,
         ids: &Tensor,
@@ -197,6 +264,99 @@ impl<M: CausalLm> Compiled<M> {
         trace: bool,
         loss_scale: f64,
     ) -> Result<StepOutput, CompileError> {
+        let mut acc = Accumulation::new(1);
+        let micro = self.run_micro(&mut acc, ids, labels, documents, policy, trace, loss_scale, true)?;
+        let grads = self.finish_accumulation(acc)?;
+        let MicroStep { loss, valid_tokens, after_forward, peak_bytes, memory_trace } = micro;
+        Ok(StepOutput { loss, valid_tokens, grads, after_forward, peak_bytes, memory_trace })
+    }
+
+    /// One micro-batch of a step that accumulates gradients over several (`acc`, made by
+    /// [`Accumulation::new`] for the step): `ids: [b, n]` with optional `labels` and `documents` as
+    /// [`train_step`](Self::train_step) and [`train_step_packed`](Self::train_step_packed) take them, the loss
+    /// scaled by `loss_scale` for backward (a power of two, the same for every micro-batch of the step).
+    /// Its gradients are added to `acc` unreduced (each weighted by the micro-batch's valid tokens when the
+    /// step has several), so a step makes one gradient reduction, not one per micro-batch: on the `last`
+    /// micro-batch, as its backward produces them (overlapped where the back end allows,
+    /// [`GradReduction::overlap`](super::GradReduction::overlap)), or in
+    /// [`finish_accumulation`](Self::finish_accumulation) when the last micro-batch had no target.
+    ///
+    /// At `--shard gradients` and `parameters` the tape reduce-scatters each use's gradient as backward
+    /// makes it, so every micro-batch still reduces: deferring would hold every whole gradient across the
+    /// micro-batches, which those levels exist to avoid; the slices are accumulated instead. At `optimizer`
+    /// the whole f32 gradients are held across the micro-batches (once, not once per micro-batch).
+    ///
+    /// Returns the micro-batch's global loss and valid-token count; [`CompileError::NoTargets`] on every rank
+    /// for a micro-batch without a valid target (skip it; `acc` is unchanged).
+    #[allow(clippy::too_many_arguments)]
+    pub fn accumulate_step(
+        &self,
+        acc: &mut Accumulation,
+        ids: &Tensor,
+        labels: Option<&Tensor>,
+        documents: Option<&[Documents]>,
+        loss_scale: f64,
+        last: bool,
+    ) -> Result<MicroStep, CompileError> {
+        self.check_loss_scale(loss_scale)?;
+        self.run_micro(acc, ids, labels, documents, self.tape_policy(), false, loss_scale, last)
+    }
+
+    /// The step's gradients from its micro-batches (`acc`): reduced over the world as
+    /// [`StepOutput::grads`] has them (whole, or this rank's slices when model states are sharded), the
+    /// token-weighted mean when the step had several micro-batches, divided by the loss scale. Collective
+    /// unless the last micro-batch reduced them already. [`CompileError::NoTargets`] when no micro-batch had a
+    /// target.
+    pub fn finish_accumulation(&self, mut acc: Accumulation) -> Result<Gradients, CompileError> {
+        if acc.tokens == 0 {
+            return Err(CompileError::NoTargets);
+        }
+        let mut grads = match acc.reduced.take() {
+            Some(g) => g,
+            None => {
+                autosp_core::alloc::phase("step", "gradient all-reduce");
+                let _span = autosp_core::profile::span("step", "gradient reduction", String::new);
+                self.reduce_sums(std::mem::take(&mut acc.sums))?
+            }
+        };
+        let loss_scale = acc.loss_scale.unwrap_or(1.0);
+        if loss_scale != 1.0 {
+            grads.scale(1.0 / loss_scale)?;
+        }
+        if acc.weighted {
+            grads.scale(1.0 / acc.tokens as f64)?;
+        }
+        Ok(grads)
+    }
+
+    /// [`accumulate_step`](Self::accumulate_step) under the tape `policy`, tracing the tape's memory when
+    /// `trace`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_micro(
+        &self,
+        acc: &mut Accumulation,
+        ids: &Tensor,
+        labels: Option<&Tensor>,
+        documents: Option<&[Documents]>,
+        policy: CheckpointPolicy,
+        trace: bool,
+        loss_scale: f64,
+        last: bool,
+    ) -> Result<MicroStep, CompileError> {
+        if acc.reduced.is_some() {
+            return Err(CompileError::Input(
+                "this Accumulation was reduced by its last micro-batch already: call finish_accumulation, and \
+                 start a new Accumulation for the next step"
+                    .into(),
+            ));
+        }
+        if acc.loss_scale.is_some_and(|s| s != loss_scale) {
+            return Err(CompileError::Input(format!(
+                "loss_scale {loss_scale} differs from the {} of this step's earlier micro-batches: keep one \
+                 scale per step (change it between steps)",
+                acc.loss_scale.unwrap_or(1.0)
+            )));
+        }
         let batch = self.local_batch(ids, labels, documents, true)?;
         let total = batch.total;
         let tape = Tape::new(policy);
@@ -208,25 +368,78 @@ impl<M: CausalLm> Compiled<M> {
         let sum = self.local_loss(&tape, &batch)?;
         let term = ops::scale(&tape, &sum, loss_scale / total)?;
         let after_forward = tape.memory();
-        tape.backward(&term)?;
+        // The token weight of this micro-batch's gradients in the step's mean.
+        let weight = if acc.weighted { total } else { 1.0 };
+        let params = trainable_params(&self.model);
+        let level = self.sharding();
+        let reduce_now = last && self.world.size() > 1 && level <= ShardLevel::Optimizer;
+        match (&self.reduce_group, reduce_now) {
+            (Some(group), true) => {
+                let buckets = Buckets::new(&params, level, self.reduction);
+                let _span = autosp_core::profile::span("step", "backward with gradient reduction", String::new);
+                let reduced = grad_reduce::overlapped(&buckets, group.as_ref(), |posting| {
+                    tape.backward_with_ready(&term, &mut |id, g| posting.ready(id, acc.fold(id, g, weight)?))?;
+                    Ok(())
+                })?;
+                acc.reduced = Some(reduced);
+            }
+            _ => {
+                tape.backward(&term)?;
+                for (id, g) in tape.param_grads().sorted() {
+                    let g = acc.fold(id, g.clone(), weight)?;
+                    acc.sums.insert(id, g);
+                }
+                if reduce_now {
+                    autosp_core::alloc::phase("step", "gradient all-reduce");
+                    let _span = autosp_core::profile::span("step", "gradient reduction", String::new);
+                    let sums = std::mem::take(&mut acc.sums);
+                    acc.reduced =
+                        Some(Buckets::new(&params, level, self.reduction).reduce_after(self.world.as_ref(), sums)?);
+                }
+            }
+        }
         let peak_bytes = tape.memory().peak_bytes;
         let memory_trace = tape.memory_trace();
 
         // One host read of this rank's share of the loss; the sum over ranks is taken on the host (f64).
         let loss_local = host_read::read_f64(term.tensor())? / loss_scale;
+        drop(tape);
         let loss = self.world.all_reduce(&host_scalar(loss_local)?, ReduceOp::Sum)?;
         let loss = loss.to_vec1::<f64>()?[0]; // host data
-        let local = tape.param_grads();
-        drop(tape);
-        autosp_core::alloc::phase("step", "gradient all-reduce");
-        let mut grads = {
-            let _span = autosp_core::profile::span("step", "gradient reduction", String::new);
-            self.reduce_grads(local)?
-        };
-        if loss_scale != 1.0 {
-            grads.scale(1.0 / loss_scale)?;
+        acc.tokens += total as usize;
+        acc.loss_scale = Some(loss_scale);
+        Ok(MicroStep { loss, valid_tokens: total as usize, after_forward, peak_bytes, memory_trace })
+    }
+
+    /// The accumulated gradients (`sums`, by parameter, in their reduction dtype) reduced over the world as the
+    /// sharding level wants them:
+    /// - `None`: whole, all-reduced, bucket by bucket ([`Buckets`]: reduction dtype, bucket size and wire
+    ///   dtype from [`GradReduction`](super::GradReduction)).
+    /// - `Optimizer`: the same buckets reduce-scattered, so each rank gets its slice `[chunk]` of every
+    ///   parameter's sum (laid out `[W, Σ chunk]`).
+    /// - `Gradients`, `Parameters`: the tape reduce-scattered each use's gradient already; the slices pass on
+    ///   (zeros for a parameter no op used, so every rank updates every slice).
+    ///
+    /// On one rank the gradients only take the shape the optimiser updates.
+    fn reduce_sums(&self, mut sums: HashMap<ParamId, Tensor>) -> Result<Gradients, CompileError> {
+        let params = trainable_params(&self.model);
+        let level = self.sharding();
+        if self.world.size() > 1 && level <= ShardLevel::Optimizer {
+            return Buckets::new(&params, level, self.reduction).reduce_after(self.world.as_ref(), sums);
         }
-        Ok(StepOutput { loss, valid_tokens: total as usize, grads, after_forward, peak_bytes, memory_trace })
+        let mut out = Gradients::new();
+        for p in &params {
+            let t = p.update_view()?;
+            let dtype = Precision::float(t.dtype()).reduce();
+            let g = match sums.remove(&p.id()) {
+                // The shape of what the optimizer updates (flat for a parameter sharded over one rank).
+                Some(g) => g.to_dtype(dtype)?.reshape(t.shape())?,
+                None if level >= ShardLevel::Gradients => Tensor::zeros(t.shape(), dtype, t.device())?,
+                None => continue,
+            };
+            out.insert(p, g);
+        }
+        Ok(out)
     }
 
     /// Forward only: the global mean token loss of `ids: [b, n]` (u32; every rank passes the whole batch)
@@ -358,80 +571,6 @@ impl<M: CausalLm> Compiled<M> {
         }
     }
 
-    /// Sums every parameter's gradient over the world in its reduction dtype ([`Precision::reduce`]: f32 for
-    /// bf16/f16/f32 parameters, f64 for f64), as the sharding level wants it:
-    /// - `None`: whole, all-reduced. Parameters in model order, grouped by reduction dtype into buckets of at
-    ///   most [`GRAD_BUCKET_ELEMS`] elements (a larger parameter is a bucket of its own), one all-reduce per
-    ///   bucket; `local` is consumed bucket by bucket (each gradient converted to f32 as its bucket is built),
-    ///   so the reduction holds about one copy of the gradients plus one bucket's buffers.
-    /// - `Optimizer`: the same buckets reduce-scattered, so each rank gets its slice `[chunk]` of every
-    ///   parameter's sum (one reduce-scatter per bucket, laid out `[W, Σ chunk]`).
-    /// - `Gradients`, `Parameters`: the tape reduce-scattered each use's gradient already; the slices pass on
-    ///   (zeros for a parameter no op used, so every rank updates every slice).
-    ///
-    /// On one rank the gradients are only converted.
-    fn reduce_grads(&self, mut local: Gradients) -> Result<Gradients, CompileError> {
-        let params = trainable_params(&self.model);
-        let level = self.sharding();
-        let mut out = Gradients::new();
-        if self.world.size() == 1 || level >= ShardLevel::Gradients {
-            for p in &params {
-                let t = p.update_view()?;
-                let dtype = Precision::float(t.dtype()).reduce();
-                let g = match local.remove(p) {
-                    // The shape of what the optimizer updates (flat for a parameter sharded over one rank).
-                    Some(g) => g.to_dtype(dtype)?.reshape(t.shape())?,
-                    None if level >= ShardLevel::Gradients => Tensor::zeros(t.shape(), dtype, t.device())?,
-                    None => continue,
-                };
-                out.insert(p, g);
-            }
-            return Ok(out);
-        }
-        for bucket in grad_buckets(&params, GRAD_BUCKET_ELEMS) {
-            let mut flat = Vec::with_capacity(bucket.len());
-            for p in &bucket {
-                let t = p.tensor();
-                let dtype = Precision::float(t.dtype()).reduce();
-                let g = match local.remove(p) {
-                    Some(g) => g.to_dtype(dtype)?,
-                    None => Tensor::zeros(t.shape(), dtype, t.device())?,
-                };
-                flat.push(match p.shard() {
-                    // [W, chunk]: row r is rank r's slice.
-                    Some(s) => s.layout.padded_rows(&g)?,
-                    None => g.flatten_all()?,
-                });
-            }
-            let sharded = level == ShardLevel::Optimizer;
-            let cat_dim = usize::from(sharded);
-            let joined = if flat.len() == 1 { flat.remove(0) } else { Tensor::cat(&flat, cat_dim)? };
-            drop(flat);
-            let summed = if sharded {
-                self.world.reduce_scatter(&joined, 0, ReduceOp::Sum)?.flatten_all()?
-            } else {
-                self.world.all_reduce(&joined, ReduceOp::Sum)?
-            };
-            drop(joined);
-            let mut offset = 0;
-            for p in bucket {
-                match p.shard() {
-                    Some(s) if sharded => {
-                        out.insert(p, summed.narrow(0, offset, s.layout.chunk)?);
-                        offset += s.layout.chunk;
-                    }
-                    _ => {
-                        let t = p.tensor();
-                        let n = t.elem_count();
-                        out.insert(p, summed.narrow(0, offset, n)?.reshape(t.shape())?);
-                        offset += n;
-                    }
-                }
-            }
-        }
-        Ok(out)
-    }
-
     /// The L2 norm of the gradients a step returned, over the whole model (summed in f64 in parameter
     /// order): of the whole gradients, or, when they are this rank's slices, of every rank's slices together
     /// (an all-reduce over the world; collective). Every rank gets the same norm.
@@ -557,67 +696,5 @@ impl<M: CausalLm> Compiled<M> {
             .collect();
         let order = Tensor::from_vec(order, rows.len(), gathered.device())?;
         Ok(gathered.index_select(&order, 1)?)
-    }
-}
-
-/// Elements per gradient all-reduce bucket (16 MiB of f32).
-pub(crate) const GRAD_BUCKET_ELEMS: usize = 1 << 22;
-
-/// `params` (in model order) split into all-reduce buckets: one reduction dtype per bucket, consecutive
-/// parameters while the bucket stays within `limit` elements. Every rank builds the same buckets from the
-/// same model, so the collectives match.
-pub(crate) fn grad_buckets(params: &[Param], limit: usize) -> Vec<Vec<&Param>> {
-    let dtype_of = |p: &Param| Precision::float(p.tensor().dtype()).reduce();
-    let mut dtypes: Vec<DType> = params.iter().map(dtype_of).collect();
-    dtypes.sort_by_key(|d| d.as_str());
-    dtypes.dedup();
-    let mut buckets = Vec::new();
-    for dtype in dtypes {
-        let mut bucket: Vec<&Param> = Vec::new();
-        let mut elems = 0;
-        for p in params.iter().filter(|p| dtype_of(p) == dtype) {
-            let n = p.tensor().elem_count();
-            if !bucket.is_empty() && elems + n > limit {
-                buckets.push(std::mem::take(&mut bucket));
-                elems = 0;
-            }
-            bucket.push(p);
-            elems += n;
-        }
-        if !bucket.is_empty() {
-            buckets.push(bucket);
-        }
-    }
-    buckets
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::Device;
-
-    fn param(name: &str, n: usize, dtype: DType) -> Param {
-        Param::new(name, Tensor::zeros(n, dtype, &Device::Cpu).unwrap())
-    }
-
-    #[test]
-    fn buckets_keep_model_order_split_by_reduction_dtype_and_size() {
-        let ps = [
-            param("a", 3, DType::F32),
-            param("b", 4, DType::F32),
-            param("x", 2, DType::F64),
-            param("c", 12, DType::F32),
-            param("d", 1, DType::F32),
-            param("e", 2, DType::F32),
-        ];
-        let names: Vec<Vec<&str>> = grad_buckets(&ps, 8).iter().map(|b| b.iter().map(|p| p.name()).collect()).collect();
-        // f32 sorts before f64; a parameter over the limit is a bucket of its own.
-        assert_eq!(names, vec![vec!["a", "b"], vec!["c"], vec!["d", "e"], vec!["x"]]);
-        assert_eq!(grad_buckets(&ps, usize::MAX).len(), 2);
-        // bf16 and f16 gradients are reduced in f32: they share the f32 buckets.
-        let mixed = [param("a", 3, DType::BF16), param("b", 4, DType::F32), param("h", 1, DType::F16)];
-        let names: Vec<Vec<&str>> =
-            grad_buckets(&mixed, 8).iter().map(|b| b.iter().map(|p| p.name()).collect()).collect();
-        assert_eq!(names, vec![vec!["a", "b", "h"]]);
     }
 }

@@ -26,6 +26,8 @@ pub struct RunOptions {
     pub dp: usize,
     /// `--shard`: how model states are sharded over the ranks; `None`: chosen by the model's size.
     pub shard: Option<ShardLevel>,
+    /// `--reduce-dtype` and `--bucket-mb`: how gradients are reduced over the ranks.
+    pub reduction: crate::compile::GradReduction,
     /// `--strategy`.
     pub strategy: Strategy,
     /// `--checkpoint`.
@@ -121,6 +123,7 @@ impl Default for RunOptions {
             seq_len: 4096,
             dp: 1,
             shard: None,
+            reduction: crate::compile::GradReduction::default(),
             strategy: Strategy::Auto,
             checkpoint: Checkpointing::Policy(CheckpointPolicy::SequenceAware),
             dtype: None,

@@ -414,7 +414,8 @@ impl Job {
         let mut cfg = CompileConfig::new(pg.clone(), o.strategy, o.checkpoint)
             .with_mesh(self.mesh)
             .with_dtype(self.dtype)
-            .with_max_attention_distance(o.max_attention_distance);
+            .with_max_attention_distance(o.max_attention_distance)
+            .with_reduction(o.reduction);
         if let Some(level) = o.shard {
             cfg = cfg.with_sharding(level);
         }

@@ -28,6 +28,7 @@ use super::eval::{answer_accuracy, HeldOut, LongContext, LongScores, When};
 use super::events::Event;
 use super::metrics::{MetricsLog, StepRecord};
 use super::stream::{Sample, Stream};
+use crate::compile::Accumulation;
 use crate::Compiled;
 
 /// Probes scored at the end of each curriculum stage (the first ones of the probe set).
@@ -477,7 +478,7 @@ impl Trainer {
     fn accumulate(&mut self, len: usize) -> Result<Accumulated> {
         let (seq_len, micro) = (self.config.seq_len, self.config.micro_batches);
         let replicas = self.compiled.mesh().data;
-        let mut grads = Gradients::new();
+        let mut acc = Accumulation::new(micro);
         let (mut loss_sum, mut count, mut tape_peak) = (0f64, 0usize, 0usize);
         let (mut windows, mut untrained) = (0usize, 0usize);
         let answers_only = self.stream.answers_only();
@@ -503,13 +504,11 @@ impl Trainer {
                 false => None,
             };
             let ids = Tensor::from_vec(ids, (rows, len), &Device::Cpu)?;
-            let (c, labels) = (&self.compiled, labels.as_ref());
-            let out = match (self.scaler, documents.is_empty()) {
-                (Some(s), true) => c.train_step_scaled(&ids, labels, s.scale()),
-                (None, true) => c.train_step(&ids, labels),
-                (Some(s), false) => c.train_step_scaled_packed(&ids, labels, &documents, s.scale()),
-                (None, false) => c.train_step_packed(&ids, labels, &documents),
-            };
+            let (labels, documents) = (labels.as_ref(), (!documents.is_empty()).then_some(&documents[..]));
+            let scale = self.scaler.map_or(1.0, |s| s.scale());
+            // Local gradients, token-weighted into `acc`; one reduction for the step, on the last micro-batch
+            // (or in finish_accumulation when it has no target).
+            let out = self.compiled.accumulate_step(&mut acc, &ids, labels, documents, scale, m + 1 == micro);
             let out = match out {
                 Ok(out) => out,
                 // Every rank gets this alike (the target count is reduced before any forward pass).
@@ -517,26 +516,14 @@ impl Trainer {
                 Err(e) => return Err(e.into()),
             };
             tape_peak = tape_peak.max(out.peak_bytes);
-            if micro == 1 {
-                grads = out.grads;
-            } else {
-                // Token-weighted mean over the micro-batches: sum count_i * grad_i, divided below.
-                let w = out.valid_tokens as f64;
-                for p in &self.params {
-                    if let Some(g) = out.grads.get(p) {
-                        grads.accumulate(p, &(g * w)?)?;
-                    }
-                }
-            }
             loss_sum += out.loss * out.valid_tokens as f64;
             count += out.valid_tokens;
         }
         if count == 0 {
             return Ok(Accumulated { trained: None, tape_peak, windows, untrained });
         }
-        if micro > 1 {
-            grads.scale(1.0 / count as f64)?;
-        }
+        // The token-weighted mean over the micro-batches, reduced once.
+        let grads = self.compiled.finish_accumulation(acc)?;
         Ok(Accumulated { trained: Some((grads, loss_sum / count as f64)), tape_peak, windows, untrained })
     }
 
