@@ -3,7 +3,8 @@
 //!   its gradients equal those of one reduction per micro-batch (the trainer's way before) within 1e-6,
 //!   and a recording process group shows one gradient reduction round per step (at `none` and `optimizer`;
 //!   at `gradients` and `parameters` the tape reduce-scatters per use, every micro-batch).
-//! - `--reduce-dtype bf16`: gradients within 1e-2 (of the largest) of f32's, half the reduction bytes; f32 is
+//! - `--reduce-dtype bf16`: gradients within 1e-2 (of the largest) of f32's, half the reduction bytes (as the
+//!   plan's accounting says); f32 is
 //!   bit for bit the reduction after backward; a bad dtype and an empty bucket are refused naming the option.
 //! - Overlap: buckets are posted from the communication thread while backward still runs (the recording
 //!   shows the first bucket's backward mark before the end), and the gradients are bit for bit those of the
@@ -49,6 +50,9 @@ struct Seen {
     records: Vec<CallRecord>,
     /// Bytes this rank sent in all-reduces and reduce-scatters (the comm counters).
     reduce_bytes: u64,
+    /// What the plan's accounting says the gradient reduction sends per step
+    /// (`Compiled::model_state_comm_bytes`).
+    planned: u64,
 }
 
 /// How a test runs one step of `micro` micro-batches.
@@ -109,8 +113,14 @@ fn step(mesh: Mesh, level: ShardLevel, reduction: GradReduction, micro: usize, w
         let records = recorder.records();
         let stats = world.stats();
         let reduce_bytes = stats.bytes_sent(Collective::AllReduce) + stats.bytes_sent(Collective::ReduceScatter);
+        let planned = c.model_state_comm_bytes();
         let whole = c.whole_grads(&grads).map_err(|e| e.to_string())?;
-        Ok(Seen { grads: c.params().iter().map(|p| flat(whole.get(p).unwrap())).collect(), records, reduce_bytes })
+        Ok(Seen {
+            grads: c.params().iter().map(|p| flat(whole.get(p).unwrap())).collect(),
+            records,
+            reduce_bytes,
+            planned,
+        })
     });
     out.into_iter().map(|r| r.expect("rank failed").expect("step failed")).collect()
 }
@@ -185,6 +195,8 @@ fn bf16_reduction_halves_the_bytes_within_bf16_rounding_and_f32_is_unchanged() {
             let scalars = 2 * autosp::core::comm::all_reduce_bytes(1, 2, r, 8);
             let (b32, b16) = (after[r].reduce_bytes - scalars, half[r].reduce_bytes - scalars);
             assert_eq!(b32, 2 * b16, "{level} rank {r}: {b32} bucket bytes in f32, {b16} in bf16");
+            // The plan's accounting (what --explain adds to the attention's bytes) says the same.
+            assert_eq!((after[r].planned, half[r].planned), (b32, b16), "{level} rank {r}: the plan's bytes");
             assert!(b16 > 0);
         }
     }
