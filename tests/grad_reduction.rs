@@ -4,8 +4,8 @@
 //!   and a recording process group shows one gradient reduction round per step (at `none` and `optimizer`;
 //!   at `gradients` and `parameters` the tape reduce-scatters per use, every micro-batch).
 //! - `--reduce-dtype bf16`: gradients within 1e-2 (of the largest) of f32's, half the reduction bytes (as the
-//!   plan's accounting says); f32 is
-//!   bit for bit the reduction after backward; a bad dtype and an empty bucket are refused naming the option.
+//!   plan's accounting says); f32 is bit for bit the reduction after backward; a bad dtype and an empty
+//!   bucket are refused naming the option.
 //! - Overlap: buckets are posted from the communication thread while backward still runs (the recording
 //!   shows the first bucket's backward mark before the end), and the gradients are bit for bit those of the
 //!   reduction after backward, at every level, at 1 × 2 and 2 × 2.
