@@ -100,28 +100,64 @@ impl Param {
         }
         let whole = self.tensor();
         let s = Arc::new(ParamShard::new(level, group, whole.shape().clone()));
-        {
-            // Claimed under the lock, which no collective below holds: a parameter two ranks share (a model
-            // cloned across thread ranks) fails on the second rank instead of stalling the first.
-            let mut shard = self.0.shard.write().expect("param lock poisoned");
-            if shard.is_some() {
-                return Err(Error::InvalidArgument {
-                    op: "Param::shard_over",
-                    msg: format!(
-                        "parameter `{}` is sharded already; shard a model once (a model cloned for each thread rank \
-                         shares its parameters: give each rank its own model)",
-                        self.name()
-                    ),
-                });
-            }
-            *shard = Some(s.clone());
-        }
+        self.claim_shard(&s, "Param::shard_over")?;
         if level == ShardLevel::Parameters {
             *self.0.tensor.write().expect("param lock poisoned") = s.slice(&whole)?;
         } else if s.group.shares_memory() && s.group.size() > 1 {
             let shared = crate::comm::broadcast(s.group.as_ref(), &whole, 0)?;
             *self.0.tensor.write().expect("param lock poisoned") = shared;
         }
+        Ok(())
+    }
+
+    /// Shards this parameter at [`ShardLevel::Parameters`] over `group` with this rank's slice given, so that the
+    /// whole weight never exists here: `slice: [chunk]` is what [`shard_over`](Self::shard_over) would have
+    /// cut from the whole (elements `rank·chunk ..` of the flattened parameter, zero-padded past its end; see
+    /// [`crate::shard::ShardLayout`]), read from a file by the caller. The stored tensor gives only the whole
+    /// shape, dtype and device (a placeholder such as a stride-0 broadcast of one element does) and is
+    /// replaced. Fails when the slice's length, dtype or device is not the stored tensor's slice's, or the
+    /// parameter is sharded already. No collective.
+    pub fn shard_from_slice(&self, group: Arc<dyn ProcessGroup>, slice: Tensor) -> Result<()> {
+        let cur = self.tensor();
+        let s = Arc::new(ParamShard::new(ShardLevel::Parameters, group, cur.shape().clone()));
+        if slice.dims() != [s.layout.chunk] || slice.dtype() != cur.dtype() || !slice.device().same_device(cur.device())
+        {
+            return Err(Error::InvalidArgument {
+                op: "Param::shard_from_slice",
+                msg: format!(
+                    "the slice of `{}` is {:?} {:?} on {:?}, but this rank's slice of {:?} {:?} is [{}] on {:?}: read \
+                     the elements ShardLayout::owned gives, padded to its chunk, in the parameter's dtype",
+                    self.name(),
+                    slice.dims(),
+                    slice.dtype(),
+                    slice.device().location(),
+                    cur.dims(),
+                    cur.dtype(),
+                    s.layout.chunk,
+                    cur.device().location()
+                ),
+            });
+        }
+        self.claim_shard(&s, "Param::shard_from_slice")?;
+        *self.0.tensor.write().expect("param lock poisoned") = slice;
+        Ok(())
+    }
+
+    /// Records `s` as this parameter's sharding, under the lock, which no collective holds: a parameter two
+    /// ranks share (a model cloned across thread ranks) fails on the second rank instead of stalling the first.
+    fn claim_shard(&self, s: &Arc<ParamShard>, op: &'static str) -> Result<()> {
+        let mut shard = self.0.shard.write().expect("param lock poisoned");
+        if shard.is_some() {
+            return Err(Error::InvalidArgument {
+                op,
+                msg: format!(
+                    "parameter `{}` is sharded already; shard a model once (a model cloned for each thread rank \
+                     shares its parameters: give each rank its own model)",
+                    self.name()
+                ),
+            });
+        }
+        *shard = Some(s.clone());
         Ok(())
     }
 

@@ -53,6 +53,13 @@ pub struct Args {
     #[arg(long, value_name = "MIB", default_value = "16", value_parser = autosp::compile::GradReduction::parse_bucket_mb)]
     pub bucket_mb: usize,
 
+    /// The memory the ranks on this host may hold for model states (suffixes K, M, G, KiB, MiB, GiB). A run
+    /// that resumes a checkpoint is checked against it (default: the host's available memory), and any run
+    /// that gives it: when the accounting exceeds it the run is refused before a rank allocates the model,
+    /// naming the --shard level or rank count that fits.
+    #[arg(long, value_name = "BYTES", value_parser = autosp::train::parse_memory_budget)]
+    pub memory_budget: Option<u64>,
+
     /// How attention is made whole across ranks: ulysses, ring, hybrid:U (Ulysses degree U), auto.
     #[arg(long, default_value = "auto", value_parser = parse_strategy)]
     pub strategy: Strategy,
@@ -374,6 +381,7 @@ impl Args {
                 bucket_bytes: a.bucket_mb,
                 ..Default::default()
             },
+            memory_budget: a.memory_budget,
             strategy: a.strategy,
             checkpoint: a.checkpoint,
             dtype: a.dtype,

@@ -109,7 +109,8 @@ pub use launch::over_mpi;
 pub use launch::Carrier;
 pub use metrics::{Accuracy, EvalLoss, MetricsLog, Score, StepRecord, Summary, Table};
 pub use options::{
-    checkpoint_flag, parse_checkpointing, parse_max_attention_distance, parse_strategy, strategy_flag, RunOptions,
+    checkpoint_flag, parse_checkpointing, parse_max_attention_distance, parse_memory_budget, parse_strategy,
+    strategy_flag, RunOptions,
 };
 pub use packing::Packing;
 pub use progress::Progress;

@@ -4,9 +4,12 @@
 use std::path::{Path, PathBuf};
 
 use autosp_models::{gguf_tokenizer_and_template, load_tokenizer, ChatTemplate, Tokenizer};
-use autosp_models::{random_weights, resolve_model, save_model, HubOptions, LlamaModel, SaveOptions, TinySpec};
+use autosp_models::{
+    random_weights, resolve_model, save_model, HubOptions, LlamaConfig, LlamaModel, SaveOptions, TinySpec,
+};
 use candle_core::{DType, Device};
 
+use super::checkpoint::model_slices::{skeleton, WeightPaths, WeightRanges};
 use super::error::{IoContext, Result, TrainError};
 
 /// The autosp cache: `AUTOSP_CACHE`, else `$XDG_CACHE_HOME/autosp`, else `~/.cache/autosp`, else
@@ -117,6 +120,30 @@ pub fn load(source: &str, dtype: DType) -> Result<Loaded> {
         what: format!("loading the model `{source}`"),
         cause: Box::new(cause),
     })?;
+    with_tokenizer(source, model)
+}
+
+/// `source`'s config and tokenizer with the model as a [`skeleton`] in `dtype` (no weight read), and the
+/// files each rank reads its own slices of the weights from ([`crate::train::checkpoint::model_slices`]), their
+/// headers checked against the config; `None` when the weights cannot be read in ranges (a GGUF file, whose
+/// weights are quantised, or a family whose files fuse projections): then [`load`] it whole.
+pub fn load_skeleton(source: &str, dtype: DType) -> Result<Option<(Loaded, WeightPaths)>> {
+    let path = Path::new(source);
+    if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        return Ok(None);
+    }
+    let resolved = resolve_model(source, &HubOptions::default())?;
+    let config = LlamaConfig::from_file(&resolved.config)?;
+    let Some(paths) = WeightPaths::of(&resolved.weights, &config) else {
+        return Ok(None);
+    };
+    WeightRanges::open(&paths)?.check(&config)?;
+    let model = skeleton(&config, dtype, &Device::Cpu)?;
+    Ok(Some((with_tokenizer(source, model)?, paths)))
+}
+
+/// `model` loaded from `source` with its tokenizer, chat template and their files.
+fn with_tokenizer(source: &str, model: LlamaModel) -> Result<Loaded> {
     let path = Path::new(source);
     let mut loaded =
         Loaded { model, tokenizer_json: None, tokenizer: None, tokenizer_config_json: None, chat_template: None };

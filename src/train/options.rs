@@ -28,6 +28,10 @@ pub struct RunOptions {
     pub shard: Option<ShardLevel>,
     /// `--reduce-dtype` and `--bucket-mb`: how gradients are reduced over the ranks.
     pub reduction: crate::compile::GradReduction,
+    /// `--memory-budget`: the bytes the ranks of this host may hold for model states; a run that gives it,
+    /// or resumes a checkpoint (then against the host's available memory when not given), is refused before
+    /// any rank allocates when the accounting exceeds it.
+    pub memory_budget: Option<u64>,
     /// `--strategy`.
     pub strategy: Strategy,
     /// `--checkpoint`.
@@ -124,6 +128,7 @@ impl Default for RunOptions {
             dp: 1,
             shard: None,
             reduction: crate::compile::GradReduction::default(),
+            memory_budget: None,
             strategy: Strategy::Auto,
             checkpoint: Checkpointing::Policy(CheckpointPolicy::SequenceAware),
             dtype: None,
@@ -247,6 +252,14 @@ pub fn checkpoint_flag(checkpointing: Checkpointing) -> String {
         Checkpointing::Policy(CheckpointPolicy::Full) => "full".into(),
         Checkpointing::Policy(CheckpointPolicy::SequenceAware) => "sequence-aware".into(),
         Checkpointing::Budget(bytes) => bytes.to_string(),
+    }
+}
+
+/// A memory budget in bytes, such as `68719476736`, `64GiB`, `60G` (the byte forms `--checkpoint` takes).
+pub fn parse_memory_budget(s: &str) -> Result<u64, String> {
+    match parse_checkpointing(s) {
+        Ok(Checkpointing::Budget(b)) => Ok(b as u64),
+        _ => Err(format!("--memory-budget `{s}` is not a byte count: give one such as 64GiB, 60G or 68719476736")),
     }
 }
 

@@ -16,6 +16,7 @@ use autosp_models::{LlamaConfig, LlamaModel};
 use candle_core::{DType, Device, Tensor};
 use serde_json::json;
 
+use super::checkpoint::model_slices::WeightPaths;
 use super::checkpoint::{self, RunShape, SaveLock, TrainerState};
 use super::config::{micro_batches, NonFinite, TrainConfig};
 use super::corpus::Corpus;
@@ -89,6 +90,9 @@ pub struct Job {
     pub long_context: LongContext,
     /// What `--rope-scaling` made of the model's positions (the line the run prints), when given.
     pub rope_extended: Option<autosp_models::RopeExtended>,
+    /// At `--shard parameters`, the weight files each rank reads its own slices from (`base` is then `None`:
+    /// no process loads the whole model); `None` when the ranks build from `base`.
+    pub weight_paths: Option<WeightPaths>,
 }
 
 /// The kernel switches from the environment (`AUTOSP_KERNELS`, `AUTOSP_SIMD`), checked so that a typo or a
@@ -217,7 +221,24 @@ impl Job {
             }
             None => (None, Vec::new()),
         };
-        let mut loaded = model::load(&source, Precision::float(dtype).master())?;
+        // At `parameters` each rank reads its own slices of the weights: the job reads the config, the
+        // tokenizer and the files' headers, and makes the model as a skeleton (#41). A resumed run, or one given
+        // --memory-budget, is checked on the skeleton before any rank allocates: the checkpoint belongs to this
+        // model, and the model states fit this mesh.
+        let checked = resume.is_some() || o.memory_budget.is_some();
+        let sliced = match (o.shard, checked) {
+            (Some(ShardLevel::Parameters), _) | (_, true) => model::load_skeleton(&source, dtype)?,
+            _ => None,
+        };
+        if let (Some((skeleton, _)), true) = (&sliced, checked) {
+            let resume = resume.as_ref().map(|(dir, state)| (dir.as_path(), state));
+            let (config, lora) = (&skeleton.model.config, lora.as_ref());
+            checkpoint::resume_fit::check_run(config, dtype, lora, resume, o.shard, p, threads, o.memory_budget)?;
+        }
+        let (mut loaded, weight_paths) = match sliced {
+            Some((loaded, paths)) if o.shard == Some(ShardLevel::Parameters) => (loaded, Some(paths)),
+            _ => (model::load(&source, Precision::float(dtype).master())?, None),
+        };
         let vocab = loaded.model.config.vocab_size;
         let mut probes = Vec::new();
         let stream = match &source_kind {
@@ -336,7 +357,7 @@ impl Job {
             (None, rope) => rope.as_ref().map(|x| loaded.model.extend_rope(x)).transpose()?,
         };
         let config = loaded.model.config.clone();
-        let base = loaded.model.to_weights();
+        let base = weight_paths.is_none().then(|| Arc::new(loaded.model.to_weights()));
         let tokenizer_files = loaded.tokenizer_files();
         let long_context =
             LongContext::from_options(o, &config, loaded.tokenizer.as_ref(), heldout.as_ref(), &save_root)?;
@@ -347,7 +368,7 @@ impl Job {
             threads,
             dtype,
             config,
-            base: std::sync::Mutex::new(Some(Arc::new(base))),
+            base: std::sync::Mutex::new(base),
             source,
             tokenizer_files,
             stream,
@@ -363,6 +384,7 @@ impl Job {
             lora,
             long_context,
             rope_extended,
+            weight_paths,
             heap: None,
             name: "training".into(),
             options,
@@ -391,25 +413,39 @@ impl Job {
         };
         // The loaded weights (master dtype, f32, on the CPU; one copy shared by the thread ranks). The model
         // computes in their `dtype` rounding on the device; the optimizer's masters are taken from them below.
-        let base = self.base.lock().expect("job lock poisoned").clone().ok_or_else(|| {
-            TrainError::Config("the job's starting weights were released: run every rank of a job once".into())
-        })?;
-        let build = || -> Result<LlamaModel> {
+        // None where each rank reads its own slices (`weight_paths`, at `parameters`).
+        let base = self.base.lock().expect("job lock poisoned").clone();
+        let adapt = |model: &mut LlamaModel| -> Result<()> {
+            if let Some(l) = &self.lora {
+                l.apply(model)?;
+            }
+            Ok(())
+        };
+        let build = |base: &HashMap<String, Tensor>| -> Result<LlamaModel> {
             let weights = base
                 .iter()
                 .map(|(k, t)| Ok((k.clone(), t.to_device(&device)?.to_dtype(self.dtype)?)))
                 .collect::<Result<HashMap<String, Tensor>>>()?;
             let mut model = LlamaModel::from_weights(&self.config, weights)?;
-            if let Some(l) = &self.lora {
-                l.apply(&mut model)?;
-            }
+            adapt(&mut model)?;
             Ok(model)
         };
-        // At `parameters` the ranks build in turn, each keeping its slices before the next builds: one whole
-        // model in `dtype` at a time, not one per rank.
-        let model = match o.shard {
-            Some(level @ ShardLevel::Parameters) => build_sharded(&pg, level, build)?,
-            _ => build()?,
+        // At `parameters` each rank reads its own slices of the files (all ranks at once, #41); from the loaded
+        // weights the ranks build in turn, each keeping its slices before the next builds.
+        let (model, read_masters) = match (&self.weight_paths, &base) {
+            (Some(paths), _) => {
+                let b = checkpoint::model_slices::build(paths, &self.config, self.dtype, &device, &pg, adapt)?;
+                (b.model, b.masters)
+            }
+            (None, Some(base)) => match o.shard {
+                Some(level @ ShardLevel::Parameters) => (build_sharded(&pg, level, || build(base))?, HashMap::new()),
+                _ => (build(base)?, HashMap::new()),
+            },
+            (None, None) => {
+                return Err(TrainError::Config(
+                    "the job's starting weights were released: run every rank of a job once".into(),
+                ))
+            }
         };
         let mut cfg = CompileConfig::new(pg.clone(), o.strategy, o.checkpoint)
             .with_mesh(self.mesh)
@@ -456,9 +492,13 @@ impl Job {
             say(line);
         }
         // The f32 masters start from the base weights, and from the adapter a LoRA run starts from.
+        let starting = match &base {
+            Some(base) => (**base).clone(),
+            None => read_masters,
+        };
         let masters = match self.lora.as_ref().and_then(|l| l.weights.as_ref()) {
-            Some(w) => base.iter().chain(w.iter()).map(|(k, t)| (k.clone(), t.clone())).collect(),
-            None => (*base).clone(),
+            Some(w) => starting.into_iter().chain(w.iter().map(|(k, t)| (k.clone(), t.clone()))).collect(),
+            None => starting,
         };
         let mut trainer = Trainer::new(c, self.train.clone(), self.stream.clone())?;
         // An evaluation run that saves nothing (no save_dir) needs no f32 masters (a copy of every bf16 weight).

@@ -22,8 +22,10 @@
 
 mod atomic;
 mod lock;
+pub mod model_slices;
 mod ranges;
 mod resume;
+pub mod resume_fit;
 mod sharded;
 mod state_names;
 mod streamed_model;
@@ -42,7 +44,7 @@ use serde_json::{json, Value};
 pub use atomic::clean_stale;
 pub use lock::{SaveLock, LOCK_FILE};
 pub use ranges::{Entry, TensorFile};
-pub use resume::restore_state;
+pub use resume::{check_state, restore_state};
 pub use sharded::{rank_file, save_sharded};
 
 use super::error::{IoContext, Result, TrainError};

@@ -1,12 +1,14 @@
 //! Parts of a safetensors file without loading it: [`TensorFile`] reads the header (every tensor's dtype,
 //! shape and byte offsets) and then only the element ranges asked for, with positioned reads, so a resuming
-//! rank reads its own share of a checkpoint's optimizer state and never the whole file.
+//! rank reads its own share of a checkpoint's optimizer state, or of a model's weights, and never the whole
+//! file. Each open file counts the bytes it read ([`TensorFile::bytes_read`]).
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
@@ -37,6 +39,8 @@ pub struct TensorFile {
     path: PathBuf,
     file: File,
     entries: HashMap<String, Entry>,
+    /// Bytes of tensors read so far (the header not counted).
+    read: AtomicU64,
 }
 
 /// The longest header read (safetensors' own limit is 100 MB).
@@ -73,9 +77,7 @@ impl TensorFile {
                 "I64" => DType::I64,
                 "U32" => DType::U32,
                 "U8" => DType::U8,
-                other => {
-                    return Err(damaged(format!("`{name}` has dtype {other}, which an optimizer state never has")))
-                }
+                other => return Err(damaged(format!("`{name}` has dtype {other}, which autosp does not read"))),
             };
             let shape: Vec<usize> = e
                 .get("shape")
@@ -96,7 +98,7 @@ impl TensorFile {
             }
             entries.insert(name.clone(), Entry { dtype, shape, bytes: data + begin..data + end });
         }
-        Ok(Self { path: path.to_path_buf(), file, entries })
+        Ok(Self { path: path.to_path_buf(), file, entries, read: AtomicU64::new(0) })
     }
 
     /// The entry of tensor `name`, if the file has it.
@@ -107,6 +109,16 @@ impl TensorFile {
     /// The names of the tensors it holds (any order).
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.entries.keys().map(String::as_str)
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The bytes of tensors [`read`](Self::read) has read from this file so far (the header not counted).
+    pub fn bytes_read(&self) -> u64 {
+        self.read.load(Ordering::Relaxed)
     }
 
     /// Elements `elems` of tensor `name` flattened, as a 1-D tensor `[elems.len()]` in the file's dtype on
@@ -127,6 +139,7 @@ impl TensorFile {
         self.file
             .read_exact_at(&mut bytes, e.bytes.start + elems.start as u64 * size)
             .map_err(|err| TrainError::checkpoint(format!("{} cannot be read ({err})", self.path.display())))?;
+        self.read.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         Ok(Tensor::from_raw_buffer(&bytes, e.dtype, &[elems.len()], &Device::Cpu)?)
     }
 }
@@ -150,6 +163,7 @@ mod tests {
         assert_eq!(f.read("a", 5..9).unwrap().to_vec1::<f32>().unwrap(), vec![5., 6., 7., 8.]);
         let b = f.read("b", 1..5).unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(b, vec![1., 2., 3., 4.]);
+        assert_eq!(f.bytes_read(), 4 * 4 + 4 * 2, "the two reads' bytes, nothing else");
         assert!(f.read("a", 10..13).is_err() && f.read("c", 0..1).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -102,15 +102,10 @@ pub fn restore_state(
     params: &[Param],
 ) -> Result<()> {
     let step = state.optimizer_step;
-    let source = match state.sharded_over {
-        None if config.model_type.fuses_projections() => {
-            return super::restore_optimizer(dir, config, opt, params, step);
-        }
-        None => TensorFile::open(&dir.join(OPTIMIZER_FILE)).map(Source::Whole),
-        Some(world) => (0..world)
-            .map(|r| TensorFile::open(&dir.join(rank_file(r, world))))
-            .collect::<Result<_>>()
-            .map(Source::Sharded),
+    let source = match open(dir, state, config) {
+        Ok(None) => return super::restore_optimizer(dir, config, opt, params, step),
+        Ok(Some(s)) => Ok(s),
+        Err(e) => Err(e),
     };
     let checked = source.and_then(|s| check(dir, &s, params, step).map(|()| s));
     let source = settle(group, "checking the checkpoint's optimizer state", checked)?;
@@ -141,6 +136,34 @@ pub fn restore_state(
         }
     }
     Ok(())
+}
+
+/// The files of the checkpoint at `dir` holding its optimizer state, headers read; `None` for a whole
+/// checkpoint of a family whose file fuses projections (Phi-3), which is read whole.
+fn open(dir: &Path, state: &TrainerState, config: &autosp_models::LlamaConfig) -> Result<Option<Source>> {
+    Ok(Some(match state.sharded_over {
+        None if config.model_type.fuses_projections() => return Ok(None),
+        None => Source::Whole(TensorFile::open(&dir.join(OPTIMIZER_FILE))?),
+        Some(world) => Source::Sharded(
+            (0..world).map(|r| TensorFile::open(&dir.join(rank_file(r, world)))).collect::<Result<_>>()?,
+        ),
+    }))
+}
+
+/// Whether the checkpoint at `dir` ([`super::verify`] read `state`) holds the optimizer state of `params`
+/// (this run's parameters that train, whole or as a skeleton: only names and shapes are used), by its files'
+/// headers alone (see [`restore_state`]'s checks): another model, or a run that trains other parameters, is
+/// refused naming the parameter. No collective; nothing but headers read.
+pub fn check_state(
+    dir: &Path,
+    state: &TrainerState,
+    config: &autosp_models::LlamaConfig,
+    params: &[Param],
+) -> Result<()> {
+    match open(dir, state, config)? {
+        Some(source) => check(dir, &source, params, state.optimizer_step),
+        None => Ok(()),
+    }
 }
 
 /// The headers' check (nothing read but headers): every parameter's moments present (unless at step 0) and

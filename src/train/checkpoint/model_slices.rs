@@ -1,0 +1,221 @@
+//! A model built from each rank's own byte ranges of its safetensors files (#41). At `--shard parameters`
+//! every weight's slice (the elements [`ShardLayout::owned`] gives of the flattened weight, padded to the
+//! chunk) is read with positioned reads ([`TensorFile`]) and becomes the parameter's slice
+//! ([`autosp_core::Param::shard_from_slice`]): no rank holds a whole weight of the checkpoint, in f32 or any dtype, and a
+//! rank reads about 1/W of the file. The values are those of loading the whole model in f32, converting to
+//! the run's dtype and slicing, bit for bit (the same conversions, file dtype → f32 → run dtype).
+//!
+//! The model is first made as a [`skeleton`]: every weight a stride-0 broadcast of one zero, its shape,
+//! dtype and device and nothing else. The job checks a run on it before any rank allocates (the counts, the
+//! adapters LoRA adds, the optimizer state's headers), and a rank fills it in.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use autosp_core::comm::ProcessGroup;
+use autosp_core::memory::storage_key;
+use autosp_core::shard::{ShardLayout, ShardLevel};
+use autosp_core::Precision;
+use autosp_models::weights::WeightFiles;
+use autosp_models::{LlamaConfig, LlamaModel};
+use candle_core::{DType, Device, Tensor};
+
+use super::ranges::TensorFile;
+use super::sharded::agree;
+use crate::train::error::{Result, TrainError};
+
+/// The safetensors files of a model whose weights can be read in ranges: single or split with an index
+/// (HF checkpoints and ours), of a family whose files hold the weights as the model does (not Phi-3's fused
+/// projections). A GGUF file is read whole (its weights are quantised: no byte range is an element range).
+#[derive(Clone, Debug, PartialEq)]
+pub struct WeightPaths(pub Vec<PathBuf>);
+
+impl WeightPaths {
+    /// The files of `weights` for a model of `config`, when its weights can be read in ranges.
+    pub fn of(weights: &WeightFiles, config: &LlamaConfig) -> Option<Self> {
+        if config.model_type.fuses_projections() {
+            return None;
+        }
+        Some(Self(match weights {
+            WeightFiles::Single(p) => vec![p.clone()],
+            WeightFiles::Sharded { shards, .. } => shards.clone(),
+        }))
+    }
+}
+
+/// The open weight files of a model, by tensor name: headers read, tensors read on demand.
+pub struct WeightRanges {
+    files: Vec<TensorFile>,
+    by_name: HashMap<String, usize>,
+}
+
+impl WeightRanges {
+    /// Opens every file of `paths` and reads its header.
+    pub fn open(paths: &WeightPaths) -> Result<Self> {
+        let files = paths.0.iter().map(|p| TensorFile::open(p)).collect::<Result<Vec<_>>>()?;
+        let mut by_name = HashMap::new();
+        for (i, f) in files.iter().enumerate() {
+            by_name.extend(f.names().map(|n| (n.to_string(), i)));
+        }
+        Ok(Self { files, by_name })
+    }
+
+    /// Checks the headers against `config` as loading the whole model does ([`autosp_models::load_weights`]):
+    /// every tensor it implies is there with its shape in f32, bf16 or f16, and nothing else (a tied model's
+    /// `lm_head.weight` and `rotary_emb.inv_freq` buffers aside). Reads nothing but the headers.
+    pub fn check(&self, config: &LlamaConfig) -> Result<()> {
+        let expected: HashMap<String, Vec<usize>> = config.expected_tensors().into_iter().collect();
+        let mut names: Vec<&String> = self.by_name.keys().collect();
+        names.sort();
+        for name in names {
+            let file = &self.files[self.by_name[name]];
+            let e = file.entry(name).expect("indexed from this file");
+            let path = file.path().to_path_buf();
+            let Some(shape) = expected.get(name) else {
+                if name.ends_with("rotary_emb.inv_freq") || (config.tie_word_embeddings && name == "lm_head.weight") {
+                    continue;
+                }
+                return Err(autosp_models::Error::UnexpectedTensor {
+                    name: name.clone(),
+                    found: e.shape.clone(),
+                    path,
+                }
+                .into());
+            };
+            if *shape != e.shape {
+                let (name, expected, found) = (name.clone(), shape.clone(), e.shape.clone());
+                return Err(autosp_models::Error::ShapeMismatch { name, expected, found, path }.into());
+            }
+            if !matches!(e.dtype, DType::F32 | DType::BF16 | DType::F16) {
+                let dtype = format!("{:?}", e.dtype);
+                return Err(autosp_models::Error::UnsupportedDtype { name: name.clone(), dtype, path }.into());
+            }
+        }
+        for (name, expected) in config.expected_tensors() {
+            if !self.by_name.contains_key(&name) {
+                let path = self.files.first().map(|f| f.path().to_path_buf()).unwrap_or_default();
+                return Err(autosp_models::Error::MissingTensor { name, expected, path }.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Elements `elems` of weight `name` flattened, `[elems.len()]` in the master dtype of `dtype` (f32 for
+    /// f32/bf16/f16): one positioned read of those bytes in the file's dtype, then converted.
+    fn read(&self, name: &str, elems: Range<usize>, dtype: DType) -> Result<Tensor> {
+        let i = *self.by_name.get(name).ok_or_else(|| {
+            TrainError::Config(format!("the model's files hold no `{name}`: give a model whose files have it"))
+        })?;
+        Ok(self.files[i].read(name, elems)?.to_dtype(Precision::float(dtype).master())?)
+    }
+
+    /// The bytes of tensors read from the files so far, all files together.
+    pub fn bytes_read(&self) -> u64 {
+        self.files.iter().map(TensorFile::bytes_read).sum()
+    }
+}
+
+/// The model of `config` with every weight a stride-0 broadcast of one zero in `dtype` on `device` (one
+/// element stored for the whole model): its parameters' names, shapes, dtype and device, not their values.
+pub fn skeleton(config: &LlamaConfig, dtype: DType, device: &Device) -> Result<LlamaModel> {
+    skeleton_of(config, &Tensor::zeros((), dtype, device)?)
+}
+
+/// The [`skeleton`] whose every weight is a broadcast of `zero` (a one-element tensor).
+fn skeleton_of(config: &LlamaConfig, zero: &Tensor) -> Result<LlamaModel> {
+    let weights = config
+        .expected_tensors()
+        .into_iter()
+        .map(|(name, shape)| Ok((name, zero.broadcast_as(shape)?)))
+        .collect::<Result<HashMap<_, _>>>()?;
+    Ok(LlamaModel::from_weights(config, weights)?)
+}
+
+/// A rank's model read from its ranges ([`build`]).
+pub struct Built {
+    /// The model: at `Parameters` over more than one rank every parameter sharded (its slice stored), else
+    /// whole.
+    pub model: LlamaModel,
+    /// The f32 master weights of the parameters that train, by name, as read (this rank's slice `[chunk]`
+    /// when sharded), when `dtype` keeps masters (bf16, f16); empty otherwise.
+    pub masters: HashMap<String, Tensor>,
+    /// The bytes this rank read from the weight files.
+    pub bytes_read: u64,
+}
+
+/// Builds one rank's model of `config` in `dtype` on `device` from the files at `paths`, sharded at
+/// `Parameters` over `group` (more than one rank): each weight's slice read from its byte range; over one
+/// rank, each weight read whole. `adapt` runs on the skeleton first (LoRA adds its adapters and puts a saved
+/// adapter's tensors in): what it sets whole (the adapters, a saved adapter's trained norms) is sharded
+/// from its whole tensor as [`autosp_core::Param::shard_over`] does, everything else is read. The ranks build at once and
+/// then agree that every one of them built (collective: one all-reduce), so a rank whose read fails stops
+/// every rank: it returns its own error, the others one saying a rank failed.
+pub fn build(
+    paths: &WeightPaths,
+    config: &LlamaConfig,
+    dtype: DType,
+    device: &Device,
+    group: &Arc<dyn ProcessGroup>,
+    adapt: impl FnOnce(&mut LlamaModel) -> Result<()>,
+) -> Result<Built> {
+    let built = read_model(paths, config, dtype, device, group, adapt);
+    match (agree(group.as_ref(), built.is_ok())?, built) {
+        (_, Err(e)) => Err(e),
+        (true, built) => built,
+        (false, _) => Err(TrainError::Config(
+            "another rank failed reading its slices of the model's weights (its own error says why); no rank went on"
+                .into(),
+        )),
+    }
+}
+
+/// [`build`] on this rank, without the agreement.
+fn read_model(
+    paths: &WeightPaths,
+    config: &LlamaConfig,
+    dtype: DType,
+    device: &Device,
+    group: &Arc<dyn ProcessGroup>,
+    adapt: impl FnOnce(&mut LlamaModel) -> Result<()>,
+) -> Result<Built> {
+    let ranges = WeightRanges::open(paths)?;
+    let zero = Tensor::zeros((), dtype, device)?;
+    let placeholder = storage_key(&zero);
+    let mut model = skeleton_of(config, &zero)?;
+    adapt(&mut model)?;
+    let sliced = group.size() > 1;
+    let keeps_master = Precision::float(dtype).needs_master();
+    let mut masters = HashMap::new();
+    for p in model.params() {
+        if storage_key(&p.tensor()) != placeholder {
+            // Set whole by `adapt`: sharded as build_sharded does.
+            if sliced {
+                p.shard_over(ShardLevel::Parameters, group.clone())?;
+            }
+            continue;
+        }
+        let shape = p.shape();
+        let layout = ShardLayout::new(shape.elem_count(), group.rank(), group.size());
+        let elems = if sliced { layout.owned() } else { 0..layout.numel };
+        let master = ranges.read(p.name(), elems.clone(), dtype)?;
+        let stored = master.to_dtype(dtype)?;
+        let pad = if sliced { layout.chunk - elems.len() } else { 0 };
+        let (stored, master) = match pad {
+            0 => (stored, master),
+            _ => (stored.pad_with_zeros(0, 0, pad)?, master.pad_with_zeros(0, 0, pad)?),
+        };
+        if keeps_master && !p.is_frozen() {
+            let master = if sliced { master } else { master.reshape(&shape)? };
+            masters.insert(p.name().to_string(), master);
+        }
+        let stored = stored.to_device(device)?;
+        if sliced {
+            p.shard_from_slice(group.clone(), stored)?;
+        } else {
+            p.set(stored.reshape(&shape)?)?;
+        }
+    }
+    Ok(Built { model, masters, bytes_read: ranges.bytes_read() })
+}

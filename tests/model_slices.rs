@@ -1,0 +1,200 @@
+//! A model built from each rank's byte ranges of its safetensors files (`checkpoint::model_slices`, #41) holds
+//! exactly what loading the whole model in f32, converting it to the run's dtype and sharding it at
+//! `parameters` holds: every parameter's slice bit for bit, and the f32 masters of bf16 training, at W = 1, 2
+//! and 4 thread ranks; single and multi-file checkpoints, in f32 and bf16 on disk, tied and untied
+//! embeddings; LoRA's frozen base from slice reads beside adapters (and trained norms) that a saved adapter
+//! sets whole. Each rank reads exactly the bytes of its own elements: 1/W of the file's tensors, each
+//! element by one rank.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use autosp::build_sharded;
+use autosp::compile::CompileError;
+use autosp::core::comm::{run_ranks, ProcessGroup};
+use autosp::core::lora::LoraConfig;
+use autosp::core::shard::ShardLayout;
+use autosp::core::ShardLevel;
+use autosp::models::weights::weight_files;
+use autosp::models::{random_weights, save_model, LlamaConfig, LlamaModel, SaveOptions, TinySpec};
+use autosp::train::checkpoint::model_slices::{build, skeleton, WeightPaths, WeightRanges};
+use candle_core::{DType, Device, Tensor};
+
+/// The bit patterns of `t`'s values widened to f32 (exact for f32, bf16 and f16).
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// A tiny model written into `dir`: `disk` dtype, split into files of at most `max_shard_bytes`.
+fn write_model(dir: &Path, tied: bool, disk: DType, max_shard_bytes: usize) -> LlamaConfig {
+    let config = TinySpec { tied, ..TinySpec::default() }.config();
+    let weights = random_weights(&config, 11, DType::F32, &Device::Cpu).unwrap();
+    save_model(dir, &config, &weights, &SaveOptions { dtype: Some(disk), max_shard_bytes }).unwrap();
+    config
+}
+
+/// Today's path on one rank: the whole model loaded in f32, built in `dtype`, adapted, sharded at `parameters`
+/// (in turn) over `pg`; with the whole f32 weights, for the masters.
+fn whole_then_shard(
+    dir: &Path,
+    dtype: DType,
+    pg: &Arc<dyn ProcessGroup>,
+    adapt: &dyn Fn(&mut LlamaModel),
+) -> (LlamaModel, HashMap<String, Tensor>) {
+    let loaded = LlamaModel::load(dir.to_str().unwrap(), DType::F32).unwrap();
+    let base = loaded.to_weights();
+    let config = loaded.config.clone();
+    let build = || -> Result<LlamaModel, CompileError> {
+        let w = base.iter().map(|(k, t)| (k.clone(), t.to_dtype(dtype).unwrap())).collect();
+        let mut m = LlamaModel::from_weights(&config, w).unwrap();
+        adapt(&mut m);
+        Ok(m)
+    };
+    (build_sharded(pg, ShardLevel::Parameters, build).unwrap(), base)
+}
+
+/// The adapter tensors a LoRA run starts from: rank-2 adapters on q/v with the norms trained, every tensor
+/// made different from the base's (norms scaled by 3, B non-zero).
+fn saved_adapter(config: &LlamaConfig) -> (LoraConfig, HashMap<String, Tensor>) {
+    let lora = LoraConfig { targets: vec!["q_proj".into(), "v_proj".into()], train_norm: true, ..LoraConfig::new(2) };
+    let mut m = LlamaModel::from_weights(config, random_weights(config, 5, DType::F32, &Device::Cpu).unwrap()).unwrap();
+    m.add_lora(&lora).unwrap();
+    let adapter = m.adapter_weights().into_iter().map(|(k, t)| (k, ((t + 0.5).unwrap() * 3.0).unwrap())).collect();
+    (lora, adapter)
+}
+
+/// At W ranks: every parameter of the slice-read model equals today's (bitwise, its stored slice), the masters
+/// equal the slices of the f32 weights, and the bytes read are exactly the rank's own elements of the file.
+fn check(dir: &Path, dtype: DType, world: usize, lora: bool) {
+    let config = LlamaConfig::from_file(LlamaConfig::path_in(dir)).unwrap();
+    let paths = WeightPaths::of(&weight_files(dir).unwrap(), &config).expect("safetensors files read in ranges");
+    let ranges = WeightRanges::open(&paths).unwrap();
+    ranges.check(&config).unwrap();
+    let adapter = lora.then(|| saved_adapter(&config));
+    let file_dtype = config.torch_dtype.unwrap_or(DType::F32);
+    let dir = dir.to_path_buf();
+    let elems: usize = config.expected_tensors().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    let out = run_ranks(world, Duration::from_secs(120), move |pg| -> (u64, u64) {
+        let adapt = |m: &mut LlamaModel| {
+            if let Some((l, w)) = &adapter {
+                m.add_lora(l).unwrap();
+                m.set_adapter_weights(w).unwrap();
+            }
+        };
+        let (want, whole) = whole_then_shard(&dir, dtype, &pg, &adapt);
+        let built = build(&paths, &config, dtype, &Device::Cpu, &pg, |m| {
+            adapt(m);
+            Ok(())
+        })
+        .unwrap();
+        let got: HashMap<String, Tensor> = built.model.params().iter().map(|p| (p.name().into(), p.tensor())).collect();
+        let mut own_bytes = 0;
+        for p in want.params() {
+            let name = p.name();
+            let g = &got[name];
+            assert_eq!((g.dims(), g.dtype()), (p.tensor().dims(), p.tensor().dtype()), "W={world} {name}");
+            assert_eq!(bits(g), bits(&p.tensor()), "W={world} {dtype:?} {name}: the stored slice, bit for bit");
+            let read = adapter.as_ref().is_none_or(|(_, w)| !w.contains_key(name));
+            let layout = ShardLayout::new(p.shape().elem_count(), pg.rank(), pg.size());
+            if read {
+                own_bytes += (layout.owned().len() * file_dtype.size_in_bytes()) as u64;
+            }
+            // The f32 masters of the weights that train and are read, as set_master would slice the whole.
+            match (dtype == DType::BF16 && !p.is_frozen() && read, built.masters.get(name)) {
+                (true, Some(m)) => {
+                    let want = if world > 1 { layout.slice(&whole[name]).unwrap() } else { whole[name].clone() };
+                    assert_eq!(m.dims(), want.dims(), "{name}");
+                    assert_eq!(bits(m), bits(&want), "W={world} {name}: the master from the file's values");
+                }
+                (false, None) => {}
+                (expected, got) => panic!("W={world} {dtype:?} {name}: master expected {expected}, got {got:?}"),
+            }
+        }
+        assert_eq!(got.len(), want.params().len());
+        (built.bytes_read, own_bytes)
+    });
+    let read: Vec<(u64, u64)> = out.into_iter().map(|r| r.unwrap()).collect();
+    for (r, (got, own)) in read.iter().enumerate() {
+        assert_eq!(got, own, "rank {r} of {world} reads exactly its own elements' bytes");
+    }
+    // Every element of the file's tensors (a tied model's absent head aside) read by exactly one rank.
+    if !lora {
+        assert_eq!(read.iter().map(|r| r.0).sum::<u64>(), (elems * file_dtype.size_in_bytes()) as u64);
+        let most = read.iter().map(|r| r.0).max().unwrap() as f64;
+        let share = (elems * file_dtype.size_in_bytes()) as f64 / world as f64;
+        assert!(most <= share * 1.02, "W={world}: the largest rank read {most} bytes, 1/W is {share}");
+    }
+}
+
+fn temp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("autosp-model-slices-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn slices_read_from_one_file_equal_the_whole_load_sharded() {
+    let dir = temp("single");
+    write_model(&dir, false, DType::F32, usize::MAX);
+    for world in [1, 2, 4] {
+        for dtype in [DType::F32, DType::BF16] {
+            check(&dir, dtype, world, false);
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn slices_read_from_split_bf16_files_of_a_tied_model_equal_the_whole_load_sharded() {
+    let dir = temp("split");
+    write_model(&dir, true, DType::BF16, 40_000);
+    assert!(dir.join("model.safetensors.index.json").is_file(), "the model is split into files");
+    for world in [2, 4] {
+        for dtype in [DType::F32, DType::BF16] {
+            check(&dir, dtype, world, false);
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn lora_base_slices_are_read_and_a_saved_adapter_is_sharded_whole() {
+    let dir = temp("lora");
+    write_model(&dir, true, DType::BF16, usize::MAX);
+    for world in [2, 4] {
+        check(&dir, DType::BF16, world, true);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The skeleton stores one element for the whole model; the headers' check names a wrong shape and a
+/// missing tensor as loading the whole model does.
+#[test]
+fn skeleton_holds_no_weights_and_headers_are_checked() {
+    let dir = temp("check");
+    let config = write_model(&dir, false, DType::F32, usize::MAX);
+    let s = skeleton(&config, DType::BF16, &Device::Cpu).unwrap();
+    let keys: std::collections::HashSet<usize> =
+        s.params().iter().map(|p| autosp::core::memory::storage_key(&p.tensor())).collect();
+    assert_eq!(keys.len(), 1, "every weight is a view of one element");
+    let paths = WeightPaths::of(&weight_files(&dir).unwrap(), &config).unwrap();
+    let mut other = config.clone();
+    other.intermediate_size += 1;
+    let e = WeightRanges::open(&paths).unwrap().check(&other).unwrap_err().to_string();
+    assert!(e.contains("mlp") && e.contains("129"), "{e}");
+    let mut more = config.clone();
+    more.num_hidden_layers += 1;
+    let e = WeightRanges::open(&paths).unwrap().check(&more).unwrap_err().to_string();
+    assert!(e.contains("model.layers.2."), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,140 @@
+//! A run is refused in `Job::prepare`, before any rank allocates the model (#41), when the checkpoint it
+//! resumes cannot go on it: its model states exceed the memory budget on this mesh (the message names the
+//! bytes, the budget's source and the `--shard` level or rank count that fits), or it belongs to another model
+//! (an adapter trained on a base of another architecture, or optimizer state of parameters this run does not
+//! have). The budget's decision is the accounting's (`model_state_bytes`) at the run's level.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use autosp::compile::sharding::{model_state_bytes, ParamCounts};
+use autosp::core::comm::run_ranks;
+use autosp::core::{CausalLm, ShardLevel};
+use autosp::models::{random_weights, save_model, SaveOptions, TinySpec};
+use autosp::train::checkpoint::check_state;
+use autosp::train::checkpoint::model_slices::skeleton;
+use autosp::train::checkpoint::resume_fit::{check_fits, Budget};
+use autosp::train::{Job, RunOptions};
+use candle_core::{DType, Device};
+
+/// A tiny model of `hidden` written into `dir`.
+fn write_model(dir: &Path, hidden: usize) -> String {
+    let config = TinySpec { hidden, intermediate: 2 * hidden, ..TinySpec::default() }.config();
+    let weights = random_weights(&config, 3, DType::F32, &Device::Cpu).unwrap();
+    save_model(dir, &config, &weights, &SaveOptions::default()).unwrap();
+    dir.to_str().unwrap().to_string()
+}
+
+fn options(model: &str, save: &Path) -> RunOptions {
+    RunOptions {
+        model: Some(model.into()),
+        seq_len: 256,
+        batch_tokens: Some(256),
+        quick: true,
+        steps: 1,
+        warmup: 0,
+        save: Some(save.to_path_buf()),
+        ..RunOptions::default()
+    }
+}
+
+/// Runs `o` on one thread rank to the end; the checkpoint it saved.
+fn train(o: RunOptions) -> PathBuf {
+    let save = o.save.clone().unwrap();
+    let steps = o.steps;
+    let job = Job::prepare(o, 1, true).unwrap();
+    for r in run_ranks(1, Duration::from_secs(120), |pg| job.run_rank(pg, &|| false, &mut |_| {}).map(|_| ())) {
+        r.unwrap().unwrap();
+    }
+    save.join(format!("step-{steps}"))
+}
+
+fn refused(o: RunOptions, p: usize) -> String {
+    Job::prepare(o, p, true).err().expect("the run must be refused").to_string()
+}
+
+#[test]
+fn a_resume_whose_states_exceed_the_budget_is_refused_naming_what_fits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = write_model(&tmp.path().join("model"), 64);
+    let ckpt = train(options(&model, &tmp.path().join("run")));
+    let resume = |budget: Option<u64>, shard: Option<ShardLevel>| RunOptions {
+        resume: Some(ckpt.clone()),
+        steps: 2,
+        allow_changes: true,
+        memory_budget: budget,
+        shard,
+        ..options(&model, &tmp.path().join("run"))
+    };
+    // Over 2 thread ranks at `none` the states of both ranks live in this process.
+    let e = refused(resume(Some(1_000_000), Some(ShardLevel::None)), 2);
+    assert!(e.contains(&format!("--resume {}", ckpt.display())), "{e}");
+    assert!(e.contains("--shard none over 2 rank(s)") && e.contains("--memory-budget is 1.0 MiB"), "{e}");
+    assert!(e.contains("resume with --shard parameters over") && e.contains("ranks or more"), "{e}");
+    // The same resume within a budget that holds it is prepared (and nothing was allocated by the refusal).
+    Job::prepare(resume(Some(1 << 30), Some(ShardLevel::None)), 2, true).unwrap();
+    // Without --memory-budget the host's available memory is the budget: a tiny model fits.
+    Job::prepare(resume(None, Some(ShardLevel::Parameters)), 2, true).unwrap();
+}
+
+/// The level named is the first above the run's that fits, by the accounting.
+#[test]
+fn the_level_named_is_the_first_that_fits_by_the_accounting() {
+    let config = TinySpec::default().config();
+    let mut model = skeleton(&config, DType::F32, &Device::Cpu).unwrap();
+    let dims = model.dims();
+    let counts = ParamCounts::of(&mut model, &dims);
+    let at = |level| model_state_bytes(&counts, DType::F32, level, 4).total() as u64;
+    // One process per rank (no launcher variables here): one rank's states against the budget.
+    let mut fits =
+        |bytes, level| check_fits("x", &mut model, DType::F32, Some(level), 4, false, &Budget { bytes, source: "b" });
+    assert!(fits(at(ShardLevel::None), ShardLevel::None).is_ok());
+    let e = fits(at(ShardLevel::None) - 1, ShardLevel::None).unwrap_err().to_string();
+    assert!(e.contains("resume with --shard optimizer"), "{e}");
+    let e = fits(at(ShardLevel::Parameters), ShardLevel::Optimizer).unwrap_err().to_string();
+    assert!(e.contains("resume with --shard parameters"), "{e}");
+    let e = fits(at(ShardLevel::Parameters) - 1, ShardLevel::Parameters).unwrap_err().to_string();
+    assert!(e.contains("resume with --shard parameters over ") && e.contains(" ranks or more"), "{e}");
+}
+
+#[test]
+fn an_adapter_resumed_on_another_model_is_refused_naming_the_difference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    let model = write_model(&dir, 64);
+    let ckpt = train(RunOptions { lora: Some("2".into()), ..options(&model, &tmp.path().join("lora")) });
+    // The base's directory now holds another model (a new download, a hub revision moved on).
+    std::fs::remove_dir_all(&dir).unwrap();
+    write_model(&dir, 96);
+    for shard in [None, Some(ShardLevel::Parameters)] {
+        let o = RunOptions {
+            resume: Some(ckpt.clone()),
+            steps: 2,
+            allow_changes: true,
+            shard,
+            ..options(&model, &tmp.path().join("lora"))
+        };
+        let e = refused(o, 2);
+        assert!(e.contains("the adapter was trained on another model"), "{e}");
+        assert!(e.contains("hidden_size 64 -> 96") && e.contains("--model"), "{e}");
+    }
+}
+
+/// The optimizer state's headers are checked against the parameters a run trains, on a skeleton (nothing
+/// but headers read): another model's parameters are refused naming one.
+#[test]
+fn optimizer_state_of_other_parameters_is_refused_from_the_headers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = write_model(&tmp.path().join("model"), 64);
+    let ckpt = train(options(&model, &tmp.path().join("full")));
+    let state = autosp::train::checkpoint::verify(&ckpt).unwrap();
+    let params = |hidden: usize| {
+        let config = TinySpec { hidden, intermediate: 2 * hidden, ..TinySpec::default() }.config();
+        (skeleton(&config, DType::F32, &Device::Cpu).unwrap().params(), config)
+    };
+    let (same, config) = params(64);
+    check_state(&ckpt, &state, &config, &same).unwrap();
+    let (other, config) = params(96);
+    let e = check_state(&ckpt, &state, &config, &other).unwrap_err().to_string();
+    assert!(e.contains("model.embed_tokens.weight") && e.contains("belongs to another model"), "{e}");
+}
