@@ -5,6 +5,9 @@
 //! bytes)`. The read bandwidth is measured in the same run (a sum over a 1 GiB buffer, on one thread and on
 //! `--threads` threads, best of 3), and the line carries `/proc/loadavg` before and after.
 //!
+//! With `--attention-only`, only the decode attention of one token over every layer's cache of random rows
+//! (no prefill): the CPU kernel against the tensor-op path it replaced, in turn in one run, as a ratio.
+//!
 //! With `--profile`, the decode forwards of rank 0 are timed per op (`autosp::core::profile`): the linear
 //! layers by weight shape, the LM head, the decode attention, and what is left (per-token overheads).
 //!
@@ -47,6 +50,72 @@ struct Args {
     /// Time the decode forwards of rank 0 per op and print the totals in the line.
     #[arg(long)]
     profile: bool,
+    /// Time only the decode attention of one token over every layer's cache (random rows, no prefill), the
+    /// CPU kernel and the tensor-op path (the generic route) in turn, `--repeats` rounds each: one line per
+    /// length with both times and their ratio.
+    #[arg(long)]
+    attention_only: bool,
+    /// Rounds of `--attention-only`.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+}
+
+/// `--attention-only`: the decode attention of one query over `layers` caches of `n` random rows each (the
+/// preset's heads and dtype), kernel and tensor ops in turn; the medians of `repeats` rounds.
+fn attention_only(
+    cfg: &LlamaConfig,
+    dtype: DType,
+    n: usize,
+    repeats: usize,
+    bandwidth: f64,
+) -> Result<serde_json::Value> {
+    use autosp::core::dispatch::{with_kernels, Kernels};
+    use autosp::kernels::attention::{attention_over_blocks, KvBlocks};
+    use candle_core::Tensor;
+    let (h, hkv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+    let dev = Device::Cpu;
+    let q = Tensor::randn(0f32, 1., (1, 1, h, d), &dev)?.to_dtype(dtype)?;
+    let mut parts = Vec::with_capacity(cfg.num_hidden_layers);
+    for _ in 0..cfg.num_hidden_layers {
+        let mut part = KvBlocks::default();
+        let k = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?.to_dtype(dtype)?;
+        let v = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?.to_dtype(dtype)?;
+        part.push_rows(&k, &v)?;
+        parts.push(part);
+    }
+    let time = |k: Kernels| -> Result<f64> {
+        let t0 = Instant::now();
+        with_kernels(k, || -> Result<()> {
+            for part in &parts {
+                attention_over_blocks(&q, part, None)?;
+            }
+            Ok(())
+        })?;
+        Ok(t0.elapsed().as_secs_f64())
+    };
+    let (mut kernel, mut ops) = (Vec::new(), Vec::new());
+    for _ in 0..repeats.max(1) {
+        kernel.push(time(Kernels::Auto)?);
+        ops.push(time(Kernels::Generic)?);
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (kernel, ops) = (median(kernel), median(ops));
+    let bytes = cfg.num_hidden_layers * 2 * n * hkv * d * dtype.size_in_bytes();
+    Ok(json!({
+        "bench": "decode_attention",
+        "prompt_tokens": n,
+        "layers": cfg.num_hidden_layers,
+        "cache_bytes": bytes,
+        "kernel_seconds": kernel,
+        "tensor_ops_seconds": ops,
+        "speedup": ops / kernel,
+        "kernel_bytes_per_s": bytes as f64 / kernel,
+        "tensor_ops_bytes_per_s": bytes as f64 / ops,
+        "read_bandwidth": bandwidth,
+    }))
 }
 
 fn preset(name: &str, max_n: usize) -> Result<LlamaConfig> {
@@ -127,6 +196,16 @@ fn main() -> Result<()> {
     let buf = vec![1f32; 1 << 28];
     let (bw1, bwt) = (read_bandwidth(&buf, 1), read_bandwidth(&buf, threads));
     drop(buf);
+    if args.attention_only {
+        for &n in &lengths {
+            let mut line = attention_only(&cfg, dtype, n, args.repeats, bwt.max(bw1))?;
+            line["dtype"] = json!(args.dtype);
+            line["threads"] = json!(threads);
+            line["loadavg"] = json!(loadavg());
+            println!("{line}");
+        }
+        return Ok(());
+    }
     let model = LlamaModel::from_weights(&cfg, random_weights(&cfg, 7, dtype, &Device::Cpu)?)?;
     // A token reads every weight but the embedding once (all of it when the LM head is tied to it), and one
     // embedding row.
