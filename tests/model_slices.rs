@@ -198,3 +198,27 @@ fn skeleton_holds_no_weights_and_headers_are_checked() {
     assert!(e.contains("model.layers.2."), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `Param::shard_from_slice` stores the slice given, as `shard_over` would have cut it, and refuses a slice of
+/// another length or dtype and a parameter sharded already, naming it.
+#[test]
+fn shard_from_slice_stores_the_slice_and_refuses_a_wrong_one() {
+    use autosp::core::Param;
+    let out = run_ranks(2, Duration::from_secs(30), |pg| {
+        let whole = Tensor::arange(0f32, 5., &Device::Cpu).unwrap();
+        let cut = Param::new("w", whole.clone());
+        cut.shard_over(ShardLevel::Parameters, pg.clone()).unwrap();
+        let given = Param::new("w", Tensor::zeros((), DType::F32, &Device::Cpu).unwrap().broadcast_as(5).unwrap());
+        let wrong = given.shard_from_slice(pg.clone(), Tensor::zeros(2, DType::F32, &Device::Cpu).unwrap());
+        assert!(wrong.unwrap_err().to_string().contains("the slice of `w` is [2]"));
+        let bf16 = given.shard_from_slice(pg.clone(), Tensor::zeros(3, DType::BF16, &Device::Cpu).unwrap());
+        assert!(bf16.is_err(), "a slice in another dtype is refused");
+        given.shard_from_slice(pg.clone(), cut.tensor()).unwrap();
+        assert_eq!(bits(&given.tensor()), bits(&cut.tensor()));
+        assert_eq!(given.shape().dims(), [5], "the whole shape is kept");
+        assert_eq!(bits(&given.whole().unwrap()), bits(&whole), "gathered whole again");
+        let again = given.shard_from_slice(pg.clone(), cut.tensor()).unwrap_err().to_string();
+        assert!(again.contains("is sharded already"), "{again}");
+    });
+    out.into_iter().for_each(|r| r.unwrap());
+}

@@ -119,7 +119,8 @@ impl Param {
     /// parameter is sharded already. No collective.
     pub fn shard_from_slice(&self, group: Arc<dyn ProcessGroup>, slice: Tensor) -> Result<()> {
         let cur = self.tensor();
-        let s = Arc::new(ParamShard::new(ShardLevel::Parameters, group, cur.shape().clone()));
+        // The whole shape (a parameter sharded already keeps it, and is refused below, naming that).
+        let s = Arc::new(ParamShard::new(ShardLevel::Parameters, group, self.shape()));
         if slice.dims() != [s.layout.chunk] || slice.dtype() != cur.dtype() || !slice.device().same_device(cur.device())
         {
             return Err(Error::InvalidArgument {
@@ -131,7 +132,7 @@ impl Param {
                     slice.dims(),
                     slice.dtype(),
                     slice.device().location(),
-                    cur.dims(),
+                    s.shape.dims(),
                     cur.dtype(),
                     s.layout.chunk,
                     cur.device().location()
