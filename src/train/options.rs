@@ -299,6 +299,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn memory_budgets_parse_as_byte_counts() {
+        assert_eq!(parse_memory_budget("64GiB"), Ok(64 << 30));
+        assert_eq!(parse_memory_budget("60G"), Ok(60_000_000_000));
+        assert_eq!(parse_memory_budget("1024"), Ok(1024));
+        for bad in ["none", "full", "lots", "-3G"] {
+            assert!(parse_memory_budget(bad).unwrap_err().contains("--memory-budget"), "{bad}");
+        }
+    }
+
+    #[test]
     fn thread_ranks_default_to_two_on_the_cpu_and_one_on_a_gpu() {
         let on = |device| RunOptions { device: Some(device), ..RunOptions::default() }.default_sp_threads();
         assert_eq!(on(DeviceSpec::Cpu), 2);
