@@ -5,7 +5,8 @@
 //! shapes; the tiled head's sums in another order than the one-pass kernel's, 0.8e-6 to 1.2e-6); at
 //! `parameters` LoRA's frozen base is held as slices (at most 0.55 of one rank's bytes on 2 ranks, measured
 //! from the tensors) and no gathered weight tensor is larger than one decoder block's weights (the head and
-//! the embedding included), as the accounting says.
+//! the embedding included); the accounting's gathered bytes are two blocks (the gather prefetch holds the next
+//! block beside the current one).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -162,7 +163,8 @@ fn lora_holds_half_its_frozen_base_per_rank_at_parameters() {
 
 /// At `parameters` the largest weight tensor gathered in a training step (forward, replays and backward) is at
 /// most one block's weights, although the head is 3.5 blocks, tied or not, full fine-tuning or LoRA, under
-/// every policy; the accounting counts one block as the gathered bytes.
+/// every policy; the accounting counts two blocks as the gathered bytes (the gather prefetch, on by default on
+/// thread ranks, holds the next block's weights whole while a block computes).
 #[test]
 fn no_gathered_weight_is_larger_than_a_block_at_parameters() {
     for (tied, lora) in [(false, false), (true, false), (false, true), (true, true)] {
@@ -179,7 +181,8 @@ fn no_gathered_weight_is_larger_than_a_block_at_parameters() {
                     got.largest_gathered,
                     got.block_bytes
                 );
-                assert_eq!(got.accounted_gathered, got.block_bytes, "{what}: the accounting's gathered bytes");
+                // Thread ranks prefetch the next block while one computes: two blocks whole at once.
+                assert_eq!(got.accounted_gathered, 2 * got.block_bytes, "{what}: the accounting's gathered bytes");
             }
         }
     }

@@ -23,6 +23,7 @@ pub mod comm;
 pub mod coordinates;
 pub mod dispatch;
 pub mod error;
+pub mod gather_prefetch;
 pub mod gradcheck;
 pub mod host_read;
 pub mod lora;

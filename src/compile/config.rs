@@ -147,6 +147,12 @@ pub struct CompileConfig {
     pub rope_scaling: Option<autosp_models::RopeExtension>,
     /// How the gradients are reduced over the world: dtype, bucket size, overlap with backward.
     pub reduction: GradReduction,
+    /// At `--shard parameters`, gather the next block's weights on a communication thread while the current
+    /// block computes (forward, and backward's replay in reverse), at most two blocks whole at once
+    /// ([`autosp_core::gather_prefetch`]), where the back end allows two handles at once
+    /// ([`ProcessGroup::concurrent_handles`]: thread ranks; under MPI each weight is gathered at its use).
+    /// On by default; `false`: always gathered at the use.
+    pub prefetch_gathers: bool,
 }
 
 impl CompileConfig {
@@ -164,7 +170,15 @@ impl CompileConfig {
             lora: None,
             rope_scaling: None,
             reduction: GradReduction::default(),
+            prefetch_gathers: true,
         }
+    }
+
+    /// The same configuration with the gather prefetch at `parameters` on or off (see
+    /// [`CompileConfig::prefetch_gathers`]).
+    pub fn with_prefetch_gathers(mut self, on: bool) -> Self {
+        self.prefetch_gathers = on;
+        self
     }
 
     /// The same configuration adding LoRA adapters to the model (see [`CompileConfig::lora`]). Every rank adds

@@ -65,7 +65,14 @@ pub struct Compiled<M> {
     /// backward runs (`Some` only where that happens: W > 1, `--shard none` or `optimizer`, overlap asked for
     /// and a back end with concurrent handles).
     reduce_group: Option<Arc<dyn ProcessGroup>>,
+    /// A second handle on the world for the thread that gathers the next block's weights ahead, and each
+    /// block's parameters in model order (`Some` only at `Parameters`, W > 1, prefetch asked for and a back end
+    /// with concurrent handles; see [`CompileConfig::prefetch_gathers`]).
+    prefetch: Option<PrefetchPlan>,
 }
+
+/// A second handle on the world for the gather prefetch thread, and each block's parameters in model order.
+type PrefetchPlan = (Arc<dyn ProcessGroup>, Vec<Vec<autosp_core::Param>>);
 
 impl<M: CausalLm> Compiled<M> {
     /// The model (its parameters are what the optimiser updates).
@@ -136,9 +143,14 @@ impl<M: CausalLm> Compiled<M> {
         self.model_state_bytes_at(self.sharding())
     }
 
-    /// This rank's model-state bytes at `level` (to compare levels).
+    /// This rank's model-state bytes at `level` (to compare levels). With the gather prefetch
+    /// ([`CompileConfig::prefetch_gathers`]) two blocks are whole at once at `Parameters`: `gathered` counts two.
     pub fn model_state_bytes_at(&self, level: ShardLevel) -> ModelStateBytes {
-        model_state_bytes(&self.counts, self.dtype, level, self.world.size())
+        let mut bytes = model_state_bytes(&self.counts, self.dtype, level, self.world.size());
+        if level == ShardLevel::Parameters && self.prefetch.is_some() {
+            bytes.gathered *= 2;
+        }
+        bytes
     }
 
     /// The groups the attention's collectives run over: the group itself for Ulysses and Ring, Hybrid's Ulysses
@@ -178,6 +190,12 @@ impl<M: CausalLm> Compiled<M> {
     /// [`GradReduction::overlap`]).
     pub fn overlaps_reduction(&self) -> bool {
         self.reduce_group.is_some()
+    }
+
+    /// Whether a step at `Parameters` gathers the next block's weights on a communication thread while the
+    /// current block computes (see [`CompileConfig::prefetch_gathers`]).
+    pub fn prefetches_gathers(&self) -> bool {
+        self.prefetch.is_some()
     }
 
     /// Gives back the model.
@@ -310,6 +328,19 @@ pub fn compile<M: CausalLm + 'static>(mut model: M, config: CompileConfig) -> Re
     // A second handle on the world (collective) for the thread that reduces buckets during backward.
     let overlap = w > 1 && sharding.0 <= ShardLevel::Optimizer && config.reduction.overlap;
     let reduce_group = if overlap && world.concurrent_handles() { Some(world.duplicate()?) } else { None };
+    // The same for the thread that gathers the next block's weights at `parameters`, with the blocks' weights.
+    let prefetch =
+        if w > 1 && sharding.0 == ShardLevel::Parameters && config.prefetch_gathers && world.concurrent_handles() {
+            let mut blocks = Vec::new();
+            visit_mut(&mut model, "", &mut |_, m| {
+                if m.region_slot().is_some() {
+                    blocks.push(autosp_core::module::all_params(m));
+                }
+            });
+            Some((world.duplicate()?, blocks))
+        } else {
+            None
+        };
     let mut compiled = Compiled {
         model,
         world,
@@ -324,6 +355,7 @@ pub fn compile<M: CausalLm + 'static>(mut model: M, config: CompileConfig) -> Re
         max_attention_distance: config.max_attention_distance,
         reduction: config.reduction,
         reduce_group,
+        prefetch,
     };
     if let Checkpointing::Budget(bytes) = config.checkpoint {
         let n = config.seq_len.ok_or_else(|| {

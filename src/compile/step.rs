@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use autosp_core::comm::{ProcessGroup, ReduceOp};
+use autosp_core::gather_prefetch::GatherPrefetch;
 use autosp_core::host_read;
 use autosp_core::module::trainable_params;
 use autosp_core::ops::{self, Documents, IGNORE_INDEX};
@@ -365,6 +366,11 @@ impl<M: CausalLm> Compiled<M> {
         if trace {
             tape.trace_memory();
         }
+        // At `parameters`: the next block's weights gathered while this one computes, through backward.
+        let prefetch = match &self.prefetch {
+            Some((group, blocks)) => Some(GatherPrefetch::start(blocks, group.clone())?),
+            None => None,
+        };
         let sum = self.local_loss(&tape, &batch)?;
         let term = ops::scale(&tape, &sum, loss_scale / total)?;
         let after_forward = tape.memory();
@@ -398,6 +404,7 @@ impl<M: CausalLm> Compiled<M> {
                 }
             }
         }
+        drop(prefetch);
         let peak_bytes = tape.memory().peak_bytes;
         let memory_trace = tape.memory_trace();
 

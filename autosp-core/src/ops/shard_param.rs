@@ -5,7 +5,8 @@
 //! `Gather` outputs when they close under every policy, and backward replays the node where it needs the
 //! weight again. [`crate::Tape::param`] records it for parameters sharded at `Gradients` or `Parameters`.
 //!
-//! - `Parameters`: the forward all-gathers every rank's slice (collective).
+//! - `Parameters`: the forward all-gathers every rank's slice (collective), or takes the weight a
+//!   [`GatherPrefetch`](crate::gather_prefetch::GatherPrefetch) gathered ahead on another thread.
 //! - `Gradients`: the forward hands out the replicated whole weight, which every rank holds; only the gradient
 //!   is reduce-scattered.
 
@@ -38,7 +39,11 @@ impl Op for ShardedParam {
 
     fn forward(&self, i: &[&Tensor]) -> Result<Vec<Tensor>> {
         Ok(vec![match self.shard.level {
-            ShardLevel::Parameters => self.shard.gather(i[0])?,
+            // The block's weights gathered ahead by a running prefetch, else gathered now.
+            ShardLevel::Parameters => match crate::gather_prefetch::take(&self.param)? {
+                Some(whole) => whole,
+                None => self.shard.gather(i[0])?,
+            },
             _ => self.param.tensor(),
         }])
     }

@@ -1,0 +1,132 @@
+//! The gather prefetch at `--shard parameters` (#41 item 5), on thread ranks with a tiny Llama: with the next
+//! block's weights gathered on a communication thread while a block computes, the loss and every gradient are
+//! bit for bit those of gathering each weight at its use (the same collectives carry the same slices, and
+//! the sums are the same), on 1 × 2 and 2 × 2 meshes, full fine-tuning and LoRA; the recording shows the same
+//! collectives (kind, elements, dtype) either way (LoRA: those and a few gathers more, as the first block's
+//! backward replays only some of its weights and the prefetch gathers them all), the block gathers made by
+//! the prefetch thread, and in
+//! backward each block's gathers posted at a mark before backward ended, one mark per block after the last,
+//! increasing: block k's weights were gathered while block k + 1's backward ran.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use autosp::compile::{compile, Checkpointing, CompileConfig, Mesh, Strategy};
+use autosp::core::comm::{run_ranks, CallRecord, ProcessGroup, RecordingGroup};
+use autosp::core::lora::LoraConfig;
+use autosp::core::{CausalLm, CheckpointPolicy, ShardLevel};
+use autosp::models::{random_weights, LlamaModel, TinySpec};
+use candle_core::{DType, Device, Tensor};
+
+/// The prefetch thread's name, as its records carry it.
+const PREFETCH_THREAD: &str = "gather-prefetch";
+
+/// Two sequences of 32 tokens (one per replica at D = 2), some labels ignored.
+fn batch(vocab: usize) -> (Tensor, Tensor) {
+    let (b, n) = (2, 32);
+    let ids: Vec<u32> = (0..(b * n) as u32).map(|i| (i * 29 + 3) % vocab as u32).collect();
+    let labels: Vec<i64> =
+        ids.iter().enumerate().map(|(i, &x)| if i % n < 2 || i % 6 == 1 { -100 } else { x as i64 }).collect();
+    (Tensor::from_vec(ids, (b, n), &Device::Cpu).unwrap(), Tensor::from_vec(labels, (b, n), &Device::Cpu).unwrap())
+}
+
+/// What rank 0 saw in one step.
+struct Seen {
+    loss: f64,
+    /// Every trainable parameter's whole gradient, model order.
+    grads: Vec<Vec<f32>>,
+    /// The step's calls (whole gradients gathered after it are not among them).
+    records: Vec<CallRecord>,
+    /// Whether the compiled model prefetched.
+    prefetched: bool,
+    /// Decoder blocks.
+    blocks: usize,
+}
+
+fn step(mesh: Mesh, lora: bool, prefetch: bool) -> Seen {
+    let config = TinySpec::default().config();
+    let weights = Arc::new(random_weights(&config, 11, DType::F32, &Device::Cpu).unwrap());
+    let config = Arc::new(config);
+    let out = run_ranks(mesh.world(), Duration::from_secs(120), move |pg| -> Result<Seen, String> {
+        let recorder = RecordingGroup::new(pg);
+        let world: Arc<dyn ProcessGroup> = recorder.clone();
+        let model = LlamaModel::from_weights(&config, (*weights).clone()).map_err(|e| e.to_string())?;
+        let policy = Checkpointing::Policy(CheckpointPolicy::SequenceAware);
+        let mut cfg = CompileConfig::new(world, Strategy::Ulysses, policy)
+            .with_mesh(mesh)
+            .with_sharding(ShardLevel::Parameters)
+            .with_prefetch_gathers(prefetch);
+        if lora {
+            cfg = cfg.with_lora(LoraConfig::new(4));
+        }
+        let c = compile(model, cfg).map_err(|e| e.to_string())?;
+        let (ids, labels) = batch(c.model().dims().vocab);
+        recorder.clear();
+        let out = c.train_step(&ids, Some(&labels)).map_err(|e| e.to_string())?;
+        let records = recorder.records();
+        let whole = c.whole_grads(&out.grads).map_err(|e| e.to_string())?;
+        let grads =
+            c.params().iter().map(|p| whole.get(p).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect();
+        Ok(Seen {
+            loss: out.loss,
+            grads,
+            records,
+            prefetched: c.prefetches_gathers(),
+            blocks: c.model().layers.0.len(),
+        })
+    });
+    out.into_iter().next().expect("rank 0").expect("rank failed").expect("step failed")
+}
+
+/// The calls' kinds, elements and dtypes, sorted: what every rank sends, whichever thread or handle sent it.
+fn collectives(records: &[CallRecord]) -> Vec<String> {
+    let mut out: Vec<String> =
+        records.iter().map(|r| format!("{:?} {} {:?}", r.collective, r.elems, r.dtype)).collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn prefetched_gathers_give_the_same_step_bit_for_bit() {
+    for (d, s) in [(1, 2), (2, 2)] {
+        for lora in [false, true] {
+            let what = format!("{d} x {s}, lora {lora}");
+            let on = step(Mesh::new(d, s), lora, true);
+            let off = step(Mesh::new(d, s), lora, false);
+            assert!(on.prefetched && !off.prefetched, "{what}: the switch turns the prefetch on and off");
+            assert_eq!(on.loss.to_bits(), off.loss.to_bits(), "{what}: loss {} vs {}", on.loss, off.loss);
+            assert_eq!(on.grads.len(), off.grads.len(), "{what}");
+            for (i, (a, b)) in on.grads.iter().zip(&off.grads).enumerate() {
+                assert!(a == b, "{what}: gradient {i} differs");
+            }
+            let (got, want) = (collectives(&on.records), collectives(&off.records));
+            if lora {
+                // The frozen embedding takes no gradient, so the first block's backward replays only the weights
+                // its adapters' gradients read; the prefetch gathers the whole block: the same collectives and a
+                // few more gathers.
+                let mut extra = got.clone();
+                for c in &want {
+                    let i = extra.iter().position(|x| x == c);
+                    assert!(i.is_some(), "{what}: {c} made without the prefetch but not with it");
+                    extra.remove(i.unwrap());
+                }
+                assert!(extra.len() < want.len() / 10, "{what}: {} collectives more: {extra:?}", extra.len());
+            } else {
+                assert_eq!(got, want, "{what}: the same collectives");
+            }
+            let thread = |r: &&CallRecord| r.thread.as_deref() == Some(PREFETCH_THREAD);
+            assert!(!off.records.iter().any(|r| thread(&r)), "{what}: no prefetch thread when off");
+            let prefetched: Vec<&CallRecord> = on.records.iter().filter(thread).collect();
+            assert!(!prefetched.is_empty(), "{what}: the block weights were gathered by the prefetch thread");
+            // Backward: the last block's weights were gathered at forward's end (no mark); each block before it
+            // at the hand-off of the block after it, while backward ran.
+            let mut marks: Vec<_> = prefetched.iter().filter_map(|r| r.mark).collect();
+            marks.dedup();
+            assert_eq!(marks.len(), on.blocks - 1, "{what}: one hand-off mark per block below the last: {marks:?}");
+            assert!(marks.iter().all(|m| m.before_end()), "{what}: posted before backward ended: {marks:?}");
+            assert!(marks.windows(2).all(|w| w[0].done < w[1].done), "{what}: in backward's order: {marks:?}");
+        }
+    }
+}
