@@ -80,14 +80,14 @@ fn attention_only(
         let mut part = KvBlocks::default();
         let k = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?.to_dtype(dtype)?;
         let v = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?.to_dtype(dtype)?;
-        part.push_rows(&k, &v)?;
+        part.push_rows(&k, &v, &(0..n).collect::<Vec<_>>())?;
         parts.push(part);
     }
     let time = |k: Kernels| -> Result<f64> {
         let t0 = Instant::now();
         with_kernels(k, || -> Result<()> {
             for part in &parts {
-                attention_over_blocks(&q, part, None)?;
+                attention_over_blocks(&q, part, None, 0)?;
             }
             Ok(())
         })?;

@@ -14,6 +14,8 @@ pub struct ShardedKv {
     fills: Vec<usize>,
     /// The rank that stores the token being decoded.
     owner: usize,
+    /// The sequence position of the token being decoded.
+    position: usize,
     /// This rank in the sequence-parallel group.
     rank: usize,
     /// The query rows each layer's attention saw in the prefill, on this rank.
@@ -24,14 +26,28 @@ impl ShardedKv {
     /// An empty cache of `layers` layers on rank `rank`, whose ranks will hold `fills[r]` prompt rows each
     /// after the prefill.
     pub fn new(layers: usize, rank: usize, fills: Vec<usize>) -> Self {
-        Self { layers: vec![KvBlocks::default(); layers], fills, owner: 0, rank, query_rows: vec![0; layers] }
+        Self {
+            layers: vec![KvBlocks::default(); layers],
+            fills,
+            owner: 0,
+            position: 0,
+            rank,
+            query_rows: vec![0; layers],
+        }
     }
 
-    /// Chooses the rank that stores the next token (the least filled; the lowest on ties) and counts it.
-    pub fn begin_token(&mut self) {
+    /// Chooses the rank that stores the next token, at sequence position `position` (the least filled; the
+    /// lowest on ties), and counts it.
+    pub fn begin_token(&mut self, position: usize) {
         let owner = (0..self.fills.len()).min_by_key(|&r| (self.fills[r], r)).unwrap_or(0);
         self.fills[owner] += 1;
         self.owner = owner;
+        self.position = position;
+    }
+
+    /// The sequence position of the token being decoded (set by [`begin_token`](Self::begin_token)).
+    pub fn position(&self) -> usize {
+        self.position
     }
 
     /// Whether this rank stores the token being decoded.
@@ -68,14 +84,15 @@ mod tests {
     fn tokens_go_to_the_least_filled_rank_so_parts_even_out() {
         let mut c = ShardedKv::new(1, 1, vec![3, 1, 2]);
         let mut owners = Vec::new();
-        for _ in 0..6 {
-            c.begin_token();
+        for t in 0..6 {
+            c.begin_token(t);
             owners.push(c.owner);
         }
         assert_eq!(owners, vec![1, 1, 2, 0, 1, 2]);
         assert_eq!(c.fills, vec![4, 4, 4]);
         assert_eq!(c.holds(), vec![true; 3]);
-        c.begin_token();
+        c.begin_token(6);
+        assert_eq!(c.position(), 6);
         assert!(!c.owns_token());
         assert_eq!(c.owner, 0);
     }

@@ -34,14 +34,6 @@ pub enum InferError {
     )]
     TooLong { prompt: usize, new: usize, max: usize },
 
-    /// A layer's attention window would hide cached keys that decode over ranks attends.
-    #[error(
-        "layer {layer} attends within a window of {window} positions (the checkpoint's sliding_window or \
-         --max-attention-distance), and decoding over a sharded cache attends every cached key: keep the prompt \
-         plus max_new_tokens at most {limit} tokens (now {total})"
-    )]
-    Window { layer: usize, window: usize, limit: usize, total: usize },
-
     /// The command line's prompt or model could not be used (`--prompt`, `--chat`, `--resume`), or a rank
     /// failed (the message names it).
     #[error("{0}")]

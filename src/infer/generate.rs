@@ -34,7 +34,7 @@ fn stop_tokens(model: &LlamaModel, cfg: &GenerateConfig) -> Result<Vec<u32>, Inf
     Ok(stop)
 }
 
-/// The checks that need no forward: the prompt's ids, the positions and the attention windows.
+/// The checks that need no forward: the prompt's ids and the positions.
 fn check_request(model: &LlamaModel, prompt: &[u32], cfg: &GenerateConfig) -> Result<(), InferError> {
     let c = &model.config;
     if prompt.is_empty() {
@@ -50,14 +50,6 @@ fn check_request(model: &LlamaModel, prompt: &[u32], cfg: &GenerateConfig) -> Re
             new: cfg.max_new_tokens,
             max: c.max_position_embeddings,
         });
-    }
-    for (layer, l) in model.layers.0.iter().enumerate() {
-        let window =
-            autosp_core::ops::AttentionSpec::narrower(l.self_attn.window, l.self_attn.attention.max_distance());
-        // The last forward runs at position total - 2 and sees keys down to position 0.
-        if let Some(window) = window.filter(|&w| total > w + 1) {
-            return Err(InferError::Window { layer, window, limit: window + 1, total });
-        }
     }
     Ok(())
 }
@@ -117,11 +109,11 @@ impl Compiled<LlamaModel> {
                 root = r;
             }
         }
-        let keep = fills[rank];
+        let keep: Arc<[usize]> = self.positions(n_pad, rank)?.into_iter().filter(|&x| x < n).collect();
         let cache: SharedKv = Arc::new(Mutex::new(ShardedKv::new(model.layers.0.len(), rank, fills)));
         fill_slots(model, &mut |layer, _| {
             let inner = compiled[layer].clone();
-            Arc::new(PrefillAttention { inner, layer, keep, cache: cache.clone() })
+            Arc::new(PrefillAttention { inner, layer, positions: keep.clone(), cache: cache.clone() })
         });
         let positions = self.positions(n_pad, rank)?;
         let mut padded = seq.to_vec();
@@ -212,7 +204,7 @@ impl Compiled<LlamaModel> {
                 (cache, logits) = self.prefill(&mut model, &compiled, &seq)?;
                 continue;
             }
-            lock(&cache).begin_token();
+            lock(&cache).begin_token(pos);
             let tape = Tape::inference();
             tape.set_inputs_checked();
             let ids = Tensor::from_vec(vec![token], (1, 1), &device)?;

@@ -4,7 +4,9 @@
 //! attention over disjoint key sets"; [`RunningAttention`]). One collective per call: an all-gather of
 //! each rank's partial `(o, lse)`, `heads · (head_dim + 1)` values in f32 (f64 for f64) per query row, so a
 //! rank receives `P · heads · (head_dim + 1) · 4` bytes per layer per token. Every rank then merges the
-//! parts in rank order, so every rank gets the same bits.
+//! parts in rank order, so every rank gets the same bits. A sliding window is a first position: each rank
+//! attends only its rows at that position or later ([`KvBlocks::views_from`]: a narrowed view per block, no
+//! copy), and a rank left with none sends `lse = -inf`, which the merge weighs as nothing.
 
 use autosp_core::comm::ProcessGroup;
 use candle_core::{DType, Tensor};
@@ -17,17 +19,23 @@ use autosp_core::simd::simd_path;
 
 mod cpu;
 
-/// Attention of `q: [1, q_len, heads, head_dim]` over every key of `part`, unmasked (every cached key is at
-/// an earlier position than the query), with softmax scale `scale` (`None`: `1 / sqrt(head_dim)`): `(o: [1,
-/// q_len, heads, head_dim]` in q's dtype, `lse: [1, heads, q_len]` in f32, f64 for f64`)`, or `None` when
-/// `part` holds no row. On the CPU with f32 or bf16 queries and cache, the decode kernel (`decode/cpu.rs`:
+/// Attention of `q: [1, q_len, heads, head_dim]` over every key of `part` at position `first` or later
+/// (0: every key; a sliding window's first visible position otherwise), unmasked past that (every cached key
+/// is at an earlier position than the query), with softmax scale `scale` (`None`: `1 / sqrt(head_dim)`):
+/// `(o: [1, q_len, heads, head_dim]` in q's dtype, `lse: [1, heads, q_len]` in f32, f64 for f64`)`, or
+/// `None` when `part` holds no such row. On the CPU with f32 or bf16 queries and cache, the decode kernel (`decode/cpu.rs`:
 /// per kv head and 256 cached rows, fused scores, softmax and `p · v` on the vector path, tasks on rayon's
 /// pool); elsewhere (f64, f16, other devices, or the generic route forced) candle tensor ops, per block two
 /// batched matmuls over the kv heads. Both read the cache once in place, never packed or copied (query head
 /// `h` reads kv head `h / (heads / kv_heads)`), softmax in f32 (f64 for f64), blocks merged by LSE.
-pub fn attention_over_blocks(q: &Tensor, part: &KvBlocks, scale: Option<f64>) -> Result<Option<(Tensor, Tensor)>> {
+pub fn attention_over_blocks(
+    q: &Tensor,
+    part: &KvBlocks,
+    scale: Option<f64>,
+    first: usize,
+) -> Result<Option<(Tensor, Tensor)>> {
     let (b, _, h, d) = q.dims4()?;
-    let views = part.views()?;
+    let views = part.views_from(first)?;
     let Some((k0, _)) = views.first() else { return Ok(None) };
     let hkv = k0.dim(0)?;
     if b != 1 || hkv == 0 || h % hkv != 0 || k0.dim(2)? != d {
@@ -80,27 +88,36 @@ fn over_blocks_with_tensor_ops(q: &Tensor, views: &[(Tensor, Tensor)], scale: f6
 
 /// Decode attention over the parts of a cache that the ranks of `group` hold (see the module doc): `q: [1,
 /// q_len, heads, head_dim]`, the same on every rank; `part`: this rank's part; `holds[r]`: whether rank `r`'s
-/// part has a row (the callers know every rank's fill; an empty part takes no share). Returns `(o: [1, q_len,
-/// heads, head_dim]` in q's dtype, `lse: [1, heads, q_len])`, the same on every rank. Collective: one
-/// all-gather.
+/// part has a row (the callers know every rank's fill; an empty part takes no share); `first`: the first
+/// position the query sees (0: all; `position - max_distance` under a sliding window), the same on every
+/// rank. Returns `(o: [1, q_len, heads, head_dim]` in q's dtype, `lse: [1, heads, q_len])`, the same on every
+/// rank. Collective: one all-gather.
 pub fn decode_attention(
     group: &dyn ProcessGroup,
     q: &Tensor,
     part: &KvBlocks,
     scale: Option<f64>,
     holds: &[bool],
+    first: usize,
 ) -> Result<(Tensor, Tensor)> {
     let (b, nq, h, d) = q.dims4()?;
     let acc = if q.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-    let mine = attention_over_blocks(q, part, scale)?;
+    let mine = attention_over_blocks(q, part, scale, first)?;
     if group.size() == 1 {
         return mine.ok_or_else(|| empty_cache_error(holds));
     }
-    // This rank's partial result as one row: o (b·nq·h·d values), then lse (b·h·nq); zeros when it holds none.
+    // This rank's partial result as one row: o (b·nq·h·d values), then lse (b·h·nq); when it sees no row, o
+    // zeros and lse -inf (a part that weighs nothing in the merge: its factor e^(-inf - m) is 0).
     let (o_len, lse_len) = (b * nq * h * d, b * h * nq);
     let row = match &mine {
         Some((o, lse)) => Tensor::cat(&[o.to_dtype(acc)?.flatten_all()?, lse.to_dtype(acc)?.flatten_all()?], 0)?,
-        None => Tensor::zeros(o_len + lse_len, acc, q.device())?,
+        None => Tensor::cat(
+            &[
+                Tensor::zeros(o_len, acc, q.device())?,
+                Tensor::full(f32::NEG_INFINITY, lse_len, q.device())?.to_dtype(acc)?,
+            ],
+            0,
+        )?,
     };
     let all = group.all_gather(&row.unsqueeze(0)?, 0).map_err(autosp_core::Error::from)?;
     let mut run: Option<RunningAttention> = None;
@@ -143,17 +160,63 @@ mod tests {
         let v = Tensor::randn(0f32, 1., (1, 13, hkv, d), &dev)?;
         // A prefill block of 6 rows, then 7 tokens in blocks of 4.
         let mut part = KvBlocks::with_block_rows(4);
-        part.push_rows(&k.narrow(1, 0, 6)?, &v.narrow(1, 0, 6)?)?;
+        part.push_rows(&k.narrow(1, 0, 6)?, &v.narrow(1, 0, 6)?, &(0..6).collect::<Vec<_>>())?;
         for i in 6..13 {
-            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?)?;
+            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, i)?;
         }
         let scale = Some(0.3);
-        let (o, lse) = attention_over_blocks(&q, &part, scale)?.expect("rows held");
+        let (o, lse) = attention_over_blocks(&q, &part, scale, 0)?.expect("rows held");
         let spec = AttentionSpec { scale, ..AttentionSpec::full() };
         let (want_o, want_lse) = naive_attention_forward(&q, &k, &v, &spec)?;
         let err = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
         assert!(err(&o, &want_o)? < 1e-5 && err(&lse, &want_lse)? < 1e-5);
-        assert!(attention_over_blocks(&q, &KvBlocks::default(), None)?.is_none());
+        assert!(attention_over_blocks(&q, &KvBlocks::default(), None, 0)?.is_none());
+        Ok(())
+    }
+
+    /// A sliding window: the query at position 12 with `max_distance` 4 sees positions 8..=12, as the
+    /// training forward's mask says, on the kernel and on the tensor-op path; over two ranks, where rank 0's
+    /// rows (positions 0..6) all fall outside the window and it sends `lse = -inf`, the merge equals it too,
+    /// with no NaN.
+    #[test]
+    fn a_window_attends_only_the_rows_past_its_first_position_on_every_rank() -> Result<()> {
+        let dev = Device::Cpu;
+        let (h, hkv, d, n, at, w) = (4, 2, 16, 13, 12, 4);
+        let q = Tensor::randn(0f32, 1., (1, 1, h, d), &dev)?;
+        let k = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?;
+        let spec = AttentionSpec::causal().shifted(at, 0).with_max_distance(w);
+        let (want_o, want_lse) = naive_attention_forward(&q, &k, &v, &spec)?;
+        let err = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
+        let part_of = |rows: std::ops::Range<usize>, prefill: usize| -> Result<KvBlocks> {
+            let mut part = KvBlocks::with_block_rows(3);
+            let pre = rows.start..rows.start + prefill;
+            part.push_rows(
+                &k.narrow(1, pre.start, prefill)?,
+                &v.narrow(1, pre.start, prefill)?,
+                &pre.collect::<Vec<_>>(),
+            )?;
+            for i in rows.start + prefill..rows.end {
+                part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, i)?;
+            }
+            Ok(part)
+        };
+        let whole = part_of(0..n, 6)?;
+        let views = whole.views_from(at - w)?;
+        let (o, lse) = over_blocks_with_tensor_ops(&q, &views, 0.25)?.expect("rows in the window");
+        assert!(err(&o, &want_o)? < 1e-5 && err(&lse, &want_lse)? < 1e-5);
+        let (o, lse) = attention_over_blocks(&q, &whole, None, at - w)?.expect("rows in the window");
+        assert!(err(&o, &want_o)? < 1e-5 && err(&lse, &want_lse)? < 1e-5);
+        let out =
+            autosp_core::comm::run_ranks(2, std::time::Duration::from_secs(30), |g| -> Result<(Tensor, Tensor)> {
+                let part = if g.rank() == 0 { part_of(0..6, 6)? } else { part_of(6..n, 2)? };
+                assert_eq!(g.rank() == 0, attention_over_blocks(&q, &part, None, at - w)?.is_none());
+                decode_attention(g.as_ref(), &q, &part, None, &[true, true], at - w)
+            });
+        for r in out {
+            let (o, lse) = r.expect("rank ran")?;
+            assert!(err(&o, &want_o)? < 1e-5 && err(&lse, &want_lse)? < 1e-5, "merged over ranks");
+        }
         Ok(())
     }
 
@@ -169,9 +232,9 @@ mod tests {
         let k = (Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)? * 2.0)?;
         let v = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?;
         let mut part = KvBlocks::with_block_rows(7);
-        part.push_rows(&k.narrow(1, 0, 300)?, &v.narrow(1, 0, 300)?)?;
+        part.push_rows(&k.narrow(1, 0, 300)?, &v.narrow(1, 0, 300)?, &(0..300).collect::<Vec<_>>())?;
         for i in 300..n {
-            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?)?;
+            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, i)?;
         }
         let views = part.views()?;
         let (want_o, want_lse) = over_blocks_with_tensor_ops(&q, &views, 0.125)?.expect("rows held");
@@ -182,7 +245,7 @@ mod tests {
             assert!(err(&lse, &want_lse)? < 1e-5, "{path:?} lse: {}", err(&lse, &want_lse)?);
         }
         // The door takes the kernel here, with the same result.
-        let (o, _) = attention_over_blocks(&q, &part, Some(0.125))?.expect("rows held");
+        let (o, _) = attention_over_blocks(&q, &part, Some(0.125), 0)?.expect("rows held");
         assert!(err(&o, &want_o)? < 1e-5);
         Ok(())
     }
@@ -198,11 +261,11 @@ mod tests {
         let k = round(Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?)?;
         let v = round(Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?)?;
         let mut part = KvBlocks::with_block_rows(4);
-        part.push_rows(&k.narrow(1, 0, 5)?, &v.narrow(1, 0, 5)?)?;
+        part.push_rows(&k.narrow(1, 0, 5)?, &v.narrow(1, 0, 5)?, &(0..5).collect::<Vec<_>>())?;
         for i in 5..n {
-            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?)?;
+            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, i)?;
         }
-        let (o, lse) = attention_over_blocks(&q, &part, None)?.expect("rows held");
+        let (o, lse) = attention_over_blocks(&q, &part, None, 0)?.expect("rows held");
         assert_eq!(o.dtype(), DType::BF16);
         let f32 = |t: &Tensor| t.to_dtype(DType::F32);
         let (want_o, want_lse) = naive_attention_forward(&f32(&q)?, &f32(&k)?, &f32(&v)?, &AttentionSpec::full())?;
