@@ -276,4 +276,36 @@ mod tests {
         assert!(err(&lse, &want_lse)? < 1e-4, "lse: {}", err(&lse, &want_lse)?);
         Ok(())
     }
+    /// A bf16 cache on every vector path this CPU has (d = 64, so AVX-512's score tree; 300 prefill rows, two
+    /// tasks, the second partial; GQA; two query rows), with bf16 and with f32 queries, against the tensor-op
+    /// path over the same cache: within 1e-2 of the outputs (both widen the same bf16 values and sum in f32, the
+    /// outputs then rounded to q's dtype, bf16's 8 bits of mantissa) and 1e-4 of the LSE (kept in f32).
+    #[test]
+    fn the_cpu_kernel_over_a_bf16_cache_equals_the_tensor_op_path_on_every_path() -> Result<()> {
+        let dev = Device::Cpu;
+        let (h, hkv, d, n) = (6, 2, 64, 310);
+        let k = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?.to_dtype(DType::BF16)?;
+        let v = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?.to_dtype(DType::BF16)?;
+        let mut part = KvBlocks::with_block_rows(7);
+        part.push_rows(&k.narrow(1, 0, 300)?, &v.narrow(1, 0, 300)?, &(0..300).collect::<Vec<_>>())?;
+        for i in 300..n {
+            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, i)?;
+        }
+        let views = part.views()?;
+        let err = |a: &Tensor, b: &Tensor| -> Result<f32> {
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+            Ok((f32(a)? - f32(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar()?)
+        };
+        let q32 = Tensor::randn(0f32, 1., (1, 2, h, d), &dev)?;
+        for q in [q32.to_dtype(DType::BF16)?, q32] {
+            let (want_o, want_lse) = over_blocks_with_tensor_ops(&q, &views, 0.125)?.expect("rows held");
+            for path in autosp_core::simd::supported_paths() {
+                let (o, lse) = cpu::attend(path, &q, &views, 0.125)?.expect("laid out for the kernel");
+                assert_eq!(o.dtype(), q.dtype());
+                assert!(err(&o, &want_o)? < 1e-2, "{path:?} {:?} o: {}", q.dtype(), err(&o, &want_o)?);
+                assert!(err(&lse, &want_lse)? < 1e-4, "{path:?} {:?} lse: {}", q.dtype(), err(&lse, &want_lse)?);
+            }
+        }
+        Ok(())
+    }
 }
