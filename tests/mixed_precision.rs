@@ -309,21 +309,10 @@ fn run_bf16(steps: usize, resume_at: Option<(usize, bool)>) -> Vec<Vec<u32>> {
             let out = c.train_step(&ids(s, 48), None)?;
             opt.step(&params, &out.grads, 1e-2)?;
         }
-        let bits = |t: &Tensor| -> Vec<u32> {
-            t.to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits())
-                .collect()
-        };
         let mut out = Vec::new();
         for p in &params {
-            out.push(bits(&p.tensor()));
-            out.push(bits(opt.master(p).unwrap()));
+            out.push(common::bits(&p.tensor()));
+            out.push(common::bits(opt.master(p).unwrap()));
         }
         Ok::<_, CompileError>(out)
     });

@@ -6,6 +6,9 @@
 //! sets whole. Each rank reads exactly the bytes of its own elements: 1/W of the file's tensors, each
 //! element by one rank.
 
+mod common;
+use common::bits;
+
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -21,19 +24,6 @@ use autosp::models::weights::weight_files;
 use autosp::models::{random_weights, save_model, LlamaConfig, LlamaModel, SaveOptions, TinySpec};
 use autosp::train::checkpoint::model_slices::{build, skeleton, WeightPaths, WeightRanges};
 use candle_core::{DType, Device, Tensor};
-
-/// The bit patterns of `t`'s values widened to f32 (exact for f32, bf16 and f16).
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_bits())
-        .collect()
-}
 
 /// A tiny model written into `dir`: `disk` dtype, split into files of at most `max_shard_bytes`.
 fn write_model(dir: &Path, tied: bool, disk: DType, max_shard_bytes: usize) -> LlamaConfig {

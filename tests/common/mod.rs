@@ -153,3 +153,17 @@ pub fn tolerance(strategy: Strategy, p: usize) -> f64 {
         _ => 1e-5,
     }
 }
+
+/// The bit patterns of `t`'s values widened to f32, flattened (exact for f32, bf16 and f16): compares
+/// tensors bit for bit.
+pub fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use autosp_core::comm::ProcessGroup;
 use autosp_core::memory::storage_key;
 use autosp_core::shard::{ShardLayout, ShardLevel};
-use autosp_core::Precision;
+use autosp_core::{Param, Precision};
 use autosp_models::weights::WeightFiles;
 use autosp_models::{LlamaConfig, LlamaModel};
 use candle_core::{DType, Device, Tensor};
@@ -149,9 +149,10 @@ pub struct Built {
 /// `Parameters` over `group` (more than one rank): each weight's slice read from its byte range; over one
 /// rank, each weight read whole. `adapt` runs on the skeleton first (LoRA adds its adapters and puts a saved
 /// adapter's tensors in): what it sets whole (the adapters, a saved adapter's trained norms) is sharded
-/// from its whole tensor as [`autosp_core::Param::shard_over`] does, everything else is read. The ranks build at once and
-/// then agree that every one of them built (collective: one all-reduce), so a rank whose read fails stops
-/// every rank: it returns its own error, the others one saying a rank failed.
+/// from its whole tensor as [`autosp_core::Param::shard_over`] does, everything else is read. The ranks read
+/// at once (no collective) and then agree that every one of them read (collective: one all-reduce) before
+/// the whole-set parameters are sharded (a broadcast each), so a rank whose read fails stops every rank at
+/// the same collective: it returns its own error, the others one saying a rank failed.
 pub fn build(
     paths: &WeightPaths,
     config: &LlamaConfig,
@@ -160,62 +161,62 @@ pub fn build(
     group: &Arc<dyn ProcessGroup>,
     adapt: impl FnOnce(&mut LlamaModel) -> Result<()>,
 ) -> Result<Built> {
-    let built = read_model(paths, config, dtype, device, group, adapt);
-    match (agree(group.as_ref(), built.is_ok())?, built) {
-        (_, Err(e)) => Err(e),
-        (true, built) => built,
-        (false, _) => Err(TrainError::Config(
-            "another rank failed reading its slices of the model's weights (its own error says why); no rank went on"
-                .into(),
-        )),
-    }
-}
-
-/// [`build`] on this rank, without the agreement.
-fn read_model(
-    paths: &WeightPaths,
-    config: &LlamaConfig,
-    dtype: DType,
-    device: &Device,
-    group: &Arc<dyn ProcessGroup>,
-    adapt: impl FnOnce(&mut LlamaModel) -> Result<()>,
-) -> Result<Built> {
-    let ranges = WeightRanges::open(paths)?;
-    let zero = Tensor::zeros((), dtype, device)?;
-    let placeholder = storage_key(&zero);
-    let mut model = skeleton_of(config, &zero)?;
-    adapt(&mut model)?;
     let sliced = group.size() > 1;
-    let keeps_master = Precision::float(dtype).needs_master();
-    let mut masters = HashMap::new();
-    for p in model.params() {
-        if storage_key(&p.tensor()) != placeholder {
-            // Set whole by `adapt`: sharded as build_sharded does.
-            if sliced {
-                p.shard_over(ShardLevel::Parameters, group.clone())?;
+    // This rank's reads, no collective: the model, its masters, the bytes read and the parameters `adapt`
+    // set whole (sharded after the agreement).
+    let read = || -> Result<(Built, Vec<Param>)> {
+        let ranges = WeightRanges::open(paths)?;
+        let zero = Tensor::zeros((), dtype, device)?;
+        let placeholder = storage_key(&zero);
+        let mut model = skeleton_of(config, &zero)?;
+        adapt(&mut model)?;
+        let keeps_master = Precision::float(dtype).needs_master();
+        let (mut masters, mut whole) = (HashMap::new(), Vec::new());
+        for p in model.params() {
+            if storage_key(&p.tensor()) != placeholder {
+                whole.push(p);
+                continue;
             }
-            continue;
+            let shape = p.shape();
+            let layout = ShardLayout::new(shape.elem_count(), group.rank(), group.size());
+            let elems = if sliced { layout.owned() } else { 0..layout.numel };
+            let master = ranges.read(p.name(), elems.clone(), dtype)?;
+            let stored = master.to_dtype(dtype)?;
+            let pad = if sliced { layout.chunk - elems.len() } else { 0 };
+            let (stored, master) = match pad {
+                0 => (stored, master),
+                _ => (stored.pad_with_zeros(0, 0, pad)?, master.pad_with_zeros(0, 0, pad)?),
+            };
+            if keeps_master && !p.is_frozen() {
+                let master = if sliced { master } else { master.reshape(&shape)? };
+                masters.insert(p.name().to_string(), master);
+            }
+            let stored = stored.to_device(device)?;
+            if sliced {
+                p.shard_from_slice(group.clone(), stored)?;
+            } else {
+                p.set(stored.reshape(&shape)?)?;
+            }
         }
-        let shape = p.shape();
-        let layout = ShardLayout::new(shape.elem_count(), group.rank(), group.size());
-        let elems = if sliced { layout.owned() } else { 0..layout.numel };
-        let master = ranges.read(p.name(), elems.clone(), dtype)?;
-        let stored = master.to_dtype(dtype)?;
-        let pad = if sliced { layout.chunk - elems.len() } else { 0 };
-        let (stored, master) = match pad {
-            0 => (stored, master),
-            _ => (stored.pad_with_zeros(0, 0, pad)?, master.pad_with_zeros(0, 0, pad)?),
-        };
-        if keeps_master && !p.is_frozen() {
-            let master = if sliced { master } else { master.reshape(&shape)? };
-            masters.insert(p.name().to_string(), master);
+        Ok((Built { model, masters, bytes_read: ranges.bytes_read() }, whole))
+    };
+    let read = read();
+    let (built, whole) = match (agree(group.as_ref(), read.is_ok())?, read) {
+        (_, Err(e)) => return Err(e),
+        (true, Ok(r)) => r,
+        (false, Ok(_)) => {
+            return Err(TrainError::Config(
+                "another rank failed reading its slices of the model's weights (its own error says why); no rank \
+                 went on"
+                    .into(),
+            ))
         }
-        let stored = stored.to_device(device)?;
-        if sliced {
-            p.shard_from_slice(group.clone(), stored)?;
-        } else {
-            p.set(stored.reshape(&shape)?)?;
+    };
+    // Set whole by `adapt`: sharded as build_sharded does (collective, every rank the same parameters).
+    if sliced {
+        for p in whole {
+            p.shard_over(ShardLevel::Parameters, group.clone())?;
         }
     }
-    Ok(Built { model, masters, bytes_read: ranges.bytes_read() })
+    Ok(built)
 }
