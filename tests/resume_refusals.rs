@@ -138,3 +138,23 @@ fn optimizer_state_of_other_parameters_is_refused_from_the_headers() {
     let e = check_state(&ckpt, &state, &config, &other).unwrap_err().to_string();
     assert!(e.contains("model.embed_tokens.weight") && e.contains("belongs to another model"), "{e}");
 }
+
+/// One process per rank checks alone (its own host's memory), so one may refuse what the others accept:
+/// `Job::prepare_on` agrees over the group, and every rank stops at once (the refusing one with its reason,
+/// the others naming a refusal), not at a collective's timeout.
+#[test]
+fn a_rank_that_refuses_while_preparing_stops_every_rank_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = write_model(&tmp.path().join("model"), 64);
+    let started = std::time::Instant::now();
+    let out = run_ranks(2, Duration::from_secs(120), |pg| {
+        // Rank 1's budget cannot hold the model states; rank 0 has none to hold to.
+        let budget = (pg.rank() == 1).then_some(1_000_000);
+        let o = RunOptions { memory_budget: budget, ..options(&model, &tmp.path().join(format!("run{}", pg.rank()))) };
+        Ok::<_, String>(Job::prepare_on(o, pg.as_ref()).err().map(|e| e.to_string()))
+    });
+    let errors: Vec<String> = out.into_iter().map(|r| r.unwrap().unwrap().expect("every rank must stop")).collect();
+    assert!(errors[1].contains("--memory-budget is 1.0 MiB"), "{}", errors[1]);
+    assert!(errors[0].contains("another rank refused the run while preparing it"), "{}", errors[0]);
+    assert!(started.elapsed() < Duration::from_secs(60), "the ranks stopped after {:?}", started.elapsed());
+}

@@ -251,7 +251,7 @@ fn run_mpi_rank(args: Args, pg: &std::sync::Arc<dyn autosp::core::comm::ProcessG
         pg.barrier()?;
         made?;
     }
-    let mut job = Job::prepare(args.options(), size, false).with_context(|| format!("rank {rank}"))?;
+    let mut job = Job::prepare_on(args.options(), pg.as_ref()).with_context(|| format!("rank {rank}"))?;
     (job.heap, job.name) = (Some(&ALLOC), "llama_longctx".into());
     // Each process takes its node-local rank's GPU (plain `cuda`), before the NCCL group that needs it.
     let device = job.options.device_spec().open(Some((autosp::device::local_rank(rank), size)));

@@ -104,6 +104,21 @@ fn check_kernel_env() -> Result<()> {
 }
 
 impl Job {
+    /// [`prepare`](Self::prepare) on every process of `group` (one process per rank: `--launcher mpi`), the
+    /// outcome agreed over the group (collective: one all-reduce). The processes check alone (each its own
+    /// host's memory, files only it reads), so one may refuse a run the others accept: then it returns its own
+    /// error and every other process one saying a rank refused, at once, rather than at a collective's timeout.
+    pub fn prepare_on(options: RunOptions, group: &dyn ProcessGroup) -> Result<Self> {
+        let job = Self::prepare(options, group.size(), false);
+        match (checkpoint::agree(group, job.is_ok())?, job) {
+            (_, Err(e)) => Err(e),
+            (true, Ok(job)) => Ok(job),
+            (false, Ok(_)) => Err(TrainError::Config(
+                "another rank refused the run while preparing it (its own error says why); no rank went on".into(),
+            )),
+        }
+    }
+
     /// Reads the model, the data and the checkpoint to resume for a run of `options` on `p` ranks in all
     /// (`options.dp` replicas of `p / dp` sequence ranks; `threads`: ranks are threads of this process sharing
     /// one device, which is opened here), checking them all before anything runs. Writes nothing (but the

@@ -27,6 +27,7 @@ mod ranges;
 mod resume;
 pub mod resume_fit;
 mod sharded;
+pub(crate) use sharded::agree;
 mod state_names;
 mod streamed_model;
 

@@ -34,7 +34,7 @@ pub fn rank_file(rank: usize, world: usize) -> String {
 }
 
 /// Whether every rank of `world` says `ok` (one all-reduce of the failures).
-pub(super) fn agree(world: &dyn ProcessGroup, ok: bool) -> Result<bool> {
+pub(crate) fn agree(world: &dyn ProcessGroup, ok: bool) -> Result<bool> {
     let failed = Tensor::new(&[f64::from(u8::from(!ok))], &Device::Cpu)?;
     Ok(world.all_reduce(&failed, ReduceOp::Max)?.to_vec1::<f64>()?[0] == 0.0)
 }
