@@ -158,3 +158,19 @@ fn a_rank_that_refuses_while_preparing_stops_every_rank_at_once() {
     assert!(errors[0].contains("another rank refused the run while preparing it"), "{}", errors[0]);
     assert!(started.elapsed() < Duration::from_secs(60), "the ranks stopped after {:?}", started.elapsed());
 }
+
+/// A model without a skeleton (Phi-3's fused files; a GGUF file likewise) is read whole, and checked as the
+/// others are: a budget its states exceed is refused.
+#[test]
+fn a_model_read_whole_is_checked_against_the_budget_too() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("phi3");
+    let spec =
+        TinySpec { model_type: autosp::models::ModelType::Phi3, hidden: 64, intermediate: 128, ..TinySpec::default() };
+    let config = spec.config();
+    let weights = random_weights(&config, 3, DType::F32, &Device::Cpu).unwrap();
+    save_model(&dir, &config, &weights, &SaveOptions::default()).unwrap();
+    let o = RunOptions { memory_budget: Some(1_000_000), ..options(dir.to_str().unwrap(), &tmp.path().join("run")) };
+    let e = refused(o, 1);
+    assert!(e.contains("--memory-budget is 1.0 MiB"), "{e}");
+}

@@ -245,15 +245,32 @@ impl Job {
             (Some(ShardLevel::Parameters), _) | (_, true) => model::load_skeleton(&source, dtype)?,
             _ => None,
         };
-        if let (Some((skeleton, _)), true) = (&sliced, checked) {
+        let check = |config: &LlamaConfig| {
             let resume = resume.as_ref().map(|(dir, state)| (dir.as_path(), state));
-            let (config, lora) = (&skeleton.model.config, lora.as_ref());
-            checkpoint::resume_fit::check_run(config, dtype, lora, resume, o.shard, p, threads, o.memory_budget)?;
+            checkpoint::resume_fit::check_run(
+                config,
+                dtype,
+                lora.as_ref(),
+                resume,
+                o.shard,
+                p,
+                threads,
+                o.memory_budget,
+            )
+        };
+        if let (Some((skeleton, _)), true) = (&sliced, checked) {
+            check(&skeleton.model.config)?;
         }
+        let skeleton_checked = sliced.is_some();
         let (mut loaded, weight_paths) = match sliced {
             Some((loaded, paths)) if o.shard == Some(ShardLevel::Parameters) => (loaded, Some(paths)),
             _ => (model::load(&source, Precision::float(dtype).master())?, None),
         };
+        if checked && !skeleton_checked {
+            // A GGUF file or Phi-3's fused files have no skeleton (they are read whole in any case): the same
+            // checks on the loaded model, before any rank builds from it.
+            check(&loaded.model.config)?;
+        }
         let vocab = loaded.model.config.vocab_size;
         let mut probes = Vec::new();
         let stream = match &source_kind {
