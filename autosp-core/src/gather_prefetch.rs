@@ -35,6 +35,8 @@ struct Active {
     taken: mpsc::Sender<Option<BackwardMark>>,
     /// The block in use and the weights of it not asked for yet.
     current: Option<(usize, Block)>,
+    /// Blocks the thread has still to hand over: its inbox closing before then means it died.
+    left: usize,
 }
 
 thread_local! {
@@ -95,7 +97,7 @@ impl GatherPrefetch {
                     "could not start the gather prefetch thread: {e}; set CompileConfig::prefetch_gathers to false"
                 ),
             })?;
-        ACTIVE.with(|a| *a.borrow_mut() = Some(Active { block_of, inbox, taken, current: None }));
+        ACTIVE.with(|a| *a.borrow_mut() = Some(Active { block_of, inbox, taken, current: None, left: 2 * n }));
         Ok(Self { worker: Some(worker) })
     }
 }
@@ -138,7 +140,21 @@ pub fn take(p: &Param) -> Result<Option<Tensor>> {
         }
         // The next block handed over; its weights are whole now, the previous block's go.
         active.current = None;
-        let Ok((b, weights)) = active.inbox.recv() else { return Ok(None) };
+        let Ok((b, weights)) = active.inbox.recv() else {
+            if active.left == 0 {
+                // Every planned block was handed over: later asks are gathered inline.
+                return Ok(None);
+            }
+            // The thread died (a panic) in a gather its peers' threads wait in: gathering inline would
+            // leave every rank waiting for the timeout.
+            return Err(Error::InvalidArgument {
+                op: "gather_prefetch",
+                msg: "the gather prefetch thread stopped before handing over every block; set \
+                      CompileConfig::prefetch_gathers to false"
+                    .into(),
+            });
+        };
+        active.left -= 1;
         let mut weights = weights?;
         // The thread may gather the next block while this one computes.
         let _ = active.taken.send(current_mark());

@@ -192,8 +192,11 @@ impl Posting<'_, '_> {
     /// Posts the next bucket (zeros for the gradients backward never handed over).
     fn post(&mut self) -> autosp_core::Result<()> {
         let joined = self.buckets.join(self.next, &mut self.held)?;
-        // A closed channel means the communication thread stopped on an error, which joining it reports.
-        let _ = self.jobs.send((self.next, joined, current_mark()));
+        // A closed channel means the communication thread stopped on an error: backward stops here rather
+        // than running to its end, and `overlapped` reports the thread's error.
+        self.jobs.send((self.next, joined, current_mark())).map_err(|_| {
+            autosp_core::Error::Internal("the gradient reduction thread stopped before backward ended".into())
+        })?;
         self.next += 1;
         Ok(())
     }
@@ -233,18 +236,24 @@ pub(crate) fn overlapped(
         let remaining = buckets.order.iter().map(Vec::len).collect();
         let mut posting = Posting { buckets, held: HashMap::new(), remaining, next: 0, jobs };
         let ran = backward(&mut posting);
-        // Whether backward ran or failed, the thread ends once the sender is gone.
+        // Whether backward ran or failed, the thread ends once the sender is gone: `finish` consumes it, and
+        // on an error it is dropped here (else joining the thread would wait for it forever).
         let posted = match ran {
             Ok(()) => posting.finish().map_err(CompileError::from),
-            Err(e) => Err(e),
+            Err(e) => {
+                drop(posting);
+                Err(e)
+            }
         };
         let reduced = worker.join().map_err(|panic| {
             let what = panic.downcast_ref::<String>().cloned().or(panic.downcast_ref::<&str>().map(|s| s.to_string()));
             CompileError::Input(format!("the gradient reduction thread panicked: {}", what.unwrap_or_default()))
         })?;
+        // The thread's error first: a closed channel stopped backward because of it.
+        let reduced = reduced?;
         posted?;
         let mut out = Gradients::new();
-        for (b, summed) in reduced? {
+        for (b, summed) in reduced {
             buckets.split(b, summed, &mut out)?;
         }
         Ok(out)
@@ -298,6 +307,26 @@ mod tests {
         posting.ready(ps[2].id(), g(6)).unwrap();
         let posted: Vec<(usize, usize)> = inbox.try_iter().map(|(b, t, _)| (b, t.elem_count())).collect();
         assert_eq!(posted, vec![(0, 6), (1, 7)]);
+    }
+
+    /// Backward failing after it posted a bucket: the communication thread ends (the posting side is dropped)
+    /// and the step gets backward's error, on every rank, instead of waiting for the thread forever.
+    #[test]
+    fn an_error_in_backward_ends_the_reduction_thread() {
+        let out = autosp_core::comm::run_ranks(2, std::time::Duration::from_secs(20), |g| {
+            let ps = [param("a", 3, DType::F32), param("b", 4, DType::F32)];
+            let reduction = GradReduction { bucket_bytes: 4 * 4, ..GradReduction::default() };
+            let buckets = Buckets::new(&ps, ShardLevel::None, reduction);
+            let ran = overlapped(&buckets, g.duplicate().unwrap().as_ref(), |posting| {
+                posting.ready(ps[1].id(), Tensor::ones(4, DType::F32, &Device::Cpu)?)?;
+                Err(CompileError::Input("backward failed".into()))
+            });
+            ran.err().map(|e| e.to_string())
+        });
+        for r in out {
+            let err = r.unwrap().expect("backward's error");
+            assert!(err.contains("backward failed"), "{err}");
+        }
     }
 
     #[test]
