@@ -1,6 +1,6 @@
 //! Multi-process check of the MPI back end: every collective against values each process computes on its
 //! own, bit-identical agreement with the thread back end, exact byte counts, 2x2 subgroups, a ring step with
-//! messages above MPI's eager limit, a rank that calls another collective than the others (every rank must get
+//! messages above MPI's eager limit, two handles communicating from two threads at once, a rank that calls another collective than the others (every rank must get
 //! `OutOfStep`), and a rank that never arrives (the others must get the timeout error). Exits non-zero on the
 //! first mismatch (without finalising, so mpirun stops the whole job at once).
 //!
@@ -262,6 +262,38 @@ fn check_all(world: &Arc<dyn ProcessGroup>) -> Result<usize> {
         let want: Vec<f32> = (0..size / 2).map(|g| (2 * g + rank % 2) as f32).collect();
         ensure!(go == want, "orthogonal group: {go:?}");
         checks += 2;
+    }
+
+    // Two handles at once (a duplicate on a second thread, as the gradient reduction and the gather prefetch
+    // use it): rank 0's main thread enters an all_reduce on `a` first, then its second thread one on the
+    // duplicate `b`; the other ranks do `b` first and enter `a` only once `b` completed. `b` completes only
+    // if rank 0's waiting call on `a` lets the other thread's call progress; if one call held MPI for its whole
+    // wait, `a` would time out (5 s). Each result is checked against the sum of the ranks' values.
+    {
+        let a = world.split(&[(0..size).collect()])?;
+        let b = a.duplicate()?;
+        ensure!(a.concurrent_handles(), "the MPI transport must allow two handles at once");
+        a.set_timeout(Duration::from_secs(5));
+        b.set_timeout(Duration::from_secs(5));
+        let value = |base: f32| Tensor::full(base + rank as f32, 1024, dev);
+        let sum = |base: f32| (0..size).map(|r| base + r as f32).sum::<f32>();
+        let (on_a, on_b) = std::thread::scope(|s| -> Result<(f32, f32)> {
+            if rank == 0 {
+                let second = s.spawn(|| -> Result<f32> {
+                    std::thread::sleep(Duration::from_millis(100));
+                    Ok(b.all_reduce(&value(1000.)?, ReduceOp::Sum)?.max(0)?.to_scalar::<f32>()?)
+                });
+                let on_a = a.all_reduce(&value(0.)?, ReduceOp::Sum)?.max(0)?.to_scalar::<f32>()?;
+                let on_b = second.join().map_err(|_| anyhow::anyhow!("the second thread panicked"))??;
+                Ok((on_a, on_b))
+            } else {
+                let on_b = b.all_reduce(&value(1000.)?, ReduceOp::Sum)?.max(0)?.to_scalar::<f32>()?;
+                let on_a = a.all_reduce(&value(0.)?, ReduceOp::Sum)?.max(0)?.to_scalar::<f32>()?;
+                Ok((on_a, on_b))
+            }
+        })?;
+        ensure!((on_a, on_b) == (sum(0.), sum(1000.)), "two handles at once: {on_a}, {on_b}");
+        checks += 1;
     }
 
     // Rank 1 calls all_gather where the others call all_to_all (each sends [2]-tensors to every rank, so the

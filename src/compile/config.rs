@@ -50,7 +50,7 @@ pub struct GradReduction {
     pub bucket_bytes: usize,
     /// Post each bucket's reduction as soon as backward made every gradient in it, on a communication thread,
     /// while backward goes on, where the back end allows two handles at once
-    /// ([`ProcessGroup::concurrent_handles`]: thread ranks; MPI and NCCL reduce after backward). `false`:
+    /// ([`ProcessGroup::concurrent_handles`]: thread ranks and MPI processes). `false`:
     /// always after backward.
     pub overlap: bool,
 }
@@ -150,7 +150,7 @@ pub struct CompileConfig {
     /// At `--shard parameters`, gather the next block's weights on a communication thread while the current
     /// block computes (forward, and backward's replay in reverse), at most two blocks whole at once
     /// ([`autosp_core::gather_prefetch`]), where the back end allows two handles at once
-    /// ([`ProcessGroup::concurrent_handles`]: thread ranks; under MPI each weight is gathered at its use).
+    /// ([`ProcessGroup::concurrent_handles`]: thread ranks and MPI processes).
     /// On by default; `false`: always gathered at the use.
     pub prefetch_gathers: bool,
 }

@@ -712,6 +712,9 @@ impl Job {
             self.carrier.describe(device),
             format!("model states (--shard {}: {}): {}", c.sharding(), c.sharding_reason(), c.model_state_bytes()),
         ];
+        if self.p > 1 {
+            lines.push(communication_line(c));
+        }
         if let Some(lora) = c.model().lora_config() {
             let all: usize = autosp_core::module::all_params(c.model()).iter().map(|p| p.shape().elem_count()).sum();
             let trained: usize = c.params().iter().map(|p| p.shape().elem_count()).sum();
@@ -786,4 +789,28 @@ impl Job {
         }
         Ok(lines)
     }
+}
+
+/// How a compiled model of several ranks moves its gradients and weights: buckets and their dtype, whether a
+/// communication thread overlaps them with backward, and the gather prefetch at `parameters`.
+fn communication_line(c: &crate::Compiled<LlamaModel>) -> String {
+    let r = c.reduction();
+    let mut line = if c.sharding() <= ShardLevel::Optimizer {
+        format!(
+            "communication: gradients reduced in buckets of {} MiB (--bucket-mb), sent in {} (--reduce-dtype), {}",
+            r.bucket_bytes as f64 / (1 << 20) as f64,
+            r.dtype.as_str(),
+            if c.overlaps_reduction() { "on a communication thread while backward runs" } else { "after backward" }
+        )
+    } else {
+        "communication: each use's gradient reduce-scattered in backward, in f32".to_string()
+    };
+    if c.sharding() == ShardLevel::Parameters {
+        line.push_str(if c.prefetches_gathers() {
+            "; the next block's weights gathered on a communication thread while a block computes"
+        } else {
+            "; each weight gathered at its use"
+        });
+    }
+    line
 }

@@ -29,9 +29,22 @@
 //! leaks that message's buffer (MPI may still read it); the group is poisoned afterwards anyway.
 //! `split` uses `MPI_Comm_split`, which has no timeout; it runs right after the ranks agreed on the groups.
 //! Sending to oneself with `send` completes only for small messages (MPI's eager limit); use `send_recv`.
+//!
+//! # Two threads, two handles
+//!
+//! MPI runs at thread level `Serialized` (any thread may call, one call at a time): one process-wide lock
+//! serialises the calls. A collective holds it for one polling round (probe, receive what arrived, test the
+//! sends, take notices) and releases it while it backs off between rounds and while it decodes, so a second
+//! handle's collective on another thread (a [`duplicate`](super::ProcessGroup::duplicate): its own
+//! `MPI_Comm_split` communicator, so the two never match each other's messages) progresses meanwhile:
+//! [`concurrent_handles`](super::ProcessGroup::concurrent_handles) is true, and a gradient reduction or a
+//! gather prefetch overlaps the step as on thread ranks. Messages of both move only while one of the two
+//! threads polls (MPI has no progress thread at this level). `split` and `duplicate` hold the lock for the
+//! whole `MPI_Comm_split`: make them before another thread of the process starts communicating.
 
 use std::collections::HashMap;
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -78,7 +91,7 @@ impl Communicator<MpiTransport> {
         let runtime =
             Runtime { notices, rank, size, failed: Mutex::new(None), _universe: universe, lock: Mutex::new(()) };
         Ok(Communicator::new(MpiTransport {
-            comm: Comm(world),
+            comm: ManuallyDrop::new(Comm(world)),
             runtime: Arc::new(runtime),
             name: "world".to_string(),
             rank,
@@ -107,7 +120,8 @@ pub const ABORT_GRACE: Duration = Duration::from_secs(5);
 /// at the same moment send each other notices; each must be taken for its sender to finish).
 const NOTICE_LINGER: Duration = Duration::from_millis(250);
 
-/// Keeps MPI initialised while any handle lives, serialises all MPI calls of this process, and holds what
+/// Keeps MPI initialised while any handle lives, serialises all MPI calls of this process (`lock`, taken for
+/// one call or one polling round at a time), and holds what
 /// is known about failed ranks (for every group of the process).
 struct Runtime {
     /// Failure notices travel here (a duplicate of the world), apart from every group's messages. Dropped
@@ -153,8 +167,9 @@ unsafe impl Sync for Comm {}
 
 /// One process's view of one MPI group.
 pub struct MpiTransport {
-    /// Dropped (freed) before `runtime`, which may finalise MPI.
-    comm: Comm,
+    /// Freed (`MPI_Comm_free`) under the MPI lock when the transport drops, before `runtime`, which may
+    /// finalise MPI.
+    comm: ManuallyDrop<Comm>,
     runtime: Arc<Runtime>,
     name: String,
     rank: usize,
@@ -233,6 +248,16 @@ impl Drop for PendingSend {
     }
 }
 
+impl Drop for MpiTransport {
+    fn drop(&mut self) {
+        // Another handle of this process may be communicating on another thread: freeing the communicator is
+        // an MPI call like any other.
+        let _mpi = self.runtime.lock.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: `comm` is dropped exactly once, here, and never used afterwards.
+        unsafe { ManuallyDrop::drop(&mut self.comm) };
+    }
+}
+
 impl MpiTransport {
     fn ctx(&self, collective: Collective) -> ErrCtx<'_> {
         ErrCtx { collective, group: &self.name, rank: self.rank }
@@ -269,8 +294,10 @@ impl MpiTransport {
     }
 
     /// Polls `sends` and the receives from `sources` (with `tag`) until all are done, the timeout passed, or
-    /// a failure notice came (then `PeerFailed`). Returns the received stamps and tensors by source. Call
-    /// with the MPI lock held.
+    /// a failure notice came (then `PeerFailed`). Returns the received stamps and tensors by source. Takes the
+    /// MPI lock for each polling round only, never while it waits between rounds or decodes a message, so
+    /// that another thread's collective on another handle (a [`duplicate`](super::ProcessGroup::duplicate))
+    /// progresses meanwhile.
     fn complete(
         &self,
         collective: Collective,
@@ -285,34 +312,40 @@ impl MpiTransport {
         let mut received = Vec::with_capacity(sources.len());
         let mut idle_rounds = 0u32;
         loop {
-            let mut progressed = false;
-            let mut k = 0;
-            while k < sources.len() {
-                let src = sources[k];
-                let probe = self.comm.0.process_at_rank(src as i32).immediate_matched_probe_with_tag(tag);
-                let Some((message, status)) = probe else {
-                    k += 1;
-                    continue;
-                };
-                let len = status.count(u8::equivalent_datatype()).max(0) as usize;
-                let mut buf = vec![0u8; len];
-                message.matched_receive_into(&mut buf[..]);
+            let mut arrived = Vec::new();
+            let (sends_done, failure) = {
+                let _mpi = self.mpi_lock();
+                let mut k = 0;
+                while k < sources.len() {
+                    let src = sources[k];
+                    let probe = self.comm.0.process_at_rank(src as i32).immediate_matched_probe_with_tag(tag);
+                    let Some((message, status)) = probe else {
+                        k += 1;
+                        continue;
+                    };
+                    let len = status.count(u8::equivalent_datatype()).max(0) as usize;
+                    let mut buf = vec![0u8; len];
+                    message.matched_receive_into(&mut buf[..]);
+                    arrived.push((src, buf));
+                    sources.swap_remove(k);
+                }
+                let before = sends.len();
+                sends.retain_mut(|s| !s.test());
+                (before - sends.len(), self.runtime.take_notices())
+            };
+            let progressed = sends_done > 0 || !arrived.is_empty();
+            for (src, buf) in arrived {
                 let (stamp, tensor) = wire::decode(&buf, device).map_err(|e| {
                     let detail = format!("bad message from rank {src}: {e}");
                     self.poison(format!("rank {} got a {detail}", self.rank));
                     ctx.mpi(detail)
                 })?;
                 received.push((src, stamp, tensor));
-                sources.swap_remove(k);
-                progressed = true;
             }
-            let before = sends.len();
-            sends.retain_mut(|s| !s.test());
-            progressed |= sends.len() < before;
             if sources.is_empty() && sends.is_empty() {
                 return Ok(received);
             }
-            if let Some((peer, message)) = self.runtime.take_notices() {
+            if let Some((peer, message)) = failure {
                 self.poison(format!("rank {peer} of the job failed: {message}"));
                 return Err(ctx.peer_failed(peer, message));
             }
@@ -350,7 +383,6 @@ impl MpiTransport {
             Some((s, device)) => (vec![s], device),
             None => (vec![], Device::Cpu),
         };
-        let _mpi = self.mpi_lock();
         let received = self.complete(collective, sends, src.into_iter().collect(), P2P_TAG, &device)?;
         if let Some(&(from, stamp, _)) = received.first() {
             check_message(self.ctx(collective), from, stamp, self.received.next(from))?;
@@ -441,8 +473,10 @@ impl Transport for MpiTransport {
         }
         let mut incoming: Vec<Option<Tensor>> = vec![None; size];
         incoming[rank] = outgoing[rank].take();
-        let _mpi = self.mpi_lock();
-        let sends = payloads.into_iter().map(|(j, b)| PendingSend::start(&self.comm.0, b, j, tag, false)).collect();
+        let sends = {
+            let _mpi = self.mpi_lock();
+            payloads.into_iter().map(|(j, b)| PendingSend::start(&self.comm.0, b, j, tag, false)).collect()
+        };
         let sources = (0..size).filter(|&i| i != rank).collect();
         let mut stamps = Vec::with_capacity(size);
         for (src, s, t) in self.complete(collective, sends, sources, tag, device)? {
@@ -472,29 +506,40 @@ impl Transport for MpiTransport {
         Ok(Box::new(MpiRecv { transport: self, send, src }))
     }
 
+    /// Yes: a call holds the process's MPI lock for one polling round at a time, so two threads' calls on two
+    /// handles (each on its own communicator) interleave their rounds and both progress.
+    fn concurrent_handles(&self) -> bool {
+        true
+    }
+
     fn abort(&self, message: &str) {
         let rt = &self.runtime;
-        let _mpi = self.mpi_lock();
-        // A known failure (a peer's, whose notice this rank's error may come from, or this rank's own
-        // earlier abort) has been announced already.
-        if rt.take_notices().is_some() {
-            return;
-        }
-        *rt.failed() = Some((rt.rank, message.to_string()));
-        let mut cut = message.len().min(NOTICE_BYTES);
-        while !message.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        let buf = Arc::new(message.as_bytes()[..cut].to_vec());
-        let mut sends: Vec<PendingSend> = (0..rt.size)
-            .filter(|&r| r != rt.rank)
-            .map(|r| PendingSend::start(&rt.notices.0, buf.clone(), r, NOTICE_TAG, true))
-            .collect();
+        let mut sends: Vec<PendingSend> = {
+            let _mpi = self.mpi_lock();
+            // A known failure (a peer's, whose notice this rank's error may come from, or this rank's own
+            // earlier abort, from this thread or another) has been announced already.
+            if rt.take_notices().is_some() {
+                return;
+            }
+            *rt.failed() = Some((rt.rank, message.to_string()));
+            let mut cut = message.len().min(NOTICE_BYTES);
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            let buf = Arc::new(message.as_bytes()[..cut].to_vec());
+            (0..rt.size)
+                .filter(|&r| r != rt.rank)
+                .map(|r| PendingSend::start(&rt.notices.0, buf.clone(), r, NOTICE_TAG, true))
+                .collect()
+        };
         let start = Instant::now();
         let mut all_taken: Option<Instant> = None;
         loop {
-            rt.take_notices();
-            sends.retain_mut(|s| !s.test());
+            {
+                let _mpi = self.mpi_lock();
+                rt.take_notices();
+                sends.retain_mut(|s| !s.test());
+            }
             let now = Instant::now();
             if sends.is_empty() {
                 let since = *all_taken.get_or_insert(now);
@@ -509,6 +554,7 @@ impl Transport for MpiTransport {
                      with MPI_Abort",
                     rt.rank
                 );
+                let _mpi = self.mpi_lock();
                 rt.notices.0.abort(1);
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -527,7 +573,7 @@ impl Transport for MpiTransport {
             self.ctx(Collective::Split).mpi("MPI_Comm_split returned no communicator for this rank".to_string())
         })?;
         Ok(MpiTransport {
-            comm: Comm(comm),
+            comm: ManuallyDrop::new(Comm(comm)),
             runtime: self.runtime.clone(),
             name: format!("{}/split{n}:{:?}", self.name, members),
             rank: index,

@@ -120,8 +120,8 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
     }
 
     /// Whether this handle and a [`duplicate`](Self::duplicate) of it may run collectives from two threads at
-    /// once. Threads: yes. MPI: no (the transport holds its process-wide MPI lock while a collective polls,
-    /// so a second thread's collective would wait behind it, and a peer's behind that); NCCL: not yet.
+    /// once. Threads: yes. MPI: yes (the process-wide MPI lock is held for one polling round at a time, so
+    /// the two threads' collectives interleave; see `mpi.rs`).
     fn concurrent_handles(&self) -> bool {
         false
     }
