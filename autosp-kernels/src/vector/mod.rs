@@ -104,6 +104,13 @@ pub(crate) trait Real: Float {
         portable::dot(a, b)
     }
 
+    /// [`Real::dot`] of every row of `a: [m, d]` with every row of `b: [n, d]` (row stride `d` both):
+    /// `out[i · ld + j] = a_i · b_j` (`out: [m, ld]`, `ld >= n`; the columns past `n` untouched), each sum
+    /// `dot`'s to the bit.
+    fn dots(path: SimdPath, a: &[Self], b: &[Self], d: usize, out: &mut [Self], ld: usize) {
+        dot_rows(path, a, b, d, out, ld)
+    }
+
     /// `sum(e^(x[i] - m))`.
     fn exp_sum_row(_path: SimdPath, x: &[Self], m: Self) -> Self {
         portable::exp_sum_row(x, m)
@@ -170,6 +177,16 @@ fn online_softmax_rows<T: Real>(
 fn exp2_rows<T: Real>(path: SimdPath, x: &mut [T], ld: usize, mul: T, sub: &[T]) {
     for (row, &s) in x.chunks_exact_mut(ld).zip(sub) {
         T::exp2_row(path, row, mul, s);
+    }
+}
+
+/// [`Real::dot`] of each pair of rows, one call per pair (the default [`Real::dots`], and f32's where no
+/// batched kernel runs).
+fn dot_rows<T: Real>(path: SimdPath, a: &[T], b: &[T], d: usize, out: &mut [T], ld: usize) {
+    for (j, br) in b.chunks_exact(d).enumerate() {
+        for (i, ar) in a.chunks_exact(d).enumerate() {
+            out[i * ld + j] = T::dot(path, ar, br);
+        }
     }
 }
 
@@ -299,6 +316,12 @@ impl Real for f32 {
 
     fn dot(path: SimdPath, a: &[f32], b: &[f32]) -> f32 {
         pulp::dot(path, a, b).unwrap_or_else(|| portable::dot(a, b))
+    }
+
+    fn dots(path: SimdPath, a: &[f32], b: &[f32], d: usize, out: &mut [f32], ld: usize) {
+        if pulp::dots(path, a, b, d, out, ld).is_none() {
+            dot_rows(path, a, b, d, out, ld)
+        }
     }
 
     fn exp_sum_row(path: SimdPath, x: &[f32], m: f32) -> f32 {

@@ -571,6 +571,26 @@ pub(crate) fn swiglu_grad(
     vectorize(path, Op(da, du, a, u, g))
 }
 
+/// `sum(a[i] · b[i])` on `S` (equal lengths): four vector accumulators, reduced in a fixed order, then the
+/// tail.
+#[inline(always)]
+fn dot_of<S: Simd>(s: S, a: &[f32], b: &[f32]) -> f32 {
+    let ((ah, at), (bh, bt)) = (S::as_simd_f32s(a), S::as_simd_f32s(b));
+    let mut acc = [s.splat_f32s(0.0); 4];
+    let (ca, cb) = (ah.chunks_exact(4), bh.chunks_exact(4));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..4 {
+            acc[l] = s.mul_add_f32s(x[l], y[l], acc[l]);
+        }
+    }
+    for (&x, &y) in ra.iter().zip(rb) {
+        acc[0] = s.mul_add_f32s(x, y, acc[0]);
+    }
+    let sum = s.add_f32s(s.add_f32s(acc[0], acc[2]), s.add_f32s(acc[1], acc[3]));
+    at.iter().zip(bt).fold(s.reduce_sum_f32s(sum), |t, (&x, &y)| t + x * y)
+}
+
 /// `sum(a[i] · b[i])` (four vector accumulators, reduced in a fixed order, then the tail). `None` on the
 /// scalar path.
 pub(crate) fn dot(path: SimdPath, a: &[f32], b: &[f32]) -> Option<f32> {
@@ -579,24 +599,32 @@ pub(crate) fn dot(path: SimdPath, a: &[f32], b: &[f32]) -> Option<f32> {
         type Output = f32;
         #[inline(always)]
         fn with_simd<S: Simd>(self, s: S) -> f32 {
-            let ((ah, at), (bh, bt)) = (S::as_simd_f32s(self.0), S::as_simd_f32s(self.1));
-            let mut acc = [s.splat_f32s(0.0); 4];
-            let (ca, cb) = (ah.chunks_exact(4), bh.chunks_exact(4));
-            let (ra, rb) = (ca.remainder(), cb.remainder());
-            for (x, y) in ca.zip(cb) {
-                for l in 0..4 {
-                    acc[l] = s.mul_add_f32s(x[l], y[l], acc[l]);
-                }
-            }
-            for (&x, &y) in ra.iter().zip(rb) {
-                acc[0] = s.mul_add_f32s(x, y, acc[0]);
-            }
-            let sum = s.add_f32s(s.add_f32s(acc[0], acc[2]), s.add_f32s(acc[1], acc[3]));
-            at.iter().zip(bt).fold(s.reduce_sum_f32s(sum), |t, (&x, &y)| t + x * y)
+            dot_of(s, self.0, self.1)
         }
     }
     debug_assert_eq!(a.len(), b.len());
     vectorize(path, Op(a, b))
+}
+
+/// [`dot`] of every row of `a: [m, d]` with every row of `b: [n, d]` (row stride `d` both), in one dispatch:
+/// `out[i · ld + j] = a_i · b_j` (`out: [m, ld]`), each sum [`dot`]'s to the bit; `b`'s rows outermost, so
+/// each is read once while `a`'s few rows stay in L1. `None` on the scalar path.
+pub(crate) fn dots(path: SimdPath, a: &[f32], b: &[f32], d: usize, out: &mut [f32], ld: usize) -> Option<()> {
+    struct Op<'a>(&'a [f32], &'a [f32], usize, &'a mut [f32], usize);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) {
+            let Op(a, b, d, out, ld) = self;
+            for (j, br) in b.chunks_exact(d).enumerate() {
+                for (i, ar) in a.chunks_exact(d).enumerate() {
+                    out[i * ld + j] = dot_of(s, ar, br);
+                }
+            }
+        }
+    }
+    debug_assert!(d > 0 && a.len().is_multiple_of(d) && b.len().is_multiple_of(d) && b.len() / d <= ld);
+    vectorize(path, Op(a, b, d, out, ld))
 }
 
 /// `y[i] = x[i] · r · w[i]` (RMSNorm's output row; equal lengths). `None` on the scalar path.
@@ -733,6 +761,35 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The batched dot products equal [`dot`]'s pair by pair to the bit, on every vector path, for row
+    /// lengths with whole groups of four vectors, a remainder of vectors and a scalar tail, into an output of
+    /// row stride past `n` whose other columns stay as they were.
+    #[test]
+    fn dots_equal_dot_pair_by_pair() {
+        let value = |i: usize, salt: usize| (((i * 7919 + salt * 104_729) % 2003) as f32 / 1001.0) - 1.0;
+        for path in supported_paths().into_iter().filter(|&p| p != SimdPath::Scalar) {
+            for (m, n, d) in [(3, 11, 64), (2, 5, 45), (1, 9, 7)] {
+                let a: Vec<f32> = (0..m * d).map(|i| value(i, 1)).collect();
+                let b: Vec<f32> = (0..n * d).map(|i| value(i, 2)).collect();
+                let ld = n + 3;
+                let mut out = vec![f32::NAN; m * ld];
+                dots(path, &a, &b, d, &mut out, ld).expect("a vector path");
+                for i in 0..m {
+                    for j in 0..ld {
+                        let got = out[i * ld + j];
+                        if j < n {
+                            let want = dot(path, &a[i * d..(i + 1) * d], &b[j * d..(j + 1) * d]).unwrap();
+                            assert_eq!(got.to_bits(), want.to_bits(), "{path} d {d} pair ({i}, {j})");
+                        } else {
+                            assert!(got.is_nan(), "{path} column {j} past n = {n} written");
+                        }
+                    }
+                }
+            }
+        }
+        assert!(dots(SimdPath::Scalar, &[1.0], &[1.0], 1, &mut [0.0], 1).is_none());
     }
 
     /// `e^x` on every vector path against f64's over [-86, 88]: within 3e-7 relative (Taylor truncation 5e-9

@@ -10,9 +10,8 @@
 //! maxima and sums (the LSE merge), so the result does not depend on how rayon scheduled them. Accumulation
 //! in f32; `lse` in natural log.
 
-use autosp_core::simd::{vectorize, SimdPath};
+use autosp_core::simd::SimdPath;
 use candle_core::{CpuStorage, DType, Storage, Tensor};
-use pulp::{Simd, WithSimd};
 use rayon::prelude::*;
 
 use crate::host::tensor_from;
@@ -63,40 +62,10 @@ fn read<'a>(rows: &'a Rows<'_>, at: usize, len: usize, buf: &'a mut Vec<f32>) ->
     }
 }
 
-/// `s[i · n + j] = q_i · k_j` for the `nr` rows of `q: [nr, d]` and the `n` rows of `k: [n, d]`.
+/// `s[i · n + j] = q_i · k_j` for the `nr` rows of `q: [nr, d]` and the `n` rows of `k: [n, d]`: AVX-512's
+/// score tree over whole groups of 8 key rows where `d` is a multiple of 16, [`Real::dots`] otherwise (and
+/// for the last `n % 8` rows).
 fn scores(path: SimdPath, q: &[f32], k: &[f32], d: usize, s: &mut [f32]) {
-    struct Op<'a> {
-        q: &'a [f32],
-        k: &'a [f32],
-        d: usize,
-        s: &'a mut [f32],
-    }
-    impl WithSimd for Op<'_> {
-        type Output = ();
-        #[inline(always)]
-        fn with_simd<S: Simd>(self, simd: S) {
-            let (d, nr) = (self.d, self.q.len() / self.d);
-            let n = self.k.len() / d;
-            for (j, kr) in self.k.chunks_exact(d).enumerate() {
-                let (kh, kt) = S::as_simd_f32s(kr);
-                for i in 0..nr {
-                    let (qh, qt) = S::as_simd_f32s(&self.q[i * d..(i + 1) * d]);
-                    let (mut a0, mut a1) = (simd.splat_f32s(0.0), simd.splat_f32s(0.0));
-                    let (pairs_k, pairs_q) = (kh.chunks_exact(2), qh.chunks_exact(2));
-                    let (rest_k, rest_q) = (pairs_k.remainder(), pairs_q.remainder());
-                    for (x, y) in pairs_k.zip(pairs_q) {
-                        a0 = simd.mul_add_f32s(x[0], y[0], a0);
-                        a1 = simd.mul_add_f32s(x[1], y[1], a1);
-                    }
-                    for (&x, &y) in rest_k.iter().zip(rest_q) {
-                        a0 = simd.mul_add_f32s(x, y, a0);
-                    }
-                    let dot = simd.reduce_sum_f32s(simd.add_f32s(a0, a1));
-                    self.s[i * n + j] = kt.iter().zip(qt).fold(dot, |t, (&x, &y)| t + x * y);
-                }
-            }
-        }
-    }
     let n = k.len() / d;
     #[cfg(target_arch = "x86_64")]
     if path == SimdPath::Avx512 && path.is_supported() && d.is_multiple_of(16) {
@@ -104,21 +73,11 @@ fn scores(path: SimdPath, q: &[f32], k: &[f32], d: usize, s: &mut [f32]) {
         // SAFETY: AVX-512F detected; rows of d = 16·v elements, whole groups of 8 rows, scores in bounds.
         unsafe { avx512_scores(q, &k[..whole * d], d, s, n) };
         if whole < n {
-            let mut tail = vec![0f32; (q.len() / d) * (n - whole)];
-            scores(SimdPath::Avx2, q, &k[whole * d..], d, &mut tail);
-            for (i, row) in tail.chunks_exact(n - whole).enumerate() {
-                s[i * n + whole..(i + 1) * n].copy_from_slice(row);
-            }
+            f32::dots(path, q, &k[whole * d..], d, &mut s[whole..], n);
         }
         return;
     }
-    if vectorize(path, Op { q, k, d, s }).is_none() {
-        for (j, kr) in k.chunks_exact(d).enumerate() {
-            for (i, qr) in q.chunks_exact(d).enumerate() {
-                s[i * n + j] = qr.iter().zip(kr).map(|(a, b)| a * b).sum();
-            }
-        }
-    }
+    f32::dots(path, q, k, d, s, n);
 }
 
 /// [`scores`] with AVX-512 over 8 key rows and up to 3 query rows at a time: 24 vector accumulators (one per
