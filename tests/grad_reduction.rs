@@ -8,7 +8,10 @@
 //!   bucket are refused naming the option.
 //! - Overlap: buckets are posted from the communication thread while backward still runs (the recording
 //!   shows the first bucket's backward mark before the end), and the gradients are bit for bit those of the
-//!   reduction after backward, at every level, at 1 × 2 and 2 × 2.
+//!   reduction after backward, at every level, at 1 × 2 and 2 × 2; at `gradients` and `parameters` each
+//!   use's reduce-scatter goes from the `grad-scatter` thread the same way, bit for bit the inline one's.
+//! - At `gradients` and `parameters` the per-use reduce-scatters travel in bf16 too (inline and overlapped):
+//!   within 1e-2 of f32, fewer bytes in the plan's accounting.
 //!
 //! Tolerances: gradients are compared as max |a - b| over max |b| per parameter. Deferring the reduction sums
 //! the same products in another order (Σ_i w_i · Σ_r g_ri against Σ_r Σ_i w_i · g_ri, in f32): a few ulps,
@@ -203,6 +206,39 @@ fn bf16_reduction_halves_the_bytes_within_bf16_rounding_and_f32_is_unchanged() {
 }
 
 #[test]
+fn bf16_per_use_reduce_scatters_at_gradients_and_parameters() {
+    let mesh = Mesh::new(1, 2);
+    for level in [ShardLevel::Gradients, ShardLevel::Parameters] {
+        for overlap in [false, true] {
+            let what = format!("{level}, overlap {overlap}");
+            let f32s = step(mesh, level, buckets(overlap), 1, Way::Accumulated);
+            let half = step(mesh, level, GradReduction { dtype: DType::BF16, ..buckets(overlap) }, 1, Way::Accumulated);
+            for r in 0..2 {
+                assert_grads_close(&format!("{what}, rank {r}, bf16"), &half[r].grads, &f32s[r].grads, 1e-2);
+                assert_ne!(half[r].grads, f32s[r].grads, "{what}, rank {r}: bf16 rounded nothing");
+                let sent = |s: &Seen, dtype: DType| {
+                    s.records
+                        .iter()
+                        .filter(|c| c.collective == Collective::ReduceScatter && c.dtype == Some(dtype))
+                        .map(|c| c.elems)
+                        .sum::<usize>()
+                };
+                // Every parameter's per-use reduce-scatter travels in bf16 (at `parameters` the sharded
+                // embedding's row reduce-scatter stays f32, in both runs alike).
+                assert!(sent(&half[r], DType::BF16) > 0, "{what}, rank {r}: nothing sent in bf16");
+                assert_eq!(sent(&f32s[r], DType::BF16), 0);
+                assert_eq!(
+                    sent(&half[r], DType::BF16) + sent(&half[r], DType::F32),
+                    sent(&f32s[r], DType::F32),
+                    "{what}, rank {r}: the same reduce-scatters"
+                );
+                assert!(half[r].planned < f32s[r].planned, "{what}, rank {r}: the plan's bytes");
+            }
+        }
+    }
+}
+
+#[test]
 fn a_bad_reduction_is_refused_naming_the_option() {
     let config = TinySpec::default().config();
     let weights = random_weights(&config, 5, DType::F32, &Device::Cpu).unwrap();
@@ -232,6 +268,25 @@ fn overlapped_buckets_are_posted_during_backward_with_the_same_gradients() {
             for (r, (a, o)) in after.iter().zip(&overlapped).enumerate() {
                 assert_eq!(o.grads, a.grads, "{what}, rank {r}: overlapping changed the gradients");
                 if level >= ShardLevel::Gradients {
+                    // Each use's reduce-scatter posted to the communication thread during backward (the sharded
+                    // embedding's row reduce-scatter at `parameters` stays on the step's thread); the same
+                    // collectives as inline, where none comes from that thread.
+                    let scatters = |s: &Seen| -> Vec<CallRecord> {
+                        s.records.iter().filter(|c| c.collective == Collective::ReduceScatter).cloned().collect()
+                    };
+                    let (on, off) = (scatters(o), scatters(a));
+                    let from_thread: Vec<&CallRecord> =
+                        on.iter().filter(|c| c.thread.as_deref() == Some("grad-scatter")).collect();
+                    assert!(from_thread.len() > 2, "{what}, rank {r}: {} posted", from_thread.len());
+                    let first = from_thread[0].mark.expect("a reduce-scatter posted during backward carries its mark");
+                    assert!(first.before_end(), "{what}, rank {r}: the first was posted at {first:?}");
+                    assert!(off.iter().all(|c| c.thread.as_deref() != Some("grad-scatter")));
+                    let elems = |v: &[CallRecord]| v.iter().map(|c| c.elems).collect::<Vec<_>>();
+                    let sorted = |mut v: Vec<usize>| {
+                        v.sort_unstable();
+                        v
+                    };
+                    assert_eq!(sorted(elems(&on)), sorted(elems(&off)), "{what}, rank {r}: other reduce-scatters");
                     continue;
                 }
                 let posted = gradient_reductions(&o.records);

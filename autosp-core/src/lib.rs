@@ -24,6 +24,7 @@ pub mod coordinates;
 pub mod dispatch;
 pub mod error;
 pub mod gather_prefetch;
+pub mod grad_scatter;
 pub mod gradcheck;
 pub mod host_read;
 pub mod lora;

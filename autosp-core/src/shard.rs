@@ -14,7 +14,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::{Shape, Tensor};
+use candle_core::{DType, Shape, Tensor};
 
 use crate::comm::{ProcessGroup, ReduceOp};
 use crate::precision::Precision;
@@ -123,9 +123,27 @@ impl ShardLayout {
     /// keeps its slice `[chunk]`, in the reduction dtype ([`Precision::reduce`]: f32 for bf16/f16/f32, f64 for
     /// f64). Collective.
     pub fn reduce_scatter(&self, group: &dyn ProcessGroup, g: &Tensor) -> Result<Tensor> {
-        let g = g.to_dtype(Precision::float(g.dtype()).reduce())?;
-        let mine = group.reduce_scatter(&self.padded_rows(&g)?, 0, ReduceOp::Sum)?;
-        Ok(mine.reshape(self.chunk)?)
+        self.reduce_scatter_as(group, g, Precision::float(g.dtype()).reduce())
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) with f32 gradients sent in `wire` ([`wire_dtype`]: bf16
+    /// halves the bytes; the back ends sum bf16 in f32 and round each reduced chunk once); the slice comes
+    /// back in the reduction dtype.
+    pub fn reduce_scatter_as(&self, group: &dyn ProcessGroup, g: &Tensor, wire: DType) -> Result<Tensor> {
+        let reduce = Precision::float(g.dtype()).reduce();
+        let rows = self.padded_rows(&g.to_dtype(reduce)?)?.to_dtype(wire_dtype(reduce, wire))?;
+        let mine = group.reduce_scatter(&rows, 0, ReduceOp::Sum)?;
+        Ok(mine.reshape(self.chunk)?.to_dtype(reduce)?)
+    }
+}
+
+/// The dtype a gradient of reduction dtype `reduce` travels in when `wire` is asked for: `wire` for f32
+/// gradients, f64 as it is (f64 gradients are checks, never rounded).
+pub fn wire_dtype(reduce: DType, wire: DType) -> DType {
+    if reduce == DType::F32 {
+        wire
+    } else {
+        reduce
     }
 }
 

@@ -43,13 +43,14 @@ pub struct Args {
     #[arg(long, value_parser = str::parse::<autosp::core::ShardLevel>)]
     pub shard: Option<autosp::core::ShardLevel>,
 
-    /// The dtype gradients travel in when they are reduced over the ranks (--shard none and optimizer):
-    /// f32, or bf16 for half the bytes (summed in f32 after each receive).
+    /// The dtype gradients travel in when they are reduced over the ranks (every --shard level): f32, or
+    /// bf16 for half the bytes (summed in f32 after each receive).
     #[arg(long, default_value = "f32", value_parser = autosp::compile::GradReduction::parse_dtype)]
     pub reduce_dtype: DType,
 
     /// MiB of f32 gradient per reduction bucket; each bucket is reduced as soon as backward has made all of
-    /// it, while backward goes on (thread ranks; after backward under MPI).
+    /// it, while backward goes on (thread ranks and MPI; after backward under NCCL). At --shard gradients and
+    /// parameters: the most whole gradients in flight to the reduce-scatter thread.
     #[arg(long, value_name = "MIB", default_value = "16", value_parser = autosp::compile::GradReduction::parse_bucket_mb)]
     pub bucket_mb: usize,
 

@@ -47,11 +47,13 @@ pub struct GradReduction {
     /// f64 gradients (f64 checks) always travel in f64.
     pub dtype: DType,
     /// The bytes of f32 gradient per bucket (one collective each; a larger parameter is a bucket of its own).
+    /// At `Gradients` and `Parameters`, where each use's gradient is reduce-scattered in backward, the most
+    /// bytes of whole gradients in flight to the communication thread (or one larger gradient).
     pub bucket_bytes: usize,
-    /// Post each bucket's reduction as soon as backward made every gradient in it, on a communication thread,
-    /// while backward goes on, where the back end allows two handles at once
-    /// ([`ProcessGroup::concurrent_handles`]: thread ranks and MPI processes). `false`:
-    /// always after backward.
+    /// Post each bucket's reduction as soon as backward made every gradient in it (at `Gradients` and
+    /// `Parameters`: each use's reduce-scatter), on a communication thread, while backward goes on, where the
+    /// back end allows two handles at once ([`ProcessGroup::concurrent_handles`]: thread ranks and MPI
+    /// processes). `false`: buckets after backward, reduce-scatters inline.
     pub overlap: bool,
 }
 

@@ -13,7 +13,7 @@ use std::sync::mpsc;
 
 use autosp_core::comm::{ProcessGroup, ReduceOp};
 use autosp_core::progress::{current_mark, with_mark, BackwardMark};
-use autosp_core::shard::ShardLevel;
+use autosp_core::shard::{wire_dtype, ShardLevel};
 use autosp_core::{Gradients, Param, ParamId, Precision};
 use candle_core::{DType, Tensor};
 
@@ -46,15 +46,6 @@ pub(crate) fn grad_buckets(params: &[Param], limit: usize) -> Vec<Vec<&Param>> {
         }
     }
     buckets
-}
-
-/// The dtype a gradient of reduction dtype `reduce` travels in: `wire` for f32 gradients, f64 as it is.
-pub(crate) fn wire_dtype(reduce: DType, wire: DType) -> DType {
-    if reduce == DType::F32 {
-        wire
-    } else {
-        reduce
-    }
 }
 
 /// The buckets of a model's trainable parameters, in posting order, and how they are reduced.

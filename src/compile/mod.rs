@@ -61,9 +61,10 @@ pub struct Compiled<M> {
     max_attention_distance: Option<usize>,
     /// How the gradients are reduced over the world.
     reduction: GradReduction,
-    /// A second handle on the world for the communication thread that reduces gradient buckets while
-    /// backward runs (`Some` only where that happens: W > 1, `--shard none` or `optimizer`, overlap asked for
-    /// and a back end with concurrent handles).
+    /// A second handle on the world for the communication thread that reduces the gradients while backward
+    /// runs: buckets at `--shard none` and `optimizer`, each use's reduce-scatter at `gradients` and
+    /// `parameters` (`Some` only where that happens: W > 1, overlap asked for and a back end with concurrent
+    /// handles).
     reduce_group: Option<Arc<dyn ProcessGroup>>,
     /// A second handle on the world for the thread that gathers the next block's weights ahead, and each
     /// block's parameters in model order (`Some` only at `Parameters`, W > 1, prefetch asked for and a back end
@@ -325,8 +326,9 @@ pub fn compile<M: CausalLm + 'static>(mut model: M, config: CompileConfig) -> Re
             param.shard_over(sharding.0, world.clone())?;
         }
     }
-    // A second handle on the world (collective) for the thread that reduces buckets during backward.
-    let overlap = w > 1 && sharding.0 <= ShardLevel::Optimizer && config.reduction.overlap;
+    // A second handle on the world (collective) for the thread that reduces the gradients during backward:
+    // buckets below `Gradients`, each use's reduce-scatter at `Gradients` and `Parameters`.
+    let overlap = w > 1 && config.reduction.overlap;
     let reduce_group = if overlap && world.concurrent_handles() { Some(world.duplicate()?) } else { None };
     // The same for the thread that gathers the next block's weights at `parameters`, with the blocks' weights.
     let prefetch =

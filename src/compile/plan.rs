@@ -4,12 +4,12 @@
 
 use autosp_core::comm::all_reduce_bytes;
 use autosp_core::module::visit_mut;
-use autosp_core::shard::ShardLevel;
+use autosp_core::shard::{wire_dtype, ShardLevel};
 use autosp_core::{CausalLm, CheckpointPolicy, Param, Precision};
 use candle_core::{DType, Device, Tensor};
 
 use super::config::Strategy;
-use super::grad_reduce::{grad_buckets, wire_dtype};
+use super::grad_reduce::grad_buckets;
 use super::step::StepOutput;
 use super::strategy::comm_bytes_per_layer_step;
 use super::{CompileError, Compiled};
@@ -334,8 +334,7 @@ impl<M: CausalLm> Compiled<M> {
             return 0;
         }
         let params = autosp_core::module::trainable_params(&self.model);
-        let size_of = |p: &Param| Precision::float(p.tensor().dtype()).reduce().size_in_bytes();
-        // Buckets travel in the reduction's dtype (bf16 for f32 gradients under `--reduce-dtype bf16`).
+        // Gradients travel in the reduction's wire dtype (bf16 for f32 gradients under `--reduce-dtype bf16`).
         let wire_of = |p: &Param| wire_dtype(Precision::float(p.tensor().dtype()).reduce(), self.reduction.dtype);
         let level = self.sharding();
         if level <= ShardLevel::Optimizer {
@@ -362,7 +361,7 @@ impl<M: CausalLm> Compiled<M> {
             .map(|p| {
                 let Some(s) = p.shard() else { return 0 };
                 let (n_uses, in_block) = uses.get(&p.id()).copied().unwrap_or((1, false));
-                let scatter = (w - 1) * s.layout.chunk * size_of(p);
+                let scatter = (w - 1) * s.layout.chunk * wire_of(p).size_in_bytes();
                 let gathers = if level == ShardLevel::Parameters { n_uses + usize::from(in_block) } else { 0 };
                 let gather = (w - 1) * s.layout.chunk * p.tensor().dtype().size_in_bytes();
                 (n_uses * scatter + gathers * gather) as u64

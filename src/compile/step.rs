@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use autosp_core::comm::{ProcessGroup, ReduceOp};
 use autosp_core::gather_prefetch::GatherPrefetch;
+use autosp_core::grad_scatter::GradScatter;
 use autosp_core::host_read;
 use autosp_core::module::trainable_params;
 use autosp_core::ops::{self, Documents, IGNORE_INDEX};
@@ -390,9 +391,26 @@ impl<M: CausalLm> Compiled<M> {
                 acc.reduced = Some(reduced);
             }
             _ => {
-                tape.backward(&term)?;
-                for (id, g) in tape.param_grads().sorted() {
-                    let g = acc.fold(id, g.clone(), weight)?;
+                // At `gradients` and `parameters` each use's gradient is reduce-scattered during backward: on the
+                // communication thread while backward goes on, or inline; in the reduction's wire dtype.
+                let scatter = match (level >= ShardLevel::Gradients && self.world.size() > 1, &self.reduce_group) {
+                    (false, _) => None,
+                    (true, group) => Some(GradScatter::start(
+                        group.clone().unwrap_or_else(|| self.world.clone()),
+                        self.reduction.dtype,
+                        group.is_some(),
+                        self.reduction.bucket_bytes,
+                    )?),
+                };
+                let ran = tape.backward(&term);
+                // The thread's error first: a closed inbox stopped backward because of it.
+                let mut posted: Vec<(ParamId, Tensor)> =
+                    scatter.map(GradScatter::finish).transpose()?.unwrap_or_default().into_iter().collect();
+                ran?;
+                posted.sort_by_key(|(id, _)| *id);
+                let grads = tape.param_grads();
+                for (id, g) in grads.sorted().into_iter().map(|(id, g)| (id, g.clone())).chain(posted) {
+                    let g = acc.fold(id, g, weight)?;
                     acc.sums.insert(id, g);
                 }
                 if reduce_now {

@@ -803,7 +803,11 @@ fn communication_line(c: &crate::Compiled<LlamaModel>) -> String {
             if c.overlaps_reduction() { "on a communication thread while backward runs" } else { "after backward" }
         )
     } else {
-        "communication: each use's gradient reduce-scattered in backward, in f32".to_string()
+        format!(
+            "communication: each use's gradient reduce-scattered in backward, sent in {} (--reduce-dtype), {}",
+            r.dtype.as_str(),
+            if c.overlaps_reduction() { "on a communication thread while backward runs" } else { "inline" }
+        )
     };
     if c.sharding() == ShardLevel::Parameters {
         line.push_str(if c.prefetches_gathers() {

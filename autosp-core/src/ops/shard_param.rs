@@ -9,6 +9,10 @@
 //!   [`GatherPrefetch`](crate::gather_prefetch::GatherPrefetch) gathered ahead on another thread.
 //! - `Gradients`: the forward hands out the replicated whole weight, which every rank holds; only the gradient
 //!   is reduce-scattered.
+//!
+//! The reduce-scatter runs inline in f32, or through a [`GradScatter`](crate::grad_scatter::GradScatter)
+//! installed by the step: in its wire dtype, and on a communication thread while backward goes on (the
+//! leaf then gets no gradient from this node; the step adds the thread's slices).
 
 use candle_core::Tensor;
 
@@ -54,6 +58,7 @@ impl Op for ShardedParam {
 
     fn backward(&self, _s: &SavedTensors<'_>, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
         let Some(g) = &g[0] else { return Ok(vec![None]) };
-        Ok(vec![Some(self.shard.reduce_scatter(g)?)])
+        // Reduced now, or posted to a communication thread whose slices the step adds after backward.
+        Ok(vec![crate::grad_scatter::reduce_or_post(&self.param, &self.shard, g)?])
     }
 }
