@@ -4,9 +4,11 @@
 //! the sums are the same), on 1 × 2 and 2 × 2 meshes, full fine-tuning and LoRA; the recording shows the same
 //! collectives (kind, elements, dtype) either way (LoRA: those and a few gathers more, as the first block's
 //! backward replays only some of its weights and the prefetch gathers them all), the block gathers made by
-//! the prefetch thread, and in
+//! the prefetch thread; in the forward block j's gathers asked for while block j - 1 computed (the forward
+//! mark: j regions begun, block j not yet), block 0's before the first; and in
 //! backward each block's gathers posted at a mark before backward ended, one mark per block after the last,
-//! increasing: block k's weights were gathered while block k + 1's backward ran.
+//! increasing: block k's weights were gathered while block k + 1's backward ran. Three blocks, so that a
+//! block has a block on either side.
 
 mod common;
 
@@ -46,7 +48,7 @@ struct Seen {
 }
 
 fn step(mesh: Mesh, lora: bool, prefetch: bool) -> Seen {
-    let config = TinySpec::default().config();
+    let config = TinySpec { layers: 3, ..TinySpec::default() }.config();
     let weights = Arc::new(random_weights(&config, 11, DType::F32, &Device::Cpu).unwrap());
     let config = Arc::new(config);
     let out = run_ranks(mesh.world(), Duration::from_secs(120), move |pg| -> Result<Seen, String> {
@@ -88,6 +90,22 @@ fn collectives(records: &[CallRecord]) -> Vec<String> {
     out
 }
 
+/// In the forward, the prefetch thread's gathers (marked by no backward) were asked for, block by block, when
+/// 0, 1, .., n - 1 regions had begun: block j's while block j - 1 computed, before block j began; then, with
+/// all n begun, backward's first block. Fails where no prefetch ran (no such gathers) or where a block's
+/// weights were gathered only once the block began.
+fn assert_forward_overlap(what: &str, seen: &Seen) {
+    let mut asked: Vec<usize> = seen
+        .records
+        .iter()
+        .filter(|r| r.thread.as_deref() == Some(PREFETCH_THREAD) && r.mark.is_none())
+        .map(|r| r.forward.map_or(0, |m| m.begun))
+        .collect();
+    asked.dedup();
+    let want: Vec<usize> = (0..=seen.blocks).collect();
+    assert_eq!(asked, want, "{what}: regions begun when each block's forward gathers were asked for");
+}
+
 #[test]
 fn prefetched_gathers_give_the_same_step_bit_for_bit() {
     for (d, s) in [(1, 2), (2, 2)] {
@@ -116,6 +134,7 @@ fn prefetched_gathers_give_the_same_step_bit_for_bit() {
             } else {
                 assert_eq!(got, want, "{what}: the same collectives");
             }
+            assert_forward_overlap(&what, &on);
             let thread = |r: &&CallRecord| r.thread.as_deref() == Some(PREFETCH_THREAD);
             assert!(!off.records.iter().any(|r| thread(&r)), "{what}: no prefetch thread when off");
             let prefetched: Vec<&CallRecord> = on.records.iter().filter(thread).collect();

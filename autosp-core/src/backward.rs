@@ -172,12 +172,14 @@ impl Tape {
     }
 }
 
-/// Sets this thread's backward mark for the nodes of one backward pass, and clears it when the pass ends
-/// (or fails).
+/// Sets this thread's backward mark for the nodes of one backward pass (clearing its forward mark), and
+/// clears it when the pass ends (or fails).
 struct MarkGuard;
 
 impl MarkGuard {
     fn start(total: usize) -> Self {
+        // The forward is over once backward starts.
+        crate::progress::set_forward_mark(None);
         crate::progress::set_mark(Some(crate::progress::BackwardMark { done: 0, total }));
         MarkGuard
     }

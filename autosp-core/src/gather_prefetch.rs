@@ -5,8 +5,9 @@
 //! [`ShardedParam`](crate::ops::shard_param::ShardedParam) asks first ([`take`]). The thread gathers block
 //! k + 1 only once block k was handed over, so at most two blocks' weights are whole at once (the one the
 //! step uses, the one gathered for it next), and every rank makes the same collectives in the same order.
-//! Each gather carries the [`BackwardMark`] of the hand-off that let it start, so a recording process
-//! group shows a block gathered before the backward of the block after it ended. A weight outside the plan,
+//! Each gather carries the [`ForwardMark`] and [`BackwardMark`] of the hand-off that let it start, so a
+//! recording process group shows a block gathered while the block before it computed in the forward, and
+//! before the backward of the block after it ended. A weight outside the plan,
 //! or asked for out of the plan's order, is gathered inline as without a prefetch.
 
 use std::cell::RefCell;
@@ -18,12 +19,15 @@ use std::thread::JoinHandle;
 use candle_core::Tensor;
 
 use crate::comm::ProcessGroup;
-use crate::progress::{current_mark, with_mark, BackwardMark};
+use crate::progress::{current_forward_mark, current_mark, with_forward_mark, with_mark, BackwardMark, ForwardMark};
 use crate::shard::{note_gathered, ShardLevel};
 use crate::{Error, Param, ParamId, Result};
 
 /// One block's gathered weights, by parameter: whole, the parameter's shape.
 type Block = HashMap<ParamId, Tensor>;
+
+/// Where the step thread's forward and backward stood at a hand-off.
+type Marks = (Option<ForwardMark>, Option<BackwardMark>);
 
 /// The step thread's side of a running prefetch.
 struct Active {
@@ -31,8 +35,8 @@ struct Active {
     block_of: HashMap<ParamId, usize>,
     /// Blocks handed over: (block, its weights, or the error that stopped the gathering).
     inbox: mpsc::Receiver<(usize, Result<Block>)>,
-    /// Tells the thread a block was taken, with where backward stood then: it may gather the next.
-    taken: mpsc::Sender<Option<BackwardMark>>,
+    /// Tells the thread a block was taken, with where forward and backward stood then: it may gather the next.
+    taken: mpsc::Sender<Marks>,
     /// The block in use and the weights of it not asked for yet.
     current: Option<(usize, Block)>,
     /// Blocks the thread has still to hand over: its inbox closing before then means it died.
@@ -71,20 +75,21 @@ impl GatherPrefetch {
         let n = blocks.len();
         let order: Vec<usize> = (0..n).chain((0..n).rev()).collect();
         let (post, inbox) = mpsc::sync_channel::<(usize, Result<Block>)>(0);
-        let (taken, wait) = mpsc::channel::<Option<BackwardMark>>();
+        let (taken, wait) = mpsc::channel::<Marks>();
         let worker = std::thread::Builder::new()
             .name("gather-prefetch".into())
             .spawn(move || {
-                let mut mark = None;
+                let mut marks = (None, None);
                 for (k, &b) in order.iter().enumerate() {
                     if k > 0 {
                         // The step took the block before: this one may be gathered (two whole at most).
                         match wait.recv() {
-                            Ok(m) => mark = m,
+                            Ok(m) => marks = m,
                             Err(_) => return,
                         }
                     }
-                    let gathered = with_mark(mark, || gather_block(&blocks[b], group.as_ref()));
+                    let gathered =
+                        with_forward_mark(marks.0, || with_mark(marks.1, || gather_block(&blocks[b], group.as_ref())));
                     let failed = gathered.is_err();
                     if post.send((b, gathered)).is_err() || failed {
                         return;
@@ -157,7 +162,7 @@ pub fn take(p: &Param) -> Result<Option<Tensor>> {
         active.left -= 1;
         let mut weights = weights?;
         // The thread may gather the next block while this one computes.
-        let _ = active.taken.send(current_mark());
+        let _ = active.taken.send((current_forward_mark(), current_mark()));
         if b != block {
             // Out of the plan's order: keep the block handed over for its own weights, gather this one inline.
             active.current = Some((b, weights));

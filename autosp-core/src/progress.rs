@@ -1,8 +1,10 @@
 //! Where the backward pass running on this thread stands ([`BackwardMark`]): how many of its nodes it has
-//! differentiated, of how many. The tape sets it while backward runs; work handed to another thread (a
-//! gradient bucket posted to a communication thread) carries the mark of its posting with it
-//! ([`with_mark`]), so that a recording process group can show that a reduction was posted before backward
-//! ended ([`crate::comm::RecordingGroup`]).
+//! differentiated, of how many; and where the forward pass stands ([`ForwardMark`]): how many of its
+//! checkpoint regions (decoder blocks) it has begun. The tape sets both; work handed to another thread (a
+//! gradient bucket posted to a communication thread, a block's weights asked of the gather prefetch) carries
+//! the marks of its posting with it ([`with_mark`], [`with_forward_mark`]), so that a recording process group
+//! can show that a reduction was posted before backward ended, or a block's weights gathered before the block
+//! began ([`crate::comm::RecordingGroup`]).
 
 use std::cell::Cell;
 
@@ -23,8 +25,17 @@ impl BackwardMark {
     }
 }
 
+/// A point in one forward pass: `begun` of its checkpoint regions (decoder blocks, in order) have begun, so
+/// block `begun - 1` is computing (or was the last to run, once the forward is past the blocks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForwardMark {
+    /// Regions the forward has begun so far.
+    pub begun: usize,
+}
+
 thread_local! {
     static MARK: Cell<Option<BackwardMark>> = const { Cell::new(None) };
+    static FORWARD: Cell<Option<ForwardMark>> = const { Cell::new(None) };
 }
 
 /// The mark of the backward pass running on this thread (or of the work this thread runs for one, inside
@@ -45,4 +56,25 @@ pub fn with_mark<T>(mark: Option<BackwardMark>, f: impl FnOnce() -> T) -> T {
 /// Sets this thread's mark (the tape, while backward runs).
 pub(crate) fn set_mark(mark: Option<BackwardMark>) {
     MARK.with(|m| m.set(mark));
+}
+
+/// The mark of the forward pass running on this thread (or of the work this thread runs for one, inside
+/// [`with_forward_mark`]); `None` before the forward's first region, after it (backward began or the tape
+/// went), and outside both.
+pub fn current_forward_mark() -> Option<ForwardMark> {
+    FORWARD.with(Cell::get)
+}
+
+/// Runs `f` with this thread's forward mark set to `mark` (restored after): for work another thread asked for
+/// during a forward pass ([`with_mark`]'s counterpart).
+pub fn with_forward_mark<T>(mark: Option<ForwardMark>, f: impl FnOnce() -> T) -> T {
+    let before = FORWARD.with(|m| m.replace(mark));
+    let out = f();
+    FORWARD.with(|m| m.set(before));
+    out
+}
+
+/// Sets this thread's forward mark (the tape, as a region begins and once its forward is over).
+pub(crate) fn set_forward_mark(mark: Option<ForwardMark>) {
+    FORWARD.with(|m| m.set(mark));
 }

@@ -85,6 +85,15 @@ pub struct Tape {
     pub(crate) inner: RefCell<Inner>,
 }
 
+impl Drop for Tape {
+    /// A recording tape's forward is over when it goes: this thread's forward mark with it.
+    fn drop(&mut self) {
+        if self.inner.get_mut().recording {
+            crate::progress::set_forward_mark(None);
+        }
+    }
+}
+
 /// One tensor the tape holds, for inspecting what a policy kept.
 #[derive(Clone, Debug)]
 pub struct HeldValue {
@@ -408,6 +417,10 @@ impl Tape {
         inner.regions.push(Region { name: name.to_string(), policy, start, end: start, closed: false });
         inner.region_inputs.push(Vec::new());
         inner.open = Some(inner.regions.len() - 1);
+        if inner.recording {
+            // Where the forward is, for what this thread posts from now on (crate::progress).
+            crate::progress::set_forward_mark(Some(crate::progress::ForwardMark { begun: inner.regions.len() }));
+        }
         Ok(())
     }
 

@@ -1,7 +1,8 @@
 //! [`RecordingGroup`]: a process group that passes every call on to another and records it (which group,
-//! which collective, the tensor's elements and dtype, the calling thread, and where the backward pass that
-//! posted it stood, [`BackwardMark`]), so that tests can assert the order and number of a step's
-//! collectives: one gradient reduction round per step, the first bucket posted before backward ended.
+//! which collective, the tensor's elements and dtype, the calling thread, and where the backward or forward
+//! pass that posted it stood, [`BackwardMark`] and [`ForwardMark`]), so that tests can assert the order and
+//! number of a step's collectives: one gradient reduction round per step, the first bucket posted before
+//! backward ended, a block's weights gathered before the block began.
 //! Groups split or duplicated from it record into the same log.
 
 use std::fmt;
@@ -14,7 +15,7 @@ use super::collective::{Collective, ReduceOp};
 use super::error::Result;
 use super::process_group::{PendingRecv, ProcessGroup};
 use super::stats::CommStats;
-use crate::progress::{current_mark, BackwardMark};
+use crate::progress::{current_forward_mark, current_mark, BackwardMark, ForwardMark};
 
 /// One call a [`RecordingGroup`] passed on.
 #[derive(Clone, Debug, PartialEq)]
@@ -31,6 +32,9 @@ pub struct CallRecord {
     pub thread: Option<String>,
     /// Where the backward pass that made or posted the call stood ([`crate::progress::current_mark`]).
     pub mark: Option<BackwardMark>,
+    /// Where the forward pass that made or asked for the call stood
+    /// ([`crate::progress::current_forward_mark`]).
+    pub forward: Option<ForwardMark>,
 }
 
 /// A process group that records every call this rank makes on it (and on the groups split or duplicated
@@ -70,6 +74,7 @@ impl RecordingGroup {
             dtype,
             thread: std::thread::current().name().map(str::to_string),
             mark: current_mark(),
+            forward: current_forward_mark(),
         };
         self.log.lock().unwrap_or_else(|e| e.into_inner()).push(record);
     }
