@@ -2,7 +2,7 @@
 //! several (e.g. one per rank under `mpirun`). Built on [`Communicator`] like the other back ends, so the
 //! argument checks and statistics are the same code.
 //!
-//! How calls map onto NCCL, all on the candle device's stream:
+//! How calls map onto NCCL (all on the group's own CUDA stream: see "Streams, threads and overlap" below):
 //!
 //! - `all_reduce` and `reduce_scatter`: NCCL's own `ncclAllReduce` / `ncclReduceScatter` (ring or tree, 2(P-1)/P
 //!   of the bytes per rank), with no header round: every rank passes the same shape and dtype, so every
@@ -41,12 +41,77 @@
 //!   group and returns [`CommError::Timeout`]. NCCL does not tell which peer is missing, so the error's
 //!   `missing` lists every peer this rank was still exchanging with (all peers, for a collective).
 //! - Not covered: `ncclCommInitRank` (in [`NcclGroup::init`]) and `ncclCommSplit` (in `split`) are
-//!   blocking NCCL calls that wait for every rank with no timeout; so can be connection set-up inside
-//!   `ncclGroupEnd` the first time two ranks talk. A rank that dies before or during these hangs the others
-//!   (NCCL's own `NCCL_*` timeouts of its network transports aside). Run the first collective soon after
-//!   `init` so that set-up problems show early.
-//! - There is no overlap: [`PendingRecv`] steps (`start_send_recv`) complete before they return, because the
-//!   transfers run on the stream candle computes on.
+//!   blocking NCCL calls that wait for every rank with no timeout; so is connection set-up (the round in which
+//!   `init` and `split` connect every pair of ranks, and, from NCCL 2.22 on unless `NCCL_RUNTIME_CONNECT=0`,
+//!   a collective algorithm's first use inside `ncclGroupEnd`). A rank that dies before or during these hangs
+//!   the others (NCCL's own `NCCL_*` timeouts of its network transports aside).
+//! - [`PendingRecv`] steps (`start_send_recv`) complete before they return: a ring step does not overlap the
+//!   compute of the thread that calls it (collectives on a [`duplicate`](super::ProcessGroup::duplicate) run
+//!   beside that thread's compute: below).
+//!
+//! # Streams, threads and overlap
+//!
+//! Every transport (the group [`NcclGroup::init`] makes, each `split` and each `duplicate`) has a CUDA stream
+//! of its own (`nccl_stream`, non-blocking, in the device's context) and queues all its NCCL work there, never
+//! on candle's stream. candle's stream is the calling thread's: `Device::new_cuda` computes on CUDA's
+//! per-thread default stream, so a communication thread's candle work (widening bf16 to f32, the zeroed
+//! output, the result's conversion) runs on that thread's stream, not the main thread's. A call is ordered
+//! with all of them in three steps:
+//!
+//! 1. On entry it makes the legacy default stream wait for the calling thread's stream. A wait queued on the
+//!    legacy stream first waits for every blocking stream of the context (every thread's per-thread stream),
+//!    and all their later work waits for it: the inputs, whichever thread's kernels made them, are written
+//!    before the call's own candle work reads them.
+//! 2. Before queuing NCCL work, the group's stream waits for the calling thread's stream (an event): NCCL
+//!    reads the converted inputs and writes the zeroed outputs after candle made them. The call then waits for
+//!    its NCCL work from the host, as above (the event is recorded on the group's stream).
+//! 3. On return, the legacy stream waits for the calling thread's stream again, so that the result's
+//!    conversion is done before any thread's later work reads it (the main thread reading what a
+//!    communication thread returned).
+//!
+//! So the main thread's stream never holds an NCCL kernel that waits for a peer, and a group and its
+//! `duplicate` used from two threads run their collectives at once: each handle holds its own lock for its
+//! whole call (one call at a time per handle, as NCCL wants per communicator), and the GPU's launch lock (one
+//! per device in the process, shared by every transport on it) only while NCCL work is queued
+//! (`ncclGroupStart` to `ncclGroupEnd`): NCCL's thread-safety rules forbid queuing on two communicators of one
+//! device from two threads at once. `ncclCommInitRank` and `ncclCommSplit`, which wait for every rank, are
+//! made without it: they are set-up, made while no other thread of the rank queues NCCL work (compile makes
+//! its duplicates before its threads start). `init` and `split` then connect every pair of ranks on both new
+//! communicators (one grouped send and receive of 8 bytes), so that no later `ncclGroupEnd` waits for a peer
+//! to connect while it holds the launch lock.
+//!
+//! [`concurrent_handles`](Transport::concurrent_handles) is `true` when all of these hold, `false` otherwise
+//! (then compile reduces after backward and gathers inline, as before):
+//!
+//! - the context allocates stream-ordered (`cuMemAllocAsync`, which cudarc then uses): a plain `cuMemFree`
+//!   synchronises the device, i.e. would wait for an NCCL kernel that waits for a peer;
+//! - NCCL connects every collective algorithm's peers when a communicator is made: always before NCCL 2.22;
+//!   from 2.22 on only with `NCCL_RUNTIME_CONNECT=0` (its default connects an algorithm on first use, inside
+//!   `ncclGroupEnd`, so a first bucket's all-reduce would wait for the peers with the launch lock held while
+//!   the other thread needs it; under `mpirun` pass `-x NCCL_RUNTIME_CONNECT=0`);
+//! - `NCCL_LAUNCH_ORDER_IMPLICIT` is not set to a non-zero value (below).
+//!
+//! What else this relies on (NCCL's documentation, "Using multiple NCCL communicators concurrently", says that
+//! using two communicators at once is not guaranteed to work: its kernels wait on the GPU for their peers, so
+//! two of them launched in different orders on different ranks deadlock if a GPU cannot run both at once):
+//!
+//! - Both kernels fit on the GPU together. An NCCL kernel takes one block per channel (a few dozen of an
+//!   H100's 132 SMs); compute kernels may delay an NCCL kernel's start, but they end without waiting for
+//!   anyone. MPS or MIG partitions with few SMs, `NCCL_MIN_NCHANNELS`/`NCCL_MAX_NCHANNELS` or a CTA count
+//!   raised to the whole GPU, or `CUDA_LAUNCH_BLOCKING=1` break this.
+//! - Kernels of different communicators are not ordered by their launch on the host: NCCL's
+//!   `NCCL_LAUNCH_ORDER_IMPLICIT` (NCCL 2.26 and later; off by default, as we read NCCL's notes) would order
+//!   them, and the host order of two threads differs between ranks; with it set, `concurrent_handles` is
+//!   `false`.
+//! - The handles are separate communicators (`ncclCommSplit` with the parent's configuration: `splitShare`
+//!   off; with shared resources NCCL forbids using parent and child at once).
+//! - One NCCL job per GPU in the process: two jobs' groups on the same GPUs (two tests at once) share the
+//!   launch locks, and one job's lazy connection inside `ncclGroupEnd` could wait for a peer that waits for
+//!   the lock; run such tests one at a time (`--test-threads=1`).
+//!
+//! Two handles' collectives run at once, but each rank must still call each handle's collectives in the same
+//! order (every group's rule). What a second thread gains is the overlap with compute; each of its calls
+//! waits for everything the other threads queued before it (step 1 cannot tell which kernel made the inputs).
 //!
 //! # Stamps and failures
 //!
@@ -172,12 +237,19 @@ impl Communicator<NcclTransport> {
             .map_err(|e| config(format!("ncclCommInitRank (rank {rank} of {size}) failed: {:?}", e.0)))?;
         let coll = RawComm::new(comm);
         let p2p = coll.split(0, rank).map_err(|e| config(format!("duplicating the communicator: {e}")))?;
-        Ok(Communicator::new(NcclTransport {
+        let nccl_stream =
+            stream.context().new_stream().map_err(|e| config(format!("creating the group's CUDA stream: {e:?}")))?;
+        let concurrent = stream.context().has_async_alloc() && !launch_order_implicit() && connects_up_front();
+        let launch = launch_lock(stream.context().ordinal());
+        let transport = NcclTransport {
             coll,
             p2p,
             device: device.clone(),
             stream,
+            nccl_stream,
             lock: Mutex::new(()),
+            launch,
+            concurrent,
             name: "nccl".to_string(),
             rank,
             members: (0..size).collect(),
@@ -186,7 +258,9 @@ impl Communicator<NcclTransport> {
             failure: Mutex::new(None),
             sent: PairCounter::default(),
             received: PairCounter::default(),
-        }))
+        };
+        transport.connect_peers().map_err(|e| config(format!("connecting rank {rank} to its peers: {e}")))?;
+        Ok(Communicator::new(transport))
     }
 }
 
@@ -197,7 +271,8 @@ struct RawComm {
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as calls do not overlap; every use goes
-// through `NcclTransport`, which holds its `lock` around all NCCL calls (and `Drop` has `&mut self`).
+// through `NcclTransport`, which holds its `lock` around all NCCL calls on its communicators (and its shared
+// launch lock while it queues work), and `Drop` has `&mut self`.
 unsafe impl Send for RawComm {}
 // SAFETY: as above.
 unsafe impl Sync for RawComm {}
@@ -268,10 +343,20 @@ pub struct NcclTransport {
     p2p: RawComm,
     /// This rank's GPU; every transfer goes through it.
     device: Device,
-    /// The stream candle computes on for `device`; NCCL runs on it, so it is ordered with candle's kernels.
+    /// candle's stream for `device`: with `Device::new_cuda`, CUDA's per-thread default stream (the handle
+    /// names the calling thread's stream), where the call's own candle work (conversions, zeroed buffers) runs.
     stream: Arc<CudaStream>,
-    /// Serialises this rank's NCCL calls on this group.
+    /// This transport's own stream (non-blocking): all its NCCL work and header copies. See the module doc,
+    /// "Streams, threads and overlap".
+    nccl_stream: Arc<CudaStream>,
+    /// Serialises this rank's calls on this group (held for the whole call).
     lock: Mutex<()>,
+    /// Held while NCCL work is queued on any communicator of this GPU (one per device in the process:
+    /// [`launch_lock`]): NCCL does not allow two threads to queue on two communicators of one device at once.
+    launch: Arc<Mutex<()>>,
+    /// What [`Transport::concurrent_handles`] answers (stream-ordered allocation, connections made up front,
+    /// no implicit launch order).
+    concurrent: bool,
     name: String,
     rank: usize,
     /// Rank in the first group of each rank of this group (for names).
@@ -356,6 +441,31 @@ fn reduction_dtype(dtype: DType, op: ReduceOp) -> Option<(DType, sys::ncclDataTy
     nccl_dtype(wide).map(|t| (wide, t))
 }
 
+/// Whether `NCCL_LAUNCH_ORDER_IMPLICIT` asks NCCL to order the kernels of different communicators by their
+/// launch on the host (then two handles used from two threads can deadlock: see the module doc).
+fn launch_order_implicit() -> bool {
+    std::env::var("NCCL_LAUNCH_ORDER_IMPLICIT").is_ok_and(|v| !matches!(v.trim(), "" | "0"))
+}
+
+/// Whether NCCL connects a communicator's peers for every collective algorithm when the communicator is made
+/// (`ncclCommInitRank`, `ncclCommSplit`): always before NCCL 2.22; from 2.22 on only with
+/// `NCCL_RUNTIME_CONNECT=0` (by default it connects on an algorithm's first use, inside `ncclGroupEnd`, waiting
+/// for the peers with the launch lock held).
+fn connects_up_front() -> bool {
+    let lazy = result::get_nccl_version().map_or(true, |v| v >= 22200);
+    !lazy || std::env::var("NCCL_RUNTIME_CONNECT").is_ok_and(|v| v.trim() == "0")
+}
+
+/// The launch lock of CUDA device `ordinal`: one per GPU in this process, shared by every NCCL transport on it.
+fn launch_lock(ordinal: usize) -> Arc<Mutex<()>> {
+    static LOCKS: Mutex<Vec<Arc<Mutex<()>>>> = Mutex::new(Vec::new());
+    let mut locks = LOCKS.lock().unwrap_or_else(|e| e.into_inner());
+    while locks.len() <= ordinal {
+        locks.push(Arc::default());
+    }
+    locks[ordinal].clone()
+}
+
 fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     match op {
         ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
@@ -379,11 +489,86 @@ impl NcclTransport {
         }
     }
 
-    /// Marks the group unusable and ends NCCL's pending work on both communicators.
+    /// Marks the group unusable and ends NCCL's pending work on both communicators. The calling thread's
+    /// stream then waits for the group's stream (whose aborted kernels end), so that the buffers the failed
+    /// call drops are freed after NCCL stopped using them.
     fn fail(&self, cause: String) {
         *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(cause);
         self.coll.abort();
         self.p2p.abort();
+        let _ = self.stream.join(&self.nccl_stream);
+    }
+
+    /// Makes the legacy default stream wait for the calling thread's stream: a wait queued there waits for
+    /// every blocking stream of the context (each thread's per-thread stream) and all their later work waits
+    /// for it, so work of other threads is ordered with this call's (see the module doc).
+    fn fence(&self, collective: Collective) -> Result<()> {
+        let legacy = self.stream.context().default_stream();
+        legacy.join(&self.stream).map_err(|e| {
+            self.ctx(collective).nccl(format!("ordering the CUDA streams of this process's threads: {e:?}"))
+        })
+    }
+
+    /// `call` between two [`fence`](Self::fence)s: its inputs are written before its candle work reads them
+    /// (whichever thread wrote them), and its result before any thread's later work reads it.
+    fn fenced<R>(&self, collective: Collective, call: impl FnOnce() -> Result<R>) -> Result<R> {
+        self.fence(collective)?;
+        let result = call();
+        let fenced = self.fence(collective);
+        let result = result?;
+        fenced.map(|_| result)
+    }
+
+    /// Connects this rank to every peer on both communicators (a grouped send and receive of 8 bytes with each,
+    /// waited for), so that no later call makes NCCL's lazy point-to-point connection inside `ncclGroupEnd`,
+    /// where it would wait for the peer with the launch lock held. A collective of the new group: `init` and
+    /// `split` call it on every rank.
+    fn connect_peers(&self) -> Result<()> {
+        let (size, c) = (self.members.len(), Collective::Split);
+        if size < 2 {
+            return Ok(());
+        }
+        let err =
+            |e: candle_core::cuda_backend::cudarc::driver::DriverError| self.fatal(c, format!("8-byte buffers: {e:?}"));
+        let ns = &self.nccl_stream;
+        let send = ns.alloc_zeros::<u64>(1).map_err(err)?;
+        let recv = ns.alloc_zeros::<u64>(size).map_err(err)?;
+        let (sp, rp) = (send.device_ptr(ns).0, recv.device_ptr(ns).0);
+        let peers = (0..size).filter(|&i| i != self.rank);
+        let sends: Vec<Transfer> = peers.clone().map(|peer| Transfer { peer, ptr: sp, bytes: 8 }).collect();
+        let recvs: Vec<Transfer> = peers.map(|peer| Transfer { peer, ptr: rp + 8 * peer as u64, bytes: 8 }).collect();
+        let _nccl = self.nccl_lock();
+        self.grouped(c, &self.coll, &sends, &recvs)?;
+        self.grouped(c, &self.p2p, &sends, &recvs)
+    }
+
+    /// Queues NCCL work on the group's stream as one NCCL group: the stream first waits for the calling
+    /// thread's stream (the buffers candle made), then `issue` runs between `ncclGroupStart` and `ncclGroupEnd`
+    /// with the launch lock held; it queues everything even after an error and returns the first. A failure
+    /// poisons the group. Call with the lock held.
+    fn launch(
+        &self,
+        collective: Collective,
+        issue: impl FnOnce(sys::cudaStream_t) -> std::result::Result<(), String>,
+    ) -> Result<()> {
+        let ordered = self.nccl_stream.join(&self.stream);
+        ordered.map_err(|e| self.fatal(collective, format!("ordering the NCCL stream after candle's: {e:?}")))?;
+        let _launch = self.launch.lock().unwrap_or_else(|e| e.into_inner());
+        self.stream.context().bind_to_thread().map_err(|e| self.fatal(collective, format!("{e:?}")))?;
+        let stream = self.nccl_stream.cu_stream() as sys::cudaStream_t;
+        let mut failed = result::group_start().err().map(|e| format!("ncclGroupStart: {:?}", e.0));
+        if failed.is_none() {
+            if let Err(detail) = issue(stream) {
+                failed = Some(detail);
+            }
+            if let Err(e) = result::group_end() {
+                failed.get_or_insert(format!("ncclGroupEnd: {:?}", e.0));
+            }
+        }
+        match failed {
+            Some(detail) => Err(self.fatal(collective, detail)),
+            None => Ok(()),
+        }
     }
 
     /// An NCCL error that leaves the ranks out of step: poisons the group.
@@ -395,10 +580,8 @@ impl NcclTransport {
     /// Runs `sends` and `recvs` on `comm` as one NCCL group, then waits for them against the timeout.
     /// Call with the lock held.
     fn grouped(&self, collective: Collective, comm: &RawComm, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {
-        self.stream.context().bind_to_thread().map_err(|e| self.ctx(collective).nccl(format!("{e:?}")))?;
-        let stream = self.stream.cu_stream() as sys::cudaStream_t;
-        let mut failed = result::group_start().err().map(|e| format!("ncclGroupStart: {:?}", e.0));
-        if failed.is_none() {
+        self.launch(collective, |stream| {
+            let mut failed = None;
             for t in sends.iter().filter(|t| t.bytes > 0) {
                 // SAFETY: `ptr` addresses `bytes` bytes of a live device buffer that the caller keeps until
                 // `wait_done` returned; the communicator is live (checked healthy, lock held).
@@ -432,24 +615,19 @@ impl NcclTransport {
                     failed.get_or_insert(format!("ncclRecv from rank {}: {:?}", t.peer, e.0));
                 }
             }
-            if let Err(e) = result::group_end() {
-                failed.get_or_insert(format!("ncclGroupEnd: {:?}", e.0));
-            }
-        }
-        if let Some(detail) = failed {
-            return Err(self.fatal(collective, detail));
-        }
+            failed.map_or(Ok(()), Err)
+        })?;
         let mut peers: Vec<usize> = sends.iter().chain(recvs).map(|t| t.peer).collect();
         peers.sort_unstable();
         peers.dedup();
         self.wait_done(collective, comm, peers)
     }
 
-    /// Waits until the work queued on the stream so far is done, at most the timeout; on timeout or an
+    /// Waits until the work queued on the group's stream so far is done, at most the timeout; on timeout or an
     /// asynchronous NCCL error aborts the communicators and poisons the group.
     fn wait_done(&self, collective: Collective, comm: &RawComm, peers: Vec<usize>) -> Result<()> {
-        let event =
-            self.stream.record_event(None).map_err(|e| self.fatal(collective, format!("recording an event: {e:?}")))?;
+        let event = self.nccl_stream.record_event(None);
+        let event = event.map_err(|e| self.fatal(collective, format!("recording an event: {e:?}")))?;
         let (timeout, start) = (self.timeout(), Instant::now());
         let mut idle_rounds = 0u64;
         loop {
@@ -502,9 +680,10 @@ impl NcclTransport {
             self.fatal(collective, format!("header buffers: {e:?}"))
         };
         let flat: Vec<u64> = to.iter().flat_map(|(_, h)| h.iter().copied()).collect();
-        let send_buf = self.stream.clone_htod(&flat).map_err(err)?;
-        let recv_buf = self.stream.alloc_zeros::<u64>(from.len().max(1) * HEADER_WORDS).map_err(err)?;
-        let (send_ptr, recv_ptr) = (send_buf.device_ptr(&self.stream).0, recv_buf.device_ptr(&self.stream).0);
+        let ns = &self.nccl_stream;
+        let send_buf = ns.clone_htod(&flat).map_err(err)?;
+        let recv_buf = ns.alloc_zeros::<u64>(from.len().max(1) * HEADER_WORDS).map_err(err)?;
+        let (send_ptr, recv_ptr) = (send_buf.device_ptr(ns).0, recv_buf.device_ptr(ns).0);
         let hb = HEADER_WORDS * 8;
         let sends: Vec<Transfer> = to
             .iter()
@@ -517,9 +696,9 @@ impl NcclTransport {
             .map(|(i, &peer)| Transfer { peer, ptr: recv_ptr + (i * hb) as u64, bytes: hb })
             .collect();
         self.grouped(collective, comm, &sends, &recvs)?;
-        // A device-to-host copy: the host waits for the stream (counted as a host read).
+        // A device-to-host copy: the host waits for the group's stream (counted as a host read).
         crate::host_read::count();
-        let got = self.stream.clone_dtoh(&recv_buf).map_err(err)?;
+        let got = ns.clone_dtoh(&recv_buf).map_err(err)?;
         Ok(got.chunks(HEADER_WORDS).take(from.len()).map(|c| c.to_vec()).collect())
     }
 
@@ -543,7 +722,7 @@ impl NcclTransport {
         recvs: &[(usize, &Tensor)],
     ) -> Result<()> {
         let transfer = |&(peer, t): &(usize, &Tensor)| -> Result<Transfer> {
-            let ptr = device_address(t, &self.stream).map_err(|d| self.fatal(collective, d))?;
+            let ptr = device_address(t, &self.nccl_stream).map_err(|d| self.fatal(collective, d))?;
             Ok(Transfer { peer, ptr, bytes: payload_bytes(t) })
         };
         if sends.is_empty() && recvs.is_empty() {
@@ -556,7 +735,7 @@ impl NcclTransport {
 
     /// One round of NCCL's own collectives on the collective communicator: this rank's `header` all-gathered
     /// (every rank's, in rank order) in one NCCL group with what `issue` queues (given the communicator and
-    /// the stream), then waited for. Checks every rank's stamp against `stamp` (`OutOfStep`, poisoning the
+    /// the group's stream), then waited for. Checks every rank's stamp against `stamp` (`OutOfStep`, poisoning the
     /// group) and returns what every rank announced. Call with the lock held.
     fn native_round(
         &self,
@@ -566,17 +745,15 @@ impl NcclTransport {
     ) -> Result<Vec<Announced>> {
         let collective = stamp.collective;
         let size = self.members.len();
-        self.stream.context().bind_to_thread().map_err(|e| self.ctx(collective).nccl(format!("{e:?}")))?;
         let err = |e: candle_core::cuda_backend::cudarc::driver::DriverError| {
             self.fatal(collective, format!("header buffers: {e:?}"))
         };
-        let send_buf = self.stream.clone_htod(&header[..]).map_err(err)?;
-        let recv_buf = self.stream.alloc_zeros::<u64>(size * HEADER_WORDS).map_err(err)?;
-        let (send_ptr, recv_ptr) = (send_buf.device_ptr(&self.stream).0, recv_buf.device_ptr(&self.stream).0);
-        let stream = self.stream.cu_stream() as sys::cudaStream_t;
+        let ns = &self.nccl_stream;
+        let send_buf = ns.clone_htod(&header[..]).map_err(err)?;
+        let recv_buf = ns.alloc_zeros::<u64>(size * HEADER_WORDS).map_err(err)?;
+        let (send_ptr, recv_ptr) = (send_buf.device_ptr(ns).0, recv_buf.device_ptr(ns).0);
         let comm = self.coll.comm;
-        let mut failed = result::group_start().err().map(|e| format!("ncclGroupStart: {:?}", e.0));
-        if failed.is_none() {
+        self.launch(collective, |stream| {
             // SAFETY: both header buffers live until `wait_done` returned (they are dropped at the end of this
             // function); the communicator is live (checked healthy by the caller, lock held).
             let gathered = unsafe {
@@ -589,23 +766,16 @@ impl NcclTransport {
                     stream,
                 )
             };
-            if let Err(e) = gathered {
-                failed = Some(format!("ncclAllGather of the headers: {:?}", e.0));
-            } else if let Err(detail) = issue(comm, stream) {
-                failed = Some(detail);
+            match gathered {
+                Err(e) => Err(format!("ncclAllGather of the headers: {:?}", e.0)),
+                Ok(_) => issue(comm, stream),
             }
-            if let Err(e) = result::group_end() {
-                failed.get_or_insert(format!("ncclGroupEnd: {:?}", e.0));
-            }
-        }
-        if let Some(detail) = failed {
-            return Err(self.fatal(collective, detail));
-        }
+        })?;
         let peers: Vec<usize> = (0..size).filter(|&i| i != self.rank).collect();
         self.wait_done(collective, &self.coll, peers)?;
-        // The stream is done: this copy only moves the headers (counted as a host read).
+        // The group's stream is done: this copy only moves the headers (counted as a host read).
         crate::host_read::count();
-        let words = self.stream.clone_dtoh(&recv_buf).map_err(err)?;
+        let words = ns.clone_dtoh(&recv_buf).map_err(err)?;
         let mut stamps = Vec::with_capacity(size);
         let mut announced = Vec::with_capacity(size);
         for (i, h) in words.chunks(HEADER_WORDS).enumerate() {
@@ -666,8 +836,8 @@ impl NcclTransport {
         let header = encode_header(Some((x.dtype(), x.dims())), stamp).map_err(|d| ctx.invalid(d))?;
         let (input, output) = self.on_gpu(c, x, wide, x.dims())?;
         let _nccl = self.nccl_lock();
-        let sp = device_address(&input, &self.stream).map_err(|d| self.fatal(c, d))?;
-        let rp = device_address(&output, &self.stream).map_err(|d| self.fatal(c, d))?;
+        let sp = device_address(&input, &self.nccl_stream).map_err(|d| self.fatal(c, d))?;
+        let rp = device_address(&output, &self.nccl_stream).map_err(|d| self.fatal(c, d))?;
         let n = input.elem_count();
         let announced = self.native_round(stamp, header, |comm, stream| {
             // SAFETY: `input` and `output` are live device buffers of `n` elements of `datatype` on this
@@ -709,8 +879,8 @@ impl NcclTransport {
         let input = Tensor::stack(&blocks, 0).map_err(|e| ctx.candle(e))?;
         drop(whole);
         let _nccl = self.nccl_lock();
-        let sp = device_address(&input, &self.stream).map_err(|d| self.fatal(c, d))?;
-        let rp = device_address(&output, &self.stream).map_err(|d| self.fatal(c, d))?;
+        let sp = device_address(&input, &self.nccl_stream).map_err(|d| self.fatal(c, d))?;
+        let rp = device_address(&output, &self.nccl_stream).map_err(|d| self.fatal(c, d))?;
         let count = output.elem_count();
         let announced = self.native_round(stamp, header, |comm, stream| {
             // SAFETY: `input` holds `size * count` and `output` `count` elements of `datatype`, live on this
@@ -766,26 +936,26 @@ impl NcclTransport {
             let mut all = vec![size];
             all.extend_from_slice(x.dims());
             let output = Tensor::zeros(all, x.dtype(), &self.device).map_err(|e| ctx.candle(e))?;
-            let sp = device_address(&input, &self.stream).map_err(|d| self.fatal(c, d))?;
-            let rp = device_address(&output, &self.stream).map_err(|d| self.fatal(c, d))?;
+            let sp = device_address(&input, &self.nccl_stream).map_err(|d| self.fatal(c, d))?;
+            let rp = device_address(&output, &self.nccl_stream).map_err(|d| self.fatal(c, d))?;
             let bytes = payload_bytes(&input);
-            self.stream.context().bind_to_thread().map_err(|e| ctx.nccl(format!("{e:?}")))?;
-            let stream = self.stream.cu_stream() as sys::cudaStream_t;
-            // SAFETY: `input` holds `bytes` bytes and `output` `size * bytes`, live on this rank's GPU until
-            // `wait_done` returned; the communicator is live (healthy, lock held).
-            let r = unsafe {
-                result::all_gather(
-                    sp as *const c_void,
-                    rp as *mut c_void,
-                    bytes,
-                    sys::ncclDataType_t::ncclUint8,
-                    self.coll.comm,
-                    stream,
-                )
-            };
-            if let Err(e) = r {
-                return Err(self.fatal(c, format!("ncclAllGather: {:?}", e.0)));
-            }
+            let comm = self.coll.comm;
+            self.launch(c, |stream| {
+                // SAFETY: `input` holds `bytes` bytes and `output` `size * bytes`, live on this rank's GPU until
+                // `wait_done` returned; the communicator is live (healthy, lock held).
+                unsafe {
+                    result::all_gather(
+                        sp as *const c_void,
+                        rp as *mut c_void,
+                        bytes,
+                        sys::ncclDataType_t::ncclUint8,
+                        comm,
+                        stream,
+                    )
+                }
+                .map(|_| ())
+                .map_err(|e| format!("ncclAllGather: {:?}", e.0))
+            })?;
             let peers: Vec<usize> = (0..size).filter(|&i| i != self.rank).collect();
             self.wait_done(c, &self.coll, peers)?;
             (0..size).map(|i| output.get(i)).collect::<candle_core::Result<_>>().map_err(|e| ctx.candle(e))?
@@ -808,88 +978,9 @@ impl NcclTransport {
         Tensor::cat(&parts, dim).and_then(|t| t.to_device(x.device())).map_err(|e| ctx.candle(e))
     }
 
-    /// Sends `x` to `dst` (if given) and receives from `src` (if given) on the point-to-point communicator.
-    fn p2p(
-        &self,
-        collective: Collective,
-        send: Option<(&Tensor, usize)>,
-        src: Option<usize>,
-    ) -> Result<Option<Tensor>> {
-        self.check_healthy(collective)?;
-        // A tensor that cannot travel still sends an empty marker, so the receiver fails at once.
-        let stamp = send.map(|(_, dst)| Stamp::new(collective, self.sent.next(dst)));
-        let prepared = send.zip(stamp).map(|((x, dst), stamp)| self.outgoing(stamp, x).map(|(t, h)| (dst, t, h)));
-        let (out, own_error) = match prepared {
-            Some(Err(e)) => (None, Some((e, send.map(|(_, dst)| dst)))),
-            other => (other.transpose()?, None),
-        };
-        let _nccl = self.nccl_lock();
-        let mut to: Vec<(usize, [u64; HEADER_WORDS])> = out.iter().map(|(dst, _, h)| (*dst, *h)).collect();
-        if let (Some((_, Some(dst))), Some(stamp)) = (&own_error, stamp) {
-            to.push((*dst, encode_header(None, stamp).expect("an empty marker always encodes")));
-        }
-        let from: Vec<usize> = src.into_iter().collect();
-        let headers = self.header_round(collective, &self.p2p, &to, &from)?;
-        let incoming = match (src, headers.first()) {
-            (Some(s), Some(h)) => {
-                let (got, buffer) = self.receive_buffer(collective, s, h)?;
-                if let Err(e) = check_message(self.ctx(collective), s, got, self.received.next(s)) {
-                    self.fail(e.to_string());
-                    return Err(e);
-                }
-                buffer
-            }
-            _ => None,
-        };
-        let sends: Vec<(usize, &Tensor)> = out.iter().map(|(dst, t, _)| (*dst, t)).collect();
-        let recvs: Vec<(usize, &Tensor)> = match (src, &incoming) {
-            (Some(s), Some(t)) => vec![(s, t)],
-            _ => vec![],
-        };
-        self.payload_round(collective, &self.p2p, &sends, &recvs)?;
-        if let Some((e, _)) = own_error {
-            return Err(e);
-        }
-        if let (Some(s), None) = (src, &incoming) {
-            return Err(self
-                .ctx(collective)
-                .mismatch(format!("rank {s} sent an empty marker where a tensor was expected")));
-        }
-        Ok(incoming)
-    }
-}
-
-/// A ring step that already completed (the NCCL back end does not overlap; see the module doc).
-struct Ready(Tensor);
-
-impl PendingRecv for Ready {
-    fn wait(self: Box<Self>) -> Result<Tensor> {
-        Ok(self.0)
-    }
-}
-
-impl Transport for NcclTransport {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.members.len()
-    }
-
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn timeout(&self) -> Duration {
-        Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
-    }
-
-    fn set_timeout(&self, timeout: Duration) {
-        self.timeout_ns.store(nanos(timeout), Ordering::Relaxed)
-    }
-
-    fn exchange(
+    /// The personalised exchange of [`Transport::exchange`]: a header round in [`pairwise_schedule`] order,
+    /// the stamps checked, then the payloads of the announced shapes.
+    fn exchange_round(
         &self,
         stamp: Stamp,
         mut outgoing: Vec<Option<Tensor>>,
@@ -954,18 +1045,110 @@ impl Transport for NcclTransport {
         Ok(incoming)
     }
 
+    /// Sends `x` to `dst` (if given) and receives from `src` (if given) on the point-to-point communicator.
+    fn p2p(
+        &self,
+        collective: Collective,
+        send: Option<(&Tensor, usize)>,
+        src: Option<usize>,
+    ) -> Result<Option<Tensor>> {
+        self.check_healthy(collective)?;
+        // A tensor that cannot travel still sends an empty marker, so the receiver fails at once.
+        let stamp = send.map(|(_, dst)| Stamp::new(collective, self.sent.next(dst)));
+        let prepared = send.zip(stamp).map(|((x, dst), stamp)| self.outgoing(stamp, x).map(|(t, h)| (dst, t, h)));
+        let (out, own_error) = match prepared {
+            Some(Err(e)) => (None, Some((e, send.map(|(_, dst)| dst)))),
+            other => (other.transpose()?, None),
+        };
+        let _nccl = self.nccl_lock();
+        let mut to: Vec<(usize, [u64; HEADER_WORDS])> = out.iter().map(|(dst, _, h)| (*dst, *h)).collect();
+        if let (Some((_, Some(dst))), Some(stamp)) = (&own_error, stamp) {
+            to.push((*dst, encode_header(None, stamp).expect("an empty marker always encodes")));
+        }
+        let from: Vec<usize> = src.into_iter().collect();
+        let headers = self.header_round(collective, &self.p2p, &to, &from)?;
+        let incoming = match (src, headers.first()) {
+            (Some(s), Some(h)) => {
+                let (got, buffer) = self.receive_buffer(collective, s, h)?;
+                if let Err(e) = check_message(self.ctx(collective), s, got, self.received.next(s)) {
+                    self.fail(e.to_string());
+                    return Err(e);
+                }
+                buffer
+            }
+            _ => None,
+        };
+        let sends: Vec<(usize, &Tensor)> = out.iter().map(|(dst, t, _)| (*dst, t)).collect();
+        let recvs: Vec<(usize, &Tensor)> = match (src, &incoming) {
+            (Some(s), Some(t)) => vec![(s, t)],
+            _ => vec![],
+        };
+        self.payload_round(collective, &self.p2p, &sends, &recvs)?;
+        if let Some((e, _)) = own_error {
+            return Err(e);
+        }
+        if let (Some(s), None) = (src, &incoming) {
+            return Err(self
+                .ctx(collective)
+                .mismatch(format!("rank {s} sent an empty marker where a tensor was expected")));
+        }
+        Ok(incoming)
+    }
+}
+
+/// A ring step that already completed (`start_send_recv` waits for its transfers; see the module doc).
+struct Ready(Tensor);
+
+impl PendingRecv for Ready {
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        Ok(self.0)
+    }
+}
+
+impl Transport for NcclTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        self.timeout_ns.store(nanos(timeout), Ordering::Relaxed)
+    }
+
+    /// Every transport queues its NCCL work on a stream of its own and fences the threads' streams around
+    /// each call; `true` when the context allocates stream-ordered, NCCL connects when a communicator is made
+    /// and does not order launches across communicators (see the module doc).
+    fn concurrent_handles(&self) -> bool {
+        self.concurrent
+    }
+
+    fn exchange(&self, stamp: Stamp, outgoing: Vec<Option<Tensor>>, device: &Device) -> Result<Vec<Option<Tensor>>> {
+        self.fenced(stamp.collective, || self.exchange_round(stamp, outgoing, device))
+    }
+
     fn all_reduce(&self, stamp: Stamp, x: &Tensor, op: ReduceOp) -> Option<Result<Tensor>> {
         let (wide, datatype) = reduction_dtype(x.dtype(), op)?;
-        Some(self.native_all_reduce(stamp, x, op, wide, datatype))
+        Some(self.fenced(stamp.collective, || self.native_all_reduce(stamp, x, op, wide, datatype)))
     }
 
     fn reduce_scatter(&self, stamp: Stamp, x: &Tensor, dim: usize, op: ReduceOp) -> Option<Result<Tensor>> {
         let (wide, datatype) = reduction_dtype(x.dtype(), op)?;
-        Some(self.native_reduce_scatter(stamp, x, dim, op, wide, datatype))
+        Some(self.fenced(stamp.collective, || self.native_reduce_scatter(stamp, x, dim, op, wide, datatype)))
     }
 
     fn all_gather(&self, stamp: Stamp, x: &Tensor, dim: usize) -> Option<Result<Tensor>> {
-        Some(self.native_all_gather(stamp, x, dim))
+        Some(self.fenced(stamp.collective, || self.native_all_gather(stamp, x, dim)))
     }
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
@@ -974,18 +1157,19 @@ impl Transport for NcclTransport {
                 .ctx(Collective::Send)
                 .invalid("sending to oneself with `send` would block forever over NCCL; use `send_recv`"));
         }
-        self.p2p(Collective::Send, Some((x, dst)), None).map(|_| ())
+        self.fenced(Collective::Send, || self.p2p(Collective::Send, Some((x, dst)), None)).map(|_| ())
     }
 
     fn recv(&self, src: usize) -> Result<Tensor> {
-        self.p2p(Collective::Recv, None, Some(src))?
+        self.fenced(Collective::Recv, || self.p2p(Collective::Recv, None, Some(src)))?
             .ok_or_else(|| self.ctx(Collective::Recv).nccl("nothing received".to_string()))
     }
 
     fn start_send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Box<dyn PendingRecv + '_>> {
+        let c = Collective::SendRecv;
         let t = self
-            .p2p(Collective::SendRecv, Some((x, dst)), Some(src))?
-            .ok_or_else(|| self.ctx(Collective::SendRecv).nccl("nothing received".to_string()))?;
+            .fenced(c, || self.p2p(c, Some((x, dst)), Some(src)))?
+            .ok_or_else(|| self.ctx(c).nccl("nothing received".to_string()))?;
         Ok(Box::new(Ready(t)))
     }
 
@@ -999,18 +1183,26 @@ impl Transport for NcclTransport {
         let members: Vec<usize> = groups[group].iter().map(|&r| self.members[r]).collect();
         let (coll, p2p) = {
             let _nccl = self.nccl_lock();
+            // Not under the launch lock: ncclCommSplit blocks until every rank called it (set-up, made while no
+            // other thread of this rank queues NCCL work; see the module doc).
             let bind = self.stream.context().bind_to_thread();
             bind.map_err(|e| self.ctx(Collective::Split).nccl(format!("{e:?}")))?;
             let coll = self.coll.split(group, index).map_err(|d| self.fatal(Collective::Split, d))?;
             let p2p = self.p2p.split(group, index).map_err(|d| self.fatal(Collective::Split, d))?;
             (coll, p2p)
         };
-        Ok(NcclTransport {
+        // Its own stream: a `duplicate` (a one-group split) runs on another thread beside this handle.
+        let nccl_stream = self.stream.context().new_stream();
+        let nccl_stream = nccl_stream.map_err(|e| self.ctx(Collective::Split).nccl(format!("a CUDA stream: {e:?}")))?;
+        let transport = NcclTransport {
             coll,
             p2p,
             device: self.device.clone(),
             stream: self.stream.clone(),
+            nccl_stream,
             lock: Mutex::new(()),
+            launch: self.launch.clone(),
+            concurrent: self.concurrent,
             name: format!("{}/split{n}:{:?}", self.name, members),
             rank: index,
             members,
@@ -1019,6 +1211,8 @@ impl Transport for NcclTransport {
             failure: Mutex::new(None),
             sent: PairCounter::default(),
             received: PairCounter::default(),
-        })
+        };
+        transport.connect_peers()?;
+        Ok(transport)
     }
 }
