@@ -97,6 +97,26 @@ fn the_level_named_is_the_first_that_fits_by_the_accounting() {
     assert!(e.contains("resume with --shard parameters over ") && e.contains(" ranks or more"), "{e}");
 }
 
+/// The refusal's figures are in the accounting's unit (MiB), past a GiB too: the need and the budget read as
+/// the per-rank accounting beside them does.
+#[test]
+fn the_figures_of_a_refusal_are_in_the_accountings_unit() {
+    let spec = TinySpec {
+        layers: 8,
+        hidden: 4096,
+        intermediate: 11008,
+        heads: 32,
+        kv_heads: 8,
+        vocab: 32000,
+        ..TinySpec::default()
+    };
+    let mut model = skeleton(&spec.config(), DType::F32, &Device::Cpu).unwrap();
+    let budget = Budget { bytes: 2 << 30, source: "the budget" };
+    let e = check_fits("x", &mut model, DType::F32, Some(ShardLevel::None), 1, false, &budget).unwrap_err().to_string();
+    assert!(e.contains("the budget is 2048.0 MiB"), "{e}");
+    assert!(!e.contains("GiB"), "{e}");
+}
+
 #[test]
 fn an_adapter_resumed_on_another_model_is_refused_naming_the_difference() {
     let tmp = tempfile::tempdir().unwrap();

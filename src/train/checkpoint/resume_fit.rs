@@ -19,6 +19,7 @@ use crate::train::lora::LoraRun;
 
 use crate::compile::sharding::{default_level, model_state_bytes, ModelStateBytes, ParamCounts};
 use crate::train::error::{Result, TrainError};
+use crate::train::metrics::mib;
 
 /// The memory the ranks of this host may hold, and where the figure comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -161,12 +162,10 @@ pub fn check_fits(
     if need <= budget.bytes {
         return Ok(());
     }
-    let gib = |b: u64| match b >= 1 << 30 {
-        true => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
-        false => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
-    };
+    // In MiB, as the accounting (`rank`) prints its figures.
+    let shown = |b: u64| format!("{:.1} MiB", mib(b as f64));
     let fix = match ShardLevel::ALL.into_iter().filter(|&l| l > level).find(|&l| host(l, world).1 <= budget.bytes) {
-        Some(l) => format!("resume with --shard {l} ({} on this host)", gib(host(l, world).1)),
+        Some(l) => format!("resume with --shard {l} ({} on this host)", shown(host(l, world).1)),
         None => {
             // More ranks, as many on each host as here: each holds less.
             match (world + 1..=world.max(1) * 1024).find(|&w| host(ShardLevel::Parameters, w).1 <= budget.bytes) {
@@ -181,8 +180,8 @@ pub fn check_fits(
         "{what}: the model states need {rank} at --shard {level} over {world} rank(s), {} for the {here} rank(s) on \
          this host (activations come on top), but {} is {}: {fix}, or give a larger --memory-budget if the memory is \
          there",
-        gib(need),
+        shown(need),
         budget.source,
-        gib(budget.bytes),
+        shown(budget.bytes),
     )))
 }
