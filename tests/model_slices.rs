@@ -82,7 +82,7 @@ fn check(dir: &Path, dtype: DType, world: usize, lora: bool) {
             }
         };
         let (want, whole) = whole_then_shard(&dir, dtype, &pg, &adapt);
-        let built = build(&paths, &config, dtype, &Device::Cpu, &pg, |m| {
+        let built = build(&ranges, &config, dtype, &Device::Cpu, &pg, |m| {
             adapt(m);
             Ok(())
         })
@@ -211,4 +211,37 @@ fn shard_from_slice_stores_the_slice_and_refuses_a_wrong_one() {
         assert!(again.contains("is sharded already"), "{again}");
     });
     out.into_iter().for_each(|r| r.unwrap());
+}
+
+/// A job at `--shard parameters` reads the files' headers once (in `Job::prepare`) and its ranks read their
+/// slices through the job's open files: with the model's files gone after prepare (unlinked: the open files
+/// still read), both thread ranks still build and train.
+#[test]
+fn the_ranks_of_a_job_read_through_the_files_it_opened() {
+    use autosp::train::{Job, RunOptions};
+    let dir = temp("job");
+    let config = write_model(&dir, false, DType::F32, usize::MAX);
+    let save = temp("job-save");
+    let o = RunOptions {
+        model: Some(dir.to_str().unwrap().into()),
+        shard: Some(ShardLevel::Parameters),
+        seq_len: 256,
+        batch_tokens: Some(256),
+        quick: true,
+        steps: 1,
+        warmup: 0,
+        save: Some(save.clone()),
+        ..RunOptions::default()
+    };
+    let job = Job::prepare(o, 2, true).unwrap();
+    let ranges = job.weight_ranges.clone().expect("each rank reads its slices at parameters");
+    std::fs::remove_dir_all(&dir).unwrap();
+    let out = run_ranks(2, Duration::from_secs(120), |pg| job.run_rank(pg, &|| false, &mut |_| {}).map(|_| ()));
+    for (r, o) in out.into_iter().enumerate() {
+        o.unwrap().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+    // Every element of the file's tensors read once, by one of the two ranks, through the job's files.
+    let elems: usize = config.expected_tensors().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    assert_eq!(ranges.bytes_read(), (elems * DType::F32.size_in_bytes()) as u64);
+    std::fs::remove_dir_all(&save).unwrap();
 }

@@ -6,7 +6,7 @@ use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
 use candle_core::safetensors::Load;
 use candle_core::{DType, Device, Tensor};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 /// File name of an unsharded checkpoint.
@@ -80,7 +80,58 @@ fn ignorable(name: &str) -> bool {
     name.ends_with("rotary_emb.inv_freq")
 }
 
-/// Loads every tensor of `files` into `dtype` on `device`, checked against `config`.
+/// The checks of a model's safetensors files against its config, whether the tensors are loaded
+/// ([`load_weights`]) or only their headers read (a rank reading its own byte ranges): every tensor the config
+/// implies ([`LlamaConfig::expected_tensors`]) is there with its shape, in f32, bf16 or f16, and nothing else
+/// but what no computation reads. Give it each tensor of the files ([`tensor`](Self::tensor)), then
+/// [`finish`](Self::finish).
+pub struct TensorCheck<'a> {
+    config: &'a LlamaConfig,
+    expected: HashMap<String, Vec<usize>>,
+    seen: HashSet<String>,
+}
+
+impl<'a> TensorCheck<'a> {
+    /// The checks for a model of `config`, no tensor seen yet.
+    pub fn new(config: &'a LlamaConfig) -> Self {
+        Self { config, expected: config.expected_tensors().into_iter().collect(), seen: HashSet::new() }
+    }
+
+    /// Checks tensor `name` of the file at `path`, of `shape` and `dtype` as the file's header gives them.
+    /// `Ok(true)`: the model has it (counted as seen); `Ok(false)`: a tensor no computation reads, to skip
+    /// (RoPE buffers, a tied model's `lm_head.weight`, which transformers skips too); an error naming the
+    /// tensor and the file for one the model does not have, another shape, or a dtype other than f32, bf16
+    /// or f16.
+    pub fn tensor(&mut self, path: &Path, name: &str, shape: &[usize], dtype: safetensors::Dtype) -> Result<bool> {
+        let Some(expected) = self.expected.get(name) else {
+            if ignorable(name) || (self.config.tie_word_embeddings && name == "lm_head.weight") {
+                return Ok(false);
+            }
+            return Err(Error::UnexpectedTensor { name: name.into(), found: shape.to_vec(), path: path.into() });
+        };
+        if expected != shape {
+            let (name, expected, found) = (name.into(), expected.clone(), shape.to_vec());
+            return Err(Error::ShapeMismatch { name, expected, found, path: path.into() });
+        }
+        use safetensors::Dtype as D;
+        if !matches!(dtype, D::F32 | D::BF16 | D::F16) {
+            return Err(Error::UnsupportedDtype { name: name.into(), dtype: format!("{dtype:?}"), path: path.into() });
+        }
+        self.seen.insert(name.to_string());
+        Ok(true)
+    }
+
+    /// Fails naming the first tensor of the config's order that no file held, with `path` where it should
+    /// have been (the single file, or the index of split files).
+    pub fn finish(self, path: &Path) -> Result<()> {
+        match self.config.expected_tensors().into_iter().find(|(name, _)| !self.seen.contains(name)) {
+            Some((name, expected)) => Err(Error::MissingTensor { name, expected, path: path.into() }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Loads every tensor of `files` into `dtype` on `device`, checked against `config` ([`TensorCheck`]).
 ///
 /// Returns HF name -> tensor with the shapes of [`LlamaConfig::expected_tensors`]. A tied model's
 /// `lm_head.weight`, if a file holds one anyway, is skipped, as transformers does.
@@ -90,32 +141,23 @@ pub fn load_weights(
     dtype: DType,
     device: &Device,
 ) -> Result<HashMap<String, Tensor>> {
-    let expected: HashMap<String, Vec<usize>> = config.expected_tensors().into_iter().collect();
-    let paths: Vec<PathBuf> = match files {
-        WeightFiles::Single(p) => vec![p.clone()],
-        WeightFiles::Sharded { shards, .. } => shards.clone(),
+    let (paths, whole) = match files {
+        WeightFiles::Single(p) => (vec![p.clone()], p),
+        WeightFiles::Sharded { index, shards } => (shards.clone(), index),
     };
+    let mut check = TensorCheck::new(config);
     let mut out = HashMap::new();
     for path in &paths {
-        load_file(path, &expected, config, dtype, device, &mut out)?;
+        load_file(path, &mut check, dtype, device, &mut out)?;
     }
-    // Report missing tensors in the config's order, naming where they should have been.
-    for (name, shape) in config.expected_tensors() {
-        if !out.contains_key(&name) {
-            let path = match files {
-                WeightFiles::Single(p) => p.clone(),
-                WeightFiles::Sharded { index, .. } => index.clone(),
-            };
-            return Err(Error::MissingTensor { name, expected: shape, path });
-        }
-    }
+    // Missing tensors are reported in the config's order, naming where they should have been.
+    check.finish(whole)?;
     Ok(out)
 }
 
 fn load_file(
     path: &Path,
-    expected: &HashMap<String, Vec<usize>>,
-    config: &LlamaConfig,
+    check: &mut TensorCheck<'_>,
     dtype: DType,
     device: &Device,
     out: &mut HashMap<String, Tensor>,
@@ -130,19 +172,8 @@ fn load_file(
     names.sort();
     for name in names {
         let view = st.tensor(&name).map_err(|e| Error::Safetensors { path: path.into(), message: e.to_string() })?;
-        let found = view.shape().to_vec();
-        let Some(shape) = expected.get(&name) else {
-            if ignorable(&name) || (config.tie_word_embeddings && name == "lm_head.weight") {
-                continue;
-            }
-            return Err(Error::UnexpectedTensor { name, found, path: path.into() });
-        };
-        if *shape != found {
-            return Err(Error::ShapeMismatch { name, expected: shape.clone(), found, path: path.into() });
-        }
-        use safetensors::Dtype as D;
-        if !matches!(view.dtype(), D::F32 | D::BF16 | D::F16) {
-            return Err(Error::UnsupportedDtype { name, dtype: format!("{:?}", view.dtype()), path: path.into() });
+        if !check.tensor(path, &name, view.shape(), view.dtype())? {
+            continue;
         }
         let t = view.load(&Device::Cpu)?.to_dtype(dtype)?.to_device(device)?;
         out.insert(name, t);

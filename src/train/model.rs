@@ -124,10 +124,10 @@ pub fn load(source: &str, dtype: DType) -> Result<Loaded> {
 }
 
 /// `source`'s config and tokenizer with the model as a [`skeleton`] in `dtype` (no weight read), and the
-/// files each rank reads its own slices of the weights from ([`crate::train::checkpoint::model_slices`]), their
-/// headers checked against the config; `None` when the weights cannot be read in ranges (a GGUF file, whose
-/// weights are quantised, or a family whose files fuse projections): then [`load`] it whole.
-pub fn load_skeleton(source: &str, dtype: DType) -> Result<Option<(Loaded, WeightPaths)>> {
+/// files each rank reads its own slices of the weights from ([`crate::train::checkpoint::model_slices`]), open,
+/// their headers read once and checked against the config; `None` when the weights cannot be read in ranges (a
+/// GGUF file, whose weights are quantised, or a family whose files fuse projections): then [`load`] it whole.
+pub fn load_skeleton(source: &str, dtype: DType) -> Result<Option<(Loaded, WeightRanges)>> {
     let path = Path::new(source);
     if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
         return Ok(None);
@@ -137,9 +137,10 @@ pub fn load_skeleton(source: &str, dtype: DType) -> Result<Option<(Loaded, Weigh
     let Some(paths) = WeightPaths::of(&resolved.weights, &config) else {
         return Ok(None);
     };
-    WeightRanges::open(&paths)?.check(&config)?;
+    let ranges = WeightRanges::open(&paths)?;
+    ranges.check(&config)?;
     let model = skeleton(&config, dtype, &Device::Cpu)?;
-    Ok(Some((with_tokenizer(source, model)?, paths)))
+    Ok(Some((with_tokenizer(source, model)?, ranges)))
 }
 
 /// `model` loaded from `source` with its tokenizer, chat template and their files.

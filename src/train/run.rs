@@ -16,7 +16,7 @@ use autosp_models::{LlamaConfig, LlamaModel};
 use candle_core::{DType, Device, Tensor};
 use serde_json::json;
 
-use super::checkpoint::model_slices::WeightPaths;
+use super::checkpoint::model_slices::WeightRanges;
 use super::checkpoint::{self, RunShape, SaveLock, TrainerState};
 use super::config::{micro_batches, NonFinite, TrainConfig};
 use super::corpus::Corpus;
@@ -90,9 +90,10 @@ pub struct Job {
     pub long_context: LongContext,
     /// What `--rope-scaling` made of the model's positions (the line the run prints), when given.
     pub rope_extended: Option<autosp_models::RopeExtended>,
-    /// At `--shard parameters`, the weight files each rank reads its own slices from (`base` is then `None`:
-    /// no process loads the whole model); `None` when the ranks build from `base`.
-    pub weight_paths: Option<WeightPaths>,
+    /// At `--shard parameters`, the weight files each rank reads its own slices from, open with their headers
+    /// read (once per process; `base` is then `None`: no process loads the whole model); `None` when the ranks
+    /// build from `base`.
+    pub weight_ranges: Option<Arc<WeightRanges>>,
 }
 
 /// The kernel switches from the environment (`AUTOSP_KERNELS`, `AUTOSP_SIMD`), checked so that a typo or a
@@ -262,8 +263,8 @@ impl Job {
             check(&skeleton.model.config)?;
         }
         let skeleton_checked = sliced.is_some();
-        let (mut loaded, weight_paths) = match sliced {
-            Some((loaded, paths)) if o.shard == Some(ShardLevel::Parameters) => (loaded, Some(paths)),
+        let (mut loaded, weight_ranges) = match sliced {
+            Some((loaded, ranges)) if o.shard == Some(ShardLevel::Parameters) => (loaded, Some(Arc::new(ranges))),
             _ => (model::load(&source, Precision::float(dtype).master())?, None),
         };
         if checked && !skeleton_checked {
@@ -389,7 +390,7 @@ impl Job {
             (None, rope) => rope.as_ref().map(|x| loaded.model.extend_rope(x)).transpose()?,
         };
         let config = loaded.model.config.clone();
-        let base = weight_paths.is_none().then(|| Arc::new(loaded.model.to_weights()));
+        let base = weight_ranges.is_none().then(|| Arc::new(loaded.model.to_weights()));
         let tokenizer_files = loaded.tokenizer_files();
         let long_context =
             LongContext::from_options(o, &config, loaded.tokenizer.as_ref(), heldout.as_ref(), &save_root)?;
@@ -416,7 +417,7 @@ impl Job {
             lora,
             long_context,
             rope_extended,
-            weight_paths,
+            weight_ranges,
             heap: None,
             name: "training".into(),
             options,
@@ -445,7 +446,7 @@ impl Job {
         };
         // The loaded weights (master dtype, f32, on the CPU; one copy shared by the thread ranks). The model
         // computes in their `dtype` rounding on the device; the optimizer's masters are taken from them below.
-        // None where each rank reads its own slices (`weight_paths`, at `parameters`).
+        // None where each rank reads its own slices (`weight_ranges`, at `parameters`).
         let base = self.base.lock().expect("job lock poisoned").clone();
         let adapt = |model: &mut LlamaModel| -> Result<()> {
             if let Some(l) = &self.lora {
@@ -464,9 +465,9 @@ impl Job {
         };
         // At `parameters` each rank reads its own slices of the files (all ranks at once, #41); from the loaded
         // weights the ranks build in turn, each keeping its slices before the next builds.
-        let (model, read_masters) = match (&self.weight_paths, &base) {
-            (Some(paths), _) => {
-                let b = checkpoint::model_slices::build(paths, &self.config, self.dtype, &device, &pg, adapt)?;
+        let (model, read_masters) = match (&self.weight_ranges, &base) {
+            (Some(ranges), _) => {
+                let b = checkpoint::model_slices::build(ranges, &self.config, self.dtype, &device, &pg, adapt)?;
                 (b.model, b.masters)
             }
             (None, Some(base)) => match o.shard {

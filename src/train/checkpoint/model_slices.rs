@@ -18,7 +18,7 @@ use autosp_core::comm::ProcessGroup;
 use autosp_core::memory::storage_key;
 use autosp_core::shard::{ShardLayout, ShardLevel};
 use autosp_core::{Param, Precision};
-use autosp_models::weights::WeightFiles;
+use autosp_models::weights::{TensorCheck, WeightFiles};
 use autosp_models::{LlamaConfig, LlamaModel};
 use candle_core::{DType, Device, Tensor};
 
@@ -45,7 +45,9 @@ impl WeightPaths {
     }
 }
 
-/// The open weight files of a model, by tensor name: headers read, tensors read on demand.
+/// The open weight files of a model, by tensor name: headers read, tensors read on demand. Opened once per
+/// process (the job's, [`crate::train::Job::weight_ranges`]) and shared by its ranks: each reads its own
+/// ranges through the same files, with positioned reads.
 pub struct WeightRanges {
     files: Vec<TensorFile>,
     by_name: HashMap<String, usize>,
@@ -62,56 +64,35 @@ impl WeightRanges {
         Ok(Self { files, by_name })
     }
 
-    /// Checks the headers against `config` as loading the whole model does ([`autosp_models::load_weights`]):
-    /// every tensor it implies is there with its shape in f32, bf16 or f16, and nothing else (a tied model's
-    /// `lm_head.weight` and `rotary_emb.inv_freq` buffers aside). Reads nothing but the headers.
+    /// Checks the headers against `config` as loading the whole model does (the same checks:
+    /// [`TensorCheck`]). Reads nothing but the headers.
     pub fn check(&self, config: &LlamaConfig) -> Result<()> {
-        let expected: HashMap<String, Vec<usize>> = config.expected_tensors().into_iter().collect();
+        let mut check = TensorCheck::new(config);
         let mut names: Vec<&String> = self.by_name.keys().collect();
         names.sort();
         for name in names {
             let file = &self.files[self.by_name[name]];
             let e = file.entry(name).expect("indexed from this file");
-            let path = file.path().to_path_buf();
-            let Some(shape) = expected.get(name) else {
-                if name.ends_with("rotary_emb.inv_freq") || (config.tie_word_embeddings && name == "lm_head.weight") {
-                    continue;
-                }
-                return Err(autosp_models::Error::UnexpectedTensor {
-                    name: name.clone(),
-                    found: e.shape.clone(),
-                    path,
-                }
-                .into());
-            };
-            if *shape != e.shape {
-                let (name, expected, found) = (name.clone(), shape.clone(), e.shape.clone());
-                return Err(autosp_models::Error::ShapeMismatch { name, expected, found, path }.into());
-            }
-            if !matches!(e.dtype, DType::F32 | DType::BF16 | DType::F16) {
-                let dtype = format!("{:?}", e.dtype);
-                return Err(autosp_models::Error::UnsupportedDtype { name: name.clone(), dtype, path }.into());
-            }
+            check.tensor(file.path(), name, &e.shape, e.dtype.into())?;
         }
-        for (name, expected) in config.expected_tensors() {
-            if !self.by_name.contains_key(&name) {
-                let path = self.files.first().map(|f| f.path().to_path_buf()).unwrap_or_default();
-                return Err(autosp_models::Error::MissingTensor { name, expected, path }.into());
-            }
-        }
-        Ok(())
+        let path = self.files.first().map(|f| f.path().to_path_buf()).unwrap_or_default();
+        Ok(check.finish(&path)?)
     }
 
     /// Elements `elems` of weight `name` flattened, `[elems.len()]` in the master dtype of `dtype` (f32 for
-    /// f32/bf16/f16): one positioned read of those bytes in the file's dtype, then converted.
-    fn read(&self, name: &str, elems: Range<usize>, dtype: DType) -> Result<Tensor> {
+    /// f32/bf16/f16): one positioned read of those bytes in the file's dtype, then converted. With the bytes
+    /// read.
+    fn read(&self, name: &str, elems: Range<usize>, dtype: DType) -> Result<(Tensor, u64)> {
         let i = *self.by_name.get(name).ok_or_else(|| {
             TrainError::Config(format!("the model's files hold no `{name}`: give a model whose files have it"))
         })?;
-        Ok(self.files[i].read(name, elems)?.to_dtype(Precision::float(dtype).master())?)
+        let t = self.files[i].read(name, elems)?;
+        let bytes = (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        Ok((t.to_dtype(Precision::float(dtype).master())?, bytes))
     }
 
-    /// The bytes of tensors read from the files so far, all files together.
+    /// The bytes of tensors read from the files so far, all files and all readers together (the ranks of a
+    /// process share one `WeightRanges`).
     pub fn bytes_read(&self) -> u64 {
         self.files.iter().map(TensorFile::bytes_read).sum()
     }
@@ -145,7 +126,7 @@ pub struct Built {
     pub bytes_read: u64,
 }
 
-/// Builds one rank's model of `config` in `dtype` on `device` from the files at `paths`, sharded at
+/// Builds one rank's model of `config` in `dtype` on `device` from the open files `ranges`, sharded at
 /// `Parameters` over `group` (more than one rank): each weight's slice read from its byte range; over one
 /// rank, each weight read whole. `adapt` runs on the skeleton first (LoRA adds its adapters and puts a saved
 /// adapter's tensors in): what it sets whole (the adapters, a saved adapter's trained norms) is sharded
@@ -154,7 +135,7 @@ pub struct Built {
 /// the whole-set parameters are sharded (a broadcast each), so a rank whose read fails stops every rank at
 /// the same collective: it returns its own error, the others one saying a rank failed.
 pub fn build(
-    paths: &WeightPaths,
+    ranges: &WeightRanges,
     config: &LlamaConfig,
     dtype: DType,
     device: &Device,
@@ -165,13 +146,12 @@ pub fn build(
     // This rank's reads, no collective: the model, its masters, the bytes read and the parameters `adapt`
     // set whole (sharded after the agreement).
     let read = || -> Result<(Built, Vec<Param>)> {
-        let ranges = WeightRanges::open(paths)?;
         let zero = Tensor::zeros((), dtype, device)?;
         let placeholder = storage_key(&zero);
         let mut model = skeleton_of(config, &zero)?;
         adapt(&mut model)?;
         let keeps_master = Precision::float(dtype).needs_master();
-        let (mut masters, mut whole) = (HashMap::new(), Vec::new());
+        let (mut masters, mut whole, mut bytes_read) = (HashMap::new(), Vec::new(), 0);
         for p in model.params() {
             if storage_key(&p.tensor()) != placeholder {
                 whole.push(p);
@@ -180,7 +160,8 @@ pub fn build(
             let shape = p.shape();
             let layout = ShardLayout::new(shape.elem_count(), group.rank(), group.size());
             let elems = if sliced { layout.owned() } else { 0..layout.numel };
-            let master = ranges.read(p.name(), elems.clone(), dtype)?;
+            let (master, bytes) = ranges.read(p.name(), elems.clone(), dtype)?;
+            bytes_read += bytes;
             let stored = master.to_dtype(dtype)?;
             let pad = if sliced { layout.chunk - elems.len() } else { 0 };
             let (stored, master) = match pad {
@@ -198,7 +179,7 @@ pub fn build(
                 p.set(stored.reshape(&shape)?)?;
             }
         }
-        Ok((Built { model, masters, bytes_read: ranges.bytes_read() }, whole))
+        Ok((Built { model, masters, bytes_read }, whole))
     };
     let read = read();
     let (built, whole) = match (agree(group.as_ref(), read.is_ok())?, read) {
