@@ -3,7 +3,8 @@
 //! the query rows of its shard only and holds the keys and values of its shard plus the decoded tokens given
 //! to it (read from the cache's tensors), so no rank holds the whole cache; P = 1 equals the one-rank
 //! `LlamaModel::generate`. Also with LoRA adapters, with weights sharded at `Parameters` (gathered once),
-//! and the bad requests each refused with their own error.
+//! and the bad requests each refused with their own error. A rank that refuses a request (given another
+//! than its peers) or fails during the generation stops the others within seconds, naming it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -287,4 +288,64 @@ fn each_decoded_token_costs_one_all_gather_per_layer_of_the_stated_bytes() {
             assert_eq!(stated, layers * p * h * (d + 1) * 4);
         }
     }
+}
+
+/// What each rank of [`two_ranks_one_failing`] saw: its generation's error (if any), how long the call took,
+/// and whether a second, good request then succeeded on the same compiled model.
+type Failing = (Option<String>, Duration, bool);
+
+/// Generates on 2 thread ranks (the group waiting 60 s), rank 1 with `bad` and rank 0 with `good`. Rank 1
+/// stays alive with its group and its compiled model after its call (as a process of an MPI job does) until
+/// rank 0 has its answer, 30 s at most; then, where `again`, both generate `good` once more.
+fn two_ranks_one_failing(good: GenerateConfig, bad: (Vec<u32>, GenerateConfig), again: bool) -> Vec<Failing> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+    let answered = AtomicBool::new(false);
+    let out = run_ranks(2, Duration::from_secs(60), |pg| {
+        let rank = pg.rank();
+        let policy = Checkpointing::Policy(CheckpointPolicy::None);
+        let c = compile(tiny(), CompileConfig::new(pg, Strategy::Ulysses, policy)).unwrap();
+        let (ids, gen) = if rank == 1 { bad.clone() } else { (prompt(30), good.clone()) };
+        let start = Instant::now();
+        let err = c.generate(&ids, &gen).err().map(|e| e.to_string());
+        let took = start.elapsed();
+        if rank == 1 {
+            let until = Instant::now() + Duration::from_secs(30);
+            while !answered.load(Ordering::SeqCst) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        } else {
+            answered.store(true, Ordering::SeqCst);
+        }
+        let second = again && c.generate(&prompt(30), &good).is_ok();
+        (err, took, second)
+    });
+    out.into_iter().map(|r| r.unwrap()).collect()
+}
+
+/// Rank 1 alone is given a prompt with an id outside the vocabulary: it refuses it, rank 0 refuses too at
+/// once naming rank 1 (one all-gather before the prefill), and the group is still usable: the next good
+/// request succeeds on both.
+#[test]
+fn a_request_one_rank_refuses_is_refused_by_every_rank_at_once() {
+    let out = two_ranks_one_failing(greedy(4), (vec![1, 2, 500], greedy(4)), true);
+    let e1 = out[1].0.clone().expect("rank 1 refuses its prompt");
+    assert!(e1.contains("prompt token 500"), "{e1}");
+    let e0 = out[0].0.clone().expect("rank 0 refuses with it");
+    assert!(e0.contains("rank(s) [1] refused this generation request"), "{e0}");
+    assert!(out[0].1 < Duration::from_secs(10), "rank 0 stopped after {:?}", out[0].1);
+    assert!(out[0].2 && out[1].2, "the next request goes on the same group");
+}
+
+/// Rank 1 alone fails during the generation (its sampling settings are refused when its first token is
+/// drawn, after the prefill): rank 0, in the decode's collectives, stops within seconds naming rank 1.
+#[test]
+fn a_rank_failing_during_generation_stops_the_others_within_seconds() {
+    let bad = GenerateConfig { sampling: Sampling::TopP { temperature: -1.0, top_p: 0.9 }, ..greedy(4) };
+    let out = two_ranks_one_failing(greedy(4), (prompt(30), bad), false);
+    let e1 = out[1].0.clone().expect("rank 1 fails drawing its first token");
+    assert!(e1.contains("temperature must be finite and > 0"), "{e1}");
+    let e0 = out[0].0.clone().expect("rank 0 stops too");
+    assert!(e0.contains("rank 1 of the job failed") && e0.contains("temperature must be"), "{e0}");
+    assert!(out[0].1 < Duration::from_secs(10), "rank 0 stopped after {:?}", out[0].1);
 }

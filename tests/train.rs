@@ -1,12 +1,14 @@
 //! The trainer through its library API (`autosp::train::Trainer`), without the `llama_longctx` command line:
 //! a run stopped, saved and resumed gives the very bytes of an uninterrupted run (on 2 thread ranks, with 2
 //! micro-batches a step), a stop flag raised before the first step saves nothing, and a non-finite loss stops
-//! the run naming the newest checkpoint it kept.
+//! the run naming the newest checkpoint it kept. A rank whose run fails (a step it refuses, a save directory it
+//! cannot lock) stops the others within seconds, naming it, rather than at the group's timeout.
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use autosp::core::comm::{run_ranks, ProcessGroup};
 use autosp::core::CheckpointPolicy;
@@ -127,4 +129,84 @@ fn a_nonfinite_loss_stops_naming_the_checkpoint_kept() {
     assert!(*step >= 2, "{err}");
     assert_eq!(kept.as_deref(), Some(tmp.path().join(format!("step-{}", step - 1)).as_path()), "{err}");
     assert!(err.to_string().contains("--skip-nonfinite"), "{err}");
+}
+
+/// The group's timeout in the tests of a failing rank: far past what the tests allow the others to take.
+const LONG: Duration = Duration::from_secs(60);
+
+/// After its call, the failing rank stays alive with its group and its trainer (as a process of an MPI job
+/// does, or a library user's thread that goes on) until the other rank has its answer, 30 s at most; the
+/// other says it has.
+fn settle(failing: bool, answered: &AtomicBool) {
+    if !failing {
+        answered.store(true, Ordering::SeqCst);
+        return;
+    }
+    let until = Instant::now() + Duration::from_secs(30);
+    while !answered.load(Ordering::SeqCst) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Only rank 1's batch is bad (ids outside the vocabulary): its step refuses it, and rank 0, inside the step's
+/// collectives, stops within seconds naming rank 1 and its error (the group would wait 60 s).
+#[test]
+fn a_rank_whose_step_fails_stops_the_others_within_seconds() {
+    let (cfg, w) = weights();
+    let answered = AtomicBool::new(false);
+    let out = run_ranks(2, LONG, |pg| {
+        let rank = pg.rank();
+        let model = LlamaModel::from_weights(&cfg, w.clone()).unwrap();
+        let data = match rank {
+            1 => Stream::packed(data::pack(&vec![1000; SEQ * 4], SEQ, "bad ids").unwrap()),
+            _ => stream(),
+        };
+        let mut c = TrainConfig::new(SEQ, 2);
+        c.micro_batches = 2;
+        let mut t = Trainer::new(compiled(pg, model), c, data).unwrap();
+        let start = Instant::now();
+        let out = t.run(&|| false, &mut |_| {}).map(|_| ()).map_err(|e| e.to_string());
+        let took = start.elapsed();
+        settle(rank == 1, &answered);
+        (out, took)
+    });
+    let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
+    let (e1, e0) = (out[1].0.clone().unwrap_err(), out[0].0.clone().unwrap_err());
+    assert!(e1.contains("id 1000") && e1.contains("outside the model's vocabulary"), "{e1}");
+    assert!(e0.contains("rank 1 of the job failed") && e0.contains("id 1000"), "rank 0: {e0}");
+    assert!(out[0].1 < Duration::from_secs(10), "rank 0 stopped after {:?}", out[0].1);
+}
+
+/// `Job::run_rank` likewise: rank 0 alone cannot take the save directory's lock (another holder), and rank 1,
+/// gone on into the run's collectives, stops within seconds naming rank 0 and why.
+#[test]
+fn a_rank_whose_job_fails_stops_the_others_within_seconds() {
+    use autosp::train::{Job, RunOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let save = tmp.path().join("run");
+    let o = RunOptions {
+        seq_len: 256,
+        batch_tokens: Some(256),
+        quick: true,
+        steps: 2,
+        warmup: 0,
+        save: Some(save.clone()),
+        ..RunOptions::default()
+    };
+    let job = Job::prepare(o, 2, true).unwrap();
+    let _held = checkpoint::SaveLock::acquire(&save).unwrap();
+    let answered = AtomicBool::new(false);
+    let out = run_ranks(2, LONG, |pg| {
+        let rank = pg.rank();
+        let start = Instant::now();
+        let out = job.run_rank(pg, &|| false, &mut |_| {}).map(|_| ()).map_err(|e| e.to_string());
+        let took = start.elapsed();
+        settle(rank == 0, &answered);
+        (out, took)
+    });
+    let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
+    let (e0, e1) = (out[0].0.clone().unwrap_err(), out[1].0.clone().unwrap_err());
+    assert!(e0.contains("another run"), "{e0}");
+    assert!(e1.contains("rank 0 of the job failed") && e1.contains("another run"), "rank 1: {e1}");
+    assert!(out[1].1 < Duration::from_secs(10), "rank 1 stopped after {:?}", out[1].1);
 }

@@ -34,6 +34,14 @@ pub enum InferError {
     )]
     TooLong { prompt: usize, new: usize, max: usize },
 
+    /// Other ranks refused the same generation request (each says why in its own error), so none started
+    /// it: every rank calls `generate` with the same prompt and config.
+    #[error(
+        "rank(s) {ranks:?} refused this generation request (each says why in its own error), so no rank started \
+         it: every rank must call generate with the same prompt and config"
+    )]
+    RefusedElsewhere { ranks: Vec<usize> },
+
     /// The command line's prompt or model could not be used (`--prompt`, `--chat`, `--resume`), or a rank
     /// failed (the message names it).
     #[error("{0}")]

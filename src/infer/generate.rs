@@ -18,6 +18,7 @@ use super::slots::{lock, DecodeAttention, PrefillAttention, SharedKv};
 use super::stats::{per_second, GenerateStats};
 use super::weights::inference_copy;
 use super::{Finish, Generated, InferError, TokenEvent};
+use crate::rank_failure::abort_on_error;
 use crate::Compiled;
 
 /// The stop tokens `cfg` asks for, or the config's end tokens.
@@ -152,15 +153,57 @@ impl Compiled<LlamaModel> {
     /// decoded against every rank's part, merged by LSE, one all-gather per layer. Ends at a stop token
     /// (`cfg.stop_tokens`, else the config's end tokens; included), after `cfg.max_new_tokens`, or when
     /// `on_token` says so. `max_new_tokens` 0 runs the prefill only (its figures in the stats).
+    ///
+    /// Collective over the world, as [`generate`](Self::generate): `on_token` must answer alike on every rank
+    /// (the command line agrees on a stop with one all-reduce per token). A request that a rank refuses is
+    /// refused by every rank at once (one all-gather; the group stays usable): that rank's error, on the others
+    /// [`InferError::RefusedElsewhere`]. An error past that on one rank is told to the others
+    /// ([`ProcessGroup::abort`](autosp_core::comm::ProcessGroup::abort)), whose calls fail at once naming it.
     pub fn generate_streaming(
         &self,
         prompt: &[u32],
         cfg: &GenerateConfig,
-        mut on_token: impl FnMut(&TokenEvent<'_>) -> bool,
+        on_token: impl FnMut(&TokenEvent<'_>) -> bool,
     ) -> Result<Generated, InferError> {
         let start = Instant::now();
-        check_request(self.model(), prompt, cfg)?;
-        let stop = stop_tokens(self.model(), cfg)?;
+        // The request's checks, agreed over the world (every rank refuses together, the group still usable);
+        // past them a rank's error is told to the others (the ranks are then in the collectives of the prefill
+        // and decode, which they would otherwise wait in until the group's timeout).
+        let request = check_request(self.model(), prompt, cfg).and_then(|()| stop_tokens(self.model(), cfg));
+        let stop = self.agree_request(request)?;
+        let world = self.group().clone();
+        abort_on_error(world.as_ref(), self.generate_checked(prompt, cfg, &stop, start, on_token))
+    }
+
+    /// `mine` (this rank's checks of a request) where every rank of the world accepted the request (collective
+    /// over more than one rank: one all-gather of a flag); else this rank's error, or one naming the ranks that
+    /// refused it. Every rank is to call `generate` with the same request, so they agree but for a caller's
+    /// mistake.
+    fn agree_request<T>(&self, mine: Result<T, InferError>) -> Result<T, InferError> {
+        let world = self.group();
+        if world.size() == 1 {
+            return mine;
+        }
+        let flag = Tensor::new(&[f32::from(u8::from(mine.is_err()))], &candle_core::Device::Cpu)?;
+        let flags = world.all_gather(&flag, 0).map_err(autosp_core::Error::from)?.to_vec1::<f32>()?;
+        let ranks: Vec<usize> = flags.iter().enumerate().filter(|(_, &f)| f > 0.0).map(|(r, _)| r).collect();
+        match (mine, ranks.is_empty()) {
+            (Ok(v), true) => Ok(v),
+            (Err(e), _) => Err(e),
+            (Ok(_), false) => Err(InferError::RefusedElsewhere { ranks }),
+        }
+    }
+
+    /// [`generate_streaming`](Self::generate_streaming) past the request's checks (`stop`: its stop tokens),
+    /// an error not yet told to the other ranks.
+    fn generate_checked(
+        &self,
+        prompt: &[u32],
+        cfg: &GenerateConfig,
+        stop: &[u32],
+        start: Instant,
+        mut on_token: impl FnMut(&TokenEvent<'_>) -> bool,
+    ) -> Result<Generated, InferError> {
         let (mut model, gathered) = inference_copy(self.model())?;
         let sp = self.sp_group().clone();
         let (p, n) = (sp.size(), prompt.len());

@@ -425,8 +425,21 @@ impl Job {
     }
 
     /// One rank's whole run (every rank calls it with its group). `stop` is asked between steps
-    /// ([`Trainer::run`]); `observe` gets the reports on rank 0. Returns how the run ended.
+    /// ([`Trainer::run`]); `observe` gets the reports on rank 0. Returns how the run ended. An error of this
+    /// rank is told to every other rank of the job ([`ProcessGroup::abort`]), whose calls then fail at once
+    /// naming it rather than at the group's timeout.
     pub fn run_rank(
+        &self,
+        pg: Arc<dyn ProcessGroup>,
+        stop: &dyn Fn() -> bool,
+        observe: &mut dyn FnMut(Event),
+    ) -> Result<Ended> {
+        let group = pg.clone();
+        crate::rank_failure::abort_on_error(group.as_ref(), self.rank_run(pg, stop, observe))
+    }
+
+    /// [`run_rank`](Self::run_rank)'s work, an error not yet told to the other ranks.
+    fn rank_run(
         &self,
         pg: Arc<dyn ProcessGroup>,
         stop: &dyn Fn() -> bool,

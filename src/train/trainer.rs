@@ -311,8 +311,16 @@ impl Trainer {
     /// Trains to `config.steps`. Before each step every rank asks `stop()` and all agree (one all-reduce):
     /// when any says yes, the loop ends with [`Ended::Interrupted`] (after saving, when a step was taken and
     /// there is a `save_dir`). At the end it saves (with a `save_dir`). `observe` gets the reports on rank 0.
-    /// Collective: every rank calls it.
+    /// Collective: every rank calls it. An error of this rank (a batch its step refuses, a file it cannot
+    /// write) is told to every other rank of the job ([`ProcessGroup::abort`]), whose calls then fail at once
+    /// naming it rather than at the group's timeout.
     pub fn run(&mut self, stop: &dyn Fn() -> bool, observe: &mut dyn FnMut(Event)) -> Result<Outcome> {
+        let group = self.compiled.group().clone();
+        crate::rank_failure::abort_on_error(group.as_ref(), self.run_steps(stop, observe))
+    }
+
+    /// [`run`](Self::run)'s loop, an error not yet told to the other ranks.
+    fn run_steps(&mut self, stop: &dyn Fn() -> bool, observe: &mut dyn FnMut(Event)) -> Result<Outcome> {
         let pg: Arc<dyn ProcessGroup> = self.compiled.group().clone();
         let (p, rank0) = (pg.size(), self.is_reporting());
         let (steps, seq_len, micro) = (self.config.steps, self.config.seq_len, self.config.micro_batches);
