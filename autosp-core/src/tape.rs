@@ -449,6 +449,11 @@ impl Tape {
                 }
             }
         }
+        if crate::gather_prefetch::running() {
+            let read = inner.gathered_params_read(inner.regions[r].start, end);
+            drop(inner);
+            crate::gather_prefetch::region_ended(&read);
+        }
         Ok(())
     }
 
@@ -601,6 +606,24 @@ impl Inner {
                 self.memory.untrack(&t);
             }
         }
+    }
+
+    /// The parameters whose gathered weights ([`crate::NodeKind::Gather`] outputs) recorded nodes
+    /// `start..end` read: the weights backward may replay their gathers for.
+    fn gathered_params_read(&self, start: usize, end: usize) -> Vec<ParamId> {
+        let mut read = Vec::new();
+        for node in &self.nodes[start..end] {
+            for &i in &node.inputs {
+                let Origin::Node(g) = self.values[i].origin else { continue };
+                if self.nodes[g].op.kind() != NodeKind::Gather {
+                    continue;
+                }
+                if let Some(Origin::Param(id)) = self.nodes[g].inputs.first().map(|&leaf| self.values[leaf].origin) {
+                    read.push(id);
+                }
+            }
+        }
+        read
     }
 
     /// A node in `region` reads value `index` (tensor `t`); `saved` if its backward reads it.
