@@ -5,7 +5,7 @@
 //! `start_send_recv` returns a [`PendingRecv`] so compute can overlap the transfer),
 //! `barrier`, `split` into subgroups (for 2D layouts: [`contiguous_groups`], [`strided_groups`]) and
 //! `duplicate` (a second handle for a communication thread; [`ProcessGroup::concurrent_handles`] says whether
-//! the two may run at once: threads yes, MPI and NCCL not yet). Back ends:
+//! the two may run at once: threads and MPI yes, NCCL where `nccl.rs` says). Back ends:
 //!
 //! - [`ThreadGroup`] (always built): P ranks as threads of one process; start them with [`run_ranks`].
 //! - `MpiGroup` (feature `mpi`, the `mpi` crate over OpenMPI): one process per rank under `mpirun`; see

@@ -121,7 +121,8 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
 
     /// Whether this handle and a [`duplicate`](Self::duplicate) of it may run collectives from two threads at
     /// once. Threads: yes. MPI: yes (the process-wide MPI lock is held for one polling round at a time, so
-    /// the two threads' collectives interleave; see `mpi.rs`).
+    /// the two threads' collectives interleave; see `mpi.rs`). NCCL: yes where `nccl.rs` says (each handle on
+    /// its own CUDA stream; stream-ordered allocation, `NCCL_RUNTIME_CONNECT=0` from NCCL 2.22 on).
     fn concurrent_handles(&self) -> bool {
         false
     }
