@@ -6,9 +6,11 @@
 //! The work is cut into tasks of at most [`ROWS_PER_TASK`] cached rows of one kv head, run on rayon's pool:
 //! each task computes its scores `s = (scale · q) · kᵀ` row by row (one dot per query row, the key row read
 //! once), their softmax in the log2 domain (max, then `2^((s - max) · log2 e)` and its sum), and `acc = p · v`
-//! with the attention tile product ([`Real::gemm`]). Tasks come back in a fixed order and are merged by their
-//! maxima and sums (the LSE merge), so the result does not depend on how rayon scheduled them. Accumulation
-//! in f32; `lse` in natural log.
+//! with the attention tile product ([`Real::gemm`]). Each task writes its part into its own slot of one
+//! buffer per call, and the parts are merged in the tasks' fixed order by their maxima and sums (the LSE
+//! merge), so the result does not depend on how rayon scheduled them. A task's working buffers (widened rows,
+//! scores) are its worker thread's [`Scratch`], reused from task to task and call to call: a decode step
+//! allocates per call, never per block or task. Accumulation in f32; `lse` in natural log.
 
 use autosp_core::simd::SimdPath;
 use candle_core::{CpuStorage, DType, Storage, Tensor};
@@ -38,11 +40,40 @@ struct BlockRef<'a> {
 }
 
 /// What a task returns for each of its `nr` query rows: the largest score `m` (scaled), the sum `l` of
-/// `e^(s - m)`, and `acc = Σ e^(s - m) v` (`[nr, d]`).
-struct Partial {
-    m: Vec<f32>,
-    l: Vec<f32>,
-    acc: Vec<f32>,
+/// `e^(s - m)`, and `acc = Σ e^(s - m) v` (`[nr, d]`). Views into the call's one buffer of every task's
+/// part ([`Partial::split`]).
+struct Partial<'a> {
+    m: &'a mut [f32],
+    l: &'a mut [f32],
+    acc: &'a mut [f32],
+}
+
+impl<'a> Partial<'a> {
+    /// Values a task's part takes for `nr` query rows of `d` values.
+    fn len(nr: usize, d: usize) -> usize {
+        nr * (d + 2)
+    }
+
+    /// `slot` (of [`Partial::len`] values) as `m`, `l`, `acc`.
+    fn split(slot: &'a mut [f32], nr: usize) -> Self {
+        let (m, rest) = slot.split_at_mut(nr);
+        let (l, acc) = rest.split_at_mut(nr);
+        Partial { m, l, acc }
+    }
+}
+
+/// A worker thread's buffers for its tasks, kept for the thread's life and grown to the largest task it ran,
+/// so that a decode step allocates nothing per task: the widened keys and values of a bf16 cache and the
+/// scores. Every task overwrites what it reads of them, so what an earlier task left never reaches a result.
+#[derive(Default)]
+struct Scratch {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    s: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
 /// Whether the kernel serves `q` over blocks of `cache` dtype: f32 or bf16 queries and caches.
@@ -164,29 +195,32 @@ unsafe fn scores_block<const Q: usize>(q: *const f32, k: *const f32, d: usize, r
 }
 
 /// One task: the `nr` query rows `q: [nr, d]` (already scaled) against rows `r0..r0 + n` of head `h` of
-/// `block`.
-fn task(path: SimdPath, q: &[f32], d: usize, block: &BlockRef<'_>, h: usize, r0: usize, n: usize) -> Partial {
-    let nr = q.len() / d;
-    let at = block.start + h * block.head_stride + r0 * d;
-    let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
-    let k = read(&block.k, at, n * d, &mut kbuf);
-    let mut s = vec![0f32; nr * n];
-    scores(path, q, k, d, &mut s);
-    let (mut m, mut l) = (vec![0f32; nr], vec![0f32; nr]);
-    for (i, row) in s.chunks_exact_mut(n).enumerate() {
-        let mx = f32::max_row(path, row);
-        m[i] = mx;
-        l[i] = f32::exp2_row(path, row, std::f32::consts::LOG2_E, mx * std::f32::consts::LOG2_E);
-    }
-    let v = read(&block.v, at, n * d, &mut vbuf);
-    let mut acc = vec![0f32; nr * d];
-    // SAFETY: s is [nr, n] (row stride n), v is [n, d] (row stride d), acc is [nr, d] (row stride d).
-    unsafe { f32::gemm(path, false, nr, d, n, s.as_ptr(), n, 1, v.as_ptr(), d, acc.as_mut_ptr(), d) };
-    Partial { m, l, acc }
+/// `block`, into `out` (written whole), on this thread's [`Scratch`].
+#[allow(clippy::too_many_arguments)]
+fn task(path: SimdPath, q: &[f32], d: usize, block: &BlockRef<'_>, h: usize, r0: usize, n: usize, out: Partial<'_>) {
+    SCRATCH.with(|scratch| {
+        let Scratch { k: kbuf, v: vbuf, s } = &mut *scratch.borrow_mut();
+        let nr = q.len() / d;
+        let at = block.start + h * block.head_stride + r0 * d;
+        let k = read(&block.k, at, n * d, kbuf);
+        if s.len() < nr * n {
+            s.resize(nr * n, 0.0);
+        }
+        let s = &mut s[..nr * n];
+        scores(path, q, k, d, s);
+        for (i, row) in s.chunks_exact_mut(n).enumerate() {
+            let mx = f32::max_row(path, row);
+            out.m[i] = mx;
+            out.l[i] = f32::exp2_row(path, row, std::f32::consts::LOG2_E, mx * std::f32::consts::LOG2_E);
+        }
+        let v = read(&block.v, at, n * d, vbuf);
+        // SAFETY: s is [nr, n] (row stride n), v is [n, d] (row stride d), acc is [nr, d] (row stride d).
+        unsafe { f32::gemm(path, false, nr, d, n, s.as_ptr(), n, 1, v.as_ptr(), d, out.acc.as_mut_ptr(), d) };
+    })
 }
 
 /// Merges `b` into `a` (the same query rows over disjoint keys): `m = max`, `l` and `acc` rescaled and added.
-fn merge(a: &mut Partial, b: &Partial, d: usize) {
+fn merge(a: &mut Partial<'_>, b: &Partial<'_>, d: usize) {
     for i in 0..a.m.len() {
         let m = a.m[i].max(b.m[i]);
         let (ca, cb) = ((a.m[i] - m).exp(), (b.m[i] - m).exp());
@@ -244,7 +278,7 @@ pub(crate) fn attend(
         }
         blocks.push(BlockRef { k, v, start: kl.start_offset(), head_stride: ks[0], rows: kl.dims()[1] });
     }
-    // Tasks in a fixed order: kv head, block, rows.
+    // Tasks in a fixed order: kv head, block, rows; each writes its own slot of one buffer.
     let mut tasks = Vec::new();
     for kh in 0..hkv {
         for (b, block) in blocks.iter().enumerate() {
@@ -253,21 +287,21 @@ pub(crate) fn attend(
             }
         }
     }
-    let parts: Vec<(usize, Partial)> = tasks
-        .par_iter()
-        .map(|&(kh, b, r0, n)| (kh, task(path, &qs[kh * nr * d..(kh + 1) * nr * d], d, &blocks[b], kh, r0, n)))
-        .collect();
+    let len = Partial::len(nr, d);
+    let mut parts = vec![0f32; tasks.len() * len];
+    parts.par_chunks_mut(len).zip(&tasks).for_each(|(slot, &(kh, b, r0, n))| {
+        task(path, &qs[kh * nr * d..(kh + 1) * nr * d], d, &blocks[b], kh, r0, n, Partial::split(slot, nr))
+    });
     drop(guards);
-    let mut per_head: Vec<Option<Partial>> = (0..hkv).map(|_| None).collect();
-    for (kh, p) in parts {
-        match per_head[kh].as_mut() {
-            None => per_head[kh] = Some(p),
-            Some(a) => merge(a, &p, d),
-        }
-    }
     let (mut o, mut lse) = (vec![0f32; nq * h * d], vec![0f32; h * nq]);
-    for (kh, p) in per_head.into_iter().enumerate() {
-        let Some(p) = p else { return Ok(None) };
+    // Each kv head's tasks are consecutive: merged in order into the first.
+    let mut slots = parts.chunks_exact_mut(len).zip(&tasks).peekable();
+    for kh in 0..hkv {
+        let Some((first, _)) = slots.next_if(|(_, t)| t.0 == kh) else { return Ok(None) };
+        let mut p = Partial::split(first, nr);
+        while let Some((slot, _)) = slots.next_if(|(_, t)| t.0 == kh) {
+            merge(&mut p, &Partial::split(slot, nr), d);
+        }
         for j in 0..g {
             for t in 0..nq {
                 let (i, head) = (j * nq + t, kh * g + j);
@@ -303,5 +337,40 @@ mod tests {
                 assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{path:?} score {i}: {a} against {b}");
             }
         }
+    }
+
+    /// The result does not depend on how rayon schedules the tasks nor on what earlier tasks left in a worker's
+    /// [`Scratch`]: on every path, f32 and bf16 caches, a block of 600 rows (three tasks, the last partial) and
+    /// a narrowed one of 7, the same bits on a fresh one-thread pool and on three threads whose buffers a
+    /// larger call (more query rows, longer blocks, other values) filled first.
+    #[test]
+    fn the_result_does_not_depend_on_the_threads_or_earlier_calls() -> Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let val = |len: usize, salt: usize| -> Vec<f32> {
+            (0..len).map(|i| (((i * 7919 + salt * 104_729) % 2003) as f32 / 1001.0) - 1.0).collect()
+        };
+        let (h, hkv, d) = (6, 2, 64);
+        let pool = |threads| rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+        let (one, three) = (pool(1), pool(3));
+        let bits = |(o, lse): (Tensor, Tensor)| -> Result<Vec<u32>> {
+            let o = o.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            Ok(o.iter().chain(&lse.flatten_all()?.to_vec1::<f32>()?).map(|x| x.to_bits()).collect())
+        };
+        for dtype in [DType::F32, DType::BF16] {
+            let rows =
+                |n: usize, salt: usize| Tensor::from_vec(val(hkv * n * d, salt), (hkv, n, d), &dev)?.to_dtype(dtype);
+            let (k, v) = (rows(600, 2)?, rows(600, 3)?);
+            let views = [(k.clone(), v.clone()), (k.narrow(1, 5, 7)?, v.narrow(1, 5, 7)?)];
+            let q = Tensor::from_vec(val(2 * h * d, 1), (1, 2, h, d), &dev)?.to_dtype(dtype)?;
+            let (big_k, big_v) = (rows(1100, 4)?, rows(1100, 5)?);
+            let big_q = Tensor::from_vec(val(5 * h * d, 6), (1, 5, h, d), &dev)?.to_dtype(dtype)?;
+            for path in autosp_core::simd::supported_paths() {
+                let want = bits(one.install(|| attend(path, &q, &views, 0.125))?.expect("laid out for the kernel"))?;
+                three.install(|| attend(path, &big_q, &[(big_k.clone(), big_v.clone())], 0.3))?;
+                let got = bits(three.install(|| attend(path, &q, &views, 0.125))?.expect("laid out for the kernel"))?;
+                assert!(got == want, "{path:?} {dtype:?}: other bits on three threads after a larger call");
+            }
+        }
+        Ok(())
     }
 }
