@@ -13,14 +13,13 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use autosp::compile::{compile, Checkpointing, CompileConfig, Mesh, Strategy};
-use autosp::core::comm::{run_ranks, CallRecord, ProcessGroup, RecordingGroup};
+use autosp::core::comm::{CallRecord, ProcessGroup};
 use autosp::core::lora::LoraConfig;
 use autosp::core::{CausalLm, CheckpointPolicy, ShardLevel};
-use autosp::models::{random_weights, LlamaModel, TinySpec};
-use candle_core::{DType, Device, Tensor};
+use autosp::models::TinySpec;
+use candle_core::{Device, Tensor};
 
 /// The prefetch thread's name, as its records carry it.
 const PREFETCH_THREAD: &str = "gather-prefetch";
@@ -48,13 +47,9 @@ struct Seen {
 }
 
 fn step(mesh: Mesh, lora: bool, prefetch: bool) -> Seen {
-    let config = TinySpec { layers: 3, ..TinySpec::default() }.config();
-    let weights = Arc::new(random_weights(&config, 11, DType::F32, &Device::Cpu).unwrap());
-    let config = Arc::new(config);
-    let out = run_ranks(mesh.world(), Duration::from_secs(120), move |pg| -> Result<Seen, String> {
-        let recorder = RecordingGroup::new(pg);
+    let spec = TinySpec { layers: 3, ..TinySpec::default() };
+    let mut ranks = common::recorded_tiny_ranks(spec, 11, mesh.world(), |model, recorder| {
         let world: Arc<dyn ProcessGroup> = recorder.clone();
-        let model = LlamaModel::from_weights(&config, (*weights).clone()).map_err(|e| e.to_string())?;
         let policy = Checkpointing::Policy(CheckpointPolicy::SequenceAware);
         let mut cfg = CompileConfig::new(world, Strategy::Ulysses, policy)
             .with_mesh(mesh)
@@ -79,7 +74,7 @@ fn step(mesh: Mesh, lora: bool, prefetch: bool) -> Seen {
             blocks: c.model().layers.0.len(),
         })
     });
-    out.into_iter().next().expect("rank 0").expect("rank failed").expect("step failed")
+    ranks.remove(0)
 }
 
 /// The calls' kinds, elements and dtypes, sorted: what every rank sends, whichever thread or handle sent it.

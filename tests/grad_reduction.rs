@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use autosp::compile::{compile, Accumulation, Checkpointing, CompileConfig, GradReduction, Mesh, Strategy};
-use autosp::core::comm::{run_ranks, CallRecord, Collective, ProcessGroup, RecordingGroup};
+use autosp::core::comm::{run_ranks, CallRecord, Collective, ProcessGroup};
 use autosp::core::{CausalLm, CheckpointPolicy, ShardLevel};
 use autosp::models::{random_weights, LlamaModel, TinySpec};
 use candle_core::{DType, Device, Tensor};
@@ -69,13 +69,8 @@ enum Way {
 
 /// One step of `micro` micro-batches on a `mesh` of thread ranks at `level`, reduced as `reduction` says.
 fn step(mesh: Mesh, level: ShardLevel, reduction: GradReduction, micro: usize, way: Way) -> Vec<Seen> {
-    let config = TinySpec::default().config();
-    let weights = Arc::new(random_weights(&config, 5, DType::F32, &Device::Cpu).unwrap());
-    let config = Arc::new(config);
-    let out = run_ranks(mesh.world(), Duration::from_secs(120), move |pg| -> Result<Seen, String> {
-        let recorder = RecordingGroup::new(pg);
+    common::recorded_tiny_ranks(TinySpec::default(), 5, mesh.world(), |model, recorder| {
         let world: Arc<dyn ProcessGroup> = recorder.clone();
-        let model = LlamaModel::from_weights(&config, (*weights).clone()).map_err(|e| e.to_string())?;
         let policy = Checkpointing::Policy(CheckpointPolicy::SequenceAware);
         let cfg = CompileConfig::new(world.clone(), Strategy::Auto, policy)
             .with_mesh(mesh)
@@ -124,8 +119,7 @@ fn step(mesh: Mesh, level: ShardLevel, reduction: GradReduction, micro: usize, w
             reduce_bytes,
             planned,
         })
-    });
-    out.into_iter().map(|r| r.expect("rank failed").expect("step failed")).collect()
+    })
 }
 
 /// The gradient reductions among `records`: all-reduces and reduce-scatters of more than one element (the

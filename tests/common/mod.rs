@@ -1,6 +1,7 @@
 //! The harness the compile tests share: the uncompiled model trained one step on one rank its own way, the
 //! same model compiled on P thread ranks, and the comparison of loss, every gradient and the parameters after
-//! one AdamW step.
+//! one AdamW step; and a tiny Llama on thread ranks with a recording process group, for tests of a step's
+//! collectives.
 #![allow(dead_code)]
 
 use autosp::compile::{compile, Checkpointing, CompileConfig, Strategy};
@@ -165,5 +166,25 @@ pub fn bits(t: &Tensor) -> Vec<u32> {
         .unwrap()
         .iter()
         .map(|x| x.to_bits())
+        .collect()
+}
+
+/// A tiny Llama of `spec` (random f32 weights of `seed`, the same on every rank) on each of `world` thread
+/// ranks, given to `f` with a recording process group over the world (which `f` compiles on): `f`'s results
+/// in rank order; a rank that fails, or whose `f` returns an error, panics naming it.
+pub fn recorded_tiny_ranks<T, F>(spec: autosp::models::TinySpec, seed: u64, world: usize, f: F) -> Vec<T>
+where
+    T: Send,
+    F: Fn(autosp::models::LlamaModel, std::sync::Arc<autosp_core::comm::RecordingGroup>) -> Result<T, String> + Sync,
+{
+    let config = spec.config();
+    let weights = autosp::models::random_weights(&config, seed, DType::F32, &Device::Cpu).unwrap();
+    let out = run_ranks(world, std::time::Duration::from_secs(120), |pg| {
+        let model = autosp::models::LlamaModel::from_weights(&config, weights.clone()).map_err(|e| e.to_string())?;
+        f(model, autosp_core::comm::RecordingGroup::new(pg))
+    });
+    out.into_iter()
+        .enumerate()
+        .map(|(r, o)| o.unwrap_or_else(|e| panic!("rank {r} failed: {e}")).unwrap_or_else(|e| panic!("rank {r}: {e}")))
         .collect()
 }
