@@ -7,6 +7,7 @@
 //! began ([`crate::comm::RecordingGroup`]).
 
 use std::cell::Cell;
+use std::thread::LocalKey;
 
 /// A point in one backward pass: `done` of its `total` nodes differentiated (`done == total`: backward
 /// ended, or the work was posted after it).
@@ -47,10 +48,7 @@ pub fn current_mark() -> Option<BackwardMark> {
 /// Runs `f` with this thread's mark set to `mark` (restored after): for work another thread posted during a
 /// backward pass, so that what it records carries where that backward stood when the work was posted.
 pub fn with_mark<T>(mark: Option<BackwardMark>, f: impl FnOnce() -> T) -> T {
-    let before = MARK.with(|m| m.replace(mark));
-    let out = f();
-    MARK.with(|m| m.set(before));
-    out
+    with_set(&MARK, mark, f)
 }
 
 /// Sets this thread's mark (the tape, while backward runs).
@@ -68,9 +66,18 @@ pub fn current_forward_mark() -> Option<ForwardMark> {
 /// Runs `f` with this thread's forward mark set to `mark` (restored after): for work another thread asked for
 /// during a forward pass ([`with_mark`]'s counterpart).
 pub fn with_forward_mark<T>(mark: Option<ForwardMark>, f: impl FnOnce() -> T) -> T {
-    let before = FORWARD.with(|m| m.replace(mark));
+    with_set(&FORWARD, mark, f)
+}
+
+/// Runs `f` with the thread-local `cell` set to `mark`, restored after.
+fn with_set<M: Copy + 'static, T>(
+    cell: &'static LocalKey<Cell<Option<M>>>,
+    mark: Option<M>,
+    f: impl FnOnce() -> T,
+) -> T {
+    let before = cell.with(|m| m.replace(mark));
     let out = f();
-    FORWARD.with(|m| m.set(before));
+    cell.with(|m| m.set(before));
     out
 }
 
