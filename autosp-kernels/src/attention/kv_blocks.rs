@@ -165,11 +165,6 @@ impl KvBlocks {
         Ok(out)
     }
 
-    /// The positions of the rows held, block by block (ascending within each block).
-    pub fn positions(&self) -> Vec<usize> {
-        self.blocks.iter().flat_map(|b| b.positions.iter().copied()).collect()
-    }
-
     /// Rows held, read from the views' shapes.
     pub fn rows(&self) -> Result<usize> {
         Ok(self.views()?.iter().map(|(k, _)| k.dim(1).unwrap_or(0)).sum())
@@ -228,9 +223,11 @@ mod tests {
                 9
             )
             .is_err());
+        // The positions kept (0 and 3, then 4..=8) as the rows at or past each position.
+        let past = |p| -> Result<usize> { Ok(part.views_from(p)?.iter().map(|(k, _)| k.dim(1).unwrap()).sum()) };
+        assert_eq!((0..=9).map(past).collect::<Result<Vec<_>>>()?, vec![7, 6, 6, 6, 5, 4, 3, 2, 1, 0]);
         // A window from position 5 narrows each block past its earlier rows: none of the prefill's (0, 3),
         // the decode block's 4 left out, the last block whole.
-        assert_eq!(part.positions(), vec![0, 3, 4, 5, 6, 7, 8]);
         let from5: Vec<Vec<f32>> = part
             .views_from(5)?
             .iter()
