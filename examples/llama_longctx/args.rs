@@ -54,6 +54,12 @@ pub struct Args {
     #[arg(long, value_name = "MIB", default_value = "16", value_parser = autosp::compile::GradReduction::parse_bucket_mb)]
     pub bucket_mb: usize,
 
+    /// At --shard parameters, gather each weight at its use instead of gathering the next block's weights on
+    /// a communication thread while a block computes (the default: two blocks' weights whole at once, as the
+    /// accounting counts).
+    #[arg(long)]
+    pub no_prefetch_gathers: bool,
+
     /// The memory the ranks on this host may hold for model states (suffixes K, M, G, KiB, MiB, GiB). A run
     /// that resumes a checkpoint is checked against it (default: the host's available memory), and any run
     /// that gives it: when the accounting exceeds it the run is refused before a rank allocates the model,
@@ -382,6 +388,7 @@ impl Args {
                 bucket_bytes: a.bucket_mb,
                 ..Default::default()
             },
+            prefetch_gathers: !a.no_prefetch_gathers,
             memory_budget: a.memory_budget,
             strategy: a.strategy,
             checkpoint: a.checkpoint,

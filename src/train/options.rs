@@ -28,6 +28,9 @@ pub struct RunOptions {
     pub shard: Option<ShardLevel>,
     /// `--reduce-dtype` and `--bucket-mb`: how gradients are reduced over the ranks.
     pub reduction: crate::compile::GradReduction,
+    /// At `--shard parameters`, gather the next block's weights while a block computes
+    /// ([`crate::compile::CompileConfig::prefetch_gathers`]); `--no-prefetch-gathers` turns it off.
+    pub prefetch_gathers: bool,
     /// `--memory-budget`: the bytes the ranks of this host may hold for model states; a run that gives it,
     /// or resumes a checkpoint (then against the host's available memory when not given), is refused before
     /// any rank allocates when the accounting exceeds it.
@@ -128,6 +131,7 @@ impl Default for RunOptions {
             dp: 1,
             shard: None,
             reduction: crate::compile::GradReduction::default(),
+            prefetch_gathers: true,
             memory_budget: None,
             strategy: Strategy::Auto,
             checkpoint: Checkpointing::Policy(CheckpointPolicy::SequenceAware),

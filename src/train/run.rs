@@ -497,7 +497,8 @@ impl Job {
             .with_mesh(self.mesh)
             .with_dtype(self.dtype)
             .with_max_attention_distance(o.max_attention_distance)
-            .with_reduction(o.reduction);
+            .with_reduction(o.reduction)
+            .with_prefetch_gathers(o.prefetch_gathers);
         if let Some(level) = o.shard {
             cfg = cfg.with_sharding(level);
         }
