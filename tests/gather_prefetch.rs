@@ -8,18 +8,23 @@
 //! mark: j regions begun, block j not yet), block 0's before the first; and in
 //! backward each block's gathers posted at a mark before backward ended, one mark per block after the last,
 //! increasing: block k's weights were gathered while block k + 1's backward ran. Three blocks, so that a
-//! block has a block on either side.
+//! block has a block on either side. The accounting counts what the prefetch holds (two blocks' weights
+//! gathered): the compiled model's and the resume check's, which refuses a budget one block's count fits.
 
 mod common;
 
 use std::sync::Arc;
 
+use autosp::compile::model_state_bytes_with;
+use autosp::compile::sharding::ParamCounts;
 use autosp::compile::{compile, Checkpointing, CompileConfig, Mesh, Strategy};
 use autosp::core::comm::{CallRecord, ProcessGroup};
 use autosp::core::lora::LoraConfig;
 use autosp::core::{CausalLm, CheckpointPolicy, ShardLevel};
 use autosp::models::TinySpec;
-use candle_core::{Device, Tensor};
+use autosp::train::checkpoint::model_slices::skeleton;
+use autosp::train::checkpoint::resume_fit::{check_fits, Budget};
+use candle_core::{DType, Device, Tensor};
 
 /// The prefetch thread's name, as its records carry it.
 const PREFETCH_THREAD: &str = "gather-prefetch";
@@ -130,5 +135,42 @@ fn prefetched_gathers_give_the_same_step_bit_for_bit() {
             assert!(marks.iter().all(|m| m.before_end()), "{what}: posted before backward ended: {marks:?}");
             assert!(marks.windows(2).all(|w| w[0].done < w[1].done), "{what}: in backward's order: {marks:?}");
         }
+    }
+}
+
+/// At `--shard parameters` over 2 ranks the accounting counts two blocks' gathered weights with the prefetch,
+/// one without: in the compiled model (which prefetches or not) and in the resume check, which refuses, with
+/// the prefetch asked for, a budget that the states with one block gathered fit (the count before let it
+/// through) and accepts it without.
+#[test]
+fn the_accounting_counts_the_two_blocks_the_prefetch_holds() {
+    let config = TinySpec { layers: 3, ..TinySpec::default() }.config();
+    let mut model = skeleton(&config, DType::F32, &Device::Cpu).unwrap();
+    let dims = model.dims();
+    let counts = ParamCounts::of(&mut model, &dims);
+    let at = |prefetch| model_state_bytes_with(&counts, DType::F32, ShardLevel::Parameters, 2, prefetch);
+    let (one, two) = (at(false), at(true));
+    assert!(one.gathered > 0 && two.gathered == 2 * one.gathered, "{one:?} vs {two:?}");
+    // One process per rank (no launcher variables here): one rank's states against the budget.
+    let budget = Budget { bytes: one.total() as u64, source: "the budget" };
+    let mut fits =
+        |prefetch| check_fits("x", &mut model, DType::F32, Some(ShardLevel::Parameters), 2, false, prefetch, &budget);
+    assert!(fits(false).is_ok(), "one block gathered fits");
+    let e = fits(true).unwrap_err().to_string();
+    assert!(e.contains(&format!("gathered weights {:.1} MiB", two.gathered as f64 / (1 << 20) as f64)), "{e}");
+    // The compiled model: the same counts, as it prefetches or not.
+    for prefetch in [true, false] {
+        let mut ranks =
+            common::recorded_tiny_ranks(TinySpec { layers: 3, ..TinySpec::default() }, 11, 2, |model, g| {
+                let policy = Checkpointing::Policy(CheckpointPolicy::SequenceAware);
+                let cfg = CompileConfig::new(g, Strategy::Ulysses, policy)
+                    .with_sharding(ShardLevel::Parameters)
+                    .with_prefetch_gathers(prefetch);
+                let c = compile(model, cfg).map_err(|e| e.to_string())?;
+                Ok((c.prefetches_gathers(), c.model_state_bytes()))
+            });
+        let (prefetched, bytes) = ranks.remove(0);
+        assert_eq!(prefetched, prefetch);
+        assert_eq!(bytes.gathered, if prefetch { two.gathered } else { one.gathered }, "prefetch {prefetch}");
     }
 }

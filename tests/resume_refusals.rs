@@ -86,8 +86,9 @@ fn the_level_named_is_the_first_that_fits_by_the_accounting() {
     let counts = ParamCounts::of(&mut model, &dims);
     let at = |level| model_state_bytes(&counts, DType::F32, level, 4).total() as u64;
     // One process per rank (no launcher variables here): one rank's states against the budget.
-    let mut fits =
-        |bytes, level| check_fits("x", &mut model, DType::F32, Some(level), 4, false, &Budget { bytes, source: "b" });
+    let mut fits = |bytes, level| {
+        check_fits("x", &mut model, DType::F32, Some(level), 4, false, false, &Budget { bytes, source: "b" })
+    };
     assert!(fits(at(ShardLevel::None), ShardLevel::None).is_ok());
     let e = fits(at(ShardLevel::None) - 1, ShardLevel::None).unwrap_err().to_string();
     assert!(e.contains("resume with --shard optimizer"), "{e}");
@@ -112,7 +113,9 @@ fn the_figures_of_a_refusal_are_in_the_accountings_unit() {
     };
     let mut model = skeleton(&spec.config(), DType::F32, &Device::Cpu).unwrap();
     let budget = Budget { bytes: 2 << 30, source: "the budget" };
-    let e = check_fits("x", &mut model, DType::F32, Some(ShardLevel::None), 1, false, &budget).unwrap_err().to_string();
+    let e = check_fits("x", &mut model, DType::F32, Some(ShardLevel::None), 1, false, false, &budget)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("the budget is 2048.0 MiB"), "{e}");
     assert!(!e.contains("GiB"), "{e}");
 }

@@ -34,7 +34,7 @@ pub use error::CompileError;
 pub use mesh::Mesh;
 pub use plan::{Flops, LinearFit, Plan, PolicyMemory, PROBE_CAP};
 pub use sharded_build::build_sharded;
-pub use sharding::{model_state_bytes, ModelStateBytes, ParamCounts};
+pub use sharding::{gathered_blocks, model_state_bytes, model_state_bytes_with, ModelStateBytes, ParamCounts};
 pub use step::{Accumulation, MicroStep, StepOutput};
 pub use strategy::Resolved;
 
@@ -70,6 +70,9 @@ pub struct Compiled<M> {
     /// block's parameters in model order (`Some` only at `Parameters`, W > 1, prefetch asked for and a back end
     /// with concurrent handles; see [`CompileConfig::prefetch_gathers`]).
     prefetch: Option<PrefetchPlan>,
+    /// Whether the gather prefetch was asked for on a back end that allows it (it runs at `Parameters` over
+    /// more than one rank: [`sharding::gathered_blocks`]).
+    prefetch_allowed: bool,
 }
 
 /// A second handle on the world for the gather prefetch thread, and each block's parameters in model order.
@@ -145,13 +148,10 @@ impl<M: CausalLm> Compiled<M> {
     }
 
     /// This rank's model-state bytes at `level` (to compare levels). With the gather prefetch
-    /// ([`CompileConfig::prefetch_gathers`]) two blocks are whole at once at `Parameters`: `gathered` counts two.
+    /// ([`CompileConfig::prefetch_gathers`]) two blocks are whole at once at `Parameters`: `gathered` counts two
+    /// ([`sharding::gathered_blocks`]).
     pub fn model_state_bytes_at(&self, level: ShardLevel) -> ModelStateBytes {
-        let mut bytes = model_state_bytes(&self.counts, self.dtype, level, self.world.size());
-        if level == ShardLevel::Parameters && self.prefetch.is_some() {
-            bytes.gathered *= 2;
-        }
-        bytes
+        model_state_bytes_with(&self.counts, self.dtype, level, self.world.size(), self.prefetch_allowed)
     }
 
     /// The groups the attention's collectives run over: the group itself for Ulysses and Ring, Hybrid's Ulysses
@@ -311,6 +311,8 @@ pub fn compile<M: CausalLm + 'static>(mut model: M, config: CompileConfig) -> Re
     }
     let dims = model.dims();
     let counts = ParamCounts::of(&mut model, &dims);
+    // The gather prefetch asked for on a back end that allows it: it runs at `parameters` over W > 1.
+    let prefetch_allowed = config.prefetch_gathers && world.concurrent_handles();
     let trainable: Vec<_> = params.iter().filter(|p| !p.is_frozen()).cloned().collect();
     let built = sharding::built_level(&trainable, &world, config.sharding)?;
     let sharding = match (built, config.sharding, w) {
@@ -318,7 +320,7 @@ pub fn compile<M: CausalLm + 'static>(mut model: M, config: CompileConfig) -> Re
         (Some(level), None, _) => (level, "the model was built sharded (build_sharded)".to_string()),
         (None, _, 1) => (ShardLevel::None, "one rank: nothing to shard".to_string()),
         (None, Some(level), _) => (level, "asked for".to_string()),
-        (None, None, _) => sharding::default_level(&counts, config.dtype, w, world.shares_memory()),
+        (None, None, _) => sharding::default_level(&counts, config.dtype, w, world.shares_memory(), prefetch_allowed),
     };
     if built.is_none() && sharding.0 != ShardLevel::None {
         // Frozen weights (LoRA's base) too: sliced at `parameters`, left whole below it (Param::shard_over).
@@ -331,18 +333,17 @@ pub fn compile<M: CausalLm + 'static>(mut model: M, config: CompileConfig) -> Re
     let overlap = w > 1 && config.reduction.overlap;
     let reduce_group = if overlap && world.concurrent_handles() { Some(world.duplicate()?) } else { None };
     // The same for the thread that gathers the next block's weights at `parameters`, with the blocks' weights.
-    let prefetch =
-        if w > 1 && sharding.0 == ShardLevel::Parameters && config.prefetch_gathers && world.concurrent_handles() {
-            let mut blocks = Vec::new();
-            visit_mut(&mut model, "", &mut |_, m| {
-                if m.region_slot().is_some() {
-                    blocks.push(autosp_core::module::all_params(m));
-                }
-            });
-            Some((world.duplicate()?, blocks))
-        } else {
-            None
-        };
+    let prefetch = if sharding::prefetch_runs(sharding.0, w, prefetch_allowed) {
+        let mut blocks = Vec::new();
+        visit_mut(&mut model, "", &mut |_, m| {
+            if m.region_slot().is_some() {
+                blocks.push(autosp_core::module::all_params(m));
+            }
+        });
+        Some((world.duplicate()?, blocks))
+    } else {
+        None
+    };
     let mut compiled = Compiled {
         model,
         world,
@@ -358,6 +359,7 @@ pub fn compile<M: CausalLm + 'static>(mut model: M, config: CompileConfig) -> Re
         reduction: config.reduction,
         reduce_group,
         prefetch,
+        prefetch_allowed,
     };
     if let Checkpointing::Budget(bytes) = config.checkpoint {
         let n = config.seq_len.ok_or_else(|| {

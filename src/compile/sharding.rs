@@ -7,7 +7,7 @@
 //! uses it: the largest block's weights, frozen ones included (or the largest single weight outside the blocks
 //! other than the `[vocab, hidden]` embedding and head, which are never whole: the embedding moves the rows its
 //! tokens use and the loss gathers the head one vocabulary tile of at most a block's size at a time), counted
-//! as `gathered`. Frozen parameters (LoRA's base weights) count `N·b` and nothing else: whole on every rank
+//! as `gathered`, once, or twice where the gather prefetch runs ([`gathered_blocks`]). Frozen parameters (LoRA's base weights) count `N·b` and nothing else: whole on every rank
 //! below `Parameters`, a slice (`ceil(N/W)·b` each) at `Parameters`.
 
 use std::sync::Arc;
@@ -158,9 +158,44 @@ impl ParamCounts {
     }
 }
 
+/// How many blocks' weights are whole at once at `level` over `world` ranks, where `prefetch` says whether the
+/// gather prefetch is asked for on a back end that allows it ([`CompileConfig::prefetch_gathers`] and
+/// [`ProcessGroup::concurrent_handles`]): none below `Parameters` or on one rank (nothing is gathered); two
+/// where the prefetch runs (the block computing and the next one, gathered for it:
+/// [`autosp_core::gather_prefetch`]); one otherwise. What the compile, the accounting
+/// ([`model_state_bytes_with`]), [`default_level`] and the resume check count.
+///
+/// [`CompileConfig::prefetch_gathers`]: super::CompileConfig::prefetch_gathers
+pub fn gathered_blocks(level: ShardLevel, world: usize, prefetch: bool) -> usize {
+    match (level == ShardLevel::Parameters && world > 1, prefetch) {
+        (false, _) => 0,
+        (true, true) => 2,
+        (true, false) => 1,
+    }
+}
+
+/// Whether the gather prefetch runs at `level` over `world` ranks (`prefetch` as [`gathered_blocks`] takes
+/// it): two blocks gathered at once.
+pub fn prefetch_runs(level: ShardLevel, world: usize, prefetch: bool) -> bool {
+    gathered_blocks(level, world, prefetch) == 2
+}
+
 /// The model-state bytes per rank of a model with these parameters (stored in `dtype`) at `level` over
-/// `world` ranks.
+/// `world` ranks, with one block's weights gathered at `Parameters` (as without the gather prefetch:
+/// [`model_state_bytes_with`] counts it).
 pub fn model_state_bytes(counts: &ParamCounts, dtype: DType, level: ShardLevel, world: usize) -> ModelStateBytes {
+    model_state_bytes_with(counts, dtype, level, world, false)
+}
+
+/// [`model_state_bytes`] with the gather prefetch asked for or not (`prefetch` as [`gathered_blocks`] takes
+/// it): `gathered` counts the largest block's weights [`gathered_blocks`] times.
+pub fn model_state_bytes_with(
+    counts: &ParamCounts,
+    dtype: DType,
+    level: ShardLevel,
+    world: usize,
+    prefetch: bool,
+) -> ModelStateBytes {
     let sum = |sliced: bool| -> usize {
         counts.elems.iter().map(|&n| if sliced { ShardLayout::new(n, 0, world).chunk } else { n }).sum()
     };
@@ -170,7 +205,7 @@ pub fn model_state_bytes(counts: &ParamCounts, dtype: DType, level: ShardLevel, 
     let sharded = level != ShardLevel::None && world > 1;
     let state = sum(sharded);
     let zero3 = level == ShardLevel::Parameters && world > 1;
-    let gathered = if zero3 { counts.largest_unit * b } else { 0 };
+    let gathered = counts.largest_unit * b * gathered_blocks(level, world, prefetch);
     let frozen: usize = if zero3 {
         counts.frozen_elems.iter().map(|&n| ShardLayout::new(n, 0, world).chunk).sum()
     } else {
@@ -189,8 +224,16 @@ pub fn model_state_bytes(counts: &ParamCounts, dtype: DType, level: ShardLevel, 
 /// [`SHARD_FROM_BYTES`] of unsharded model state, `Gradients` from it. Over one process per rank the bytes
 /// are one rank's; over thread ranks (`shares_memory`) the process's, W copies of it: sharded, thread ranks
 /// hold one copy of the parameters between them (they gather into one tensor) and 1/W each of the rest. Frozen
-/// parameters, which only `Parameters` shards (never chosen by default), are left out of the decision.
-pub fn default_level(counts: &ParamCounts, dtype: DType, world: usize, shares_memory: bool) -> (ShardLevel, String) {
+/// parameters, which only `Parameters` shards (never chosen by default), are left out of the decision. What
+/// `Parameters` would hold, which the reason names, counts the gathered blocks [`gathered_blocks`] says
+/// (`prefetch` as it takes it).
+pub fn default_level(
+    counts: &ParamCounts,
+    dtype: DType,
+    world: usize,
+    shares_memory: bool,
+    prefetch: bool,
+) -> (ShardLevel, String) {
     if world == 1 {
         return (ShardLevel::None, "one rank: nothing to shard".into());
     }
@@ -212,7 +255,7 @@ pub fn default_level(counts: &ParamCounts, dtype: DType, world: usize, shares_me
         );
     }
     let zero2 = model_state_bytes(counts, dtype, ShardLevel::Gradients, world).total();
-    let zero3 = model_state_bytes(counts, dtype, ShardLevel::Parameters, world).total();
+    let zero3 = model_state_bytes_with(counts, dtype, ShardLevel::Parameters, world, prefetch).total();
     (
         ShardLevel::Gradients,
         format!(
@@ -297,16 +340,39 @@ mod tests {
     fn the_default_level_counts_what_the_process_holds() {
         // 40M f32 parameters: 640 MB of model state per rank unsharded.
         let c = counts(40 << 20);
-        assert_eq!(default_level(&c, DType::F32, 1, true).0, ShardLevel::None);
-        let (level, why) = default_level(&c, DType::F32, 2, false);
+        assert_eq!(default_level(&c, DType::F32, 1, true, true).0, ShardLevel::None);
+        let (level, why) = default_level(&c, DType::F32, 2, false, true);
         assert_eq!(level, ShardLevel::None, "one process per rank: 640 MB each is below the line: {why}");
-        let (level, why) = default_level(&c, DType::F32, 2, true);
+        let (level, why) = default_level(&c, DType::F32, 2, true, true);
         assert_eq!(level, ShardLevel::Gradients, "two thread ranks hold 1280 MB in one process: {why}");
         assert!(why.contains("thread ranks") && why.contains("one copy all ranks share"), "{why}");
         // 80M: 1280 MB per rank, above the line either way.
-        assert_eq!(default_level(&counts(80 << 20), DType::F32, 2, false).0, ShardLevel::Gradients);
+        assert_eq!(default_level(&counts(80 << 20), DType::F32, 2, false, true).0, ShardLevel::Gradients);
         // A LoRA model: 80M frozen, 1M training: nothing worth sharding.
         let lora = ParamCounts { elems: vec![1 << 20], frozen: 80 << 20, largest_unit: 1 << 20, ..Default::default() };
-        assert_eq!(default_level(&lora, DType::F32, 2, true).0, ShardLevel::None);
+        assert_eq!(default_level(&lora, DType::F32, 2, true, true).0, ShardLevel::None);
+    }
+
+    /// Two blocks whole at once where the prefetch runs (asked for, `Parameters`, W > 1), one where it is not
+    /// asked for, none below `Parameters` or on one rank; the accounting and the default level's reason count
+    /// them so.
+    #[test]
+    fn the_gathered_weights_are_two_blocks_where_the_prefetch_runs() {
+        use ShardLevel::*;
+        assert_eq!(gathered_blocks(Parameters, 2, true), 2);
+        assert_eq!(gathered_blocks(Parameters, 2, false), 1);
+        assert_eq!(gathered_blocks(Parameters, 1, true), 0);
+        assert_eq!(gathered_blocks(Gradients, 2, true), 0);
+        assert!(prefetch_runs(Parameters, 4, true) && !prefetch_runs(Parameters, 4, false));
+        // 80M f32 parameters in blocks of 4M.
+        let c = ParamCounts { elems: vec![80 << 20], largest_unit: 4 << 20, ..Default::default() };
+        let block = (4 << 20) * 4;
+        for (prefetch, blocks) in [(true, 2), (false, 1)] {
+            let bytes = model_state_bytes_with(&c, DType::F32, Parameters, 2, prefetch);
+            assert_eq!(bytes.gathered, blocks * block, "prefetch {prefetch}");
+            let (_, why) = default_level(&c, DType::F32, 2, false, prefetch);
+            assert!(why.contains(&format!("would bring it to {}", mib(bytes.total()))), "{why}");
+        }
+        assert_eq!(model_state_bytes(&c, DType::F32, Parameters, 2).gathered, block, "without the prefetch");
     }
 }

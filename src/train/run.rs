@@ -256,6 +256,7 @@ impl Job {
                 o.shard,
                 p,
                 threads,
+                o.prefetch_gathers,
                 o.memory_budget,
             )
         };

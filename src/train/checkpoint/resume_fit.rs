@@ -2,7 +2,8 @@
 //! resumed belongs to this model (an adapter's base has the architecture the adapter was trained on; the
 //! optimizer state holds this run's trained parameters with their shapes: [`super::resume::check_state`]),
 //! and the model states fit: the accounting per rank at the run's sharding level on its mesh
-//! ([`model_state_bytes`], the gathered weights of `parameters` included, activations not: they depend on
+//! ([`model_state_bytes_with`], the gathered weights of `parameters` included, two blocks where the gather
+//! prefetch runs ([`gathered_blocks`](crate::compile::gathered_blocks)), activations not: they depend on
 //! the sequence and the checkpointing, which `--explain` reports) times the ranks sharing this host's
 //! memory, against a memory budget (`--memory-budget`, else the host's available memory).
 
@@ -17,7 +18,7 @@ use super::model_slices::skeleton;
 use super::TrainerState;
 use crate::train::lora::LoraRun;
 
-use crate::compile::sharding::{default_level, model_state_bytes, ModelStateBytes, ParamCounts};
+use crate::compile::sharding::{default_level, model_state_bytes_with, ModelStateBytes, ParamCounts};
 use crate::train::error::{Result, TrainError};
 use crate::train::metrics::mib;
 
@@ -82,7 +83,7 @@ pub fn architecture_changes(trained: &LlamaConfig, run: &LlamaConfig) -> Vec<Str
 /// with `lora`'s adapters: when `resume` is given, its adapter's base architecture against `config` and its
 /// optimizer state's headers against the parameters this run trains; when resuming or `memory_budget` is
 /// given, the model states of `world` ranks (`threads`: threads of this process) at `level` against the
-/// budget ([`check_fits`]).
+/// budget ([`check_fits`], `prefetch`: the gather prefetch asked for, `--no-prefetch-gathers` not given).
 #[allow(clippy::too_many_arguments)]
 pub fn check_run(
     config: &LlamaConfig,
@@ -92,6 +93,7 @@ pub fn check_run(
     level: Option<ShardLevel>,
     world: usize,
     threads: bool,
+    prefetch: bool,
     memory_budget: Option<u64>,
 ) -> Result<()> {
     if let Some((dir, _)) = resume {
@@ -125,7 +127,7 @@ pub fn check_run(
                 Some((dir, _)) => format!("--resume {}", dir.display()),
                 None => "this run".to_string(),
             };
-            check_fits(&what, &mut model, dtype, level, world, threads, &budget)?;
+            check_fits(&what, &mut model, dtype, level, world, threads, prefetch, &budget)?;
         }
     }
     Ok(())
@@ -134,7 +136,11 @@ pub fn check_run(
 /// The model states of `model` (a skeleton will do: only shapes and which parameters train are read) in
 /// `dtype` at `level` (`None`: the level a compile would pick) over `world` ranks, of which `here` share
 /// this host, against `budget`: refused when they exceed it, naming the bytes, the budget's source and the
-/// sharding level or rank count that would fit. `what` starts the message (`--resume DIR`).
+/// sharding level or rank count that would fit. `what` starts the message (`--resume DIR`). `prefetch`: the
+/// gather prefetch is asked for, so `parameters` holds two blocks' gathered weights over W > 1
+/// ([`gathered_blocks`](crate::compile::gathered_blocks); the check runs before the process group exists, and
+/// thread ranks and MPI both have the concurrent handles the prefetch needs).
+#[allow(clippy::too_many_arguments)]
 pub fn check_fits(
     what: &str,
     model: &mut LlamaModel,
@@ -142,14 +148,15 @@ pub fn check_fits(
     level: Option<ShardLevel>,
     world: usize,
     threads: bool,
+    prefetch: bool,
     budget: &Budget,
 ) -> Result<()> {
     let dims = model.dims();
     let counts = ParamCounts::of(model, &dims);
     let here = ranks_on_host(world, threads);
-    let level = level.unwrap_or_else(|| default_level(&counts, dtype, world, threads).0);
+    let level = level.unwrap_or_else(|| default_level(&counts, dtype, world, threads, prefetch).0);
     let host = |level: ShardLevel, world: usize| -> (ModelStateBytes, u64) {
-        let rank = model_state_bytes(&counts, dtype, level, world);
+        let rank = model_state_bytes_with(&counts, dtype, level, world, prefetch);
         // Thread ranks below `parameters` hold one copy of the weights between them (module doc of sharding).
         let shared = threads && level != ShardLevel::Parameters && world > 1;
         let bytes = match shared {
