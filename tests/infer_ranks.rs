@@ -281,11 +281,13 @@ fn each_decoded_token_costs_one_all_gather_per_layer_of_the_stated_bytes() {
                     (layers as u64, layers as u64),
                     "P = {p}, rank {r}: collectives per token"
                 );
-                // Each rank sends its partial (o, lse), heads · (head_dim + 1) f32, to the P - 1 others.
-                assert_eq!(bytes as usize, layers * (p - 1) * h * (d + 1) * 4, "P = {p}, rank {r}: bytes per token");
+                // Each rank sends its partial (o, lse) and failure flag, heads · (head_dim + 1) + 1 f32, to the P - 1
+                // others.
+                let sent = layers * (p - 1) * (h * (d + 1) + 1) * 4;
+                assert_eq!(bytes as usize, sent, "P = {p}, rank {r}: bytes per token");
             }
             // The stated figure is what a rank receives: P parts per layer.
-            assert_eq!(stated, layers * p * h * (d + 1) * 4);
+            assert_eq!(stated, layers * p * (h * (d + 1) + 1) * 4);
         }
     }
 }

@@ -40,6 +40,14 @@ pub enum Error {
     #[error("{op}: {name} is on {got} but q is on {want}; put q, k and v on one device")]
     DeviceMismatch { op: &'static str, name: &'static str, got: String, want: String },
 
+    /// Other ranks of a collective kernel failed before it (each says why in its own error), so this rank
+    /// cannot complete its result: they still entered the collective, so that this rank learns it at once.
+    #[error(
+        "{op}: rank(s) {ranks:?} of the group failed before the collective (each says why in its own error); \
+         this rank's part was fine: fix what those ranks report"
+    )]
+    PeerFailed { op: &'static str, ranks: Vec<usize> },
+
     /// A tensor of the backward pass whose shape does not follow from q.
     #[error("{op}: {name} has shape {got:?} but must have shape {want:?} (from q {q_shape:?})")]
     Shape { op: &'static str, name: &'static str, got: Vec<usize>, want: Vec<usize>, q_shape: Vec<usize> },

@@ -271,7 +271,7 @@ impl Compiled<LlamaModel> {
             kv_rows: c.rows()?,
             kv_cache_bytes: c.bytes(),
             gathered_weight_bytes: gathered,
-            decode_comm_bytes_per_token: if p > 1 { layers * p * heads * (d + 1) * 4 } else { 0 },
+            decode_comm_bytes_per_token: if p > 1 { layers * p * (heads * (d + 1) + 1) * 4 } else { 0 },
         };
         Ok(Generated { tokens, finish, stats })
     }

@@ -15,9 +15,10 @@
 //!   once for a model sharded at `Parameters`: see `weights.rs`), the token's keys and values go to the least
 //!   filled rank's part (`cache.rs`), and its query meets every rank's part
 //!   (`autosp_kernels::attention::decode_attention`): partial `(o, lse)` per rank, one all-gather per layer per
-//!   token of `P · heads · (head_dim + 1) · 4` bytes received, merged exactly by LSE in rank order, so every
-//!   rank gets the same bits, samples the same token and needs no further exchange. Each rank's part is held
-//!   in blocks (`autosp_kernels::attention::KvBlocks`): a token is written in place, never concatenated.
+//!   token of `P · (heads · (head_dim + 1) + 1) · 4` bytes received (the last value a rank's failure flag),
+//!   merged exactly by LSE in rank order, so every rank gets the same bits, samples the same token and needs
+//!   no further exchange. Each rank's part is held in blocks (`autosp_kernels::attention::KvBlocks`): a token
+//!   is written in place, never concatenated.
 //! - **Positions**: prefill declares the prompt's length on the tape (a `dynamic`/`longrope` scaling reads
 //!   it, as transformers' `max(position_ids) + 1`); each decode forward runs at its own position, so these
 //!   scalings switch when the length crosses the window exactly as transformers' generation does (the cached

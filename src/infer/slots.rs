@@ -104,12 +104,12 @@ impl Attention for DecodeAttention {
         let _span = autosp_core::profile::span("forward", "decode attention", String::new);
         let mut c = lock(&self.cache);
         let position = c.position();
-        if c.owns_token() {
-            c.layers[self.layer].push_token(k.tensor(), v.tensor(), position)?;
-        }
+        // A row this rank cannot store is its error in the collective, which the peers then fail on at once.
+        let pushed =
+            if c.owns_token() { c.layers[self.layer].push_token(k.tensor(), v.tensor(), position) } else { Ok(()) };
         let holds = c.holds();
         let first = spec.max_distance.map_or(0, |w| position.saturating_sub(w));
-        let part = &c.layers[self.layer];
+        let part = pushed.map(|()| &c.layers[self.layer]);
         let (o, lse): (Tensor, Tensor) =
             decode_attention(self.group.as_ref(), q.tensor(), part, spec.scale, &holds, first)?;
         Ok((Value::constant(o), Value::constant(lse)))

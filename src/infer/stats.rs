@@ -28,7 +28,8 @@ pub struct GenerateStats {
     /// Bytes of weights gathered once for generation (a model sharded at `Parameters`; 0 otherwise).
     pub gathered_weight_bytes: usize,
     /// Bytes this rank receives per decoded token for decode attention: one all-gather per layer of every
-    /// rank's partial `(o, lse)`, `layers · P · heads · (head_dim + 1) · 4` (f32; 0 at P = 1).
+    /// rank's partial `(o, lse)` and its failure flag, `layers · P · (heads · (head_dim + 1) + 1) · 4` (f32; 0 at
+    /// P = 1).
     pub decode_comm_bytes_per_token: usize,
 }
 

@@ -2,11 +2,14 @@
 //! decode): every rank holds the same new query, attends it to its own part of the cache ([`KvBlocks`]),
 //! block by block, and the partial results are merged exactly by their LSE (ALGORITHMS.md, "Merging partial
 //! attention over disjoint key sets"; [`RunningAttention`]). One collective per call: an all-gather of
-//! each rank's partial `(o, lse)`, `heads · (head_dim + 1)` values in f32 (f64 for f64) per query row, so a
-//! rank receives `P · heads · (head_dim + 1) · 4` bytes per layer per token. Every rank then merges the
-//! parts in rank order, so every rank gets the same bits. A sliding window is a first position: each rank
-//! attends only its rows at that position or later ([`KvBlocks::views_from`]: a narrowed view per block, no
-//! copy), and a rank left with none sends `lse = -inf`, which the merge weighs as nothing.
+//! each rank's partial `(o, lse)`, `heads · (head_dim + 1)` values in f32 (f64 for f64) per query row, and
+//! one value more, whether the rank failed, so a rank receives `P · (heads · (head_dim + 1) + 1) · 4` bytes
+//! per layer per token for one query row. Every rank then merges the parts in rank order, so every rank gets
+//! the same bits. A sliding window is a first position: each rank attends only its rows at that position or
+//! later ([`KvBlocks::views_from`]: a narrowed view per block, no copy), and a rank left with none sends
+//! `lse = -inf`, which the merge weighs as nothing. A rank that fails before the collective (its part could
+//! not take the new token's row, or its attention failed) still enters it, flagged, so that its peers fail
+//! at once naming it rather than wait in the all-gather until the group's timeout.
 
 use autosp_core::comm::ProcessGroup;
 use candle_core::{DType, Tensor};
@@ -87,39 +90,59 @@ fn over_blocks_with_tensor_ops(q: &Tensor, views: &[(Tensor, Tensor)], scale: f6
 }
 
 /// Decode attention over the parts of a cache that the ranks of `group` hold (see the module doc): `q: [1,
-/// q_len, heads, head_dim]`, the same on every rank; `part`: this rank's part; `holds[r]`: whether rank `r`'s
-/// part has a row (the callers know every rank's fill; an empty part takes no share); `first`: the first
-/// position the query sees (0: all; `position - max_distance` under a sliding window), the same on every
-/// rank. Returns `(o: [1, q_len, heads, head_dim]` in q's dtype, `lse: [1, heads, q_len])`, the same on every
-/// rank. Collective: one all-gather.
+/// q_len, heads, head_dim]`, the same on every rank; `part`: this rank's part, or the error that left this
+/// rank without it (its new token's row could not be stored: the collective is entered all the same, so that
+/// the peers fail at once); `holds[r]`: whether rank `r`'s part has a row (the callers know every rank's
+/// fill; an empty part takes no share); `first`: the first position the query sees (0: all; `position -
+/// max_distance` under a sliding window), the same on every rank. Returns `(o: [1, q_len, heads, head_dim]`
+/// in q's dtype, `lse: [1, heads, q_len])`, the same on every rank; on a rank that failed, its own error, and
+/// on the others [`Error::PeerFailed`](crate::Error::PeerFailed) naming it. Collective: one all-gather.
 pub fn decode_attention(
     group: &dyn ProcessGroup,
     q: &Tensor,
-    part: &KvBlocks,
+    part: Result<&KvBlocks>,
     scale: Option<f64>,
     holds: &[bool],
     first: usize,
 ) -> Result<(Tensor, Tensor)> {
     let (b, nq, h, d) = q.dims4()?;
     let acc = if q.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-    let mine = attention_over_blocks(q, part, scale, first)?;
+    let mine = part.and_then(|part| attention_over_blocks(q, part, scale, first));
     if group.size() == 1 {
-        return mine.ok_or_else(|| empty_cache_error(holds));
+        return mine?.ok_or_else(|| empty_cache_error(holds));
     }
-    // This rank's partial result as one row: o (b·nq·h·d values), then lse (b·h·nq); when it sees no row, o
-    // zeros and lse -inf (a part that weighs nothing in the merge: its factor e^(-inf - m) is 0).
+    // This rank's partial result as one row: o (b·nq·h·d values), then lse (b·h·nq), then 0; when it sees no
+    // row, o zeros and lse -inf (a part that weighs nothing in the merge: its factor e^(-inf - m) is 0); when
+    // it failed, zeros and a last value of 1.
     let (o_len, lse_len) = (b * nq * h * d, b * h * nq);
+    let dev = q.device();
+    let mine = mine.and_then(|m| {
+        let (o, lse) = match &m {
+            Some((o, lse)) => (o.to_dtype(acc)?.flatten_all()?, lse.to_dtype(acc)?.flatten_all()?),
+            None => (Tensor::zeros(o_len, acc, dev)?, Tensor::full(f32::NEG_INFINITY, lse_len, dev)?.to_dtype(acc)?),
+        };
+        Ok(Tensor::cat(&[o, lse, Tensor::zeros(1, acc, dev)?], 0)?)
+    });
     let row = match &mine {
-        Some((o, lse)) => Tensor::cat(&[o.to_dtype(acc)?.flatten_all()?, lse.to_dtype(acc)?.flatten_all()?], 0)?,
-        None => Tensor::cat(
-            &[
-                Tensor::zeros(o_len, acc, q.device())?,
-                Tensor::full(f32::NEG_INFINITY, lse_len, q.device())?.to_dtype(acc)?,
-            ],
-            0,
-        )?,
+        Ok(row) => row.clone(),
+        Err(_) => Tensor::cat(&[Tensor::zeros(o_len + lse_len, acc, dev)?, Tensor::ones(1, acc, dev)?], 0)?,
     };
-    let all = group.all_gather(&row.unsqueeze(0)?, 0).map_err(autosp_core::Error::from)?;
+    let all = group.all_gather(&row.unsqueeze(0)?, 0).map_err(autosp_core::Error::from);
+    mine?;
+    let all = all?;
+    let failed: Vec<usize> = all
+        .narrow(1, o_len + lse_len, 1)?
+        .flatten_all()?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?
+        .iter()
+        .enumerate()
+        .filter(|(_, &f)| f != 0.0)
+        .map(|(r, _)| r)
+        .collect();
+    if !failed.is_empty() {
+        return Err(crate::Error::PeerFailed { op: "decode_attention", ranks: failed });
+    }
     let mut run: Option<RunningAttention> = None;
     for (r, _) in holds.iter().enumerate().filter(|(_, &held)| held) {
         let row = all.get(r)?;
@@ -211,11 +234,58 @@ mod tests {
             autosp_core::comm::run_ranks(2, std::time::Duration::from_secs(30), |g| -> Result<(Tensor, Tensor)> {
                 let part = if g.rank() == 0 { part_of(0..6, 6)? } else { part_of(6..n, 2)? };
                 assert_eq!(g.rank() == 0, attention_over_blocks(&q, &part, None, at - w)?.is_none());
-                decode_attention(g.as_ref(), &q, &part, None, &[true, true], at - w)
+                decode_attention(g.as_ref(), &q, Ok(&part), None, &[true, true], at - w)
             });
         for r in out {
             let (o, lse) = r.expect("rank ran")?;
             assert!(err(&o, &want_o)? < 1e-5 && err(&lse, &want_lse)? < 1e-5, "merged over ranks");
+        }
+        Ok(())
+    }
+
+    /// A rank whose part cannot take the new token's row (here a position before its last row, refused by
+    /// `push_token` on that rank alone: only the token's owner stores it) still enters the all-gather: its
+    /// peer fails at once naming it, not at the group's timeout (60 s here; the failing rank is kept alive, up
+    /// to 30 s, until its peer's step ended), it fails with its own error, and the group is still usable: the
+    /// next step over both parts equals attention over all the keys.
+    #[test]
+    fn a_rank_whose_row_cannot_be_stored_fails_its_peer_at_once() -> Result<()> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::time::{Duration, Instant};
+        let dev = Device::Cpu;
+        let (h, hkv, d, n) = (4, 2, 8, 10);
+        let q = Tensor::randn(0f32, 1., (1, 1, h, d), &dev)?;
+        let k = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?;
+        let (start, peer_done) = (Instant::now(), AtomicBool::new(false));
+        let out = autosp_core::comm::run_ranks(2, Duration::from_secs(60), |g| -> Result<_> {
+            let rows = if g.rank() == 0 { 0..5 } else { 5..n };
+            let mut part = KvBlocks::with_block_rows(4);
+            let positions: Vec<usize> = rows.clone().collect();
+            part.push_rows(&k.narrow(1, rows.start, 5)?, &v.narrow(1, rows.start, 5)?, &positions)?;
+            let pushed =
+                if g.rank() == 1 { part.push_token(&k.narrow(1, 0, 1)?, &v.narrow(1, 0, 1)?, 2) } else { Ok(()) };
+            let failed = decode_attention(g.as_ref(), &q, pushed.map(|()| &part), None, &[true, true], 0);
+            let failed_after = start.elapsed();
+            if g.rank() == 0 {
+                peer_done.store(true, Ordering::SeqCst);
+            } else {
+                while !peer_done.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(30) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+            let next = decode_attention(g.as_ref(), &q, Ok(&part), None, &[true, true], 0)?;
+            Ok((failed.map(|_| ()).map_err(|e| e.to_string()), failed_after, next))
+        });
+        let (want_o, want_lse) = naive_attention_forward(&q, &k, &v, &AttentionSpec::full())?;
+        let err = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
+        for (rank, r) in out.into_iter().enumerate() {
+            let (failed, after, (o, lse)) = r.expect("rank ran")?;
+            let e = failed.expect_err("the step fails on both ranks");
+            let want = if rank == 0 { "rank(s) [1] of the group failed" } else { "decode tokens in order of position" };
+            assert!(e.contains(want), "rank {rank}: {e}");
+            assert!(after < Duration::from_secs(10), "rank {rank} failed after {after:?}");
+            assert!(err(&o, &want_o)? < 1e-5 && err(&lse, &want_lse)? < 1e-5, "rank {rank}: the next step");
         }
         Ok(())
     }
