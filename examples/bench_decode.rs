@@ -21,15 +21,19 @@ use autosp::core::comm::run_ranks;
 use autosp::core::module::all_params;
 use autosp::core::CheckpointPolicy;
 use autosp::infer::{GenerateConfig, Sampling};
-use autosp::models::{random_weights, LlamaConfig, LlamaModel, TinySpec};
+use autosp::models::{random_weights, LlamaConfig, LlamaModel};
 use candle_core::{DType, Device};
 use clap::Parser;
 use serde_json::json;
 
+#[path = "common/presets.rs"]
+mod presets;
+
 #[derive(Parser, Debug)]
 #[command(about = "decode tokens/s against the bound of reading the weights and the KV cache once per token")]
 struct Args {
-    /// Model shape: `smollm2-135m` (30 layers, hidden 576, 9 heads, 3 kv heads, vocab 49152, tied) or `tiny`.
+    /// Model shape: `smollm2-135m` (30 layers, hidden 576, 9 heads, 3 kv heads, vocab 49152, tied), `tiny`,
+    /// `bench` or `llama-3.2-1b` (the benches' presets: examples/common/presets.rs).
     #[arg(long, default_value = "smollm2-135m")]
     preset: String,
     /// Prompt lengths (the cache a decode step reads), comma-separated.
@@ -118,29 +122,6 @@ fn attention_only(
     }))
 }
 
-fn preset(name: &str, max_n: usize) -> Result<LlamaConfig> {
-    let spec = match name {
-        "smollm2-135m" => TinySpec {
-            layers: 30,
-            hidden: 576,
-            intermediate: 1536,
-            heads: 9,
-            kv_heads: 3,
-            vocab: 49152,
-            tied: true,
-            ..TinySpec::default()
-        },
-        "tiny" => TinySpec::default(),
-        _ => bail!("unknown --preset {name:?}: use smollm2-135m or tiny"),
-    };
-    let mut cfg = spec.config();
-    if name == "smollm2-135m" {
-        cfg.rope_theta = 100000.0;
-    }
-    cfg.max_position_embeddings = max_n.max(cfg.max_position_embeddings);
-    Ok(cfg)
-}
-
 /// Bytes per second of reading `buf` once on `threads` threads (a sum, so nothing is skipped), best of 3.
 fn read_bandwidth(buf: &[f32], threads: usize) -> f64 {
     let mut best = 0f64;
@@ -192,7 +173,7 @@ fn main() -> Result<()> {
         .map(|s| s.trim().parse().map_err(|_| anyhow!("--lengths {s:?}: give whole numbers, e.g. 4096,16384")))
         .collect::<Result<_>>()?;
     let max_n = lengths.iter().max().copied().unwrap_or(0) + args.new;
-    let cfg = preset(&args.preset, max_n)?;
+    let cfg = presets::preset_config(&args.preset, max_n)?;
     let buf = vec![1f32; 1 << 28];
     let (bw1, bwt) = (read_bandwidth(&buf, 1), read_bandwidth(&buf, threads));
     drop(buf);

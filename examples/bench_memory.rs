@@ -44,10 +44,13 @@ use autosp::compile::{
 use autosp::core::comm::{run_ranks, ProcessGroup};
 use autosp::core::optim::{AdamW, AdamWConfig, Optimizer};
 use autosp::core::{CausalLm, CheckpointPolicy, ShardLevel, TrackingAllocator};
-use autosp::models::{random_weights, LlamaConfig, LlamaModel, TinySpec};
+use autosp::models::{random_weights, LlamaConfig, LlamaModel};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use serde_json::json;
+
+#[path = "common/presets.rs"]
+mod presets;
 
 #[global_allocator]
 static ALLOC: TrackingAllocator = TrackingAllocator::new();
@@ -58,7 +61,7 @@ struct Args {
     /// A named model shape with random weights: `bench` (vocab 32000, hidden 512, intermediate 1376,
     /// 4 layers, 8 heads, 4 kv heads, untied, rope_theta 10000) or `llama-3.2-1b` (vocab 128256, hidden 2048,
     /// intermediate 8192, 16 layers, 32 heads, 8 kv heads, tied embeddings, rope_theta 500000: 1.24 B
-    /// parameters).
+    /// parameters), or the other benches' `tiny` and `smollm2-135m` (examples/common/presets.rs).
     #[arg(long, default_value = "bench", conflicts_with = "model")]
     preset: String,
     /// A local directory or hub repo id of a Llama-family checkpoint (instead of the preset).
@@ -186,45 +189,12 @@ fn parse_bytes(s: &str) -> Result<u64> {
     Ok((v * mult) as u64)
 }
 
-/// A preset's config (`bench` or `llama-3.2-1b`), with room for `max_n` positions.
-fn preset_config(name: &str, max_n: usize) -> Result<LlamaConfig> {
-    let spec = match name {
-        "bench" => TinySpec {
-            layers: 4,
-            hidden: 512,
-            intermediate: 1376,
-            heads: 8,
-            kv_heads: 4,
-            vocab: 32000,
-            tied: false,
-            ..TinySpec::default()
-        },
-        "llama-3.2-1b" => TinySpec {
-            layers: 16,
-            hidden: 2048,
-            intermediate: 8192,
-            heads: 32,
-            kv_heads: 8,
-            vocab: 128256,
-            tied: true,
-            ..TinySpec::default()
-        },
-        _ => bail!("unknown preset {name:?}: use bench or llama-3.2-1b"),
-    };
-    let mut cfg = spec.config();
-    if name == "llama-3.2-1b" {
-        cfg.rope_theta = 500000.0;
-    }
-    cfg.max_position_embeddings = max_n.max(cfg.max_position_embeddings);
-    Ok(cfg)
-}
-
 fn load_model(args: &Args, max_n: usize, device: &Device) -> Result<LlamaModel> {
     let dtype = args.dtype();
     let mut model = match &args.model {
         Some(m) => LlamaModel::load_on(m, dtype, device)?,
         None => {
-            let cfg = preset_config(&args.preset, max_n)?;
+            let cfg = presets::preset_config(&args.preset, max_n)?;
             LlamaModel::from_weights(&cfg, random_weights(&cfg, 1234, dtype, device)?)?
         }
     };
