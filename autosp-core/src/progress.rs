@@ -85,3 +85,37 @@ fn with_set<M: Copy + 'static, T>(
 pub(crate) fn set_forward_mark(mark: Option<ForwardMark>) {
     FORWARD.with(|m| m.set(mark));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CheckpointPolicy, Tape};
+    use candle_core::{Device, Tensor};
+
+    /// A recording tape marks the regions its forward began, from the first on; backward starting clears the
+    /// mark, and so does the tape going; an inference tape marks nothing; `with_forward_mark` restores the
+    /// mark it replaced.
+    #[test]
+    fn a_recording_tape_marks_the_regions_its_forward_began_until_backward() -> crate::Result<()> {
+        let tape = Tape::new(CheckpointPolicy::Full);
+        assert_eq!(current_forward_mark(), None);
+        let x = tape.leaf(Tensor::new(1f32, &Device::Cpu)?);
+        let mut y = x;
+        for begun in 1..=2 {
+            y = tape.checkpoint("block", |t| crate::ops::scale(t, &y, 2.0))?;
+            assert_eq!(current_forward_mark(), Some(ForwardMark { begun }));
+        }
+        let inner = with_forward_mark(None, current_forward_mark);
+        assert_eq!((inner, current_forward_mark()), (None, Some(ForwardMark { begun: 2 })));
+        tape.backward(&y)?;
+        assert_eq!(current_forward_mark(), None, "backward began: the forward is over");
+        let tape = Tape::new(CheckpointPolicy::Full);
+        tape.checkpoint("block", |_| Ok(()))?;
+        assert_eq!(current_forward_mark(), Some(ForwardMark { begun: 1 }));
+        drop(tape);
+        assert_eq!(current_forward_mark(), None, "the tape went");
+        Tape::inference().checkpoint("block", |_| Ok(()))?;
+        assert_eq!(current_forward_mark(), None, "an inference tape marks nothing");
+        Ok(())
+    }
+}
