@@ -8,10 +8,11 @@
 #
 #   bin/      the CUDA test binaries (autosp-kernels' cuda_attention and cuda_ops, the root's cuda_state: every
 #             test built with `cfg(feature = "cuda")`) and the examples gpu_check runs (llama_longctx,
-#             bench_attention, bench_memory, grad_compare), built with `--features cuda`, stripped;
+#             bench_attention, bench_memory, grad_compare), built with `--features cuda`, stripped; and the
+#             root's nccl_overlap (two GPUs), built with `--features cuda,nccl`;
 #   lib/      libcudart.so.13 of the toolkit the binaries were built with (candle-kernels links it; 1 MiB);
 #   stubs/    stand-ins for the driver and toolkit libraries the binaries are linked against (libcuda.so.1,
-#             libcublas.so.13, libcublasLt.so.13, libcurand.so.10, libnvrtc.so.13): every function returns an
+#             libcublas.so.13, libcublasLt.so.13, libcurand.so.10, libnvrtc.so.13; libnccl.so.2 for nccl_overlap): every function returns an
 #             error (libcuda's CUDA_ERROR_NO_DEVICE), so a binary started where a library is missing loads and
 #             says "no CUDA device" instead of failing in the loader; `run` uses one only where the real library
 #             is not found;
@@ -63,7 +64,7 @@ stubs="$CARGO_TARGET_DIR/cuda-stubs"
 rm -rf "$stubs"
 mkdir -p "$stubs"
 # module soname link-name error-code (libcuda: CUDA_ERROR_NO_DEVICE = 100; cuBLAS: 1 = NOT_INITIALIZED; cuRAND:
-# 201 = NOT_INITIALIZED; NVRTC: 11 = INTERNAL_ERROR).
+# 201 = NOT_INITIALIZED; NVRTC: 11 = INTERNAL_ERROR; NCCL: 3 = ncclInternalError).
 while read -r module soname name code; do
   names="$(grep -A1 'extern "C" {' "$cudarc_src/src/$module/sys/mod.rs" | sed -nE 's/^ +fn ([A-Za-z0-9_]+)\(.*/\1/p' | sort -u)"
   [ -n "$names" ] || { echo "gpu_bundle: no entry points found in cudarc's src/$module/sys/mod.rs" >&2; exit 1; }
@@ -86,6 +87,7 @@ cublas libcublas.so.13 cublas 1
 cublaslt libcublasLt.so.13 cublasLt 1
 curand libcurand.so.10 curand 201
 nvrtc libnvrtc.so.13 nvrtc 11
+nccl libnccl.so.2 nccl 3
 EOF
 # libcudart is the real one (candle-kernels' static MoE kernels call it); the linker wants the unversioned name.
 ln -sf "$cuda_root/lib/libcudart.so.13" "$stubs/libcudart.so"
@@ -101,6 +103,9 @@ cargo test --no-run --release --features cuda --message-format=json-render-diagn
   -p autosp-kernels --test cuda_attention --test cuda_ops > "$CARGO_TARGET_DIR/bundle-kernel-tests.json"
 cargo test --no-run --release --features cuda --message-format=json-render-diagnostics \
   --test cuda_state > "$CARGO_TARGET_DIR/bundle-root-tests.json"
+# The NCCL test: `nccl` adds cudarc's NCCL module, so its dependencies build apart from the others'.
+cargo test --no-run --release --features cuda,nccl --message-format=json-render-diagnostics \
+  --test nccl_overlap > "$CARGO_TARGET_DIR/bundle-nccl-tests.json"
 echo "gpu_bundle: build $((SECONDS - t0)) s"
 
 # The files go to a staging folder; the bundle is that folder as one .tar.xz (each binary carries the same 50 MB
@@ -119,11 +124,11 @@ for line in sys.stdin:
   name="${name%-*[0-9a-f]}"   # cuda_ops-0123abcd -> cuda_ops (test executables carry a hash)
   strip -o "$stage/bin/$name" "$exe"
 done
-for b in "${examples[@]}" cuda_attention cuda_ops cuda_state; do
+for b in "${examples[@]}" cuda_attention cuda_ops cuda_state nccl_overlap; do
   [ -x "$stage/bin/$b" ] || { echo "gpu_bundle: $b was not built" >&2; exit 1; }
 done
 cp -L "$cuda_root/lib/libcudart.so.13" "$stage/lib/"
-for s in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13; do
+for s in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libnccl.so.2; do
   strip -o "$stage/stubs/$s" "$stubs/$s"
 done
 cp scripts/gpu_bundle_run.sh "$stage/run"
@@ -131,7 +136,7 @@ chmod +x "$stage/run"
 {
   echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . 2>/dev/null || echo ' (with uncommitted changes)')"
   echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $nvcc_version, CUDARC_CUDA_VERSION=$CUDARC_CUDA_VERSION, CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP"
-  echo "features cuda"
+  echo "features cuda (nccl_overlap: cuda,nccl)"
   (cd "$stage" && find bin lib stubs -type f -printf '%s %p\n' | sort -k2)
 } > "$stage/MANIFEST"
 

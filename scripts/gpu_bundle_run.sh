@@ -3,8 +3,8 @@
 # the libraries it is linked against found on this machine. `run --libs` prints where each library comes from.
 #
 # The binaries need libcuda.so.1 (the driver's), libcublas.so.13, libcublasLt.so.13, libcurand.so.10 and
-# libnvrtc.so.13 (the CUDA toolkit's, or the nvidia-* wheels' that PyTorch's pip install brings), and
-# libcudart.so.13 (in the bundle's lib/). Each is looked for in the loader's cache (ldconfig -p), the CUDA
+# libnvrtc.so.13 (the CUDA toolkit's, or the nvidia-* wheels' that PyTorch's pip install brings), nccl_overlap
+# also libnccl.so.2 (NCCL's packages, or the nvidia-nccl wheel), and libcudart.so.13 (in the bundle's lib/). Each is looked for in the loader's cache (ldconfig -p), the CUDA
 # toolkit's folders, the driver's /usr/local/nvidia, and the site-packages of python3; one not found is taken
 # from the bundle's stubs/ (every function of a stub returns an error: libcuda's is CUDA_ERROR_NO_DEVICE), so
 # that on a machine with no GPU a binary starts and says "no CUDA device" instead of failing in the loader.
@@ -42,7 +42,7 @@ find_lib() { # find_lib SONAME: the path of a real SONAME on this machine, or no
 libs="$(mktemp -d "${TMPDIR:-/tmp}/autosp-gpu-libs.XXXXXX")"
 trap 'rm -rf "$libs"' EXIT
 report=""
-for soname in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13; do
+for soname in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libnccl.so.2; do
   real="$(find_lib "$soname")"
   if [ -n "$real" ]; then
     ln -s "$real" "$libs/$soname"

@@ -40,7 +40,8 @@
 #   memory      bench_memory on the bench shape at 8192 and 32768 tokens (bf16, sequence-aware): tokens/s of
 #               the measured step (after a warm-up step) and the device-memory peak against the plan's
 #               prediction (tape peak + model states). cpu: 1024 tokens, the process peak.
-#   nccl        NCCL collectives on two GPUs: SKIP (one GPU; and no NCCL test binary is built yet).
+#   nccl        tests/nccl_overlap on two GPUs (a group and its duplicate at once, gradients with the
+#               communication threads over NCCL), one test at a time. SKIP with fewer than two GPUs.
 #
 # Each stage has its own time limit, and the whole run a budget (GPU_CHECK_BUDGET_S, default 460 s, inside the 8
 # minutes a first run may take after unpacking): a stage that would start past it SKIPs, saying so.
@@ -412,8 +413,13 @@ st_nccl() {
   local gpus
   gpus="$(nvidia-smi -L 2>/dev/null | wc -l)"
   [ "$gpus" -ge 2 ] || { echo "$gpus GPU(s): the NCCL collectives need two"; exit 77; }
-  echo "$gpus GPUs, but no NCCL test binary is built yet (the NCCL back end is type-checked only)"
-  exit 77
+  has_bin nccl_overlap || { echo "no nccl_overlap binary (scripts/gpu_bundle.sh builds it)"; exit 77; }
+  if bin nccl_overlap --test-threads=1 --nocapture > "$OUT/test_nccl_overlap.log" 2>&1; then
+    echo "> nccl_overlap ($gpus GPUs): $(grep -E '^test result' "$OUT/test_nccl_overlap.log" | tail -1)"
+  else
+    echo "> nccl_overlap FAILED: $(grep -E '^test .*FAILED|panicked' "$OUT/test_nccl_overlap.log" | head -3 | tr '\n' ' ')"
+    exit 1
+  fi
 }
 
 if cpu_dry; then echo "gpu_check: CPU dry run (--device cpu): the host half of every stage"; fi
@@ -429,7 +435,7 @@ stage attention 60 st_attention
 stage sdpa 60 st_sdpa
 stage train 90 st_train
 stage memory 120 st_memory
-stage nccl 30 st_nccl
+stage nccl 120 st_nccl
 
 failed=0
 for r in "${results[@]}"; do [ "$r" = FAIL ] && failed=1; done

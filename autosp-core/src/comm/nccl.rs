@@ -544,8 +544,8 @@ impl NcclTransport {
 
     /// Queues NCCL work on the group's stream as one NCCL group: the stream first waits for the calling
     /// thread's stream (the buffers candle made), then `issue` runs between `ncclGroupStart` and `ncclGroupEnd`
-    /// with the launch lock held; it queues everything even after an error and returns the first. A failure
-    /// poisons the group. Call with the lock held.
+    /// with the launch lock held (the group is ended even when `issue` failed). A failure poisons the group.
+    /// Call with the lock held.
     fn launch(
         &self,
         collective: Collective,
