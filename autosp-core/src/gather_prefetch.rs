@@ -20,9 +20,10 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 use crate::comm::ProcessGroup;
+use crate::handoff::{settle, HandOff};
 use crate::progress::{current_forward_mark, current_mark, with_forward_mark, with_mark, BackwardMark, ForwardMark};
 use crate::shard::{note_gathered, ShardLevel};
 use crate::{Error, Param, ParamId, Result};
@@ -135,17 +136,30 @@ impl GatherPrefetch {
             .collect();
         let block_of = blocks.iter().enumerate().flat_map(|(i, b)| b.iter().map(move |p| (p.id(), i))).collect();
         let n = blocks.len();
+        // The slices the step's thread last wrote (the optimizer's update) are complete before the first
+        // gather reads them, and each gathered block before the step reads it (CUDA streams per thread).
+        let device = blocks.iter().flatten().next().map_or(Device::Cpu, |p| p.tensor().device().clone());
+        let written = HandOff::record(&device)?;
         let (post, inbox) = mpsc::sync_channel::<(usize, Result<Block>)>(0);
         let (asks, wait) = mpsc::channel::<Ask>();
         let worker = std::thread::Builder::new()
             .name("gather-prefetch".into())
             .spawn(move || {
                 // Until the step stops asking (the prefetch dropped) or a gather fails.
+                let mut written = Some(written);
                 while let Ok(Ask { block, only, marks }) = wait.recv() {
                     let params: Vec<&Param> =
                         blocks[block].iter().filter(|p| only.as_ref().is_none_or(|o| o.contains(&p.id()))).collect();
-                    let gathered =
-                        with_forward_mark(marks.0, || with_mark(marks.1, || gather_block(&params, group.as_ref())));
+                    let gathered = with_forward_mark(marks.0, || {
+                        with_mark(marks.1, || {
+                            if let Some(w) = written.take() {
+                                w.wait()?;
+                            }
+                            let block = gather_block(&params, group.as_ref())?;
+                            settle(&device)?;
+                            Ok(block)
+                        })
+                    });
                     let failed = gathered.is_err();
                     if post.send((block, gathered)).is_err() || failed {
                         return;

@@ -20,12 +20,14 @@ use std::thread::JoinHandle;
 use candle_core::{DType, Tensor};
 
 use crate::comm::ProcessGroup;
+use crate::handoff::{settle, HandOff};
 use crate::progress::{current_mark, with_mark, BackwardMark};
 use crate::shard::{ParamShard, ShardLayout};
 use crate::{Error, Param, ParamId, Result};
 
-/// One use's whole gradient posted to the thread: its parameter, layout, bytes, and where backward stood.
-type Job = (ParamId, ShardLayout, Tensor, usize, Option<BackwardMark>);
+/// One use's whole gradient posted to the thread: its parameter, layout, bytes, where backward stood, and the
+/// work that made it ([`HandOff`]).
+type Job = (ParamId, ShardLayout, Tensor, usize, Option<BackwardMark>, HandOff);
 
 /// The bytes of whole gradients posted and not reduced yet, and whether the thread has ended.
 #[derive(Default)]
@@ -132,7 +134,10 @@ fn reduce_posted(
     }
     let _ended = Ended(shared);
     let mut sums: HashMap<ParamId, Tensor> = HashMap::new();
-    for (id, layout, g, bytes, mark) in inbox {
+    let mut device = None;
+    for (id, layout, g, bytes, mark, made) in inbox {
+        made.wait()?;
+        device.get_or_insert_with(|| g.device().clone());
         let slice = with_mark(mark, || layout.reduce_scatter_as(group, &g, wire))?;
         drop(g);
         {
@@ -145,6 +150,10 @@ fn reduce_posted(
             None => slice,
         };
         sums.insert(id, sum);
+    }
+    // The slices are complete before the step's thread reads them.
+    if let Some(device) = device {
+        settle(&device)?;
     }
     Ok(sums)
 }
@@ -169,7 +178,8 @@ pub(crate) fn reduce_or_post(param: &Param, shard: &ParamShard, g: &Tensor) -> R
             state.bytes += bytes;
         }
         // A closed inbox means the thread stopped on an error: backward stops here, and `finish` reports it.
-        jobs.send((param.id(), shard.layout, g.clone(), bytes, current_mark()))
+        let made = HandOff::record(g.device())?;
+        jobs.send((param.id(), shard.layout, g.clone(), bytes, current_mark(), made))
             .map_err(|_| Error::Internal("the gradient reduce-scatter thread stopped before backward ended".into()))?;
         Ok(Some(None))
     })?;

@@ -26,6 +26,7 @@ pub mod error;
 pub mod gather_prefetch;
 pub mod grad_scatter;
 pub mod gradcheck;
+pub mod handoff;
 pub mod host_read;
 pub mod lora;
 pub mod memory;

@@ -49,7 +49,7 @@ pub struct Args {
     pub reduce_dtype: DType,
 
     /// MiB of f32 gradient per reduction bucket; each bucket is reduced as soon as backward has made all of
-    /// it, while backward goes on (thread ranks and MPI; after backward under NCCL). At --shard gradients and
+    /// it, while backward goes on (thread ranks, MPI, NCCL with NCCL_RUNTIME_CONNECT=0). At --shard gradients and
     /// parameters: the most whole gradients in flight to the reduce-scatter thread.
     #[arg(long, value_name = "MIB", default_value = "16", value_parser = autosp::compile::GradReduction::parse_bucket_mb)]
     pub bucket_mb: usize,

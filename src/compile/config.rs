@@ -52,8 +52,8 @@ pub struct GradReduction {
     pub bucket_bytes: usize,
     /// Post each bucket's reduction as soon as backward made every gradient in it (at `Gradients` and
     /// `Parameters`: each use's reduce-scatter), on a communication thread, while backward goes on, where the
-    /// back end allows two handles at once ([`ProcessGroup::concurrent_handles`]: thread ranks and MPI
-    /// processes). `false`: buckets after backward, reduce-scatters inline.
+    /// back end allows two handles at once ([`ProcessGroup::concurrent_handles`]: thread ranks, MPI processes,
+    /// NCCL with `NCCL_RUNTIME_CONNECT=0`). `false`: buckets after backward, reduce-scatters inline.
     pub overlap: bool,
 }
 
@@ -152,7 +152,7 @@ pub struct CompileConfig {
     /// At `--shard parameters`, gather the next block's weights on a communication thread while the current
     /// block computes (forward, and backward's replay in reverse), at most two blocks whole at once
     /// ([`autosp_core::gather_prefetch`]), where the back end allows two handles at once
-    /// ([`ProcessGroup::concurrent_handles`]: thread ranks and MPI processes).
+    /// ([`ProcessGroup::concurrent_handles`]: thread ranks, MPI processes, NCCL with `NCCL_RUNTIME_CONNECT=0`).
     /// On by default; `false`: always gathered at the use.
     pub prefetch_gathers: bool,
 }

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::sync::mpsc;
 
 use autosp_core::comm::{ProcessGroup, ReduceOp};
+use autosp_core::handoff::{settle, HandOff};
 use autosp_core::progress::{current_mark, with_mark, BackwardMark};
 use autosp_core::shard::{wire_dtype, ShardLevel};
 use autosp_core::{Gradients, Param, ParamId, Precision};
@@ -150,8 +151,9 @@ fn reduce(group: &dyn ProcessGroup, joined: &Tensor, sharded: bool) -> Result<Te
     })
 }
 
-/// A bucket posted to the communication thread: its index, its joined gradients and where backward stood.
-type Job = (usize, Tensor, Option<BackwardMark>);
+/// A bucket posted to the communication thread: its index, its joined gradients, where backward stood and the
+/// work that made them ([`HandOff`]).
+type Job = (usize, Tensor, Option<BackwardMark>, HandOff);
 
 /// The main thread's side of an overlapped reduction: holds the gradients backward hands over until their
 /// bucket is complete, then posts the bucket (and any complete ones after it) to the communication thread.
@@ -185,7 +187,8 @@ impl Posting<'_, '_> {
         let joined = self.buckets.join(self.next, &mut self.held)?;
         // A closed channel means the communication thread stopped on an error: backward stops here rather
         // than running to its end, and `overlapped` reports the thread's error.
-        self.jobs.send((self.next, joined, current_mark())).map_err(|_| {
+        let made = HandOff::record(joined.device())?;
+        self.jobs.send((self.next, joined, current_mark(), made)).map_err(|_| {
             autosp_core::Error::Internal("the gradient reduction thread stopped before backward ended".into())
         })?;
         self.next += 1;
@@ -218,8 +221,13 @@ pub(crate) fn overlapped(
             .name("grad-reduce".into())
             .spawn_scoped(scope, move || -> Result<Vec<(usize, Tensor)>, CompileError> {
                 let mut done = Vec::new();
-                for (b, joined, mark) in inbox {
+                for (b, joined, mark, made) in inbox {
+                    made.wait()?;
                     done.push((b, with_mark(mark, || reduce(group, &joined, sharded))?));
+                }
+                // The reduced buckets are complete before the step's thread reads them.
+                if let Some((_, t)) = done.last() {
+                    settle(t.device())?;
                 }
                 Ok(done)
             })
@@ -296,7 +304,7 @@ mod tests {
         posting.ready(ps[1].id(), g(4)).unwrap();
         assert!(inbox.try_recv().is_err(), "bucket 1 must wait for bucket 0");
         posting.ready(ps[2].id(), g(6)).unwrap();
-        let posted: Vec<(usize, usize)> = inbox.try_iter().map(|(b, t, _)| (b, t.elem_count())).collect();
+        let posted: Vec<(usize, usize)> = inbox.try_iter().map(|(b, t, _, _)| (b, t.elem_count())).collect();
         assert_eq!(posted, vec![(0, 6), (1, 7)]);
     }
 
