@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use autosp::capacity;
 use autosp::compile::{
-    build_sharded, compile, model_state_bytes, Checkpointing, CompileConfig, Mesh, ModelStateBytes, ParamCounts,
+    build_sharded, compile, model_state_bytes_with, Checkpointing, CompileConfig, Mesh, ModelStateBytes, ParamCounts,
     Strategy,
 };
 use autosp::core::comm::{run_ranks, ProcessGroup};
@@ -751,7 +751,7 @@ fn account(args: &Args) -> Result<()> {
     let params = counts.total();
     for &world in &args.account_worlds {
         for level in [ShardLevel::None, ShardLevel::Optimizer, ShardLevel::Gradients, ShardLevel::Parameters] {
-            let bytes = model_state_bytes(&counts, args.dtype(), level, world);
+            let bytes = model_state_bytes_with(&counts, args.dtype(), level, world, true);
             println!(
                 "{}",
                 json!({

@@ -12,6 +12,9 @@
 //! (rank 16 on every projection, A `[r, in]` and B `[out, r]`); the program first checks, on a small model it
 //! builds, that these counts equal [`ParamCounts::of`] on the built model, LoRA included.
 //!
+//! `parameters` counts two blocks gathered (the running one and the one the gather prefetch, on by default, makes
+//! ready next: `model_state_bytes_with(.., true)`).
+//!
 //! References (per rank, N trainable parameters, F frozen, W ranks, B the largest block's elements):
 //! - ZeRO-3 (DeepSpeed, mixed precision, the ZeRO paper's accounting): 16·N/W (bf16 parameters and gradients,
 //!   f32 masters and two moments) plus 2·F/W for a bf16 frozen base, plus the gathered bf16 weights of one block.
@@ -21,7 +24,7 @@
 //!   gathered (the running one and the prefetched next one) and, in backward, one block's unsharded gradient.
 
 use anyhow::{bail, Result};
-use autosp::compile::{model_state_bytes, ModelStateBytes, ParamCounts};
+use autosp::compile::{model_state_bytes_with, ModelStateBytes, ParamCounts};
 use autosp::core::lora::{LoraConfig, TARGETS};
 use autosp::core::CausalLm;
 use autosp::core::ShardLevel;
@@ -113,7 +116,7 @@ fn main() -> Result<()> {
             let (n, f, block) = (c.elems.iter().sum::<usize>(), c.frozen, c.largest_unit);
             for world in [1usize, 2, 4, 8] {
                 for level in ShardLevel::ALL {
-                    let bytes = model_state_bytes(&c, dtype, level, world);
+                    let bytes = model_state_bytes_with(&c, dtype, level, world, true);
                     println!(
                         "{}",
                         json!({ "bench": "model_states", "model": name, "mode": mode, "dtype": dtype.as_str(),
@@ -126,7 +129,7 @@ fn main() -> Result<()> {
                 let zero3 = 16 * per(n) + 2 * per(f) + gathered;
                 let fsdp2 = 16 * per(n) + 4 * per(f) + 2 * gathered + if world > 1 { 2 * block } else { 0 };
                 let fsdp2_bf16_base = fsdp2 - 2 * per(f);
-                let ours = model_state_bytes(&c, dtype, ShardLevel::Parameters, world).total();
+                let ours = model_state_bytes_with(&c, dtype, ShardLevel::Parameters, world, true).total();
                 println!(
                     "{}",
                     json!({ "bench": "model_states_reference", "model": name, "mode": mode, "world": world,
