@@ -76,7 +76,7 @@ pub fn weight_files(dir: &Path) -> Result<WeightFiles> {
 }
 
 /// Names HF checkpoints may hold that no computation reads (old Llama saves kept RoPE buffers).
-fn ignorable(name: &str) -> bool {
+pub(crate) fn ignorable(name: &str) -> bool {
     name.ends_with("rotary_emb.inv_freq")
 }
 

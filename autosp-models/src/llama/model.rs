@@ -157,7 +157,7 @@ impl LlamaModel {
         } else {
             Some(linear(&mut weights, "lm_head", c.vocab_size, hid, false)?)
         };
-        weights.retain(|name, _| !name.ends_with("rotary_emb.inv_freq"));
+        weights.retain(|name, _| !crate::weights::ignorable(name));
         let mut left: Vec<_> = weights.into_iter().collect();
         left.sort_by(|a, b| a.0.cmp(&b.0));
         if let Some((name, t)) = left.into_iter().next() {
