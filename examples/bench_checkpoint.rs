@@ -18,12 +18,16 @@ use autosp::compile::{compile, Checkpointing, CompileConfig, Strategy};
 use autosp::core::comm::{run_ranks, ProcessGroup};
 use autosp::core::optim::{AdamW, AdamWConfig, Optimizer};
 use autosp::core::{CheckpointPolicy, ShardLevel, TrackingAllocator};
-use autosp::models::{random_weights, LlamaModel, TinySpec};
+use autosp::models::{random_weights, LlamaModel};
 use autosp::train::checkpoint::{restore_state, save_sharded, verify};
 use autosp::train::{Position, RunShape, TrainerState};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use serde_json::json;
+
+#[allow(dead_code)]
+#[path = "common/presets.rs"]
+mod presets;
 
 #[global_allocator]
 static ALLOC: TrackingAllocator = TrackingAllocator::new();
@@ -68,17 +72,7 @@ fn compiled(pg: Arc<dyn ProcessGroup>, model: LlamaModel) -> Result<autosp::comp
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let spec = TinySpec {
-        layers: 4,
-        hidden: 512,
-        intermediate: 1376,
-        heads: 8,
-        kv_heads: 4,
-        vocab: 32000,
-        tied: false,
-        ..TinySpec::default()
-    };
-    let mut config = spec.config();
+    let mut config = presets::preset_config("bench", 0)?;
     config.torch_dtype = Some(DType::BF16);
     let weights = random_weights(&config, 1, DType::BF16, &Device::Cpu)?;
     let numel: usize = weights.values().map(|t| t.elem_count()).sum();

@@ -25,9 +25,13 @@ use autosp::compile::{compile, Checkpointing, CompileConfig, Strategy};
 use autosp::core::comm::{run_ranks, ProcessGroup};
 use autosp::core::dispatch::{with_kernels, Kernels};
 use autosp::core::CheckpointPolicy;
-use autosp::models::{random_weights, LlamaConfig, LlamaModel, TinySpec};
+use autosp::models::{random_weights, LlamaConfig, LlamaModel};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
+
+#[allow(dead_code)]
+#[path = "common/presets.rs"]
+mod presets;
 use serde_json::json;
 
 #[derive(Parser, Debug)]
@@ -61,20 +65,11 @@ struct Args {
 
 const TIMEOUT: Duration = Duration::from_secs(600);
 
-fn bench_config(layers: usize, n: usize) -> LlamaConfig {
-    let spec = TinySpec {
-        layers,
-        hidden: 512,
-        intermediate: 1376,
-        heads: 8,
-        kv_heads: 4,
-        vocab: 32000,
-        tied: false,
-        ..TinySpec::default()
-    };
-    let mut cfg = spec.config();
-    cfg.max_position_embeddings = cfg.max_position_embeddings.max(n);
-    cfg
+/// The `bench` preset (examples/common/presets.rs) with `layers` layers and room for `n` positions.
+fn bench_config(layers: usize, n: usize) -> Result<LlamaConfig> {
+    let mut cfg = presets::preset_config("bench", n)?;
+    cfg.num_hidden_layers = layers;
+    Ok(cfg)
 }
 
 fn parse_dtype(s: &str) -> Result<DType> {
@@ -150,7 +145,7 @@ fn main() -> Result<()> {
     let device = args.device.open(None)?;
     let mut failed = Vec::new();
     for &n in &args.n {
-        let cfg = bench_config(args.layers, n);
+        let cfg = bench_config(args.layers, n)?;
         let weights = random_weights(&cfg, 1234, DType::F32, &Device::Cpu)?;
         let vocab = cfg.vocab_size as u32;
         let ids: Vec<u32> = (0..n as u32).map(|i| (i.wrapping_mul(2654435761) >> 7) % vocab).collect();

@@ -1,6 +1,6 @@
 //! The model shapes with random weights that the benches take by name (`--preset`), written once: each a
 //! [`TinySpec`] and its RoPE base, made into a config with room for the positions a run needs. Included by
-//! `bench_decode` and `bench_memory` (`#[path]`); not an example of its own.
+//! `bench_decode`, `bench_memory`, `bench_checkpoint` and `grad_compare` (`#[path]`); not an example of its own.
 
 use anyhow::{bail, Result};
 use autosp::models::{LlamaConfig, TinySpec};
