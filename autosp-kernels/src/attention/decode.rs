@@ -130,16 +130,11 @@ pub fn decode_attention(
     let all = group.all_gather(&row.unsqueeze(0)?, 0).map_err(autosp_core::Error::from);
     mine?;
     let all = all?;
-    let failed: Vec<usize> = all
-        .narrow(1, o_len + lse_len, 1)?
-        .flatten_all()?
-        .to_dtype(DType::F32)?
-        .to_vec1::<f32>()?
-        .iter()
-        .enumerate()
-        .filter(|(_, &f)| f != 0.0)
-        .map(|(r, _)| r)
-        .collect();
+    // One counted host read of the ranks' failure flags (P values).
+    let flags = autosp_core::host_read::read_vec::<f32>(
+        &all.narrow(1, o_len + lse_len, 1)?.flatten_all()?.to_dtype(DType::F32)?,
+    )?;
+    let failed: Vec<usize> = flags.iter().enumerate().filter(|(_, &f)| f != 0.0).map(|(r, _)| r).collect();
     if !failed.is_empty() {
         return Err(crate::Error::PeerFailed { op: "decode_attention", ranks: failed });
     }
