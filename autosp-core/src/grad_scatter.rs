@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use candle_core::{DType, Tensor};
 
 use crate::comm::ProcessGroup;
-use crate::handoff::{settle, HandOff};
+use crate::handoff::HandOff;
 use crate::progress::{current_mark, with_mark, BackwardMark};
 use crate::shard::{ParamShard, ShardLayout};
 use crate::{Error, Param, ParamId, Result};
@@ -38,14 +38,35 @@ struct InFlight {
 
 type Shared = Arc<(Mutex<InFlight>, Condvar)>;
 
+/// A parameter's slice of one use, reduced by the thread, with the work that made it.
+type Done = (ParamId, Tensor, HandOff);
+
 /// What backward's thread holds while a [`GradScatter`] is installed.
 struct Active {
     /// The group reduced over inline (no thread), and the wire dtype.
     group: Arc<dyn ProcessGroup>,
     wire: DType,
-    /// The thread's inbox and the bytes in flight, when overlapped.
-    jobs: Option<(mpsc::Sender<Job>, Shared)>,
+    /// The thread's inbox, its outbox and the bytes in flight, when overlapped.
+    jobs: Option<(mpsc::Sender<Job>, mpsc::Receiver<Done>, Shared)>,
     limit: usize,
+    /// The slices taken from the thread so far, each parameter's uses summed in posting order.
+    sums: HashMap<ParamId, Tensor>,
+}
+
+impl Active {
+    /// Adds a slice the thread reduced to the sums, in this (the step's) thread's own memory: the thread's
+    /// copy goes back to the thread's allocator arena at once, where its next buffers reuse it (glibc keeps
+    /// a thread's freed memory for that thread: slices kept there until the step's end would leave the
+    /// thread's temporaries unreusable beside them, resident memory no tensor holds).
+    fn absorb(sums: &mut HashMap<ParamId, Tensor>, (id, slice, made): Done) -> Result<()> {
+        made.wait()?;
+        let sum = match sums.remove(&id) {
+            Some(before) => before.add(&slice)?,
+            None => slice.copy()?,
+        };
+        sums.insert(id, sum);
+        Ok(())
+    }
 }
 
 thread_local! {
@@ -55,7 +76,7 @@ thread_local! {
 /// A per-use gradient reduce-scatter installed on the thread that started it (see the module doc); its
 /// results come from [`finish`](Self::finish). Dropping it unfinished uninstalls it and waits for its thread.
 pub struct GradScatter {
-    worker: Option<JoinHandle<Result<HashMap<ParamId, Tensor>>>>,
+    worker: Option<JoinHandle<Result<()>>>,
 }
 
 impl GradScatter {
@@ -73,21 +94,23 @@ impl GradScatter {
         let (jobs, worker) = if overlap {
             let shared: Shared = Arc::default();
             let (post, inbox) = mpsc::channel::<Job>();
+            let (reduced, outbox) = mpsc::channel::<Done>();
             let (thread_group, thread_shared) = (group.clone(), shared.clone());
             let worker = std::thread::Builder::new()
                 .name("grad-scatter".into())
-                .spawn(move || reduce_posted(inbox, thread_group.as_ref(), wire, &thread_shared))
+                .spawn(move || reduce_posted(inbox, reduced, thread_group.as_ref(), wire, &thread_shared))
                 .map_err(|e| Error::InvalidArgument {
                     op: "grad_scatter",
                     msg: format!(
                         "could not start the gradient reduce-scatter thread: {e}; set GradReduction::overlap to false"
                     ),
                 })?;
-            (Some((post, shared)), Some(worker))
+            (Some((post, outbox, shared)), Some(worker))
         } else {
             (None, None)
         };
-        ACTIVE.with(|a| *a.borrow_mut() = Some(Active { group, wire, jobs, limit: limit_bytes.max(1) }));
+        let active = Active { group, wire, jobs, limit: limit_bytes.max(1), sums: HashMap::new() };
+        ACTIVE.with(|a| *a.borrow_mut() = Some(active));
         Ok(Self { worker })
     }
 
@@ -95,21 +118,31 @@ impl GradScatter {
     /// uses summed, in the reduction dtype (empty when inline: the slices went to the tape). The thread's
     /// error, if it stopped on one.
     pub fn finish(mut self) -> Result<HashMap<ParamId, Tensor>> {
-        ACTIVE.with(|a| a.borrow_mut().take());
-        match self.worker.take() {
-            None => Ok(HashMap::new()),
-            Some(worker) => worker.join().map_err(|panic| {
-                let what =
-                    panic.downcast_ref::<String>().cloned().or(panic.downcast_ref::<&str>().map(|s| s.to_string()));
-                Error::Internal(format!("the gradient reduce-scatter thread panicked: {}", what.unwrap_or_default()))
-            })?,
+        let Some(active) = ACTIVE.with(|a| a.borrow_mut().take()) else { return Ok(HashMap::new()) };
+        let Some(worker) = self.worker.take() else { return Ok(active.sums) };
+        let Active { jobs, mut sums, .. } = active;
+        let mut absorbed = Ok(());
+        if let Some((post, outbox, _)) = jobs {
+            // Closing the inbox ends the thread once it reduced what was posted; take what it hands over.
+            drop(post);
+            for done in outbox.iter() {
+                if absorbed.is_ok() {
+                    absorbed = Active::absorb(&mut sums, done);
+                }
+            }
         }
+        worker.join().map_err(|panic| {
+            let what = panic.downcast_ref::<String>().cloned().or(panic.downcast_ref::<&str>().map(|s| s.to_string()));
+            Error::Internal(format!("the gradient reduce-scatter thread panicked: {}", what.unwrap_or_default()))
+        })??;
+        absorbed?;
+        Ok(sums)
     }
 }
 
 impl Drop for GradScatter {
     fn drop(&mut self) {
-        // Closing the inbox ends the thread once it reduced what was posted.
+        // Closing the inbox and the outbox ends the thread once it reduced what was posted.
         ACTIVE.with(|a| a.borrow_mut().take());
         if let Some(worker) = self.worker.take() {
             let _ = worker.join();
@@ -117,14 +150,15 @@ impl Drop for GradScatter {
     }
 }
 
-/// The thread: reduce-scatters each posted gradient over `group` and sums each parameter's slices in posting
-/// order. Marks itself ended (waking a waiting poster) however it stops.
+/// The thread: reduce-scatters each posted gradient over `group` and hands each slice over in posting order.
+/// Marks itself ended (waking a waiting poster) however it stops.
 fn reduce_posted(
     inbox: mpsc::Receiver<Job>,
+    reduced: mpsc::Sender<Done>,
     group: &dyn ProcessGroup,
     wire: DType,
     shared: &Shared,
-) -> Result<HashMap<ParamId, Tensor>> {
+) -> Result<()> {
     struct Ended<'a>(&'a Shared);
     impl Drop for Ended<'_> {
         fn drop(&mut self) {
@@ -133,29 +167,22 @@ fn reduce_posted(
         }
     }
     let _ended = Ended(shared);
-    let mut sums: HashMap<ParamId, Tensor> = HashMap::new();
-    let mut device = None;
     for (id, layout, g, bytes, mark, made) in inbox {
         made.wait()?;
-        device.get_or_insert_with(|| g.device().clone());
         let slice = with_mark(mark, || layout.reduce_scatter_as(group, &g, wire))?;
+        let done = HandOff::record(slice.device())?;
         drop(g);
         {
             let (lock, wake) = &**shared;
             lock.lock().unwrap_or_else(|e| e.into_inner()).bytes -= bytes;
             wake.notify_all();
         }
-        let sum = match sums.remove(&id) {
-            Some(before) => (before + slice)?,
-            None => slice,
-        };
-        sums.insert(id, sum);
+        if reduced.send((id, slice, done)).is_err() {
+            // The step stopped taking slices (dropped unfinished): nothing more is wanted.
+            return Ok(());
+        }
     }
-    // The slices are complete before the step's thread reads them.
-    if let Some(device) = device {
-        settle(&device)?;
-    }
-    Ok(sums)
+    Ok(())
 }
 
 /// One use's whole gradient `g` of `param` (sharded as `shard`) through the [`GradScatter`] installed on this
@@ -163,11 +190,15 @@ fn reduce_posted(
 /// `None` when posted to the thread (its slice comes from [`GradScatter::finish`]). Collective.
 pub(crate) fn reduce_or_post(param: &Param, shard: &ParamShard, g: &Tensor) -> Result<Option<Tensor>> {
     let posted = ACTIVE.with(|a| -> Result<Option<Option<Tensor>>> {
-        let guard = a.borrow();
-        let Some(active) = guard.as_ref() else { return Ok(None) };
-        let Some((jobs, shared)) = &active.jobs else {
+        let mut guard = a.borrow_mut();
+        let Some(active) = guard.as_mut() else { return Ok(None) };
+        let Some((jobs, outbox, shared)) = &active.jobs else {
             return Ok(Some(Some(shard.layout.reduce_scatter_as(active.group.as_ref(), g, active.wire)?)));
         };
+        // The slices reduced since the last post, into this thread's memory.
+        for done in outbox.try_iter() {
+            Active::absorb(&mut active.sums, done)?;
+        }
         let bytes = crate::memory::storage_bytes(g);
         {
             let (lock, wake) = &**shared;

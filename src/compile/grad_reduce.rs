@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::mpsc;
 
 use autosp_core::comm::{ProcessGroup, ReduceOp};
-use autosp_core::handoff::{settle, HandOff};
+use autosp_core::handoff::HandOff;
 use autosp_core::progress::{current_mark, with_mark, BackwardMark};
 use autosp_core::shard::{wire_dtype, ShardLevel};
 use autosp_core::{Gradients, Param, ParamId, Precision};
@@ -155,8 +155,12 @@ fn reduce(group: &dyn ProcessGroup, joined: &Tensor, sharded: bool) -> Result<Te
 /// work that made them ([`HandOff`]).
 type Job = (usize, Tensor, Option<BackwardMark>, HandOff);
 
+/// A bucket the communication thread reduced: its index, the reduced gradients and the work that made them.
+type Reduced = (usize, Tensor, HandOff);
+
 /// The main thread's side of an overlapped reduction: holds the gradients backward hands over until their
-/// bucket is complete, then posts the bucket (and any complete ones after it) to the communication thread.
+/// bucket is complete, then posts the bucket (and any complete ones after it) to the communication thread,
+/// and takes the reduced buckets back as they come.
 pub(crate) struct Posting<'b, 'a> {
     buckets: &'b Buckets<'a>,
     held: HashMap<ParamId, Tensor>,
@@ -165,6 +169,9 @@ pub(crate) struct Posting<'b, 'a> {
     /// The next bucket to post (every one before it is posted).
     next: usize,
     jobs: mpsc::Sender<Job>,
+    outbox: mpsc::Receiver<Reduced>,
+    /// The reduced gradients taken back so far.
+    out: Gradients,
 }
 
 impl Posting<'_, '_> {
@@ -178,6 +185,9 @@ impl Posting<'_, '_> {
         }
         while self.next < self.remaining.len() && self.remaining[self.next] == 0 {
             self.post()?;
+        }
+        while let Ok(reduced) = self.outbox.try_recv() {
+            take_back(self.buckets, &mut self.out, reduced)?;
         }
         Ok(())
     }
@@ -195,13 +205,28 @@ impl Posting<'_, '_> {
         Ok(())
     }
 
-    /// Posts every bucket not posted yet (after backward).
-    fn finish(mut self) -> autosp_core::Result<()> {
+    /// Posts every bucket not posted yet (after backward), closes the thread's inbox and takes back every
+    /// reduced bucket until the thread ends.
+    fn finish(mut self) -> autosp_core::Result<Gradients> {
         while self.next < self.remaining.len() {
             self.post()?;
         }
-        Ok(())
+        let Posting { jobs, outbox, mut out, buckets, .. } = self;
+        drop(jobs);
+        for reduced in outbox.iter() {
+            take_back(buckets, &mut out, reduced)?;
+        }
+        Ok(out)
     }
+}
+
+/// A reduced bucket split into `out`, copied into this (the step's) thread's memory: the communication
+/// thread's copy goes back to that thread's allocator arena at once, where its next buffers reuse it (glibc
+/// keeps a thread's freed memory for that thread: buckets kept there until the optimizer step would leave the
+/// thread's temporaries unreusable beside them, resident memory no tensor holds).
+fn take_back(buckets: &Buckets<'_>, out: &mut Gradients, (b, summed, made): Reduced) -> autosp_core::Result<()> {
+    made.wait()?;
+    buckets.split(b, summed.copy()?, out)
 }
 
 /// Runs `backward`, which hands each parameter's final gradient to [`Posting::ready`], while a communication
@@ -217,45 +242,42 @@ pub(crate) fn overlapped(
     let sharded = buckets.sharded;
     std::thread::scope(|scope| {
         let (jobs, inbox) = mpsc::channel::<Job>();
+        let (reduced, outbox) = mpsc::channel::<Reduced>();
         let worker = std::thread::Builder::new()
             .name("grad-reduce".into())
-            .spawn_scoped(scope, move || -> Result<Vec<(usize, Tensor)>, CompileError> {
-                let mut done = Vec::new();
+            .spawn_scoped(scope, move || -> Result<(), CompileError> {
                 for (b, joined, mark, made) in inbox {
                     made.wait()?;
-                    done.push((b, with_mark(mark, || reduce(group, &joined, sharded))?));
+                    let summed = with_mark(mark, || reduce(group, &joined, sharded))?;
+                    let done = HandOff::record(summed.device())?;
+                    if reduced.send((b, summed, done)).is_err() {
+                        // The step stopped taking buckets back (backward failed): nothing more is wanted.
+                        break;
+                    }
                 }
-                // The reduced buckets are complete before the step's thread reads them.
-                if let Some((_, t)) = done.last() {
-                    settle(t.device())?;
-                }
-                Ok(done)
+                Ok(())
             })
             .map_err(|e| CompileError::Input(format!("could not start the gradient reduction thread: {e}")))?;
         let remaining = buckets.order.iter().map(Vec::len).collect();
-        let mut posting = Posting { buckets, held: HashMap::new(), remaining, next: 0, jobs };
+        let mut posting =
+            Posting { buckets, held: HashMap::new(), remaining, next: 0, jobs, outbox, out: Gradients::new() };
         let ran = backward(&mut posting);
-        // Whether backward ran or failed, the thread ends once the sender is gone: `finish` consumes it, and
-        // on an error it is dropped here (else joining the thread would wait for it forever).
-        let posted = match ran {
+        // Whether backward ran or failed, the thread ends once the sender is gone: `finish` drops it after
+        // posting the rest, and on an error it is dropped here (else joining the thread would wait forever).
+        let out = match ran {
             Ok(()) => posting.finish().map_err(CompileError::from),
             Err(e) => {
                 drop(posting);
                 Err(e)
             }
         };
-        let reduced = worker.join().map_err(|panic| {
+        let thread = worker.join().map_err(|panic| {
             let what = panic.downcast_ref::<String>().cloned().or(panic.downcast_ref::<&str>().map(|s| s.to_string()));
             CompileError::Input(format!("the gradient reduction thread panicked: {}", what.unwrap_or_default()))
         })?;
         // The thread's error first: a closed channel stopped backward because of it.
-        let reduced = reduced?;
-        posted?;
-        let mut out = Gradients::new();
-        for (b, summed) in reduced {
-            buckets.split(b, summed, &mut out)?;
-        }
-        Ok(out)
+        thread?;
+        out
     })
 }
 
