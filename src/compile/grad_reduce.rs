@@ -319,7 +319,9 @@ mod tests {
         let names: Vec<Vec<&str>> = buckets.order.iter().map(|b| b.iter().map(|&i| ps[i].name()).collect()).collect();
         assert_eq!(names, vec![vec!["c"], vec!["a", "b"]]);
         let (jobs, inbox) = mpsc::channel();
-        let mut posting = Posting { buckets: &buckets, held: HashMap::new(), remaining: vec![1, 2], next: 0, jobs };
+        let outbox = mpsc::channel().1;
+        let (held, out) = (HashMap::new(), Gradients::new());
+        let mut posting = Posting { buckets: &buckets, held, remaining: vec![1, 2], next: 0, jobs, outbox, out };
         let g = |n: usize| Tensor::ones(n, DType::F32, &Device::Cpu).unwrap();
         // `a` completes nothing; `b` completes bucket 1, which waits for bucket 0; `c` posts both, in order.
         posting.ready(ps[0].id(), g(3)).unwrap();
