@@ -43,7 +43,8 @@ pub enum Checkpointing {
 pub struct GradReduction {
     /// The dtype the gradients travel in: f32 (the default) or bf16, which halves the bytes sent. The sum is
     /// taken in f32 after each receive (the threads and MPI back ends reduce bf16 in f32 and round the
-    /// reduced chunk once to bf16 before handing it back; NCCL sums in bf16), and the result is f32 again.
+    /// reduced chunk once to bf16 before handing it back), and the result is f32 again. NCCL widens bf16 to
+    /// f32 before its own sum, so there the bytes sent stay f32's.
     /// f64 gradients (f64 checks) always travel in f64.
     pub dtype: DType,
     /// The bytes of f32 gradient per bucket (one collective each; a larger parameter is a bucket of its own).
