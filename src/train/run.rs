@@ -814,7 +814,7 @@ fn communication_line(c: &crate::Compiled<LlamaModel>) -> String {
     let mut line = if c.sharding() <= ShardLevel::Optimizer {
         format!(
             "communication: gradients reduced in buckets of {} MiB (--bucket-mb), sent in {} (--reduce-dtype), {}",
-            r.bucket_bytes as f64 / (1 << 20) as f64,
+            super::metrics::mib(r.bucket_bytes as f64),
             r.dtype.as_str(),
             if c.overlaps_reduction() { "on a communication thread while backward runs" } else { "after backward" }
         )
