@@ -373,4 +373,38 @@ mod tests {
         }
         Ok(())
     }
+
+    /// An f32 cache with f32 and with bf16 queries (the mix [`cpu::serves`] takes that the tests above leave
+    /// out) at head_dim 40, not a multiple of 16: AVX-512 takes no score tree, every score comes from
+    /// [`Real::dots`](crate::vector::Real::dots) (AVX-512: two vectors and a scalar tail of 8; AVX2: a group
+    /// of four vectors and one more), on every vector path this CPU has and the scalar loops, against the
+    /// tensor-op path: within 1e-5 (f32 queries) or 1e-2 (bf16 outputs) of the outputs, 1e-5 of the LSE.
+    #[test]
+    fn the_cpu_kernel_at_a_head_dim_off_the_tree_with_either_query_dtype_equals_the_tensor_op_path() -> Result<()> {
+        let dev = Device::Cpu;
+        let (h, hkv, d, n) = (6, 2, 40, 310);
+        let k = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?;
+        let mut part = KvBlocks::with_block_rows(7);
+        part.push_rows(&k.narrow(1, 0, 300)?, &v.narrow(1, 0, 300)?, &(0..300).collect::<Vec<_>>())?;
+        for i in 300..n {
+            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, i)?;
+        }
+        let views = part.views()?;
+        let err = |a: &Tensor, b: &Tensor| -> Result<f32> {
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+            Ok((f32(a)? - f32(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar()?)
+        };
+        let q32 = Tensor::randn(0f32, 1., (1, 2, h, d), &dev)?;
+        for (q, tol) in [(q32.clone(), 1e-5), (q32.to_dtype(DType::BF16)?, 1e-2)] {
+            let (want_o, want_lse) = over_blocks_with_tensor_ops(&q, &views, 0.15)?.expect("rows held");
+            for path in autosp_core::simd::supported_paths() {
+                let (o, lse) = cpu::attend(path, &q, &views, 0.15)?.expect("laid out for the kernel");
+                assert_eq!(o.dtype(), q.dtype());
+                assert!(err(&o, &want_o)? < tol, "{path:?} {:?} o: {}", q.dtype(), err(&o, &want_o)?);
+                assert!(err(&lse, &want_lse)? < 1e-5, "{path:?} {:?} lse: {}", q.dtype(), err(&lse, &want_lse)?);
+            }
+        }
+        Ok(())
+    }
 }
