@@ -132,11 +132,7 @@ impl Tape {
                 if let (Some(ready), Some(finished)) = (ready.as_mut(), ready_at.remove(&n)) {
                     for index in finished {
                         let Some(g) = grads.remove(&index) else { continue };
-                        inner.memory.untrack(&g);
-                        let g = match inner.leaf_grads.remove(&index) {
-                            Some(cur) => (cur + g)?,
-                            None => g,
-                        };
+                        let g = inner.with_leaf_grad(index, g)?;
                         let Origin::Param(id) = inner.values[index].origin else { unreachable!("a parameter") };
                         ready(id, g)?;
                     }
@@ -147,13 +143,11 @@ impl Tape {
             }
         }
         for (index, g) in grads {
-            inner.memory.untrack(&g);
             if matches!(inner.values[index].origin, Origin::Param(_) | Origin::Leaf) {
-                let g = match inner.leaf_grads.remove(&index) {
-                    Some(cur) => (cur + g)?,
-                    None => g,
-                };
+                let g = inner.with_leaf_grad(index, g)?;
                 inner.leaf_grads.insert(index, g);
+            } else {
+                inner.memory.untrack(&g);
             }
         }
         inner.clear_replayed();
@@ -192,6 +186,16 @@ impl Drop for MarkGuard {
 }
 
 impl Inner {
+    /// `g`, a gradient of leaf `index` that backward computed (no longer tracked as its working memory), plus
+    /// what earlier backward passes left for the leaf in `leaf_grads` (taken out).
+    fn with_leaf_grad(&mut self, index: usize, g: Tensor) -> Result<Tensor> {
+        self.memory.untrack(&g);
+        match self.leaf_grads.remove(&index) {
+            Some(cur) => Ok((cur + g)?),
+            None => Ok(g),
+        }
+    }
+
     /// Differentiates node `n`: output gradients in, input gradients accumulated.
     fn backward_node(&mut self, n: usize, grads: &mut HashMap<usize, Tensor>, retain: bool) -> Result<()> {
         let op = self.nodes[n].op.clone();
