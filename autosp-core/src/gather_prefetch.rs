@@ -122,7 +122,7 @@ impl GatherPrefetch {
     /// thread for [`take`] and [`region_ended`]. Fails if a prefetch is already installed on this thread or
     /// the thread cannot start.
     pub fn start(blocks: &[Vec<Param>], group: Arc<dyn ProcessGroup>) -> Result<Self> {
-        if ACTIVE.with(|a| a.borrow().is_some()) {
+        if running() {
             return Err(Error::InvalidArgument {
                 op: "gather_prefetch",
                 msg: "a gather prefetch is running on this thread already: drop it before starting another".into(),
