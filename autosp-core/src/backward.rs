@@ -129,8 +129,9 @@ impl Tape {
                 }
                 inner.backward_node(n, &mut grads, retain)?;
                 crate::progress::set_mark(Some(crate::progress::BackwardMark { done: last + 1 - n, total: last + 1 }));
-                if let (Some(ready), Some(finished)) = (ready.as_mut(), ready_at.remove(&n)) {
-                    for index in finished {
+                // Without `ready`, nothing to look up per node.
+                if let Some(ready) = ready.as_mut() {
+                    for index in ready_at.remove(&n).unwrap_or_default() {
                         let Some(g) = grads.remove(&index) else { continue };
                         let g = inner.with_leaf_grad(index, g)?;
                         let Origin::Param(id) = inner.values[index].origin else { unreachable!("a parameter") };
