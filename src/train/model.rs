@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use autosp_models::weights::WeightFiles;
 use autosp_models::{gguf_tokenizer_and_template, load_tokenizer, ChatTemplate, Tokenizer};
 use autosp_models::{
     random_weights, resolve_model, save_model, HubOptions, LlamaConfig, LlamaModel, SaveOptions, TinySpec,
@@ -128,19 +129,28 @@ pub fn load(source: &str, dtype: DType) -> Result<Loaded> {
 /// their headers read once and checked against the config; `None` when the weights cannot be read in ranges (a
 /// GGUF file, whose weights are quantised, or a family whose files fuse projections): then [`load`] it whole.
 pub fn load_skeleton(source: &str, dtype: DType) -> Result<Option<(Loaded, WeightRanges)>> {
-    let path = Path::new(source);
-    if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+    let Some((config, files)) = config_of(source)? else {
         return Ok(None);
-    }
-    let resolved = resolve_model(source, &HubOptions::default())?;
-    let config = LlamaConfig::from_file(&resolved.config)?;
-    let Some(paths) = WeightPaths::of(&resolved.weights, &config) else {
+    };
+    let Some(paths) = WeightPaths::of(&files, &config) else {
         return Ok(None);
     };
     let ranges = WeightRanges::open(&paths)?;
     ranges.check(&config)?;
     let model = skeleton(&config, dtype, &Device::Cpu)?;
     Ok(Some((with_tokenizer(source, model)?, ranges)))
+}
+
+/// `source`'s config read from its `config.json` alone (no weight, header or tokenizer read), with the weight
+/// files it resolved to; `None` for a GGUF file, whose config comes with its weights ([`load`]).
+pub fn config_of(source: &str) -> Result<Option<(LlamaConfig, WeightFiles)>> {
+    let path = Path::new(source);
+    if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        return Ok(None);
+    }
+    let resolved = resolve_model(source, &HubOptions::default())?;
+    let config = LlamaConfig::from_file(&resolved.config)?;
+    Ok(Some((config, resolved.weights)))
 }
 
 /// `model` loaded from `source` with its tokenizer, chat template and their files.

@@ -242,8 +242,8 @@ impl Job {
         // --memory-budget, is checked on the skeleton before any rank allocates: the checkpoint belongs to this
         // model, and the model states fit this mesh.
         let checked = resume.is_some() || o.memory_budget.is_some();
-        let sliced = match (o.shard, checked) {
-            (Some(ShardLevel::Parameters), _) | (_, true) => model::load_skeleton(&source, dtype)?,
+        let sliced = match o.shard {
+            Some(ShardLevel::Parameters) => model::load_skeleton(&source, dtype)?,
             _ => None,
         };
         let check = |config: &LlamaConfig| {
@@ -260,17 +260,23 @@ impl Job {
                 o.memory_budget,
             )
         };
-        if let (Some((skeleton, _)), true) = (&sliced, checked) {
-            check(&skeleton.model.config)?;
-        }
-        let skeleton_checked = sliced.is_some();
-        let (mut loaded, weight_ranges) = match sliced {
-            Some((loaded, ranges)) if o.shard == Some(ShardLevel::Parameters) => (loaded, Some(Arc::new(ranges))),
-            _ => (model::load(&source, Precision::float(dtype).master())?, None),
+        // The config checked before anything whole is read: the skeleton's, else config.json's alone (not the
+        // skeleton's headers and tokenizer, which the whole load below reads again).
+        let config_first = match (&sliced, checked) {
+            (_, false) => None,
+            (Some((skeleton, _)), true) => Some(skeleton.model.config.clone()),
+            (None, true) => model::config_of(&source)?.map(|(config, _)| config),
         };
-        if checked && !skeleton_checked {
-            // A GGUF file or Phi-3's fused files have no skeleton (they are read whole in any case): the same
-            // checks on the loaded model, before any rank builds from it.
+        if let Some(config) = &config_first {
+            check(config)?;
+        }
+        let (mut loaded, weight_ranges) = match sliced {
+            Some((loaded, ranges)) => (loaded, Some(Arc::new(ranges))),
+            None => (model::load(&source, Precision::float(dtype).master())?, None),
+        };
+        if checked && config_first.is_none() {
+            // A GGUF file's config comes with its weights: the same checks on the loaded model, before any rank
+            // builds from it.
             check(&loaded.model.config)?;
         }
         let vocab = loaded.model.config.vocab_size;
