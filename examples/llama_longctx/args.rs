@@ -51,8 +51,8 @@ pub struct Args {
     /// MiB of f32 gradient per reduction bucket; each bucket is reduced as soon as backward has made all of
     /// it, while backward goes on (thread ranks, MPI, NCCL with NCCL_RUNTIME_CONNECT=0). At --shard gradients and
     /// parameters: the most whole gradients in flight to the reduce-scatter thread.
-    #[arg(long, value_name = "MIB", default_value = "16", value_parser = autosp::compile::GradReduction::parse_bucket_mb)]
-    pub bucket_mb: usize,
+    #[arg(long = "bucket-mb", value_name = "MIB", default_value = "16", value_parser = autosp::compile::GradReduction::parse_bucket_mb)]
+    pub bucket_bytes: usize,
 
     /// At --shard parameters, gather each weight at its use instead of gathering the next block's weights on
     /// a communication thread while a block computes (the default: two blocks' weights whole at once, as the
@@ -385,7 +385,7 @@ impl Args {
             shard: a.shard,
             reduction: autosp::compile::GradReduction {
                 dtype: a.reduce_dtype,
-                bucket_bytes: a.bucket_mb,
+                bucket_bytes: a.bucket_bytes,
                 ..Default::default()
             },
             prefetch_gathers: !a.no_prefetch_gathers,
