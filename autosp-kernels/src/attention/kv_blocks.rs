@@ -19,17 +19,21 @@ use crate::{Error, Result};
 /// Rows per block of decoded tokens unless asked otherwise ([`KvBlocks::with_block_rows`]).
 pub const DEFAULT_BLOCK_ROWS: usize = 256;
 
-/// One block: `k, v: [kv_heads, capacity, head_dim]`, rows `0..filled` written, row `i` at sequence
-/// position `positions[i]` (ascending; `positions.len() == filled`).
+/// One block: `k, v: [kv_heads, capacity, head_dim]`, rows `0..positions.len()` written, row `i` at
+/// sequence position `positions[i]` (ascending).
 #[derive(Clone, Debug)]
 struct Block {
     k: Tensor,
     v: Tensor,
-    filled: usize,
     positions: Vec<usize>,
 }
 
 impl Block {
+    /// Rows written: one position each.
+    fn filled(&self) -> usize {
+        self.positions.len()
+    }
+
     fn capacity(&self) -> usize {
         self.k.dim(1).unwrap_or(0)
     }
@@ -95,7 +99,7 @@ impl KvBlocks {
         }
         if rows > 0 {
             let positions = positions.to_vec();
-            self.blocks.push(Block { k: head_major(k)?, v: head_major(v)?, filled: rows, positions });
+            self.blocks.push(Block { k: head_major(k)?, v: head_major(v)?, positions });
         }
         Ok(())
     }
@@ -122,12 +126,12 @@ impl KvBlocks {
                 q_shape: vec![],
             });
         }
-        let full = self.blocks.last().is_none_or(|b| b.filled == b.capacity());
+        let full = self.blocks.last().is_none_or(|b| b.filled() == b.capacity());
         if full {
             let (_, _, h, d) = k.dims4()?;
             let shape = (h, self.block_rows, d);
             let (kz, vz) = (Tensor::zeros(shape, k.dtype(), k.device())?, Tensor::zeros(shape, v.dtype(), v.device())?);
-            self.blocks.push(Block { k: kz, v: vz, filled: 0, positions: Vec::with_capacity(self.block_rows) });
+            self.blocks.push(Block { k: kz, v: vz, positions: Vec::with_capacity(self.block_rows) });
         }
         let b = self.blocks.last_mut().expect("a block with room was just ensured");
         if [b.k.dim(0)?, b.k.dim(2)?] != k.dims()[2..] || b.k.dtype() != k.dtype() {
@@ -139,9 +143,8 @@ impl KvBlocks {
                 q_shape: vec![],
             });
         }
-        b.k.slice_set(&head_major(k)?, 1, b.filled)?;
-        b.v.slice_set(&head_major(v)?, 1, b.filled)?;
-        b.filled += 1;
+        b.k.slice_set(&head_major(k)?, 1, b.filled())?;
+        b.v.slice_set(&head_major(v)?, 1, b.filled())?;
         b.positions.push(position);
         Ok(())
     }
@@ -157,8 +160,8 @@ impl KvBlocks {
         let mut out = Vec::with_capacity(self.blocks.len());
         for b in &self.blocks {
             let skip = b.positions.partition_point(|&p| p < first);
-            if skip < b.filled {
-                let rows = b.filled - skip;
+            if skip < b.filled() {
+                let rows = b.filled() - skip;
                 out.push((b.k.narrow(1, skip, rows)?, b.v.narrow(1, skip, rows)?));
             }
         }
@@ -172,7 +175,7 @@ impl KvBlocks {
 
     /// Whether no row is held.
     pub fn is_empty(&self) -> bool {
-        self.blocks.iter().all(|b| b.filled == 0)
+        self.blocks.iter().all(|b| b.filled() == 0)
     }
 
     /// Bytes allocated for keys and values (whole blocks, the unwritten rows of the last one included).
