@@ -225,21 +225,12 @@ fn the_ranks_of_a_job_read_through_the_files_it_opened() {
     let o = RunOptions {
         model: Some(dir.to_str().unwrap().into()),
         shard: Some(ShardLevel::Parameters),
-        seq_len: 256,
-        batch_tokens: Some(256),
-        quick: true,
-        steps: 1,
-        warmup: 0,
-        save: Some(save.clone()),
-        ..RunOptions::default()
+        ..common::quick_run(&save)
     };
     let job = Job::prepare(o, 2, true).unwrap();
     let ranges = job.weight_ranges.clone().expect("each rank reads its slices at parameters");
     std::fs::remove_dir_all(&dir).unwrap();
-    let out = run_ranks(2, Duration::from_secs(120), |pg| job.run_rank(pg, &|| false, &mut |_| {}).map(|_| ()));
-    for (r, o) in out.into_iter().enumerate() {
-        o.unwrap().unwrap_or_else(|e| panic!("rank {r}: {e}"));
-    }
+    common::run_job(&job, 2);
     // Every element of the file's tensors read once, by one of the two ranks, through the job's files.
     let elems: usize = config.expected_tensors().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
     assert_eq!(ranges.bytes_read(), (elems * DType::F32.size_in_bytes()) as u64);

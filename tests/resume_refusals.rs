@@ -4,6 +4,8 @@
 //! (an adapter trained on a base of another architecture, or optimizer state of parameters this run does not
 //! have). The budget's decision is the accounting's (`model_state_bytes`) at the run's level.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -26,26 +28,14 @@ fn write_model(dir: &Path, hidden: usize) -> String {
 }
 
 fn options(model: &str, save: &Path) -> RunOptions {
-    RunOptions {
-        model: Some(model.into()),
-        seq_len: 256,
-        batch_tokens: Some(256),
-        quick: true,
-        steps: 1,
-        warmup: 0,
-        save: Some(save.to_path_buf()),
-        ..RunOptions::default()
-    }
+    RunOptions { model: Some(model.into()), ..common::quick_run(save) }
 }
 
 /// Runs `o` on one thread rank to the end; the checkpoint it saved.
 fn train(o: RunOptions) -> PathBuf {
     let save = o.save.clone().unwrap();
     let steps = o.steps;
-    let job = Job::prepare(o, 1, true).unwrap();
-    for r in run_ranks(1, Duration::from_secs(120), |pg| job.run_rank(pg, &|| false, &mut |_| {}).map(|_| ())) {
-        r.unwrap().unwrap();
-    }
+    common::run_job(&Job::prepare(o, 1, true).unwrap(), 1);
     save.join(format!("step-{steps}"))
 }
 

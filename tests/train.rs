@@ -4,6 +4,8 @@
 //! the run naming the newest checkpoint it kept. A rank whose run fails (a step it refuses, a save directory it
 //! cannot lock) stops the others within seconds, naming it, rather than at the group's timeout.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -184,15 +186,7 @@ fn a_rank_whose_job_fails_stops_the_others_within_seconds() {
     use autosp::train::{Job, RunOptions};
     let tmp = tempfile::tempdir().unwrap();
     let save = tmp.path().join("run");
-    let o = RunOptions {
-        seq_len: 256,
-        batch_tokens: Some(256),
-        quick: true,
-        steps: 2,
-        warmup: 0,
-        save: Some(save.clone()),
-        ..RunOptions::default()
-    };
+    let o = RunOptions { steps: 2, ..common::quick_run(&save) };
     let job = Job::prepare(o, 2, true).unwrap();
     let _held = checkpoint::SaveLock::acquire(&save).unwrap();
     let answered = AtomicBool::new(false);

@@ -1,7 +1,7 @@
 //! The harness the compile tests share: the uncompiled model trained one step on one rank its own way, the
 //! same model compiled on P thread ranks, and the comparison of loss, every gradient and the parameters after
 //! one AdamW step; and a tiny Llama on thread ranks with a recording process group, for tests of a step's
-//! collectives.
+//! collectives; the options of a short training run and a job run on thread ranks, for the tests of `Job`.
 #![allow(dead_code)]
 
 use autosp::compile::{compile, Checkpointing, CompileConfig, Strategy};
@@ -187,4 +187,29 @@ where
         .enumerate()
         .map(|(r, o)| o.unwrap_or_else(|e| panic!("rank {r} failed: {e}")).unwrap_or_else(|e| panic!("rank {r}: {e}")))
         .collect()
+}
+
+/// The options of a short run that a test trains (or has refused): the default model (set `model` to give
+/// another), sequences of 256 tokens, one a step, one step without warmup, the quick settings, checkpoints
+/// saved under `save`. Change what a test needs with struct update syntax.
+pub fn quick_run(save: &std::path::Path) -> autosp::train::RunOptions {
+    autosp::train::RunOptions {
+        seq_len: 256,
+        batch_tokens: Some(256),
+        quick: true,
+        steps: 1,
+        warmup: 0,
+        save: Some(save.to_path_buf()),
+        ..autosp::train::RunOptions::default()
+    }
+}
+
+/// Runs every rank of `job` to its end on `world` thread ranks; panics naming a rank that fails.
+pub fn run_job(job: &autosp::train::Job, world: usize) {
+    let out = run_ranks(world, std::time::Duration::from_secs(120), |pg| {
+        job.run_rank(pg, &|| false, &mut |_| {}).map(|_| ())
+    });
+    for (r, o) in out.into_iter().enumerate() {
+        o.unwrap_or_else(|e| panic!("rank {r} failed: {e}")).unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
 }
