@@ -69,16 +69,21 @@ pub fn with_forward_mark<T>(mark: Option<ForwardMark>, f: impl FnOnce() -> T) ->
     with_set(&FORWARD, mark, f)
 }
 
-/// Runs `f` with the thread-local `cell` set to `mark`, restored after.
+/// Runs `f` with the thread-local `cell` set to `mark`, restored after, also when `f` panics (as
+/// [`crate::dispatch::with_kernels`] restores its choice).
 fn with_set<M: Copy + 'static, T>(
     cell: &'static LocalKey<Cell<Option<M>>>,
     mark: Option<M>,
     f: impl FnOnce() -> T,
 ) -> T {
-    let before = cell.with(|m| m.replace(mark));
-    let out = f();
-    cell.with(|m| m.set(before));
-    out
+    struct Restore<M: Copy + 'static>(&'static LocalKey<Cell<Option<M>>>, Option<M>);
+    impl<M: Copy + 'static> Drop for Restore<M> {
+        fn drop(&mut self) {
+            self.0.with(|m| m.set(self.1));
+        }
+    }
+    let _restore = Restore(cell, cell.with(|m| m.replace(mark)));
+    f()
 }
 
 /// Sets this thread's forward mark (the tape, as a region begins and once its forward is over).
@@ -117,5 +122,19 @@ mod tests {
         Tape::inference().checkpoint("block", |_| Ok(()))?;
         assert_eq!(current_forward_mark(), None, "an inference tape marks nothing");
         Ok(())
+    }
+
+    /// `with_mark` restores the mark it replaced also when its work panics (a communication thread's gather
+    /// that panicked leaves no stale mark behind).
+    #[test]
+    fn with_mark_restores_the_mark_when_its_work_panics() {
+        let outer = Some(BackwardMark { done: 1, total: 3 });
+        with_mark(outer, || {
+            let inner = Some(BackwardMark { done: 2, total: 3 });
+            let panicked = std::panic::catch_unwind(|| with_mark(inner, || panic!("a gather failed")));
+            assert!(panicked.is_err());
+            assert_eq!(current_mark(), outer, "the mark before the work");
+        });
+        assert_eq!(current_mark(), None);
     }
 }
