@@ -26,8 +26,12 @@ use candle_core::{DType, Device};
 use clap::Parser;
 use serde_json::json;
 
+#[path = "common/measure.rs"]
+mod measure;
 #[path = "common/presets.rs"]
 mod presets;
+
+use measure::{loadavg, median};
 
 #[derive(Parser, Debug)]
 #[command(about = "decode tokens/s against the bound of reading the weights and the KV cache once per token")]
@@ -102,10 +106,6 @@ fn attention_only(
         kernel.push(time(Kernels::Auto)?);
         ops.push(time(Kernels::Generic)?);
     }
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let (kernel, ops) = (median(kernel), median(ops));
     let bytes = cfg.num_hidden_layers * 2 * n * hkv * d * dtype.size_in_bytes();
     Ok(json!({
@@ -150,10 +150,6 @@ fn read_bandwidth(buf: &[f32], threads: usize) -> f64 {
         best = best.max(std::mem::size_of_val(buf) as f64 / t0.elapsed().as_secs_f64());
     }
     best
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
 fn main() -> Result<()> {

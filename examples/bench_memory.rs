@@ -49,8 +49,12 @@ use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use serde_json::json;
 
+#[path = "common/measure.rs"]
+mod measure;
 #[path = "common/presets.rs"]
 mod presets;
+
+use measure::{loadavg, median};
 
 #[global_allocator]
 static ALLOC: TrackingAllocator = TrackingAllocator::new();
@@ -204,11 +208,6 @@ fn load_model(args: &Args, max_n: usize, device: &Device) -> Result<LlamaModel> 
     Ok(model)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// CPU seconds (user + system) this process has used, from /proc/self/stat (100 ticks a second): on a
 /// shared machine the step's CPU time moves far less with the load than its wall time.
 fn cpu_seconds() -> f64 {
@@ -221,10 +220,6 @@ fn cpu_seconds() -> f64 {
     } else {
         f64::NAN
     }
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
 /// Resets the kernel's peak resident set size of this process (VmHWM) to its current RSS (Linux: writing
