@@ -185,14 +185,19 @@ pub fn adapter_positions(
     if let Some(x) = rope {
         return Ok(Some(model.extend_rope(x)?));
     }
-    let written = autosp_models::peft::base_config(adapter_dir).map_err(|cause| TrainError::ModelFile {
-        what: format!("loading the adapter's base config in {}", adapter_dir.display()),
-        cause: Box::new(cause.into()),
-    })?;
-    if let Some(c) = written {
+    if let Some(c) = written_base_config(adapter_dir)? {
         model.set_positions_from(&c);
     }
     Ok(None)
+}
+
+/// The config of the model the adapter in `adapter_dir` was trained on
+/// ([`BASE_CONFIG`](autosp_models::peft::BASE_CONFIG)), when it wrote one.
+pub(crate) fn written_base_config(adapter_dir: &Path) -> Result<Option<autosp_models::LlamaConfig>> {
+    autosp_models::peft::base_config(adapter_dir).map_err(|cause| TrainError::ModelFile {
+        what: format!("loading the adapter's base config in {}", adapter_dir.display()),
+        cause: Box::new(cause.into()),
+    })
 }
 
 /// `rank 4, alpha 8, dropout 0, targets q_proj, v_proj, training the norms`, for messages.

@@ -98,10 +98,7 @@ pub fn check_run(
 ) -> Result<()> {
     if let Some((dir, _)) = resume {
         let trained = match autosp_models::is_adapter(dir) {
-            true => autosp_models::peft::base_config(dir).map_err(|cause| TrainError::ModelFile {
-                what: format!("loading the adapter's base config in {}", dir.display()),
-                cause: Box::new(cause.into()),
-            })?,
+            true => crate::train::lora::written_base_config(dir)?,
             false => None,
         };
         let changes = trained.map(|t| architecture_changes(&t, config)).unwrap_or_default();
