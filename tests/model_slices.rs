@@ -126,27 +126,27 @@ fn check(dir: &Path, dtype: DType, world: usize, lora: bool) {
     }
 }
 
-fn temp(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("autosp-model-slices-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+/// A temporary directory (removed when dropped, a failed test's too) and `name`, not yet made, inside it.
+fn temp(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join(name);
+    (tmp, dir)
 }
 
 #[test]
 fn slices_read_from_one_file_equal_the_whole_load_sharded() {
-    let dir = temp("single");
+    let (_tmp, dir) = temp("single");
     write_model(&dir, false, DType::F32, usize::MAX);
     for world in [1, 2, 4] {
         for dtype in [DType::F32, DType::BF16] {
             check(&dir, dtype, world, false);
         }
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn slices_read_from_split_bf16_files_of_a_tied_model_equal_the_whole_load_sharded() {
-    let dir = temp("split");
+    let (_tmp, dir) = temp("split");
     write_model(&dir, true, DType::BF16, 40_000);
     assert!(dir.join("model.safetensors.index.json").is_file(), "the model is split into files");
     for world in [2, 4] {
@@ -154,24 +154,22 @@ fn slices_read_from_split_bf16_files_of_a_tied_model_equal_the_whole_load_sharde
             check(&dir, dtype, world, false);
         }
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn lora_base_slices_are_read_and_a_saved_adapter_is_sharded_whole() {
-    let dir = temp("lora");
+    let (_tmp, dir) = temp("lora");
     write_model(&dir, true, DType::BF16, usize::MAX);
     for world in [2, 4] {
         check(&dir, DType::BF16, world, true);
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// The skeleton stores one element for the whole model; the headers' check names a wrong shape and a
 /// missing tensor as loading the whole model does.
 #[test]
 fn skeleton_holds_no_weights_and_headers_are_checked() {
-    let dir = temp("check");
+    let (_tmp, dir) = temp("check");
     let config = write_model(&dir, false, DType::F32, usize::MAX);
     let s = skeleton(&config, DType::BF16, &Device::Cpu).unwrap();
     let keys: std::collections::HashSet<usize> =
@@ -186,7 +184,6 @@ fn skeleton_holds_no_weights_and_headers_are_checked() {
     more.num_hidden_layers += 1;
     let e = WeightRanges::open(&paths).unwrap().check(&more).unwrap_err().to_string();
     assert!(e.contains("model.layers.2."), "{e}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `Param::shard_from_slice` stores the slice given, as `shard_over` would have cut it, and refuses a slice of
@@ -219,9 +216,9 @@ fn shard_from_slice_stores_the_slice_and_refuses_a_wrong_one() {
 #[test]
 fn the_ranks_of_a_job_read_through_the_files_it_opened() {
     use autosp::train::{Job, RunOptions};
-    let dir = temp("job");
+    let (tmp, dir) = temp("job");
     let config = write_model(&dir, false, DType::F32, usize::MAX);
-    let save = temp("job-save");
+    let save = tmp.path().join("save");
     let o = RunOptions {
         model: Some(dir.to_str().unwrap().into()),
         shard: Some(ShardLevel::Parameters),
@@ -234,5 +231,4 @@ fn the_ranks_of_a_job_read_through_the_files_it_opened() {
     // Every element of the file's tensors read once, by one of the two ranks, through the job's files.
     let elems: usize = config.expected_tensors().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
     assert_eq!(ranges.bytes_read(), (elems * DType::F32.size_in_bytes()) as u64);
-    std::fs::remove_dir_all(&save).unwrap();
 }
