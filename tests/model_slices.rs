@@ -147,8 +147,13 @@ fn slices_read_from_one_file_equal_the_whole_load_sharded() {
 #[test]
 fn slices_read_from_split_bf16_files_of_a_tied_model_equal_the_whole_load_sharded() {
     let (_tmp, dir) = temp("split");
-    write_model(&dir, true, DType::BF16, 40_000);
+    let config = write_model(&dir, true, DType::BF16, 40_000);
     assert!(dir.join("model.safetensors.index.json").is_file(), "the model is split into files");
+    // A tensor no file holds is named with the index, as loading the whole model names it.
+    let more = LlamaConfig { num_hidden_layers: config.num_hidden_layers + 1, ..config };
+    let paths = WeightPaths::of(&weight_files(&dir).unwrap(), &more).unwrap();
+    let e = WeightRanges::open(&paths).unwrap().check(&more).unwrap_err().to_string();
+    assert!(e.contains("model.layers.2.") && e.contains("model.safetensors.index.json"), "{e}");
     for world in [2, 4] {
         for dtype in [DType::F32, DType::BF16] {
             check(&dir, dtype, world, false);

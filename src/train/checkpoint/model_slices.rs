@@ -30,7 +30,7 @@ use crate::train::error::{Result, TrainError};
 /// (HF checkpoints and ours), of a family whose files hold the weights as the model does (not Phi-3's fused
 /// projections). A GGUF file is read whole (its weights are quantised: no byte range is an element range).
 #[derive(Clone, Debug, PartialEq)]
-pub struct WeightPaths(pub Vec<PathBuf>);
+pub struct WeightPaths(pub WeightFiles);
 
 impl WeightPaths {
     /// The files of `weights` for a model of `config`, when its weights can be read in ranges.
@@ -38,10 +38,7 @@ impl WeightPaths {
         if config.model_type.fuses_projections() {
             return None;
         }
-        Some(Self(match weights {
-            WeightFiles::Single(p) => vec![p.clone()],
-            WeightFiles::Sharded { shards, .. } => shards.clone(),
-        }))
+        Some(Self(weights.clone()))
     }
 }
 
@@ -51,17 +48,23 @@ impl WeightPaths {
 pub struct WeightRanges {
     files: Vec<TensorFile>,
     by_name: HashMap<String, usize>,
+    /// What a missing tensor's message names: the single file, or the index of split files.
+    whole: PathBuf,
 }
 
 impl WeightRanges {
     /// Opens every file of `paths` and reads its header.
     pub fn open(paths: &WeightPaths) -> Result<Self> {
-        let files = paths.0.iter().map(|p| TensorFile::open(p)).collect::<Result<Vec<_>>>()?;
+        let (paths, whole) = match &paths.0 {
+            WeightFiles::Single(p) => (std::slice::from_ref(p), p),
+            WeightFiles::Sharded { index, shards } => (&shards[..], index),
+        };
+        let files = paths.iter().map(|p| TensorFile::open(p)).collect::<Result<Vec<_>>>()?;
         let mut by_name = HashMap::new();
         for (i, f) in files.iter().enumerate() {
             by_name.extend(f.names().map(|n| (n.to_string(), i)));
         }
-        Ok(Self { files, by_name })
+        Ok(Self { files, by_name, whole: whole.clone() })
     }
 
     /// Checks the headers against `config` as loading the whole model does (the same checks:
@@ -75,8 +78,7 @@ impl WeightRanges {
             let e = file.entry(name).expect("indexed from this file");
             check.tensor(file.path(), name, &e.shape, e.dtype.into())?;
         }
-        let path = self.files.first().map(|f| f.path().to_path_buf()).unwrap_or_default();
-        Ok(check.finish(&path)?)
+        Ok(check.finish(&self.whole)?)
     }
 
     /// Elements `elems` of weight `name` flattened, `[elems.len()]` in the master dtype of `dtype` (f32 for
