@@ -59,7 +59,7 @@ impl Default for KvBlocks {
 
 /// The error of positions that do not fit the rows (`op` names the call).
 fn positions_error(op: &'static str, msg: String) -> Error {
-    Error::Core(Box::new(autosp_core::Error::InvalidArgument { op, msg }))
+    autosp_core::Error::InvalidArgument { op, msg }.into()
 }
 
 /// `k` and `v` must both be `[1, rows, kv_heads, head_dim]`, alike in shape, dtype and device.
