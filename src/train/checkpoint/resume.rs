@@ -102,10 +102,8 @@ pub fn restore_state(
     params: &[Param],
 ) -> Result<()> {
     let step = state.optimizer_step;
-    let source = match open(dir, state, config) {
-        Ok(None) => return super::restore_optimizer(dir, config, opt, params, step),
-        Ok(Some(s)) => Ok(s),
-        Err(e) => Err(e),
+    let Some(source) = open(dir, state, config).transpose() else {
+        return super::restore_optimizer(dir, config, opt, params, step);
     };
     let checked = source.and_then(|s| check(dir, &s, params, step).map(|()| s));
     let source = settle(group, "checking the checkpoint's optimizer state", checked)?;
