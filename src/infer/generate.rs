@@ -110,13 +110,13 @@ impl Compiled<LlamaModel> {
                 root = r;
             }
         }
-        let keep: Arc<[usize]> = self.positions(n_pad, rank)?.into_iter().filter(|&x| x < n).collect();
+        let positions = self.positions(n_pad, rank)?;
+        let keep: Arc<[usize]> = positions.iter().copied().filter(|&x| x < n).collect();
         let cache: SharedKv = Arc::new(Mutex::new(ShardedKv::new(model.layers.0.len(), rank, fills)));
         fill_slots(model, &mut |layer, _| {
             let inner = compiled[layer].clone();
             Arc::new(PrefillAttention { inner, layer, positions: keep.clone(), cache: cache.clone() })
         });
-        let positions = self.positions(n_pad, rank)?;
         let mut padded = seq.to_vec();
         padded.resize(n_pad, 0);
         let local: Vec<u32> = positions.iter().map(|&x| padded[x]).collect();
