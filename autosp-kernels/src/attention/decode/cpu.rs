@@ -321,20 +321,23 @@ mod tests {
     use super::*;
 
     /// The scores on every vector path this CPU has against the scalar loops, for 45 key rows (five groups
-    /// of 8 for AVX-512's tree and a tail of 5) and 4 query rows (a block of 3 and one of 1): within 1e-4 relative (f32 dot products of 64 terms near 20,
-    /// summed in other orders).
+    /// of 8 for AVX-512's tree and a tail of 5) and 4 query rows (a block of 3 and one of 1) or 5 (a block of
+    /// 3 and one of 2, so every block size of the tree runs): within 1e-4 relative (f32 dot products of 64
+    /// terms near 20, summed in other orders).
     #[test]
     fn scores_on_every_path_equal_the_scalar_dots() {
-        let (d, nr, n) = (64, 4, 45);
-        let q: Vec<f32> = (0..nr * d).map(|i| ((i * 7) % 13) as f32 * 0.1 - 0.5).collect();
-        let k: Vec<f32> = (0..n * d).map(|i| ((i * 5) % 11) as f32 * 0.1).collect();
-        let mut want = vec![0f32; nr * n];
-        scores(SimdPath::Scalar, &q, &k, d, &mut want);
-        for path in autosp_core::simd::supported_paths() {
-            let mut got = vec![0f32; nr * n];
-            scores(path, &q, &k, d, &mut got);
-            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{path:?} score {i}: {a} against {b}");
+        let (d, n) = (64, 45);
+        for nr in [4, 5] {
+            let q: Vec<f32> = (0..nr * d).map(|i| ((i * 7) % 13) as f32 * 0.1 - 0.5).collect();
+            let k: Vec<f32> = (0..n * d).map(|i| ((i * 5) % 11) as f32 * 0.1).collect();
+            let mut want = vec![0f32; nr * n];
+            scores(SimdPath::Scalar, &q, &k, d, &mut want);
+            for path in autosp_core::simd::supported_paths() {
+                let mut got = vec![0f32; nr * n];
+                scores(path, &q, &k, d, &mut got);
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{path:?} {nr} rows, score {i}: {a} against {b}");
+                }
             }
         }
     }
