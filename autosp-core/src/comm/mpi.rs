@@ -2,9 +2,10 @@
 //!
 //! MPI's own collectives cannot time out, so every collective here is built from non-blocking point-to-point
 //! messages (`MPI_Isend`, `MPI_Improbe` + `MPI_Mrecv`) polled against the group's deadline: a rank that never
-//! arrives gives the others `CommError::Timeout` naming it, never a hang. Each message is a tensor in the
-//! [`wire`] format (a header with dtype and shape, then the elements), so receivers need not know
-//! shapes in advance; one message is limited to 2 GiB. Collective rounds use tags 1..=32000 (cycling, each round
+//! arrives gives the others `CommError::Timeout` naming it, never a hang. A tensor travels in the [`wire`]
+//! format: a header message (dtype and shape), so receivers need not know shapes in advance, then an elements
+//! message received straight into the tensor's storage (no byte buffer, no decoding copy); one message is
+//! limited to 2 GiB. Collective rounds use tags 1..=32000 (cycling, each round
 //! completes before the next starts); point-to-point messages use tag 0, so the two never mix. Every message's
 //! header carries its [`Stamp`] (operation and call number): a round whose ranks are in different collectives
 //! fails on every rank with `CommError::OutOfStep` once all its messages arrived.
@@ -282,27 +283,41 @@ impl MpiTransport {
         *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(cause);
     }
 
-    fn encode(&self, stamp: Stamp, t: Option<&Tensor>) -> Result<Arc<Vec<u8>>> {
+    /// The messages that carry `t` (`None`: an empty marker) stamped with `stamp`: its header, then (for a
+    /// tensor) its elements; see [`wire`].
+    fn messages(&self, stamp: Stamp, t: Option<&Tensor>) -> Result<Vec<Arc<Vec<u8>>>> {
         let collective = stamp.collective;
-        let bytes = wire::encode(t, stamp).map_err(|e| self.ctx(collective).mpi(e.to_string()))?;
-        if bytes.len() > i32::MAX as usize {
-            return Err(self
-                .ctx(collective)
-                .mpi(format!("a message of {} bytes exceeds MPI's 2 GiB count limit; split the tensor", bytes.len())));
+        let wire_err = |e: wire::WireError| self.ctx(collective).mpi(e.to_string());
+        let mut out = vec![Arc::new(wire::header_of(t, stamp).map_err(wire_err)?)];
+        if let Some(t) = t {
+            let bytes = wire::elements(t).map_err(wire_err)?;
+            if bytes.len() > i32::MAX as usize {
+                return Err(self.ctx(collective).mpi(format!(
+                    "a message of {} bytes exceeds MPI's 2 GiB count limit; split the tensor",
+                    bytes.len()
+                )));
+            }
+            out.push(Arc::new(bytes));
         }
-        Ok(Arc::new(bytes))
+        Ok(out)
+    }
+
+    /// Starts sending `messages` to `dst` with `tag`, in order. Call with the MPI lock held.
+    fn start_sends(&self, messages: &[Arc<Vec<u8>>], dst: usize, tag: i32) -> Vec<PendingSend> {
+        messages.iter().map(|m| PendingSend::start(&self.comm.0, m.clone(), dst, tag, false)).collect()
     }
 
     /// Polls `sends` and the receives from `sources` (with `tag`) until all are done, the timeout passed, or
-    /// a failure notice came (then `PeerFailed`). Returns the received stamps and tensors by source. Takes the
-    /// MPI lock for each polling round only, never while it waits between rounds or decodes a message, so
-    /// that another thread's collective on another handle (a [`duplicate`](super::ProcessGroup::duplicate))
-    /// progresses meanwhile.
+    /// a failure notice came (then `PeerFailed`). Returns the received stamps and tensors by source. A tensor
+    /// comes as a header and then its elements, which are received straight into the tensor's storage
+    /// ([`wire::Inbox`]). Takes the MPI lock for each polling round only, never while it waits between rounds,
+    /// parses a header or allocates, so that another thread's collective on another handle (a
+    /// [`duplicate`](super::ProcessGroup::duplicate)) progresses meanwhile.
     fn complete(
         &self,
         collective: Collective,
         mut sends: Vec<PendingSend>,
-        mut sources: Vec<usize>,
+        sources: Vec<usize>,
         tag: i32,
         device: &Device,
     ) -> Result<Vec<(usize, Stamp, Option<Tensor>)>> {
@@ -310,39 +325,65 @@ impl MpiTransport {
         let timeout = self.timeout();
         let start = Instant::now();
         let mut received = Vec::with_capacity(sources.len());
+        let mut pending: Vec<(usize, Inbound)> = sources.into_iter().map(|src| (src, Inbound::Header)).collect();
         let mut idle_rounds = 0u32;
+        let malformed = |src: usize, detail: String| {
+            let detail = format!("bad message from rank {src}: {detail}");
+            self.poison(format!("rank {} got a {detail}", self.rank));
+            ctx.mpi(detail)
+        };
         loop {
-            let mut arrived = Vec::new();
+            let mut headers = Vec::new();
+            let mut filled = Vec::new();
             let (sends_done, failure) = {
                 let _mpi = self.mpi_lock();
                 let mut k = 0;
-                while k < sources.len() {
-                    let src = sources[k];
+                while k < pending.len() {
+                    let src = pending[k].0;
                     let probe = self.comm.0.process_at_rank(src as i32).immediate_matched_probe_with_tag(tag);
                     let Some((message, status)) = probe else {
                         k += 1;
                         continue;
                     };
                     let len = status.count(u8::equivalent_datatype()).max(0) as usize;
-                    let mut buf = vec![0u8; len];
-                    message.matched_receive_into(&mut buf[..]);
-                    arrived.push((src, buf));
-                    sources.swap_remove(k);
+                    match pending.swap_remove(k) {
+                        (_, Inbound::Header) => {
+                            let mut buf = vec![0u8; len];
+                            message.matched_receive_into(&mut buf[..]);
+                            headers.push((src, buf));
+                        }
+                        (_, Inbound::Elements { stamp, mut inbox }) => {
+                            if len != inbox.len() {
+                                let mut sink = vec![0u8; len];
+                                message.matched_receive_into(&mut sink[..]);
+                                let want = inbox.len();
+                                return Err(malformed(src, format!("{len} element bytes where {want} were announced")));
+                            }
+                            message.matched_receive_into(inbox.bytes_mut());
+                            filled.push((src, stamp, inbox));
+                        }
+                    }
                 }
                 let before = sends.len();
                 sends.retain_mut(|s| !s.test());
                 (before - sends.len(), self.runtime.take_notices())
             };
-            let progressed = sends_done > 0 || !arrived.is_empty();
-            for (src, buf) in arrived {
-                let (stamp, tensor) = wire::decode(&buf, device).map_err(|e| {
-                    let detail = format!("bad message from rank {src}: {e}");
-                    self.poison(format!("rank {} got a {detail}", self.rank));
-                    ctx.mpi(detail)
-                })?;
-                received.push((src, stamp, tensor));
+            let progressed = sends_done > 0 || !headers.is_empty() || !filled.is_empty();
+            for (src, buf) in headers {
+                let header = wire::parse_header(&buf).map_err(|e| malformed(src, e.to_string()))?;
+                match header.tensor {
+                    None => received.push((src, header.stamp, None)),
+                    Some((dtype, dims)) => {
+                        let inbox = wire::Inbox::new(dtype, &dims).map_err(|e| malformed(src, e.to_string()))?;
+                        pending.push((src, Inbound::Elements { stamp: header.stamp, inbox }));
+                    }
+                }
             }
-            if sources.is_empty() && sends.is_empty() {
+            for (src, stamp, inbox) in filled {
+                let tensor = inbox.into_tensor(device).map_err(|e| ctx.mpi(e.to_string()))?;
+                received.push((src, stamp, Some(tensor)));
+            }
+            if pending.is_empty() && sends.is_empty() {
                 return Ok(received);
             }
             if let Some((peer, message)) = failure {
@@ -351,8 +392,13 @@ impl MpiTransport {
             }
             let waited = start.elapsed();
             if waited >= timeout {
-                let mut missing = if sources.is_empty() { sends.iter().map(|s| s.dst).collect() } else { sources };
+                let mut missing: Vec<usize> = if pending.is_empty() {
+                    sends.iter().map(|s| s.dst).collect()
+                } else {
+                    pending.iter().map(|&(src, _)| src).collect()
+                };
                 missing.sort_unstable();
+                missing.dedup();
                 self.poison(format!("rank {} timed out in {collective} waiting for rank(s) {missing:?}", self.rank));
                 return Err(ctx.timeout(self.members.len(), missing, waited, timeout));
             }
@@ -375,14 +421,11 @@ impl MpiTransport {
     fn p2p(
         &self,
         collective: Collective,
-        send: Option<(PendingSend, Device)>,
+        send: Option<(Vec<PendingSend>, Device)>,
         src: Option<usize>,
     ) -> Result<Option<Tensor>> {
         self.check_healthy(collective)?;
-        let (sends, device) = match send {
-            Some((s, device)) => (vec![s], device),
-            None => (vec![], Device::Cpu),
-        };
+        let (sends, device) = send.unwrap_or((vec![], Device::Cpu));
         let received = self.complete(collective, sends, src.into_iter().collect(), P2P_TAG, &device)?;
         if let Some(&(from, stamp, _)) = received.first() {
             check_message(self.ctx(collective), from, stamp, self.received.next(from))?;
@@ -397,18 +440,29 @@ impl MpiTransport {
     }
 
     /// Serialises `x` and starts sending it to `dst` on the point-to-point tag.
-    fn start_send(&self, collective: Collective, x: &Tensor, dst: usize) -> Result<(PendingSend, Device)> {
+    fn start_send(&self, collective: Collective, x: &Tensor, dst: usize) -> Result<(Vec<PendingSend>, Device)> {
         self.check_healthy(collective)?;
-        let buf = self.encode(Stamp::new(collective, self.sent.next(dst)), Some(x))?;
+        let messages = self.messages(Stamp::new(collective, self.sent.next(dst)), Some(x))?;
         let _mpi = self.mpi_lock();
-        Ok((PendingSend::start(&self.comm.0, buf, dst, P2P_TAG, false), x.device().clone()))
+        Ok((self.start_sends(&messages, dst, P2P_TAG), x.device().clone()))
     }
+}
+
+/// The messages that carry one tensor (its header, then its elements), shared by every destination.
+type Messages = Arc<[Arc<Vec<u8>>]>;
+
+/// Where the receive from one source stands.
+enum Inbound {
+    /// Waiting for the header message.
+    Header,
+    /// The header said a tensor follows: its elements message goes straight into `inbox`.
+    Elements { stamp: Stamp, inbox: wire::Inbox },
 }
 
 /// The rest of a ring step on the MPI back end: the send in flight and the receive still to do.
 struct MpiRecv<'a> {
     transport: &'a MpiTransport,
-    send: (PendingSend, Device),
+    send: (Vec<PendingSend>, Device),
     src: usize,
 }
 
@@ -454,28 +508,28 @@ impl Transport for MpiTransport {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let tag = 1 + (seq % COLLECTIVE_TAGS) as i32;
         // Serialise each distinct tensor once (all_gather sends the same tensor to everyone).
-        let mut encoded: HashMap<Option<TensorId>, Arc<Vec<u8>>> = HashMap::new();
+        let mut encoded: HashMap<Option<TensorId>, Messages> = HashMap::new();
         let mut payloads = Vec::with_capacity(size);
         for (j, t) in outgoing.iter().enumerate() {
             if j == rank {
                 continue;
             }
             let key = t.as_ref().map(|t| t.id());
-            let bytes = match encoded.get(&key) {
-                Some(b) => b.clone(),
+            let messages = match encoded.get(&key) {
+                Some(m) => m.clone(),
                 None => {
-                    let b = self.encode(stamp, t.as_ref())?;
-                    encoded.insert(key, b.clone());
-                    b
+                    let m: Arc<[_]> = self.messages(stamp, t.as_ref())?.into();
+                    encoded.insert(key, m.clone());
+                    m
                 }
             };
-            payloads.push((j, bytes));
+            payloads.push((j, messages));
         }
         let mut incoming: Vec<Option<Tensor>> = vec![None; size];
         incoming[rank] = outgoing[rank].take();
         let sends = {
             let _mpi = self.mpi_lock();
-            payloads.into_iter().map(|(j, b)| PendingSend::start(&self.comm.0, b, j, tag, false)).collect()
+            payloads.into_iter().flat_map(|(j, m)| self.start_sends(&m, j, tag)).collect()
         };
         let sources = (0..size).filter(|&i| i != rank).collect();
         let mut stamps = Vec::with_capacity(size);

@@ -1,11 +1,17 @@
 //! The byte format tensors travel in between processes (MPI back end): a header the receiver needs
 //! because it cannot know the shape or dtype in advance, then the elements in little-endian order.
 //!
-//! Layout: `[present: u8][dtype code: u8][ndim: u8][kind: u8][4 zero bytes][call: u64][ndim x u64 dims]
-//! [elements]`; `kind` and `call` are the message's [`Stamp`] (the operation, `Collective::index() + 1`, and
-//! its sequence number); `present = 0` (a 16-byte message) carries no tensor, only the stamp. Supported dtypes: u8, u32, i16, i32, i64, bf16,
-//! f16, f32, f64.
+//! A tensor travels as two messages, so that the receiver can allocate the tensor's own storage from the first
+//! and take the elements straight into it (no received byte buffer, no decoding copy):
+//! - the header: `[present: u8][dtype code: u8][ndim: u8][kind: u8][4 zero bytes][call: u64][ndim x u64
+//!   dims]`; `kind` and `call` are the message's [`Stamp`] (the operation, `Collective::index() + 1`, and its
+//!   sequence number); `present = 0` (16 bytes, no dims) carries no tensor, only the stamp, and nothing follows;
+//! - the elements, row-major, little-endian (the host's own order: they are received in place).
+//!
+//! MPI delivers two messages from one sender with one tag in the order they were sent. Supported dtypes: u8,
+//! u32, i16, i32, i64, bf16, f16, f32, f64.
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 
 use super::stamp::Stamp;
@@ -63,8 +69,13 @@ fn header(present: bool, code: u8, ndim: u8, stamp: Stamp) -> [u8; HEADER] {
     h
 }
 
-/// Serialises `t` (any layout, any device; `None`: an empty marker) stamped with `stamp`.
-pub fn encode(t: Option<&Tensor>, stamp: Stamp) -> Result<Vec<u8>, WireError> {
+/// Why the elements travel in place: a little-endian host's memory already holds them in wire order.
+#[cfg(not(target_endian = "little"))]
+compile_error!("the MPI wire format receives tensor elements in place, which needs a little-endian host");
+
+/// The header message of `t` (`None`: an empty marker) stamped with `stamp`: what the receiver needs to
+/// allocate the tensor before its elements arrive in a second message ([`elements`]).
+pub fn header_of(t: Option<&Tensor>, stamp: Stamp) -> Result<Vec<u8>, WireError> {
     let Some(t) = t else {
         return Ok(header(false, 0, 0, stamp).to_vec());
     };
@@ -72,62 +83,55 @@ pub fn encode(t: Option<&Tensor>, stamp: Stamp) -> Result<Vec<u8>, WireError> {
     if t.rank() > 255 {
         return Err(WireError::TooManyDims(t.rank()));
     }
-    let payload = t.elem_count() * t.dtype().size_in_bytes();
-    let mut out = Vec::with_capacity(HEADER + 8 * t.rank() + payload);
+    let mut out = Vec::with_capacity(HEADER + 8 * t.rank());
     out.extend_from_slice(&header(true, code, t.rank() as u8, stamp));
     for &d in t.dims() {
         out.extend_from_slice(&(d as u64).to_le_bytes());
     }
-    // A contiguous CPU tensor is read straight from its storage: no intermediate copy of the elements.
-    let t = t.contiguous()?;
-    if let (Storage::Cpu(cpu), Some((start, end))) = (&*t.storage_and_layout().0, t.layout().contiguous_offsets()) {
-        macro_rules! put {
-            ($v:expr) => {
-                for x in &$v[start..end] {
-                    out.extend_from_slice(&x.to_le_bytes());
-                }
-            };
-        }
-        match cpu {
-            CpuStorage::U8(v) => out.extend_from_slice(&v[start..end]),
-            CpuStorage::U32(v) => put!(v),
-            CpuStorage::I16(v) => put!(v),
-            CpuStorage::I32(v) => put!(v),
-            CpuStorage::I64(v) => put!(v),
-            CpuStorage::BF16(v) => put!(v),
-            CpuStorage::F16(v) => put!(v),
-            CpuStorage::F32(v) => put!(v),
-            CpuStorage::F64(v) => put!(v),
-            _ => return Err(WireError::UnsupportedDtype(t.dtype())),
-        }
-        return Ok(out);
-    }
-    // Other devices: through a host vector.
-    let flat = t.flatten_all()?;
-    macro_rules! push {
-        ($ty:ty) => {
-            for v in flat.to_vec1::<$ty>()? {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-        };
-    }
-    match t.dtype() {
-        DType::U8 => out.extend_from_slice(&flat.to_vec1::<u8>()?),
-        DType::U32 => push!(u32),
-        DType::I16 => push!(i16),
-        DType::I32 => push!(i32),
-        DType::I64 => push!(i64),
-        DType::BF16 => push!(half::bf16),
-        DType::F16 => push!(half::f16),
-        DType::F32 => push!(f32),
-        DType::F64 => push!(f64),
-        other => return Err(WireError::UnsupportedDtype(other)),
-    }
     Ok(out)
 }
 
-/// Parses bytes made by [`encode`] into their stamp and a tensor on `device` (`None` for an empty marker).
-pub fn decode(bytes: &[u8], device: &Device) -> Result<(Stamp, Option<Tensor>), WireError> {
+/// The elements message of `t` (any layout, any device): its elements in row-major, little-endian order.
+/// A contiguous CPU tensor is copied once, straight from its storage.
+pub fn elements(t: &Tensor) -> Result<Vec<u8>, WireError> {
+    dtype_code(t.dtype())?;
+    let t = t.contiguous()?;
+    if let (Storage::Cpu(cpu), Some((start, end))) = (&*t.storage_and_layout().0, t.layout().contiguous_offsets()) {
+        macro_rules! bytes {
+            ($v:expr) => {{
+                let v = &$v[start..end];
+                // SAFETY: plain numbers with no padding, viewed as bytes for exactly their length; on a
+                // little-endian host these are their wire bytes.
+                unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }.to_vec()
+            }};
+        }
+        return Ok(match cpu {
+            CpuStorage::U8(v) => v[start..end].to_vec(),
+            CpuStorage::U32(v) => bytes!(v),
+            CpuStorage::I16(v) => bytes!(v),
+            CpuStorage::I32(v) => bytes!(v),
+            CpuStorage::I64(v) => bytes!(v),
+            CpuStorage::BF16(v) => bytes!(v),
+            CpuStorage::F16(v) => bytes!(v),
+            CpuStorage::F32(v) => bytes!(v),
+            CpuStorage::F64(v) => bytes!(v),
+            _ => return Err(WireError::UnsupportedDtype(t.dtype())),
+        });
+    }
+    // Other devices: to the host first.
+    elements(&t.to_device(&Device::Cpu)?)
+}
+
+/// A parsed header message: the stamp, and the dtype and dims of the tensor whose elements follow (`None`:
+/// an empty marker, nothing follows).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Header {
+    pub stamp: Stamp,
+    pub tensor: Option<(DType, Vec<usize>)>,
+}
+
+/// Parses a header message made by [`header_of`].
+pub fn parse_header(bytes: &[u8]) -> Result<Header, WireError> {
     let bad = |detail: String| WireError::Malformed { len: bytes.len(), detail };
     if bytes.len() < HEADER {
         return Err(bad(format!("shorter than the {HEADER}-byte header")));
@@ -136,26 +140,102 @@ pub fn decode(bytes: &[u8], device: &Device) -> Result<(Stamp, Option<Tensor>), 
         Stamp::kind_from_code(bytes[3] as u64).ok_or_else(|| bad(format!("unknown operation code {}", bytes[3])))?;
     let stamp = Stamp::new(collective, u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")));
     match bytes[0] {
-        0 => return Ok((stamp, None)),
+        0 => return Ok(Header { stamp, tensor: None }),
         1 => {}
         b => return Err(bad(format!("first byte {b} is neither 0 (none) nor 1 (tensor)"))),
     }
     let dtype = code_dtype(bytes[1]).ok_or_else(|| bad(format!("unknown dtype code {}", bytes[1])))?;
     let ndim = bytes[2] as usize;
-    let data_start = HEADER + 8 * ndim;
-    if bytes.len() < data_start {
-        return Err(bad(format!("too short for {ndim} dimensions")));
+    if bytes.len() != HEADER + 8 * ndim {
+        return Err(bad(format!("a header of {ndim} dimensions is {} bytes", HEADER + 8 * ndim)));
     }
-    let dims: Vec<usize> = bytes[HEADER..data_start]
+    let dims = bytes[HEADER..]
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes(c.try_into().expect("chunks of 8")) as usize)
         .collect();
-    let expected = dims.iter().product::<usize>() * dtype.size_in_bytes();
-    let data = &bytes[data_start..];
-    if data.len() != expected {
-        return Err(bad(format!("shape {dims:?} of {dtype:?} needs {expected} data bytes, got {}", data.len())));
+    Ok(Header { stamp, tensor: Some((dtype, dims)) })
+}
+
+/// Host storage for a tensor whose elements are about to arrive: the receiver writes the elements message
+/// straight into it ([`bytes_mut`](Self::bytes_mut)), and it becomes the tensor with no copy on the CPU.
+pub struct Inbox {
+    storage: CpuStorage,
+    dims: Vec<usize>,
+}
+
+impl Inbox {
+    /// Zeroed storage for a `dims`-shaped tensor of `dtype`.
+    pub fn new(dtype: DType, dims: &[usize]) -> Result<Self, WireError> {
+        let n: usize = dims.iter().product();
+        let storage = match dtype {
+            DType::U8 => CpuStorage::U8(vec![0; n]),
+            DType::U32 => CpuStorage::U32(vec![0; n]),
+            DType::I16 => CpuStorage::I16(vec![0; n]),
+            DType::I32 => CpuStorage::I32(vec![0; n]),
+            DType::I64 => CpuStorage::I64(vec![0; n]),
+            DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; n]),
+            DType::F16 => CpuStorage::F16(vec![half::f16::ZERO; n]),
+            DType::F32 => CpuStorage::F32(vec![0.; n]),
+            DType::F64 => CpuStorage::F64(vec![0.; n]),
+            other => return Err(WireError::UnsupportedDtype(other)),
+        };
+        Ok(Self { storage, dims: dims.to_vec() })
     }
-    Ok((stamp, Some(Tensor::from_raw_buffer(data, dtype, &dims, device)?)))
+
+    /// The storage as bytes, to receive the elements message into (little-endian: in place).
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        macro_rules! bytes {
+            ($v:expr) => {
+                // SAFETY: plain numbers with no padding and every bit pattern valid, viewed as bytes for
+                // exactly their length while `self` is borrowed mutably.
+                unsafe { std::slice::from_raw_parts_mut($v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(&$v[..])) }
+            };
+        }
+        match &mut self.storage {
+            CpuStorage::U8(v) => v,
+            CpuStorage::U32(v) => bytes!(v),
+            CpuStorage::I16(v) => bytes!(v),
+            CpuStorage::I32(v) => bytes!(v),
+            CpuStorage::I64(v) => bytes!(v),
+            CpuStorage::BF16(v) => bytes!(v),
+            CpuStorage::F16(v) => bytes!(v),
+            CpuStorage::F32(v) => bytes!(v),
+            CpuStorage::F64(v) => bytes!(v),
+            _ => unreachable!("Inbox::new makes only the dtypes above"),
+        }
+    }
+
+    /// How many bytes the elements message must have.
+    pub fn len(&self) -> usize {
+        self.dims.iter().product::<usize>() * self.storage.dtype().size_in_bytes()
+    }
+
+    /// True for a tensor with no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The received tensor, on `device` (the CPU keeps the storage itself; other devices upload it).
+    pub fn into_tensor(self, device: &Device) -> Result<Tensor, WireError> {
+        macro_rules! tensor {
+            ($v:expr) => {
+                Tensor::from_vec($v, self.dims, &Device::Cpu)?
+            };
+        }
+        let t = match self.storage {
+            CpuStorage::U8(v) => tensor!(v),
+            CpuStorage::U32(v) => tensor!(v),
+            CpuStorage::I16(v) => tensor!(v),
+            CpuStorage::I32(v) => tensor!(v),
+            CpuStorage::I64(v) => tensor!(v),
+            CpuStorage::BF16(v) => tensor!(v),
+            CpuStorage::F16(v) => tensor!(v),
+            CpuStorage::F32(v) => tensor!(v),
+            CpuStorage::F64(v) => tensor!(v),
+            _ => unreachable!("Inbox::new makes only the dtypes above"),
+        };
+        Ok(if device.is_cpu() { t } else { t.to_device(device)? })
+    }
 }
 
 #[cfg(test)]
@@ -165,8 +245,20 @@ mod tests {
 
     const STAMP: Stamp = Stamp { collective: Collective::AllGather, call: 0x0102_0304_0506 };
 
+    /// What a receiver does: parse the header, allocate, take the elements in place.
+    fn receive(header: &[u8], elements: &[u8]) -> Result<(Stamp, Option<Tensor>), WireError> {
+        let h = parse_header(header)?;
+        let Some((dtype, dims)) = h.tensor else {
+            return Ok((h.stamp, None));
+        };
+        let mut inbox = Inbox::new(dtype, &dims)?;
+        assert_eq!(inbox.len(), elements.len(), "elements message length");
+        inbox.bytes_mut().copy_from_slice(elements);
+        Ok((h.stamp, Some(inbox.into_tensor(&Device::Cpu)?)))
+    }
+
     fn round_trip(t: &Tensor) -> Tensor {
-        let (stamp, back) = decode(&encode(Some(t), STAMP).unwrap(), &Device::Cpu).unwrap();
+        let (stamp, back) = receive(&header_of(Some(t), STAMP).unwrap(), &elements(t).unwrap()).unwrap();
         assert_eq!(stamp, STAMP);
         back.unwrap()
     }
@@ -181,8 +273,12 @@ mod tests {
             let back = round_trip(&t);
             assert_eq!(back.dtype(), dtype);
             assert_eq!(back.dims(), &[2, 3, 4]);
-            assert_eq!(encode(Some(&back), STAMP).unwrap(), encode(Some(&t), STAMP).unwrap(), "{dtype:?}");
+            assert_eq!(elements(&back).unwrap(), elements(&t).unwrap(), "{dtype:?}");
         }
+        // The elements are little-endian, whatever the host.
+        let t = Tensor::new(&[1.5f32, -2.0], &Device::Cpu)?;
+        let want: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(elements(&t).unwrap(), want);
         Ok(())
     }
 
@@ -196,31 +292,39 @@ mod tests {
         assert_eq!(round_trip(&s).to_scalar::<f64>()?, 7.5);
         // A contiguous view that starts inside its storage: only the view's elements travel, in order.
         let rows = Tensor::arange(0f32, 12., &Device::Cpu)?.reshape((3, 4))?.narrow(0, 1, 2)?;
-        let bytes = encode(Some(&rows), STAMP).unwrap();
         let want: Vec<u8> = (4..12).flat_map(|v| (v as f32).to_le_bytes()).collect();
-        assert_eq!(&bytes[bytes.len() - want.len()..], &want[..]);
+        assert_eq!(elements(&rows).unwrap(), want);
         assert_eq!(round_trip(&rows).to_vec2::<f32>()?, rows.to_vec2::<f32>()?);
         let e = Tensor::zeros((0, 5), DType::F32, &Device::Cpu)?;
+        assert!(elements(&e).unwrap().is_empty());
         assert_eq!(round_trip(&e).dims(), &[0, 5]);
         let marker = Stamp::new(Collective::Barrier, 7);
-        let (stamp, none) = decode(&encode(None, marker).unwrap(), &Device::Cpu).unwrap();
+        let (stamp, none) = receive(&header_of(None, marker).unwrap(), &[]).unwrap();
         assert!(stamp == marker && none.is_none());
         Ok(())
     }
 
     #[test]
-    fn malformed_messages_are_errors() {
+    fn malformed_headers_are_errors() {
         let t = Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap();
-        let mut bytes = encode(Some(&t), STAMP).unwrap();
+        let mut bytes = header_of(Some(&t), STAMP).unwrap();
         bytes.pop();
-        let err = decode(&bytes, &Device::Cpu).unwrap_err().to_string();
-        assert!(err.contains("needs 8 data bytes, got 7"), "{err}");
-        let mut header = encode(None, STAMP).unwrap();
+        let err = parse_header(&bytes).unwrap_err().to_string();
+        assert!(err.contains("a header of 1 dimensions is 24 bytes"), "{err}");
+        let mut header = header_of(None, STAMP).unwrap();
         header[0] = 1;
         header[1] = 42;
-        assert!(decode(&header, &Device::Cpu).unwrap_err().to_string().contains("dtype code 42"));
+        assert!(parse_header(&header).unwrap_err().to_string().contains("dtype code 42"));
         header[3] = 0;
-        assert!(decode(&header, &Device::Cpu).unwrap_err().to_string().contains("operation code 0"));
-        assert!(decode(&[3], &Device::Cpu).is_err());
+        assert!(parse_header(&header).unwrap_err().to_string().contains("operation code 0"));
+        header[3] = 1;
+        header[0] = 2;
+        assert!(parse_header(&header).unwrap_err().to_string().contains("first byte 2"));
+        assert!(parse_header(&[3]).is_err());
+        assert!(matches!(Inbox::new(DType::F8E4M3, &[2]), Err(WireError::UnsupportedDtype(_))));
+        assert!(matches!(
+            header_of(Some(&t.to_dtype(DType::F8E4M3).unwrap()), STAMP),
+            Err(WireError::UnsupportedDtype(_))
+        ));
     }
 }
