@@ -12,7 +12,6 @@ pub mod cpu_matmul;
 pub mod device;
 pub mod infer;
 pub mod precision;
-mod rank_failure;
 #[warn(missing_docs)]
 pub mod train;
 

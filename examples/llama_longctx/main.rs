@@ -135,7 +135,7 @@ fn generate_mpi(args: &Args, g: &autosp::infer::cli::PromptOptions) -> ExitCode 
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {
             report(&anyhow::anyhow!("rank {}: {e}", pg.rank()));
-            pg.abort(&e.to_string());
+            pg.abort(&autosp::core::comm::with_causes(&*e));
             ExitCode::FAILURE
         }
     }

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use autosp_core::comm::{run_ranks_fallible, ProcessGroup, ReduceOp};
+use autosp_core::comm::{abort_on_error, run_ranks_fallible, ProcessGroup, ReduceOp};
 use autosp_core::TrackingAllocator;
 use autosp_models::{LlamaModel, Tokenizer};
 use candle_core::{DType, Device, Tensor};
@@ -238,7 +238,10 @@ pub fn run_threads(
     heap: Option<&'static TrackingAllocator>,
 ) -> Result<Generated, InferError> {
     let job = prepare(o, g)?;
-    let results = run_ranks_fallible(p, Duration::from_secs(1800), |pg| run_rank(o, &job, pg, heap));
+    let results = run_ranks_fallible(p, Duration::from_secs(1800), |pg| {
+        // Told with the error's causes first: `run_ranks_fallible`'s own notice (`{e:#}`) is then a no-op.
+        abort_on_error(pg.clone().as_ref(), run_rank(o, &job, pg, heap))
+    });
     let mut first = None;
     for (rank, r) in results.into_iter().enumerate() {
         match r {

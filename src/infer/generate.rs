@@ -18,8 +18,8 @@ use super::slots::{lock, DecodeAttention, PrefillAttention, SharedKv};
 use super::stats::{per_second, GenerateStats};
 use super::weights::inference_copy;
 use super::{Finish, Generated, InferError, TokenEvent};
-use crate::rank_failure::abort_on_error;
 use crate::Compiled;
+use autosp_core::comm::abort_on_error;
 
 /// The stop tokens `cfg` asks for, or the config's end tokens.
 fn stop_tokens(model: &LlamaModel, cfg: &GenerateConfig) -> Result<Vec<u32>, InferError> {

@@ -442,7 +442,7 @@ impl Job {
         observe: &mut dyn FnMut(Event),
     ) -> Result<Ended> {
         let group = pg.clone();
-        crate::rank_failure::abort_on_error(group.as_ref(), self.rank_run(pg, stop, observe))
+        autosp_core::comm::abort_on_error(group.as_ref(), self.rank_run(pg, stop, observe))
     }
 
     /// [`run_rank`](Self::run_rank)'s work, an error not yet told to the other ranks.

@@ -316,7 +316,7 @@ impl Trainer {
     /// naming it rather than at the group's timeout.
     pub fn run(&mut self, stop: &dyn Fn() -> bool, observe: &mut dyn FnMut(Event)) -> Result<Outcome> {
         let group = self.compiled.group().clone();
-        crate::rank_failure::abort_on_error(group.as_ref(), self.run_steps(stop, observe))
+        autosp_core::comm::abort_on_error(group.as_ref(), self.run_steps(stop, observe))
     }
 
     /// [`run`](Self::run)'s loop, an error not yet told to the other ranks.

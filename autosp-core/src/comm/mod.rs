@@ -75,6 +75,7 @@ pub mod nccl;
 #[cfg(any(feature = "nccl", test))]
 mod nccl_header;
 pub mod process_group;
+pub mod rank_failure;
 pub mod recording;
 mod reduce;
 pub mod schedule;
@@ -94,6 +95,7 @@ pub use mpi::{MpiGroup, MpiTransport};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclGroup, NcclId, NcclTransport};
 pub use process_group::{PendingRecv, ProcessGroup, DEFAULT_TIMEOUT};
+pub use rank_failure::{abort_on_error, with_causes};
 pub use recording::{CallRecord, RecordingGroup};
 pub use schedule::{pairwise_schedule, PairStep};
 pub use shared::{all_gather_once, broadcast};

@@ -108,9 +108,11 @@ where
 }
 
 /// [`run_ranks`] for a rank function that returns a `Result`: a rank whose function returns `Err(e)` first
-/// tells the world ([`ProcessGroup::abort`] with `e`, printed with `{:#}`), so the other ranks' calls fail at
-/// once with `CommError::PeerFailed` carrying `e`'s message instead of waiting for the timeout. Returns each
-/// rank's result in rank order, as `run_ranks` does.
+/// tells the world ([`ProcessGroup::abort`] with `e`, printed with `{:#}`: anyhow's chain of causes), so the
+/// other ranks' calls fail at once with `CommError::PeerFailed` carrying `e`'s message instead of waiting for
+/// the timeout. For an error type whose causes `{:#}` does not print (a `thiserror` enum), return
+/// [`abort_on_error`](super::abort_on_error)`(pg, result)` from `f`: the first notice is the one kept. Returns
+/// each rank's result in rank order, as `run_ranks` does.
 pub fn run_ranks_fallible<T, E, F>(size: usize, timeout: Duration, f: F) -> Vec<Result<std::result::Result<T, E>>>
 where
     T: Send,
