@@ -134,11 +134,13 @@ fn logits_at_gathers_only_the_scored_rows() {
         for (r, o) in out.into_iter().enumerate() {
             let (at, full, at_bytes, full_bytes, bad, held, shard) = o.unwrap().unwrap();
             assert_eq!(at.dims(), &[1, rows.len(), vocab]);
-            // The same rows as the full logits, bit for bit (the same forward, only fewer rows gathered).
+            // The same rows as the full logits: the same forward, only the scored rows through the head (whose
+            // GEMM over 4 rows instead of n may sum in another order: within 1e-6 of the largest logit).
             let idx = candle_core::Tensor::new(&[9u32, 2, 14, 2], &Device::Cpu).unwrap();
             let want = full.index_select(&idx, 1).unwrap();
             let d = (&at - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert_eq!(d, 0.0, "n={n} rank {r}");
+            let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(d <= 1e-6 * scale, "n={n} rank {r}: {d:e} against a largest logit of {scale}");
             // Each rank sends only the requested rows its shard holds (repeats included) to the other rank:
             // held * vocab * 4 bytes, whatever n; the full gather sends its whole shard.
             assert_eq!(at_bytes, (held * vocab * 4) as u64, "n={n} rank {r}");

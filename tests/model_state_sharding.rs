@@ -187,3 +187,64 @@ fn no_gathered_weight_is_larger_than_a_block_at_parameters() {
         }
     }
 }
+
+/// What evaluation gives on one configuration, as rank 0 saw it: `logits_at` of some rows (on several ranks'
+/// shards), every token's loss, and the largest weight tensor gathered for them.
+fn evaluate(tied: bool, mesh: Option<Mesh>, level: ShardLevel) -> (Vec<f64>, Vec<f64>, usize, usize) {
+    let config = spec(tied).config();
+    let weights = Arc::new(random_weights(&config, 5, DType::F64, &Device::Cpu).unwrap());
+    let config = Arc::new(config);
+    let world = mesh.map_or(1, |m| m.world());
+    let out = run_ranks(world, Duration::from_secs(120), move |pg| -> Result<_, String> {
+        let model = LlamaModel::from_weights(&config, (*weights).clone()).map_err(|e| e.to_string())?;
+        let mut cfg = CompileConfig::new(pg, Strategy::Ulysses, Checkpointing::Policy(CheckpointPolicy::None))
+            .with_dtype(DType::F64)
+            .with_sharding(level);
+        if let Some(m) = mesh {
+            cfg = cfg.with_mesh(m);
+        }
+        let c = compile(model, cfg).map_err(|e| e.to_string())?;
+        let block_bytes: usize = all_params(&c.model().layers.0[0]).iter().map(|p| p.shape().elem_count() * 8).sum();
+        let (ids, labels) = batch(config.vocab_size);
+        let ids = ids.narrow(0, 0, 1).unwrap();
+        take_largest_gathered();
+        let logits = c.logits_at(&ids, &[31, 0, 17, 5]).map_err(|e| e.to_string())?;
+        let losses = c.token_losses(&ids, Some(&labels.narrow(0, 0, 1).unwrap())).map_err(|e| e.to_string())?;
+        Ok((flat(&logits), flat(&losses), take_largest_gathered(), block_bytes))
+    });
+    out.into_iter().next().expect("rank 0").expect("rank failed").expect("evaluation failed")
+}
+
+/// Evaluation at every level on every mesh, tied and untied, equals one rank's (f64, within 1e-12: the same
+/// sums, the head's logits in vocabulary tiles); at `parameters` it gathers no weight tensor larger than one
+/// decoder block's: the head is taken a vocabulary tile at a time, and only the asked rows' logits are made.
+#[test]
+fn evaluation_takes_the_head_in_tiles_at_parameters() {
+    for tied in [false, true] {
+        let (want_logits, want_losses, _, _) = evaluate(tied, None, ShardLevel::None);
+        assert_eq!(want_logits.len(), 4 * 2048);
+        for (d, s) in MESHES {
+            for level in ShardLevel::ALL {
+                let what = format!("tied {tied}, {d} x {s}, --shard {level}");
+                let (logits, losses, largest, block_bytes) = evaluate(tied, Some(Mesh::new(d, s)), level);
+                assert!(
+                    rel64(&logits, &want_logits) <= 1e-12,
+                    "{what}: logits off by {:e}",
+                    rel64(&logits, &want_logits)
+                );
+                assert!(
+                    rel64(&losses, &want_losses) <= 1e-12,
+                    "{what}: losses off by {:e}",
+                    rel64(&losses, &want_losses)
+                );
+                if level == ShardLevel::Parameters {
+                    assert!(largest > 0, "{what}: weights were gathered");
+                    assert!(
+                        largest <= block_bytes,
+                        "{what}: a gathered tensor of {largest} bytes, one block is {block_bytes}"
+                    );
+                }
+            }
+        }
+    }
+}

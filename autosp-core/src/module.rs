@@ -177,6 +177,22 @@ pub trait CausalLm: Module {
     /// Logits `[b, n, vocab]` for `ids: [b, n]` at `positions: [n]`.
     fn logits(&self, tape: &Tape, ids: &Tensor, positions: &[usize]) -> Result<Value>;
 
+    /// Logits `[b, rows.len(), vocab]` of the positions `rows` (indices into `0..n`) only, for `ids: [b, n]` at
+    /// `positions: [n]`. Forward only: on an inference tape (the result takes no gradient). Collective where
+    /// `logits` is. The default makes every position's logits and picks; a model may make only the rows'.
+    fn logits_at(&self, tape: &Tape, ids: &Tensor, positions: &[usize], rows: &[usize]) -> Result<Value> {
+        if tape.is_recording() {
+            return Err(crate::Error::InvalidArgument {
+                op: "logits_at",
+                msg: "forward only: call it on Tape::inference(), or take `logits` on a recording tape".into(),
+            });
+        }
+        let all = self.logits(tape, ids, positions)?.into_tensor();
+        let index = rows.iter().map(|&r| r as u32).collect::<Vec<_>>();
+        let index = Tensor::from_vec(index, rows.len(), all.device())?;
+        Ok(Value::constant(all.index_select(&index, 1)?))
+    }
+
     /// The model's dimensions.
     fn dims(&self) -> LmDims;
 

@@ -40,7 +40,7 @@ pub use autosp_core::simd;
 pub use attention::{attention_backward, attention_forward, attention_output, AttentionOp, LocalAttention};
 pub use cross_entropy::{
     chunked_cross_entropy, chunked_cross_entropy_backward, chunked_cross_entropy_forward, chunked_cross_entropy_param,
-    ChunkedCrossEntropyOp, ShardedHeadLoss,
+    sharded_head_logits, ChunkedCrossEntropyOp, ShardedHeadLoss,
 };
 pub use dispatch::{kernels, set_kernels, with_kernels, Kernels};
 pub use error::{Error, Result};

@@ -695,15 +695,15 @@ impl<M: CausalLm> Compiled<M> {
         let tape = Tape::inference();
         tape.set_sequence_length(row_groups::sequence_length(documents, n));
         let groups = row_groups(documents, 0..b);
-        let parts = per_group(&tape, &groups, &ids.index_select(&index, 1)?, |_, ids| {
-            Ok(self.model.logits(&tape, &ids, positions)?.into_tensor())
-        })?;
-        let local = row_groups::in_row_order(parts, &groups)?;
-        // The requested rows each rank holds, in request order; rank r's come r-th in the gather.
+        // The requested rows each rank holds, in request order; rank r's come r-th in the gather. Only their
+        // logits are made (collective: every rank takes the head, with its own rows).
         let home = &home;
-        let held = |r: usize| rows.iter().filter(move |&&t| home[t].0 == r).map(move |&t| home[t].1 as u32);
-        let mine: Vec<u32> = held(rank).collect();
-        let picked = local.index_select(&Tensor::from_vec(mine.clone(), mine.len(), local.device())?, 1)?;
+        let held = |r: usize| rows.iter().filter(move |&&t| home[t].0 == r).map(move |&t| home[t].1 as usize);
+        let mine: Vec<usize> = held(rank).collect();
+        let parts = per_group(&tape, &groups, &ids.index_select(&index, 1)?, |_, ids| {
+            Ok(self.model.logits_at(&tape, &ids, positions, &mine)?.into_tensor())
+        })?;
+        let picked = row_groups::in_row_order(parts, &groups)?;
         let gathered = self.sp.all_gather(&picked.contiguous()?, 1)?;
         // Back to request order: the k-th request held by rank r sits at offset(r) + k.
         let mut offset = vec![0usize; size + 1];

@@ -164,15 +164,23 @@ fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor, padding_idx: Option<
 }
 
 /// Rows of the sharded `table` for `ids: [..]` -> `[.., hidden]`, recorded as one [`ShardedEmbedding`] on the
-/// table's slice leaf, the row `padding_idx` (when given) getting no gradient from the lookup; `None` when the
-/// table is not sharded at `Gradients` or `Parameters` or the tape does not record (use
-/// [`super::embedding::embedding_padded`] with [`Tape::param`] then).
+/// table's slice leaf, the row `padding_idx` (when given) getting no gradient from the lookup. A tape that does
+/// not record takes the rows by [`slice_rows`] at `Parameters` (the table is never whole there either). `None`
+/// when the table is not sharded at `Gradients` or `Parameters`, or the tape does not record and the table is
+/// stored whole (`Gradients`): use [`super::embedding::embedding_padded`] with [`Tape::param`] then.
 pub fn sharded_embedding(
     tape: &Tape,
     ids: &Value,
     table: &crate::Param,
     padding_idx: Option<usize>,
 ) -> Result<Option<Value>> {
+    if !tape.is_recording() {
+        let Some(shard) = table.shard().filter(|s| s.level == ShardLevel::Parameters) else { return Ok(None) };
+        if !tape.inputs_checked() {
+            super::embedding::check_ids(ids.tensor(), shard.shape.dims()[0])?;
+        }
+        return Ok(Some(Value::constant(slice_rows(&shard, ids.tensor(), &table.tensor())?)));
+    }
     let Some((leaf, shard)) = tape.param_slice(table)? else { return Ok(None) };
     if !tape.inputs_checked() {
         super::embedding::check_ids(ids.tensor(), shard.shape.dims()[0])?;

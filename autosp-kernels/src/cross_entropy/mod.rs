@@ -30,7 +30,7 @@ mod generic;
 mod sharded;
 
 pub use generic::{LossTiles, MIN_VOCAB_TILE, TILE_BYTES_CPU, TILE_BYTES_GPU};
-pub use sharded::{chunked_cross_entropy_param, ShardedHeadLoss};
+pub use sharded::{chunked_cross_entropy_param, sharded_head_logits, ShardedHeadLoss};
 
 use autosp_core::dispatch::{select, Route};
 use autosp_core::host_read::{read_f64, read_vec};

@@ -307,6 +307,31 @@ pub fn chunked_cross_entropy_param(
     Ok((tape.apply(op, &[hidden, &leaf, targets])?.remove(0), count))
 }
 
+/// Logits of `hidden: [m, d]` against `head: [vocab, d]` sharded at `Parameters`, `[m, vocab]` in hidden's dtype,
+/// without the whole head: it is gathered a vocabulary tile at a time (tiles of at most `tile_elems / world`
+/// elements, as the loss takes them), each tile's logits made and the tile freed before the next. Forward only,
+/// for evaluation and generation (no gradient). Collective over the head's group: every rank calls it, with
+/// its own `m` (0 too). `None` when the head is not sharded at `Parameters`: use the whole head then.
+pub fn sharded_head_logits(hidden: &Tensor, head: &Param, tile_elems: usize) -> Result<Option<Tensor>> {
+    let Some(shard) = head.shard().filter(|s| s.level == ShardLevel::Parameters) else { return Ok(None) };
+    let (vocab, d) = shard.shape.dims2()?;
+    let slice = head.tensor();
+    if hidden.rank() != 2 || hidden.dim(1)? != d || hidden.dtype() != slice.dtype() {
+        return Err(Error::InvalidArgument {
+            op: "sharded_head_logits",
+            msg: format!(
+                "hidden {:?} of {:?} for a head of [{vocab}, {d}] in {:?}: hidden must be [m, {d}] in the head's dtype",
+                hidden.dims(),
+                hidden.dtype(),
+                slice.dtype()
+            ),
+        });
+    }
+    let op = ShardedHeadLoss::new(shard, slice.clone(), tile_elems)?;
+    let parts = op.tiles().iter().map(|v| Ok(hidden.matmul(&op.tile(&slice, v)?.t()?)?)).collect::<Result<Vec<_>>>()?;
+    Ok(Some(Tensor::cat(&parts, 1)?))
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;

@@ -25,6 +25,10 @@ impl CausalLm for LlamaModel {
         Ok(LlamaModel::logits(self, tape, ids, positions)?)
     }
 
+    fn logits_at(&self, tape: &Tape, ids: &Tensor, positions: &[usize], rows: &[usize]) -> Result<Value> {
+        Ok(LlamaModel::logits_at(self, tape, ids, positions, rows)?)
+    }
+
     fn dims(&self) -> LmDims {
         let c = &self.config;
         LmDims {

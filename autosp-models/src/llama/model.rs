@@ -358,6 +358,21 @@ impl LlamaModel {
 
     /// The LM head: `hidden: [.., hidden]` -> `[.., vocab]` (the embedding matrix when tied).
     pub fn head(&self, tape: &Tape, hidden: &Value) -> ModelResult<Value> {
+        let (weight, plain) = match &self.lm_head {
+            Some(l) => (&l.weight, l.bias.is_none() && l.lora.is_none()),
+            None => (&self.embed_tokens.table, true),
+        };
+        // Forward only, a head sharded at `parameters` is taken a vocabulary tile at a time, never whole (an
+        // adapted or biased head is gathered whole).
+        if plain && !tape.is_recording() {
+            let h = hidden.tensor();
+            let flat = h.reshape(((), self.config.hidden_size))?;
+            if let Some(logits) = autosp_kernels::sharded_head_logits(&flat, weight, self.block_elems())? {
+                let mut dims = h.dims().to_vec();
+                *dims.last_mut().expect("hidden has a feature dimension") = self.config.vocab_size;
+                return Ok(tape.constant(logits.reshape(dims)?));
+            }
+        }
         Ok(match &self.lm_head {
             Some(l) => l.forward(tape, hidden)?,
             None => ops::linear(tape, hidden, &tape.param(&self.embed_tokens.table)?, None)?,
@@ -368,6 +383,24 @@ impl LlamaModel {
     pub fn logits(&self, tape: &Tape, ids: &Tensor, positions: &[usize]) -> ModelResult<Value> {
         let h = self.hidden_states(tape, ids, positions)?;
         self.head(tape, &h)
+    }
+
+    /// Next-token logits of the positions `rows` (indices into `0..n`) only: `ids: [b, n]` u32, `positions:
+    /// [n]` -> `[b, rows.len(), vocab]`. The head sees only those rows (at `parameters` it is taken a tile at a
+    /// time). Forward only: on an inference tape; collective where the model is sharded.
+    pub fn logits_at(&self, tape: &Tape, ids: &Tensor, positions: &[usize], rows: &[usize]) -> ModelResult<Value> {
+        if tape.is_recording() {
+            return Err(autosp_core::Error::InvalidArgument {
+                op: "logits_at",
+                msg: "forward only: call it on Tape::inference(), or take `logits` on a recording tape".into(),
+            }
+            .into());
+        }
+        let h = self.hidden_states(tape, ids, positions)?.into_tensor();
+        let index = Tensor::from_vec(rows.iter().map(|&r| r as u32).collect(), rows.len(), h.device())?;
+        let picked = h.index_select(&index, 1)?;
+        drop(h);
+        self.head(tape, &tape.constant(picked))
     }
 
     /// The summed cross-entropy of the next-token predictions and the number of valid targets:
@@ -395,9 +428,13 @@ impl LlamaModel {
         // The loss in row chunks: no [b * n, vocab] logits tensor is ever held (about 32 MiB of logits at a time).
         let chunk = ((8usize << 20) / self.config.vocab_size.max(1)).clamp(16, 4096);
         // A sharded head is taken in vocabulary tiles of at most one block's weights (none is ever whole).
+        Ok(autosp_kernels::chunked_cross_entropy_param(tape, &h, head, &targets, chunk, self.block_elems())?)
+    }
+
+    /// The elements of the largest decoder block's weights: the most one gathered tile of a sharded head holds.
+    fn block_elems(&self) -> usize {
         let elems = |l: &LlamaDecoderLayer| all_params(l).iter().map(|p| p.shape().elem_count()).sum::<usize>();
-        let block = self.layers.0.iter().map(elems).max().unwrap_or(0);
-        Ok(autosp_kernels::chunked_cross_entropy_param(tape, &h, head, &targets, chunk, block)?)
+        self.layers.0.iter().map(elems).max().unwrap_or(0)
     }
 
     /// Logits of new tokens against a KV cache: `ids: [b, n]` u32 take positions `cache.len()..+n`;
