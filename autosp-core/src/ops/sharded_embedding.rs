@@ -88,19 +88,11 @@ pub fn slice_rows(shard: &ParamShard, ids: &Tensor, slice: &Tensor) -> Result<Te
         mine = Tensor::cat(&[&mine, &Tensor::full(-1.0f32, most - t, ids.device())?.to_dtype(acc)?], 0)?;
     }
     let all = group.all_gather(&mine.contiguous()?, 0)?;
-    // This rank's part of the table: the rows [lo, hi) its flat slice touches, with the elements outside the
-    // slice zero, and one more zero row (the spare) for the ids of other rows and the padding.
     let owned = shard.layout.owned();
-    let (lo, hi) = (owned.start / hidden, owned.end.div_ceil(hidden));
-    let before = owned.start - lo * hidden;
-    let after = (hi + 1 - lo) * hidden - before - owned.len();
-    let part = slice.narrow(0, 0, owned.len())?.pad_with_zeros(0, before, after)?.reshape((hi + 1 - lo, hidden))?;
-    let inside = all.ge(lo as f64)?.mul(&all.lt(hi as f64)?)?;
-    let spare = Tensor::full((hi - lo) as f32, all.shape(), all.device())?.to_dtype(acc)?;
-    let local = inside.where_cond(&(&all - lo as f64)?, &spare)?.to_dtype(DType::U32)?;
+    let part = owned_parts(&all, &slice.narrow(0, 0, owned.len())?, owned.start, hidden)?;
     // Summed in the accumulation dtype (every back end reduces it) and narrowed back: exact, as each element
     // is one rank's value and zeros.
-    let parts = part.index_select(&local, 0)?.to_dtype(acc)?.reshape((group.size(), most, hidden))?;
+    let parts = part.to_dtype(acc)?.reshape((group.size(), most, hidden))?;
     let rows = group.reduce_scatter(&parts, 0, crate::comm::ReduceOp::Sum)?.reshape((most, hidden))?;
     let rows = rows.to_dtype(slice.dtype())?;
     let mut dims = ids.dims().to_vec();
@@ -163,6 +155,38 @@ fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor, padding_idx: Option<
     Ok(if pad > 0 { part.pad_with_zeros(0, 0, pad)? } else { part.contiguous()? })
 }
 
+/// The parts of the table rows `ids: [t]` (row numbers as floats; negative: none) that the flat slice `owned:
+/// [len]`, starting at flat element `start` of a table of `hidden` columns, holds: `[t, hidden]` in the slice's
+/// dtype, zero wherever the slice does not reach. Copies only those rows: the rows wholly inside the slice are
+/// a view of it, and the one or two rows it cuts (at its two ends) are padded alone.
+fn owned_parts(ids: &Tensor, owned: &Tensor, start: usize, hidden: usize) -> Result<Tensor> {
+    let t = ids.elem_count();
+    let end = start + owned.elem_count();
+    let mut out = Tensor::zeros((t, hidden), owned.dtype(), owned.device())?;
+    if end == start {
+        return Ok(out);
+    }
+    let mask = |m: Tensor| -> Result<Tensor> { Ok(m.unsqueeze(1)?.broadcast_as((t, hidden))?) };
+    // Rows [f0, f1) lie wholly inside the slice.
+    let (f0, f1) = (start.div_ceil(hidden), end / hidden);
+    if f1 > f0 {
+        let whole = owned.narrow(0, f0 * hidden - start, (f1 - f0) * hidden)?.reshape((f1 - f0, hidden))?;
+        let inside = ids.ge(f0 as f64)?.mul(&ids.lt(f1 as f64)?)?;
+        let local = inside.where_cond(&(ids - f0 as f64)?, &ids.zeros_like()?)?.to_dtype(DType::U32)?;
+        out = mask(inside)?.where_cond(&whole.index_select(&local, 0)?, &out)?;
+    }
+    // The rows the slice cuts: its first and its last (one row when the slice lies within it).
+    let (lo, hi) = (start / hidden, end.div_ceil(hidden));
+    let mut cut = vec![lo, hi - 1];
+    cut.dedup();
+    for r in cut.into_iter().filter(|&r| r < f0 || r >= f1) {
+        let (a, b) = ((r * hidden).max(start), ((r + 1) * hidden).min(end));
+        let row = owned.narrow(0, a - start, b - a)?.pad_with_zeros(0, a - r * hidden, (r + 1) * hidden - b)?;
+        out = mask(ids.eq(r as f64)?)?.where_cond(&row.reshape((1, hidden))?.broadcast_as((t, hidden))?, &out)?;
+    }
+    Ok(out)
+}
+
 /// Rows of the sharded `table` for `ids: [..]` -> `[.., hidden]`, recorded as one [`ShardedEmbedding`] on the
 /// table's slice leaf, the row `padding_idx` (when given) getting no gradient from the lookup. A tape that does
 /// not record takes the rows by [`slice_rows`] at `Parameters` (the table is never whole there either). `None`
@@ -192,6 +216,36 @@ pub fn sharded_embedding(
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
+
+    /// `owned_parts` against the whole table with the elements outside the slice zeroed, for every slice of a
+    /// 4 x 5 table (slices within one row, across one or two row ends, aligned or not, empty) and ids inside,
+    /// outside and -1.
+    #[test]
+    fn owned_parts_are_the_slices_share_of_each_row() {
+        let (vocab, hidden) = (4usize, 5usize);
+        let table: Vec<f64> = (0..vocab * hidden).map(|i| i as f64 + 0.5).collect();
+        let ids = Tensor::new(&[3f64, 0., -1., 1., 2., 1., 3.], &Device::Cpu).unwrap();
+        for start in 0..=vocab * hidden {
+            for end in start..=vocab * hidden {
+                let owned = Tensor::from_vec(table[start..end].to_vec(), end - start, &Device::Cpu).unwrap();
+                let got = owned_parts(&ids, &owned, start, hidden).unwrap().to_vec2::<f64>().unwrap();
+                for (k, &id) in ids.to_vec1::<f64>().unwrap().iter().enumerate() {
+                    let want: Vec<f64> = (0..hidden)
+                        .map(|c| {
+                            let flat = id as i64 * hidden as i64 + c as i64;
+                            let held = id >= 0. && (start as i64..end as i64).contains(&flat);
+                            if held {
+                                table[flat as usize]
+                            } else {
+                                0.
+                            }
+                        })
+                        .collect();
+                    assert_eq!(got[k], want, "slice [{start}, {end}), id {id}");
+                }
+            }
+        }
+    }
 
     use super::*;
     use crate::comm::run_ranks;
