@@ -1,16 +1,17 @@
 //! The model file of a sharded save, written tensor by tensor: the safetensors headers are made first from
 //! the shapes alone (the HF names and order of [`autosp_models::LlamaConfig::expected_tensors`], the files
-//! split past 5 GB with an index, as [`autosp_models::save_model`] does), then each weight is gathered whole
-//! on every rank (from AdamW's f32 master where it keeps one), converted to the file's dtype and appended by
-//! rank 0, and freed before the next: the save holds one whole weight at a time, never the whole model on
-//! rank 0 nor a second copy of it in the disk dtype.
+//! split past 5 GB with an index, as [`autosp_models::save_model`] does), then each weight is appended by rank
+//! 0 in the file's dtype (from AdamW's f32 master where it keeps one). A sharded weight goes slice by slice:
+//! the ranks' flat slices in rank order are its elements in order, so rank 0 writes its own and then each
+//! other rank's as it receives it (each converted by its owner). The save never holds a whole sharded weight,
+//! nor the whole model on rank 0, nor a second copy of it in the disk dtype.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::Path;
 
 use autosp_core::optim::AdamW;
-use autosp_core::Param;
+use autosp_core::{Param, ShardLevel};
 use autosp_models::weights::{INDEX_FILE, SINGLE_FILE};
 use autosp_models::{LlamaModel, SaveOptions};
 use candle_core::DType;
@@ -61,9 +62,9 @@ fn dtype_name(d: DType) -> &'static str {
     }
 }
 
-/// Writes `config.json` and the model's safetensors file(s) into `tmp` (`Some` on rank 0 only), gathering one
-/// weight at a time over the parameters' group (collective: every rank calls it, in the same order). Rank 0 goes on taking
-/// part in the gathers after a write fails, so the ranks stay in step, and returns the first error.
+/// Writes `config.json` and the model's safetensors file(s) into `tmp` (`Some` on rank 0 only), one weight at a
+/// time, a sharded one slice by slice from its owners (collective: every rank calls it, in the same order). Rank
+/// 0 goes on receiving after a write fails, so the ranks stay in step, and returns the first error.
 pub(super) fn write(tmp: Option<&Path>, model: &LlamaModel, opt: &AdamW, params: &[Param], disk: DType) -> Result<()> {
     let planned = plan(model, params, disk)
         .ok_or_else(|| TrainError::Config("this model's file cannot be streamed: save it whole".into()))?;
@@ -106,17 +107,45 @@ pub(super) fn write(tmp: Option<&Path>, model: &LlamaModel, opt: &AdamW, params:
         };
         for p in file {
             weight_map.insert(p.name.clone(), name.clone());
-            // Collective on every rank alike: the master when AdamW keeps one, else the weight.
-            let whole = match (opt.master(p.param), p.param.shard()) {
-                (Some(m), Some(s)) => s.gather(m)?,
-                (Some(m), None) => m.clone(),
-                (None, _) => p.param.whole()?,
+            // The master when AdamW keeps one, else the weight; a rank's slice of it when it is sharded.
+            let sliced = match (opt.master(p.param), p.param.shard()) {
+                (Some(m), Some(s)) => Some((m.clone(), s)),
+                (None, Some(s)) if s.level == ShardLevel::Parameters => Some((p.param.tensor(), s)),
+                _ => None,
             };
-            if let Some(w) = out.as_mut() {
-                let wrote = whole.to_dtype(disk).and_then(|t| t.write_bytes(w));
-                if let Err(e) = wrote {
-                    failed = Some(TrainError::Tensors { what: format!("writing `{}`", p.name), cause: Box::new(e) });
-                    out = None;
+            let mut write = |t: candle_core::Tensor| {
+                if let Some(w) = out.as_mut() {
+                    if let Err(e) = t.write_bytes(w) {
+                        failed =
+                            Some(TrainError::Tensors { what: format!("writing `{}`", p.name), cause: Box::new(e) });
+                        out = None;
+                    }
+                }
+            };
+            match sliced {
+                // The slices in rank order are the weight's elements in order: rank 0 writes its own, then
+                // takes each other rank's in turn (collective on every rank alike), so no rank holds it whole.
+                Some((slice, s)) => {
+                    let (group, layout) = (s.group.as_ref(), &s.layout);
+                    let mine = slice.narrow(0, 0, layout.owned().len())?.to_dtype(disk)?;
+                    let rank = group.rank();
+                    for r in 0..group.size() {
+                        match (rank, r) {
+                            (0, 0) => write(mine.clone()),
+                            (0, _) => write(group.recv(r)?),
+                            (me, _) if me == r => group.send(&mine, 0)?,
+                            _ => {}
+                        }
+                    }
+                }
+                None => {
+                    let whole = match opt.master(p.param) {
+                        Some(m) => m.clone(),
+                        None => p.param.whole()?,
+                    };
+                    if tmp.is_some() {
+                        write(whole.to_dtype(disk)?);
+                    }
                 }
             }
         }
