@@ -267,10 +267,18 @@ fn cuda_pool_peak(d: &candle_core::CudaDevice) -> Option<u64> {
 /// The local rank of this process among the ranks of its node under mpirun (OpenMPI's
 /// `OMPI_COMM_WORLD_LOCAL_RANK`, MPICH's `MPI_LOCALRANKID`, Slurm's `SLURM_LOCALID`), else `global_rank`.
 pub fn local_rank(global_rank: usize) -> usize {
-    ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
-        .unwrap_or(global_rank)
+    launcher_number(&["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"]).unwrap_or(global_rank)
+}
+
+/// How many ranks of the job run on this node under mpirun (OpenMPI's `OMPI_COMM_WORLD_LOCAL_SIZE`, MPICH's
+/// `MPI_LOCALNRANKS`), if the launcher says.
+pub fn local_size() -> Option<usize> {
+    launcher_number(&["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"])
+}
+
+/// The first of the launcher's variables `names` that is set to a number.
+fn launcher_number(names: &[&str]) -> Option<usize> {
+    names.iter().find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
 }
 
 #[cfg(test)]

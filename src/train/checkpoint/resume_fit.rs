@@ -56,10 +56,7 @@ pub fn ranks_on_host(world: usize, threads: bool) -> usize {
     if threads {
         return world;
     }
-    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
-        .unwrap_or(1)
+    crate::device::local_size().unwrap_or(1)
 }
 
 /// The architecture fields in which `run` (the model this run loads) differs from `trained` (the one the
