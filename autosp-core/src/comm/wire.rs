@@ -73,6 +73,51 @@ fn header(present: bool, code: u8, ndim: u8, stamp: Stamp) -> [u8; HEADER] {
 #[cfg(not(target_endian = "little"))]
 compile_error!("the MPI wire format receives tensor elements in place, which needs a little-endian host");
 
+/// The element types the wire carries: plain numbers, no padding, every bit pattern valid, so their memory is
+/// their little-endian bytes on this host.
+trait Plain: Copy {}
+impl Plain for u8 {}
+impl Plain for u32 {}
+impl Plain for i16 {}
+impl Plain for i32 {}
+impl Plain for i64 {}
+impl Plain for half::bf16 {}
+impl Plain for half::f16 {}
+impl Plain for f32 {}
+impl Plain for f64 {}
+
+/// `v`'s memory as bytes.
+fn as_bytes<T: Plain>(v: &[T]) -> &[u8] {
+    // SAFETY: `T: Plain` has no padding; the bytes cover exactly `v` for as long as `v` is borrowed.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// `v`'s memory as bytes to write into.
+fn as_bytes_mut<T: Plain>(v: &mut [T]) -> &mut [u8] {
+    // SAFETY: `T: Plain` has no padding and every bit pattern is a valid `T`; the bytes cover exactly `v` for
+    // as long as `v` is borrowed mutably.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// `$body` with `$v` bound to the vector inside `$storage` (a `CpuStorage`, by value or reference) when it is
+/// one of the dtypes the wire carries, else `$other`.
+macro_rules! on_wire_storage {
+    ($storage:expr, $v:ident => $body:expr, _ => $other:expr) => {
+        match $storage {
+            CpuStorage::U8($v) => $body,
+            CpuStorage::U32($v) => $body,
+            CpuStorage::I16($v) => $body,
+            CpuStorage::I32($v) => $body,
+            CpuStorage::I64($v) => $body,
+            CpuStorage::BF16($v) => $body,
+            CpuStorage::F16($v) => $body,
+            CpuStorage::F32($v) => $body,
+            CpuStorage::F64($v) => $body,
+            _ => $other,
+        }
+    };
+}
+
 /// The header message of `t` (`None`: an empty marker) stamped with `stamp`: what the receiver needs to
 /// allocate the tensor before its elements arrive in a second message ([`elements`]).
 pub fn header_of(t: Option<&Tensor>, stamp: Stamp) -> Result<Vec<u8>, WireError> {
@@ -97,25 +142,8 @@ pub fn elements(t: &Tensor) -> Result<Vec<u8>, WireError> {
     dtype_code(t.dtype())?;
     let t = t.contiguous()?;
     if let (Storage::Cpu(cpu), Some((start, end))) = (&*t.storage_and_layout().0, t.layout().contiguous_offsets()) {
-        macro_rules! bytes {
-            ($v:expr) => {{
-                let v = &$v[start..end];
-                // SAFETY: plain numbers with no padding, viewed as bytes for exactly their length; on a
-                // little-endian host these are their wire bytes.
-                unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }.to_vec()
-            }};
-        }
-        return Ok(match cpu {
-            CpuStorage::U8(v) => v[start..end].to_vec(),
-            CpuStorage::U32(v) => bytes!(v),
-            CpuStorage::I16(v) => bytes!(v),
-            CpuStorage::I32(v) => bytes!(v),
-            CpuStorage::I64(v) => bytes!(v),
-            CpuStorage::BF16(v) => bytes!(v),
-            CpuStorage::F16(v) => bytes!(v),
-            CpuStorage::F32(v) => bytes!(v),
-            CpuStorage::F64(v) => bytes!(v),
-            _ => return Err(WireError::UnsupportedDtype(t.dtype())),
+        return on_wire_storage!(cpu, v => Ok(as_bytes(&v[start..end]).to_vec()), _ => {
+            Err(WireError::UnsupportedDtype(t.dtype()))
         });
     }
     // Other devices: to the host first.
@@ -184,25 +212,7 @@ impl Inbox {
 
     /// The storage as bytes, to receive the elements message into (little-endian: in place).
     pub fn bytes_mut(&mut self) -> &mut [u8] {
-        macro_rules! bytes {
-            ($v:expr) => {
-                // SAFETY: plain numbers with no padding and every bit pattern valid, viewed as bytes for
-                // exactly their length while `self` is borrowed mutably.
-                unsafe { std::slice::from_raw_parts_mut($v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(&$v[..])) }
-            };
-        }
-        match &mut self.storage {
-            CpuStorage::U8(v) => v,
-            CpuStorage::U32(v) => bytes!(v),
-            CpuStorage::I16(v) => bytes!(v),
-            CpuStorage::I32(v) => bytes!(v),
-            CpuStorage::I64(v) => bytes!(v),
-            CpuStorage::BF16(v) => bytes!(v),
-            CpuStorage::F16(v) => bytes!(v),
-            CpuStorage::F32(v) => bytes!(v),
-            CpuStorage::F64(v) => bytes!(v),
-            _ => unreachable!("Inbox::new makes only the dtypes above"),
-        }
+        on_wire_storage!(&mut self.storage, v => as_bytes_mut(v), _ => unreachable!("Inbox::new makes only wire dtypes"))
     }
 
     /// How many bytes the elements message must have.
@@ -217,23 +227,10 @@ impl Inbox {
 
     /// The received tensor, on `device` (the CPU keeps the storage itself; other devices upload it).
     pub fn into_tensor(self, device: &Device) -> Result<Tensor, WireError> {
-        macro_rules! tensor {
-            ($v:expr) => {
-                Tensor::from_vec($v, self.dims, &Device::Cpu)?
-            };
-        }
-        let t = match self.storage {
-            CpuStorage::U8(v) => tensor!(v),
-            CpuStorage::U32(v) => tensor!(v),
-            CpuStorage::I16(v) => tensor!(v),
-            CpuStorage::I32(v) => tensor!(v),
-            CpuStorage::I64(v) => tensor!(v),
-            CpuStorage::BF16(v) => tensor!(v),
-            CpuStorage::F16(v) => tensor!(v),
-            CpuStorage::F32(v) => tensor!(v),
-            CpuStorage::F64(v) => tensor!(v),
-            _ => unreachable!("Inbox::new makes only the dtypes above"),
-        };
+        let dims = self.dims;
+        let t = on_wire_storage!(self.storage, v => Tensor::from_vec(v, dims, &Device::Cpu)?, _ => {
+            unreachable!("Inbox::new makes only wire dtypes")
+        });
         Ok(if device.is_cpu() { t } else { t.to_device(device)? })
     }
 }
