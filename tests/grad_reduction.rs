@@ -12,6 +12,8 @@
 //!   use's reduce-scatter goes from the `grad-scatter` thread the same way, bit for bit the inline one's.
 //! - At `gradients` and `parameters` the per-use reduce-scatters travel in bf16 too (inline and overlapped):
 //!   within 1e-2 of f32, fewer bytes in the plan's accounting.
+//! - At `none` a gradient larger than a bucket is all-reduced in bucket-sized pieces: no gradient all-reduce
+//!   carries more than a bucket, and the gradients are bit for bit those of buckets that hold it whole.
 //!
 //! Tolerances: gradients are compared as max |a - b| over max |b| per parameter. Deferring the reduction sums
 //! the same products in another order (Σ_i w_i · Σ_r g_ri against Σ_r Σ_i w_i · g_ri, in f32): a few ulps,
@@ -295,6 +297,24 @@ fn overlapped_buckets_are_posted_during_backward_with_the_same_gradients() {
                 let late = gradient_reductions(&a.records);
                 assert!(late.iter().all(|c| c.mark.is_none() && c.thread.as_deref() != Some("grad-reduce")));
             }
+        }
+    }
+}
+
+#[test]
+fn a_gradient_larger_than_a_bucket_is_all_reduced_in_pieces_with_the_same_bits() {
+    // 1 KiB buckets (256 elements): most of the tiny model's weights (the head is 8192) are larger.
+    let small = |overlap| GradReduction { bucket_bytes: 1 << 10, overlap, ..GradReduction::default() };
+    let whole = step(Mesh::new(1, 2), ShardLevel::None, buckets(false), 1, Way::Accumulated);
+    for overlap in [false, true] {
+        let pieces = step(Mesh::new(1, 2), ShardLevel::None, small(overlap), 1, Way::Accumulated);
+        for (r, (p, w)) in pieces.iter().zip(&whole).enumerate() {
+            assert_eq!(p.grads, w.grads, "overlap {overlap}, rank {r}: pieces changed the gradients");
+            let reductions = gradient_reductions(&p.records);
+            assert!(reductions.iter().all(|c| c.elems <= 256), "overlap {overlap}, rank {r}: {reductions:?}");
+            let largest = w.grads.iter().map(Vec::len).max().unwrap();
+            assert!(reductions.len() * 256 >= largest, "overlap {overlap}, rank {r}: {} all-reduces", reductions.len());
+            assert!(gradient_reductions(&w.records).iter().any(|c| c.elems > 256), "the big buckets hold more");
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The gradient reduction of a compiled step over the world, at `--shard none` (all-reduce) and `optimizer`
 //! (reduce-scatter; at `gradients` and `parameters` the tape reduce-scatters each use's gradient itself).
 //! Parameters are grouped into buckets of one reduction dtype and at most [`GradReduction::bucket_elems`]
-//! elements, one collective per bucket, sent in f32 or bf16 ([`GradReduction::dtype`]). Buckets are posted in
+//! elements, one collective per bucket (a gradient larger than a bucket, alone in its bucket, all-reduced in
+//! bucket-sized pieces), sent in f32 or bf16 ([`GradReduction::dtype`]). Buckets are posted in
 //! reverse model order (the order backward finishes them), the same on every rank: after backward
 //! ([`Buckets::reduce_after`]), or, overlapped ([`overlapped`]), from a communication thread that reduces
 //! each bucket on a second handle of the world as soon as backward handed over every gradient in it, while
@@ -60,6 +61,8 @@ pub(crate) struct Buckets<'a> {
     sharded: bool,
     /// The dtype f32 gradients travel in.
     wire: DType,
+    /// The most elements one all-reduce carries (a bucket's): a larger gradient, a bucket alone, goes in pieces.
+    piece: usize,
 }
 
 impl<'a> Buckets<'a> {
@@ -72,7 +75,8 @@ impl<'a> Buckets<'a> {
             .collect();
         order.reverse();
         let of = order.iter().enumerate().flat_map(|(b, ps)| ps.iter().map(move |&i| (params[i].id(), b))).collect();
-        Self { params, order, of, sharded: level == ShardLevel::Optimizer, wire: reduction.dtype }
+        let (sharded, wire, piece) = (level == ShardLevel::Optimizer, reduction.dtype, reduction.bucket_elems());
+        Self { params, order, of, sharded, wire, piece }
     }
 
     /// Bucket `b`'s gradients taken out of `grads` (zeros for a parameter without one), each in its reduction
@@ -133,7 +137,7 @@ impl<'a> Buckets<'a> {
         let mut out = Gradients::new();
         for b in 0..self.order.len() {
             let joined = self.join(b, &mut grads)?;
-            let summed = reduce(group, &joined, self.sharded)?;
+            let summed = reduce(group, &joined, self.sharded, self.piece)?;
             drop(joined);
             self.split(b, summed, &mut out)?;
         }
@@ -142,13 +146,23 @@ impl<'a> Buckets<'a> {
 }
 
 /// One bucket's joined gradients reduced over `group`: all-reduced, or (`sharded`) reduce-scattered into this
-/// rank's row, flattened.
-fn reduce(group: &dyn ProcessGroup, joined: &Tensor, sharded: bool) -> Result<Tensor, CompileError> {
-    Ok(if sharded {
-        group.reduce_scatter(joined, 0, ReduceOp::Sum)?.flatten_all()?
-    } else {
-        group.all_reduce(joined, ReduceOp::Sum)?
-    })
+/// rank's row, flattened. An all-reduce of more than `piece` elements (a gradient larger than a bucket, which
+/// makes a bucket alone) goes in pieces of at most `piece` written into one result, so its buffers are a
+/// bucket's, not the gradient's; the sums are elementwise, so the bits are the same.
+fn reduce(group: &dyn ProcessGroup, joined: &Tensor, sharded: bool, piece: usize) -> Result<Tensor, CompileError> {
+    if sharded {
+        return Ok(group.reduce_scatter(joined, 0, ReduceOp::Sum)?.flatten_all()?);
+    }
+    let n = joined.elem_count();
+    if n <= piece {
+        return Ok(group.all_reduce(joined, ReduceOp::Sum)?);
+    }
+    let out = Tensor::zeros(n, joined.dtype(), joined.device())?;
+    for start in (0..n).step_by(piece) {
+        let part = group.all_reduce(&joined.narrow(0, start, piece.min(n - start))?, ReduceOp::Sum)?;
+        out.slice_set(&part.contiguous()?, 0, start)?;
+    }
+    Ok(out)
 }
 
 /// A bucket posted to the communication thread: its index, its joined gradients, where backward stood and the
@@ -239,7 +253,7 @@ pub(crate) fn overlapped(
     group: &dyn ProcessGroup,
     backward: impl FnOnce(&mut Posting<'_, '_>) -> Result<(), CompileError>,
 ) -> Result<Gradients, CompileError> {
-    let sharded = buckets.sharded;
+    let (sharded, piece) = (buckets.sharded, buckets.piece);
     std::thread::scope(|scope| {
         let (jobs, inbox) = mpsc::channel::<Job>();
         let (reduced, outbox) = mpsc::channel::<Reduced>();
@@ -248,7 +262,7 @@ pub(crate) fn overlapped(
             .spawn_scoped(scope, move || -> Result<(), CompileError> {
                 for (b, joined, mark, made) in inbox {
                     made.wait()?;
-                    let summed = with_mark(mark, || reduce(group, &joined, sharded))?;
+                    let summed = with_mark(mark, || reduce(group, &joined, sharded, piece))?;
                     let done = HandOff::record(summed.device())?;
                     if reduced.send((b, summed, done)).is_err() {
                         // The step stopped taking buckets back (backward failed): nothing more is wanted.
