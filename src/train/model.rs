@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use autosp_core::Precision;
 use autosp_models::weights::WeightFiles;
 use autosp_models::{gguf_tokenizer_and_template, load_tokenizer, ChatTemplate, Tokenizer};
 use autosp_models::{
@@ -113,15 +114,33 @@ impl Loaded {
     }
 }
 
-/// Loads `source` (a directory, hub id or `.gguf` file) in `dtype`. The job loads in the optimizer's master
-/// dtype (f32), so that bf16/f16 training starts its f32 master weights from the checkpoint's own values;
-/// the ranks convert to the compute dtype.
+/// Loads `source` (a directory, hub id or `.gguf` file) in `dtype`. The job loads in [`load_dtype`]: the
+/// optimizer's master dtype (f32), so that bf16/f16 training starts its f32 master weights from the
+/// checkpoint's own values, or the compute dtype where the files hold nothing wider; the ranks convert to the
+/// compute dtype.
 pub fn load(source: &str, dtype: DType) -> Result<Loaded> {
     let model = LlamaModel::load(source, dtype).map_err(|cause| TrainError::ModelFile {
         what: format!("loading the model `{source}`"),
         cause: Box::new(cause),
     })?;
     with_tokenizer(source, model)
+}
+
+/// The dtype the job reads `source`'s whole weights in for a run computing in `dtype` (below `--shard
+/// parameters`, where every process reads them all): the master dtype (f32 for bf16/f16), so that the f32
+/// master weights start from the checkpoint's own values, unless every weight in the files is stored in
+/// `dtype` already (a bf16 checkpoint trained in bf16). Then `dtype`: half the bytes, and the masters widened
+/// from it are the same values. Reads the safetensors headers only; a GGUF file (quantised) or a family whose
+/// files fuse projections is read in the master dtype.
+pub fn load_dtype(source: &str, dtype: DType) -> Result<DType> {
+    let master = Precision::float(dtype).master();
+    if master == dtype {
+        return Ok(dtype);
+    }
+    let Some((config, files)) = config_of(source)? else { return Ok(master) };
+    let Some(paths) = WeightPaths::of(&files, &config) else { return Ok(master) };
+    let stored = WeightRanges::open(&paths)?.stored_dtype();
+    Ok(if stored == Some(dtype) { dtype } else { master })
 }
 
 /// `source`'s config and tokenizer with the model as a [`skeleton`] in `dtype` (no weight read), and the

@@ -51,8 +51,9 @@ pub struct Job {
     pub dtype: DType,
     /// The model's config.
     pub config: LlamaConfig,
-    /// The starting weights in the master dtype (f32, by HF name): each rank builds its own model from them in
-    /// `dtype` and, under bf16/f16, starts its optimizer's master weights from them. Dropped once every rank of
+    /// The starting weights (by HF name) in the master dtype (f32), or in `dtype` where the files hold nothing
+    /// wider ([`model::load_dtype`]): each rank builds its own model from them in `dtype` and, under bf16/f16,
+    /// starts its optimizer's master weights from them (widened: the same values). Dropped once every rank of
     /// this process has built its model: no whole copy of the model outlives the start of training.
     pub base: std::sync::Mutex<Option<Arc<HashMap<String, Tensor>>>>,
     /// Where the model came from (for the report).
@@ -272,7 +273,7 @@ impl Job {
         }
         let (mut loaded, weight_ranges) = match sliced {
             Some((loaded, ranges)) => (loaded, Some(Arc::new(ranges))),
-            None => (model::load(&source, Precision::float(dtype).master())?, None),
+            None => (model::load(&source, model::load_dtype(&source, dtype)?)?, None),
         };
         if checked && config_first.is_none() {
             // A GGUF file's config comes with its weights: the same checks on the loaded model, before any rank
@@ -464,7 +465,8 @@ impl Job {
             Some(d) => d.clone(),
             None => o.device_spec().open(Some((crate::device::local_rank(pg.rank()), pg.size())))?,
         };
-        // The loaded weights (master dtype, f32, on the CPU; one copy shared by the thread ranks). The model
+        // The loaded weights (f32, or `dtype` for a checkpoint stored in it; on the CPU; one copy shared by the
+        // thread ranks). The model
         // computes in their `dtype` rounding on the device; the optimizer's masters are taken from them below.
         // None where each rank reads its own slices (`weight_ranges`, at `parameters`).
         let base = self.base.lock().expect("job lock poisoned").clone();

@@ -93,6 +93,13 @@ impl WeightRanges {
         Ok((t.to_dtype(Precision::float(dtype).master())?, bytes))
     }
 
+    /// The dtype every weight is stored in, when they all share one (`None` for mixed dtypes or no weight).
+    pub fn stored_dtype(&self) -> Option<DType> {
+        let mut dtypes = self.files.iter().flat_map(|f| f.names().filter_map(|n| f.entry(n)).map(|e| e.dtype));
+        let first = dtypes.next()?;
+        dtypes.all(|d| d == first).then_some(first)
+    }
+
     /// The bytes of tensors read from the files so far, all files and all readers together (the ranks of a
     /// process share one `WeightRanges`).
     pub fn bytes_read(&self) -> u64 {
