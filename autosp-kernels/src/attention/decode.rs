@@ -169,6 +169,23 @@ mod tests {
     use autosp_core::ops::attention::{naive_attention_forward, AttentionSpec};
     use candle_core::Device;
 
+    /// The largest |a - b|, both widened to f32.
+    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+        Ok((f32(a)? - f32(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar()?)
+    }
+
+    /// The keys and values `k`, `v` (`[1, n, hkv, d]`) cached in blocks of `block_rows`: the first `prefill`
+    /// rows pushed at once (a prefill), the rest a token at a time.
+    fn cached(k: &Tensor, v: &Tensor, block_rows: usize, prefill: usize) -> Result<KvBlocks> {
+        let mut part = KvBlocks::with_block_rows(block_rows);
+        part.push_rows(&k.narrow(1, 0, prefill)?, &v.narrow(1, 0, prefill)?, &(0..prefill).collect::<Vec<_>>())?;
+        for i in prefill..k.dim(1)? {
+            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, i)?;
+        }
+        Ok(part)
+    }
+
     #[test]
     fn blocks_attention_equals_attention_over_all_keys_with_gqa() -> Result<()> {
         let dev = Device::Cpu;
@@ -177,17 +194,12 @@ mod tests {
         let k = Tensor::randn(0f32, 1., (1, 13, hkv, d), &dev)?;
         let v = Tensor::randn(0f32, 1., (1, 13, hkv, d), &dev)?;
         // A prefill block of 6 rows, then 7 tokens in blocks of 4.
-        let mut part = KvBlocks::with_block_rows(4);
-        part.push_rows(&k.narrow(1, 0, 6)?, &v.narrow(1, 0, 6)?, &(0..6).collect::<Vec<_>>())?;
-        for i in 6..13 {
-            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, i)?;
-        }
+        let part = cached(&k, &v, 4, 6)?;
         let scale = Some(0.3);
         let (o, lse) = attention_over_blocks(&q, &part, scale, 0)?.expect("rows held");
         let spec = AttentionSpec { scale, ..AttentionSpec::full() };
         let (want_o, want_lse) = naive_attention_forward(&q, &k, &v, &spec)?;
-        let err = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
-        assert!(err(&o, &want_o)? < 1e-5 && err(&lse, &want_lse)? < 1e-5);
+        assert!(max_diff(&o, &want_o)? < 1e-5 && max_diff(&lse, &want_lse)? < 1e-5);
         assert!(attention_over_blocks(&q, &KvBlocks::default(), None, 0)?.is_none());
         Ok(())
     }
@@ -205,7 +217,6 @@ mod tests {
         let v = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?;
         let spec = AttentionSpec::causal().shifted(at, 0).with_max_distance(w);
         let (want_o, want_lse) = naive_attention_forward(&q, &k, &v, &spec)?;
-        let err = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
         let part_of = |rows: std::ops::Range<usize>, prefill: usize| -> Result<KvBlocks> {
             let mut part = KvBlocks::with_block_rows(3);
             let pre = rows.start..rows.start + prefill;
@@ -222,9 +233,9 @@ mod tests {
         let whole = part_of(0..n, 6)?;
         let views = whole.views_from(at - w)?;
         let (o, lse) = over_blocks_with_tensor_ops(&q, &views, 0.25)?.expect("rows in the window");
-        assert!(err(&o, &want_o)? < 1e-5 && err(&lse, &want_lse)? < 1e-5);
+        assert!(max_diff(&o, &want_o)? < 1e-5 && max_diff(&lse, &want_lse)? < 1e-5);
         let (o, lse) = attention_over_blocks(&q, &whole, None, at - w)?.expect("rows in the window");
-        assert!(err(&o, &want_o)? < 1e-5 && err(&lse, &want_lse)? < 1e-5);
+        assert!(max_diff(&o, &want_o)? < 1e-5 && max_diff(&lse, &want_lse)? < 1e-5);
         let out =
             autosp_core::comm::run_ranks(2, std::time::Duration::from_secs(30), |g| -> Result<(Tensor, Tensor)> {
                 let part = if g.rank() == 0 { part_of(0..6, 6)? } else { part_of(6..n, 2)? };
@@ -233,7 +244,7 @@ mod tests {
             });
         for r in out {
             let (o, lse) = r.expect("rank ran")?;
-            assert!(err(&o, &want_o)? < 1e-5 && err(&lse, &want_lse)? < 1e-5, "merged over ranks");
+            assert!(max_diff(&o, &want_o)? < 1e-5 && max_diff(&lse, &want_lse)? < 1e-5, "merged over ranks");
         }
         Ok(())
     }
@@ -273,14 +284,13 @@ mod tests {
             Ok((failed.map(|_| ()).map_err(|e| e.to_string()), failed_after, next))
         });
         let (want_o, want_lse) = naive_attention_forward(&q, &k, &v, &AttentionSpec::full())?;
-        let err = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
         for (rank, r) in out.into_iter().enumerate() {
             let (failed, after, (o, lse)) = r.expect("rank ran")?;
             let e = failed.expect_err("the step fails on both ranks");
             let want = if rank == 0 { "rank(s) [1] of the group failed" } else { "decode tokens in order of position" };
             assert!(e.contains(want), "rank {rank}: {e}");
             assert!(after < Duration::from_secs(10), "rank {rank} failed after {after:?}");
-            assert!(err(&o, &want_o)? < 1e-5 && err(&lse, &want_lse)? < 1e-5, "rank {rank}: the next step");
+            assert!(max_diff(&o, &want_o)? < 1e-5 && max_diff(&lse, &want_lse)? < 1e-5, "rank {rank}: the next step");
         }
         Ok(())
     }
@@ -296,22 +306,17 @@ mod tests {
         let q = Tensor::randn(0f32, 1., (1, 2, h, d), &dev)?;
         let k = (Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)? * 2.0)?;
         let v = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?;
-        let mut part = KvBlocks::with_block_rows(7);
-        part.push_rows(&k.narrow(1, 0, 300)?, &v.narrow(1, 0, 300)?, &(0..300).collect::<Vec<_>>())?;
-        for i in 300..n {
-            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, i)?;
-        }
+        let part = cached(&k, &v, 7, 300)?;
         let views = part.views()?;
         let (want_o, want_lse) = over_blocks_with_tensor_ops(&q, &views, 0.125)?.expect("rows held");
-        let err = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
         for path in autosp_core::simd::supported_paths() {
             let (o, lse) = cpu::attend(path, &q, &views, 0.125)?.expect("laid out for the kernel");
-            assert!(err(&o, &want_o)? < 1e-5, "{path:?} o: {}", err(&o, &want_o)?);
-            assert!(err(&lse, &want_lse)? < 1e-5, "{path:?} lse: {}", err(&lse, &want_lse)?);
+            assert!(max_diff(&o, &want_o)? < 1e-5, "{path:?} o: {}", max_diff(&o, &want_o)?);
+            assert!(max_diff(&lse, &want_lse)? < 1e-5, "{path:?} lse: {}", max_diff(&lse, &want_lse)?);
         }
         // The door takes the kernel here, with the same result.
         let (o, _) = attention_over_blocks(&q, &part, Some(0.125), 0)?.expect("rows held");
-        assert!(err(&o, &want_o)? < 1e-5);
+        assert!(max_diff(&o, &want_o)? < 1e-5);
         Ok(())
     }
 
@@ -325,20 +330,13 @@ mod tests {
         let q = round(Tensor::randn(0f32, 1., (1, 1, h, d), &dev)?)?;
         let k = round(Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?)?;
         let v = round(Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?)?;
-        let mut part = KvBlocks::with_block_rows(4);
-        part.push_rows(&k.narrow(1, 0, 5)?, &v.narrow(1, 0, 5)?, &(0..5).collect::<Vec<_>>())?;
-        for i in 5..n {
-            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, i)?;
-        }
+        let part = cached(&k, &v, 4, 5)?;
         let (o, lse) = attention_over_blocks(&q, &part, None, 0)?.expect("rows held");
         assert_eq!(o.dtype(), DType::BF16);
         let f32 = |t: &Tensor| t.to_dtype(DType::F32);
         let (want_o, want_lse) = naive_attention_forward(&f32(&q)?, &f32(&k)?, &f32(&v)?, &AttentionSpec::full())?;
-        let err = |a: &Tensor, b: &Tensor| -> Result<f32> {
-            Ok((f32(a)? - f32(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar()?)
-        };
-        assert!(err(&o, &want_o)? < 1e-2, "o: {}", err(&o, &want_o)?);
-        assert!(err(&lse, &want_lse)? < 1e-4, "lse: {}", err(&lse, &want_lse)?);
+        assert!(max_diff(&o, &want_o)? < 1e-2, "o: {}", max_diff(&o, &want_o)?);
+        assert!(max_diff(&lse, &want_lse)? < 1e-4, "lse: {}", max_diff(&lse, &want_lse)?);
         Ok(())
     }
     /// A bf16 cache on every vector path this CPU has (d = 64, so AVX-512's score tree; 300 prefill rows, two
@@ -351,24 +349,21 @@ mod tests {
         let (h, hkv, d, n) = (6, 2, 64, 310);
         let k = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?.to_dtype(DType::BF16)?;
         let v = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?.to_dtype(DType::BF16)?;
-        let mut part = KvBlocks::with_block_rows(7);
-        part.push_rows(&k.narrow(1, 0, 300)?, &v.narrow(1, 0, 300)?, &(0..300).collect::<Vec<_>>())?;
-        for i in 300..n {
-            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, i)?;
-        }
+        let part = cached(&k, &v, 7, 300)?;
         let views = part.views()?;
-        let err = |a: &Tensor, b: &Tensor| -> Result<f32> {
-            let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-            Ok((f32(a)? - f32(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar()?)
-        };
         let q32 = Tensor::randn(0f32, 1., (1, 2, h, d), &dev)?;
         for q in [q32.to_dtype(DType::BF16)?, q32] {
             let (want_o, want_lse) = over_blocks_with_tensor_ops(&q, &views, 0.125)?.expect("rows held");
             for path in autosp_core::simd::supported_paths() {
                 let (o, lse) = cpu::attend(path, &q, &views, 0.125)?.expect("laid out for the kernel");
                 assert_eq!(o.dtype(), q.dtype());
-                assert!(err(&o, &want_o)? < 1e-2, "{path:?} {:?} o: {}", q.dtype(), err(&o, &want_o)?);
-                assert!(err(&lse, &want_lse)? < 1e-4, "{path:?} {:?} lse: {}", q.dtype(), err(&lse, &want_lse)?);
+                assert!(max_diff(&o, &want_o)? < 1e-2, "{path:?} {:?} o: {}", q.dtype(), max_diff(&o, &want_o)?);
+                assert!(
+                    max_diff(&lse, &want_lse)? < 1e-4,
+                    "{path:?} {:?} lse: {}",
+                    q.dtype(),
+                    max_diff(&lse, &want_lse)?
+                );
             }
         }
         Ok(())
@@ -386,24 +381,21 @@ mod tests {
         let (h, hkv, d, n) = (6, 2, 42, 310);
         let k = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?;
         let v = Tensor::randn(0f32, 1., (1, n, hkv, d), &dev)?;
-        let mut part = KvBlocks::with_block_rows(7);
-        part.push_rows(&k.narrow(1, 0, 300)?, &v.narrow(1, 0, 300)?, &(0..300).collect::<Vec<_>>())?;
-        for i in 300..n {
-            part.push_token(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, i)?;
-        }
+        let part = cached(&k, &v, 7, 300)?;
         let views = part.views()?;
-        let err = |a: &Tensor, b: &Tensor| -> Result<f32> {
-            let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-            Ok((f32(a)? - f32(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar()?)
-        };
         let q32 = Tensor::randn(0f32, 1., (1, 2, h, d), &dev)?;
         for (q, tol) in [(q32.clone(), 1e-5), (q32.to_dtype(DType::BF16)?, 1e-2)] {
             let (want_o, want_lse) = over_blocks_with_tensor_ops(&q, &views, 0.15)?.expect("rows held");
             for path in autosp_core::simd::supported_paths() {
                 let (o, lse) = cpu::attend(path, &q, &views, 0.15)?.expect("laid out for the kernel");
                 assert_eq!(o.dtype(), q.dtype());
-                assert!(err(&o, &want_o)? < tol, "{path:?} {:?} o: {}", q.dtype(), err(&o, &want_o)?);
-                assert!(err(&lse, &want_lse)? < 1e-5, "{path:?} {:?} lse: {}", q.dtype(), err(&lse, &want_lse)?);
+                assert!(max_diff(&o, &want_o)? < tol, "{path:?} {:?} o: {}", q.dtype(), max_diff(&o, &want_o)?);
+                assert!(
+                    max_diff(&lse, &want_lse)? < 1e-5,
+                    "{path:?} {:?} lse: {}",
+                    q.dtype(),
+                    max_diff(&lse, &want_lse)?
+                );
             }
         }
         Ok(())
