@@ -290,14 +290,13 @@ impl MpiTransport {
         let wire_err = |e: wire::WireError| self.ctx(collective).mpi(e.to_string());
         let mut out = vec![Arc::new(wire::header_of(t, stamp).map_err(wire_err)?)];
         if let Some(t) = t {
-            let bytes = wire::elements(t).map_err(wire_err)?;
-            if bytes.len() > i32::MAX as usize {
-                return Err(self.ctx(collective).mpi(format!(
-                    "a message of {} bytes exceeds MPI's 2 GiB count limit; split the tensor",
-                    bytes.len()
-                )));
+            let bytes = t.elem_count() * t.dtype().size_in_bytes();
+            if bytes > i32::MAX as usize {
+                return Err(self
+                    .ctx(collective)
+                    .mpi(format!("a message of {bytes} bytes exceeds MPI's 2 GiB count limit; split the tensor")));
             }
-            out.push(Arc::new(bytes));
+            out.push(Arc::new(wire::elements(t).map_err(wire_err)?));
         }
         Ok(out)
     }
@@ -353,10 +352,10 @@ impl MpiTransport {
                             headers.push((src, buf));
                         }
                         (_, Inbound::Elements { stamp, mut inbox }) => {
-                            if len != inbox.len() {
+                            if len != inbox.byte_len() {
                                 let mut sink = vec![0u8; len];
                                 message.matched_receive_into(&mut sink[..]);
-                                let want = inbox.len();
+                                let want = inbox.byte_len();
                                 return Err(malformed(src, format!("{len} element bytes where {want} were announced")));
                             }
                             message.matched_receive_into(inbox.bytes_mut());
@@ -380,7 +379,10 @@ impl MpiTransport {
                 }
             }
             for (src, stamp, inbox) in filled {
-                let tensor = inbox.into_tensor(device).map_err(|e| ctx.mpi(e.to_string()))?;
+                let tensor = inbox.into_tensor(device).map_err(|e| {
+                    self.poison(format!("rank {} could not place a received tensor: {e}", self.rank));
+                    ctx.mpi(e.to_string())
+                })?;
                 received.push((src, stamp, Some(tensor)));
             }
             if pending.is_empty() && sends.is_empty() {

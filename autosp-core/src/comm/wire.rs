@@ -11,8 +11,9 @@
 //! MPI delivers two messages from one sender with one tag in the order they were sent. Supported dtypes: u8,
 //! u32, i16, i32, i64, bf16, f16, f32, f64.
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::cpu_backend::CpuDevice;
+use candle_core::{CpuStorage, DType, Device, Shape, Storage, Tensor};
 
 use super::stamp::Stamp;
 
@@ -75,16 +76,28 @@ compile_error!("the MPI wire format receives tensor elements in place, which nee
 
 /// The element types the wire carries: plain numbers, no padding, every bit pattern valid, so their memory is
 /// their little-endian bytes on this host.
-trait Plain: Copy {}
-impl Plain for u8 {}
-impl Plain for u32 {}
-impl Plain for i16 {}
-impl Plain for i32 {}
-impl Plain for i64 {}
-impl Plain for half::bf16 {}
-impl Plain for half::f16 {}
-impl Plain for f32 {}
-impl Plain for f64 {}
+///
+/// # Safety
+/// An implementor has no padding and every bit pattern is a valid value: the byte views rely on it.
+unsafe trait Plain: Copy {}
+// SAFETY: plain integers and IEEE floats (`half`'s are `repr(transparent)` over u16).
+unsafe impl Plain for u8 {}
+// SAFETY: as above.
+unsafe impl Plain for u32 {}
+// SAFETY: as above.
+unsafe impl Plain for i16 {}
+// SAFETY: as above.
+unsafe impl Plain for i32 {}
+// SAFETY: as above.
+unsafe impl Plain for i64 {}
+// SAFETY: as above.
+unsafe impl Plain for half::bf16 {}
+// SAFETY: as above.
+unsafe impl Plain for half::f16 {}
+// SAFETY: as above.
+unsafe impl Plain for f32 {}
+// SAFETY: as above.
+unsafe impl Plain for f64 {}
 
 /// `v`'s memory as bytes.
 fn as_bytes<T: Plain>(v: &[T]) -> &[u8] {
@@ -177,10 +190,16 @@ pub fn parse_header(bytes: &[u8]) -> Result<Header, WireError> {
     if bytes.len() != HEADER + 8 * ndim {
         return Err(bad(format!("a header of {ndim} dimensions is {} bytes", HEADER + 8 * ndim)));
     }
-    let dims = bytes[HEADER..]
+    let dims: Vec<usize> = bytes[HEADER..]
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes(c.try_into().expect("chunks of 8")) as usize)
         .collect();
+    // No sender makes a message past MPI's 2 GiB count limit: a larger announced tensor is a damaged header,
+    // refused before anything is allocated for it.
+    let bytes_announced = dims.iter().try_fold(dtype.size_in_bytes(), |n, &d| n.checked_mul(d));
+    if bytes_announced.is_none_or(|n| n > i32::MAX as usize) {
+        return Err(bad(format!("{dims:?} of {dtype:?} is past the 2 GiB a message can carry")));
+    }
     Ok(Header { stamp, tensor: Some((dtype, dims)) })
 }
 
@@ -192,21 +211,10 @@ pub struct Inbox {
 }
 
 impl Inbox {
-    /// Zeroed storage for a `dims`-shaped tensor of `dtype`.
+    /// Zeroed storage for a `dims`-shaped tensor of `dtype` (one the wire carries).
     pub fn new(dtype: DType, dims: &[usize]) -> Result<Self, WireError> {
-        let n: usize = dims.iter().product();
-        let storage = match dtype {
-            DType::U8 => CpuStorage::U8(vec![0; n]),
-            DType::U32 => CpuStorage::U32(vec![0; n]),
-            DType::I16 => CpuStorage::I16(vec![0; n]),
-            DType::I32 => CpuStorage::I32(vec![0; n]),
-            DType::I64 => CpuStorage::I64(vec![0; n]),
-            DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; n]),
-            DType::F16 => CpuStorage::F16(vec![half::f16::ZERO; n]),
-            DType::F32 => CpuStorage::F32(vec![0.; n]),
-            DType::F64 => CpuStorage::F64(vec![0.; n]),
-            other => return Err(WireError::UnsupportedDtype(other)),
-        };
+        dtype_code(dtype)?;
+        let storage = CpuDevice.zeros_impl(&Shape::from(dims), dtype)?;
         Ok(Self { storage, dims: dims.to_vec() })
     }
 
@@ -216,13 +224,8 @@ impl Inbox {
     }
 
     /// How many bytes the elements message must have.
-    pub fn len(&self) -> usize {
+    pub fn byte_len(&self) -> usize {
         self.dims.iter().product::<usize>() * self.storage.dtype().size_in_bytes()
-    }
-
-    /// True for a tensor with no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// The received tensor, on `device` (the CPU keeps the storage itself; other devices upload it).
@@ -249,7 +252,7 @@ mod tests {
             return Ok((h.stamp, None));
         };
         let mut inbox = Inbox::new(dtype, &dims)?;
-        assert_eq!(inbox.len(), elements.len(), "elements message length");
+        assert_eq!(inbox.byte_len(), elements.len(), "elements message length");
         inbox.bytes_mut().copy_from_slice(elements);
         Ok((h.stamp, Some(inbox.into_tensor(&Device::Cpu)?)))
     }
@@ -318,6 +321,13 @@ mod tests {
         header[0] = 2;
         assert!(parse_header(&header).unwrap_err().to_string().contains("first byte 2"));
         assert!(parse_header(&[3]).is_err());
+        // A header announcing more than a message can carry (or more than usize holds) is refused.
+        for dims in [[1u64 << 40, 4], [u64::MAX, 2]] {
+            let mut h = header_of(None, STAMP).unwrap();
+            h[..3].copy_from_slice(&[1, dtype_code(DType::F32).unwrap(), 2]);
+            h.extend(dims.iter().flat_map(|d| d.to_le_bytes()));
+            assert!(parse_header(&h).unwrap_err().to_string().contains("past the 2 GiB"), "{dims:?}");
+        }
         assert!(matches!(Inbox::new(DType::F8E4M3, &[2]), Err(WireError::UnsupportedDtype(_))));
         assert!(matches!(
             header_of(Some(&t.to_dtype(DType::F8E4M3).unwrap()), STAMP),
