@@ -25,8 +25,9 @@ pub fn with_causes(e: &dyn Error) -> String {
     let mut cause = e.source();
     while let Some(c) = cause {
         let line = c.to_string();
-        // A transparent wrapper repeats its source's message; print it once.
-        if parts.last() != Some(&line) {
+        // A transparent wrapper repeats its source's message, and `#[error("what: {0}")]` ends with it: print
+        // it once.
+        if !parts.last().is_some_and(|p| p.ends_with(&line)) {
             parts.push(line);
         }
         cause = c.source();
@@ -44,6 +45,8 @@ mod tests {
         Step(#[source] Inner),
         #[error(transparent)]
         Through(Inner),
+        #[error("saving: {0}")]
+        Saving(#[from] Inner),
     }
 
     #[derive(Debug, thiserror::Error)]
@@ -56,5 +59,7 @@ mod tests {
         assert_eq!(with_causes(&Outer::Step(Inner(io()))), "step 3 failed: reading shard 1: no such file");
         // A transparent wrapper prints its source's message: it is not repeated.
         assert_eq!(with_causes(&Outer::Through(Inner(io()))), "reading shard 1: no such file");
+        // A message that already ends with its source's does not repeat it.
+        assert_eq!(with_causes(&Outer::Saving(Inner(io()))), "saving: reading shard 1: no such file");
     }
 }
