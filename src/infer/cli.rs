@@ -240,7 +240,8 @@ pub fn run_threads(
     let job = prepare(o, g)?;
     let results = run_ranks_fallible(p, Duration::from_secs(1800), |pg| {
         // Told with the error's causes first: `run_ranks_fallible`'s own notice (`{e:#}`) is then a no-op.
-        abort_on_error(pg.clone().as_ref(), run_rank(o, &job, pg, heap))
+        let ran = run_rank(o, &job, pg.clone(), heap);
+        abort_on_error(&*pg, ran)
     });
     let mut first = None;
     for (rank, r) in results.into_iter().enumerate() {

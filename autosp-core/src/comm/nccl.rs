@@ -990,9 +990,9 @@ impl NcclTransport {
         self.check_healthy(collective)?;
         let (size, rank) = (self.members.len(), self.rank);
         let schedule = pairwise_schedule(rank, size);
-        // Prepare every payload before the first NCCL call, so that a bad argument fails before any transfer
-        // (an empty marker goes instead, and the peers see it).
-        // A part that cannot travel becomes an empty marker, and this rank's error is returned after the round.
+        // Prepare every payload before the first NCCL call, so that a bad argument fails before any transfer: a
+        // part that cannot travel becomes an empty marker (the peers see it), and this rank's error is returned
+        // after the round.
         let mut payloads: Vec<Option<Tensor>> = vec![None; size];
         let mut own_error = None;
         let mut to = Vec::with_capacity(size);
