@@ -148,7 +148,9 @@ impl<'a> Buckets<'a> {
 /// One bucket's joined gradients reduced over `group`: all-reduced, or (`sharded`) reduce-scattered into this
 /// rank's row, flattened. An all-reduce of more than `piece` elements (a gradient larger than a bucket, which
 /// makes a bucket alone) goes in pieces of at most `piece` written into one result, so its buffers are a
-/// bucket's, not the gradient's; the sums are elementwise, so the bits are the same.
+/// bucket's, not the gradient's. The exchange-based all-reduce (thread ranks, MPI) sums each element in rank
+/// order whatever the piece, so the bits are the same; NCCL's own all-reduce may order an element's sum by its
+/// offset in the message, so on 3 or more GPUs pieces may differ from the whole in the last bits.
 fn reduce(group: &dyn ProcessGroup, joined: &Tensor, sharded: bool, piece: usize) -> Result<Tensor, CompileError> {
     if sharded {
         return Ok(group.reduce_scatter(joined, 0, ReduceOp::Sum)?.flatten_all()?);
