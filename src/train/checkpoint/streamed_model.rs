@@ -11,10 +11,10 @@ use std::io::Write;
 use std::path::Path;
 
 use autosp_core::optim::AdamW;
-use autosp_core::{Param, ShardLevel};
+use autosp_core::{Param, ShardLayout, ShardLevel};
 use autosp_models::weights::{INDEX_FILE, SINGLE_FILE};
 use autosp_models::{LlamaModel, SaveOptions};
-use candle_core::DType;
+use candle_core::{DType, Tensor};
 use serde_json::{json, Value};
 
 use crate::train::error::{IoContext, Result, TrainError};
@@ -113,9 +113,11 @@ pub(super) fn write(tmp: Option<&Path>, model: &LlamaModel, opt: &AdamW, params:
                 (None, Some(s)) if s.level == ShardLevel::Parameters => Some((p.param.tensor(), s)),
                 _ => None,
             };
-            let mut write = |t: candle_core::Tensor| {
+            // Rank 0 appends `t`; a tensor that could not be made, or not written, fails the save (kept in `failed`,
+            // the ranks going on in step).
+            let mut write = |t: candle_core::Result<Tensor>| {
                 if let Some(w) = out.as_mut() {
-                    if let Err(e) = t.write_bytes(w) {
+                    if let Err(e) = t.and_then(|t| t.write_bytes(w)) {
                         failed =
                             Some(TrainError::Tensors { what: format!("writing `{}`", p.name), cause: Box::new(e) });
                         out = None;
@@ -127,15 +129,40 @@ pub(super) fn write(tmp: Option<&Path>, model: &LlamaModel, opt: &AdamW, params:
                 // takes each other rank's in turn (collective on every rank alike), so no rank holds it whole.
                 Some((slice, s)) => {
                     let (group, layout) = (s.group.as_ref(), &s.layout);
-                    let mine = slice.narrow(0, 0, layout.owned().len())?.to_dtype(disk)?;
+                    let mut mine = Some(slice.narrow(0, 0, layout.owned().len()).and_then(|t| t.to_dtype(disk)));
                     let rank = group.rank();
                     for r in 0..group.size() {
-                        match (rank, r) {
-                            (0, 0) => write(mine.clone()),
-                            (0, _) => write(group.recv(r)?),
-                            (me, _) if me == r => group.send(&mine, 0)?,
-                            _ => {}
+                        if rank == 0 {
+                            let piece = if r == 0 {
+                                mine.take().expect("rank 0 takes its own once")
+                            } else {
+                                Ok(group.recv(r)?)
+                            };
+                            let want = ShardLayout { rank: r, ..layout.clone() }.owned().len();
+                            write(piece.and_then(|t| match t.elem_count() == want {
+                                true => Ok(t),
+                                false => Err(candle_core::Error::Msg(format!(
+                                    "rank {r} could not convert its slice of {want} elements (its own error says why)"
+                                ))),
+                            }));
+                        } else if rank == r {
+                            // A slice that could not be converted goes as an empty tensor: rank 0 fails the save
+                            // on its length, and no rank waits for a message that never comes.
+                            let t = match &mine {
+                                Some(Ok(t)) => t.clone(),
+                                _ => Tensor::zeros(0, disk, slice.device())?,
+                            };
+                            group.send(&t, 0)?;
                         }
+                    }
+                    // Every weight ends together: a sender never runs ahead of rank 0's writes (a thread rank's
+                    // send is buffered: it would hold its converted slices of the whole model).
+                    group.barrier()?;
+                    if let Some(Err(e)) = mine {
+                        failed.get_or_insert(TrainError::Tensors {
+                            what: format!("converting this rank's slice of `{}`", p.name),
+                            cause: Box::new(e),
+                        });
                     }
                 }
                 None => {
@@ -144,7 +171,7 @@ pub(super) fn write(tmp: Option<&Path>, model: &LlamaModel, opt: &AdamW, params:
                         None => p.param.whole()?,
                     };
                     if tmp.is_some() {
-                        write(whole.to_dtype(disk)?);
+                        write(whole.to_dtype(disk));
                     }
                 }
             }
