@@ -209,6 +209,11 @@ fn evaluate(tied: bool, mesh: Option<Mesh>, level: ShardLevel) -> (Vec<f64>, Vec
         let ids = ids.narrow(0, 0, 1).unwrap();
         take_largest_gathered();
         let logits = c.logits_at(&ids, &[31, 0, 17, 5]).map_err(|e| e.to_string())?;
+        // Rows that one rank holds alone at S = 2 (the other takes the head's tiles with no rows): the same as
+        // those rows above.
+        let early = c.logits_at(&ids, &[0, 5]).map_err(|e| e.to_string())?;
+        let again = logits.index_select(&Tensor::new(&[1u32, 3], &Device::Cpu).unwrap(), 1).unwrap();
+        assert!(rel64(&flat(&early), &flat(&again)) <= 1e-12, "rows held by one rank");
         let losses = c.token_losses(&ids, Some(&labels.narrow(0, 0, 1).unwrap())).map_err(|e| e.to_string())?;
         Ok((flat(&logits), flat(&losses), take_largest_gathered(), block_bytes))
     });

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use autosp_core::module::{all_params, Module};
 use autosp_core::nn::{Embedding, Linear, RmsNorm};
 use autosp_core::ops::{self, rope_tables_scaled, AttentionSpec};
-use autosp_core::{Param, RegionSlot, Tape, Value};
+use autosp_core::{Param, RegionSlot, ShardLevel, Tape, Value};
 use candle_core::{DType, Device, Tensor};
 
 use super::attention::{LlamaAttention, RotaryTables};
@@ -363,8 +363,9 @@ impl LlamaModel {
             None => (&self.embed_tokens.table, true),
         };
         // Forward only, a head sharded at `parameters` is taken a vocabulary tile at a time, never whole (an
-        // adapted or biased head is gathered whole).
-        if plain && !tape.is_recording() {
+        // adapted or biased head is gathered whole). Checked first: this runs for every decoded token.
+        let sliced = weight.shard().is_some_and(|s| s.level == ShardLevel::Parameters);
+        if plain && sliced && !tape.is_recording() {
             let h = hidden.tensor();
             let flat = h.reshape(((), self.config.hidden_size))?;
             if let Some(logits) = autosp_kernels::sharded_head_logits(&flat, weight, self.block_elems())? {
