@@ -138,7 +138,7 @@ pub(super) fn write(tmp: Option<&Path>, model: &LlamaModel, opt: &AdamW, params:
                             } else {
                                 Ok(group.recv(r)?)
                             };
-                            let want = ShardLayout { rank: r, ..layout.clone() }.owned().len();
+                            let want = ShardLayout { rank: r, ..*layout }.owned().len();
                             write(piece.and_then(|t| match t.elem_count() == want {
                                 true => Ok(t),
                                 false => Err(candle_core::Error::Msg(format!(
