@@ -42,6 +42,7 @@ fn a_checkpoint_is_read_in_the_runs_dtype_only_when_it_holds_nothing_wider() {
     let (bf16, split, f32) = (tmp.path().join("bf16"), tmp.path().join("split"), tmp.path().join("f32"));
     write_model(&bf16, DType::BF16, false);
     write_model(&split, DType::BF16, true);
+    assert!(split.join("model.safetensors.index.json").is_file(), "the model is split into files");
     write_model(&f32, DType::F32, false);
     let s = |p: &Path| p.to_str().unwrap().to_string();
     assert_eq!(load_dtype(&s(&bf16), DType::BF16).unwrap(), DType::BF16);
@@ -49,6 +50,17 @@ fn a_checkpoint_is_read_in_the_runs_dtype_only_when_it_holds_nothing_wider() {
     assert_eq!(load_dtype(&s(&bf16), DType::F32).unwrap(), DType::F32);
     assert_eq!(load_dtype(&s(&bf16), DType::F16).unwrap(), DType::F32, "bf16 files for an f16 run");
     assert_eq!(load_dtype(&s(&f32), DType::BF16).unwrap(), DType::F32, "f32 files keep the f32 masters");
+    // An f32 RoPE buffer beside bf16 weights (old Llama saves) is not a weight: the files still read in bf16.
+    let with_buffer = tmp.path().join("buffer");
+    write_model(&with_buffer, DType::BF16, false);
+    let file = with_buffer.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+    tensors.insert(
+        "model.layers.0.self_attn.rotary_emb.inv_freq".into(),
+        candle_core::Tensor::ones(4, DType::F32, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    assert_eq!(load_dtype(&s(&with_buffer), DType::BF16).unwrap(), DType::BF16, "a RoPE buffer in f32");
 }
 
 #[test]

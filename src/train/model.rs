@@ -139,7 +139,7 @@ pub fn load_dtype(source: &str, dtype: DType) -> Result<DType> {
     }
     let Some((config, files)) = config_of(source)? else { return Ok(master) };
     let Some(paths) = WeightPaths::of(&files, &config) else { return Ok(master) };
-    let stored = WeightRanges::open(&paths)?.stored_dtype();
+    let stored = WeightRanges::open(&paths)?.stored_dtype(&config);
     Ok(if stored == Some(dtype) { dtype } else { master })
 }
 

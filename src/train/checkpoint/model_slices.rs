@@ -93,11 +93,16 @@ impl WeightRanges {
         Ok((t.to_dtype(Precision::float(dtype).master())?, bytes))
     }
 
-    /// The dtype every weight is stored in, when they all share one (`None` for mixed dtypes or no weight).
-    pub fn stored_dtype(&self) -> Option<DType> {
-        let mut dtypes = self.files.iter().flat_map(|f| f.names().filter_map(|n| f.entry(n)).map(|e| e.dtype));
-        let first = dtypes.next()?;
-        dtypes.all(|d| d == first).then_some(first)
+    /// The dtype every weight a model of `config` reads is stored in, when they all share one (`None` for mixed
+    /// dtypes, or none held). Tensors the model does not read (RoPE buffers, a tied model's `lm_head.weight`)
+    /// do not count.
+    pub fn stored_dtype(&self, config: &LlamaConfig) -> Option<DType> {
+        let mut dtypes = config.expected_tensors().into_iter().map(|(name, _)| {
+            let file = &self.files[*self.by_name.get(&name)?];
+            file.entry(&name).map(|e| e.dtype)
+        });
+        let first = dtypes.next()??;
+        dtypes.all(|d| d == Some(first)).then_some(first)
     }
 
     /// The bytes of tensors read from the files so far, all files and all readers together (the ranks of a
