@@ -157,9 +157,34 @@ fn slice_grad(shard: &ParamShard, ids: &Tensor, g: &Tensor, padding_idx: Option<
 
 /// The parts of the table rows `ids: [t]` (row numbers as floats; negative: none) that the flat slice `owned:
 /// [len]`, starting at flat element `start` of a table of `hidden` columns, holds: `[t, hidden]` in the slice's
-/// dtype, zero wherever the slice does not reach. Copies only those rows: the rows wholly inside the slice are
-/// a view of it, and the one or two rows it cuts (at its two ends) are padded alone.
+/// dtype, zero wherever the slice does not reach. Two ways with the same bits, whichever allocates less: while
+/// the rows are fewer than the slice holds ([`picked_parts`]: about three `[t, hidden]` buffers), only they
+/// are copied; at long context, where they are more, the slice is padded to whole rows once
+/// ([`padded_parts`]: the slice's length and one `[t, hidden]`).
 fn owned_parts(ids: &Tensor, owned: &Tensor, start: usize, hidden: usize) -> Result<Tensor> {
+    if 3 * ids.elem_count() * hidden <= owned.elem_count() {
+        picked_parts(ids, owned, start, hidden)
+    } else {
+        padded_parts(ids, owned, start, hidden)
+    }
+}
+
+/// [`owned_parts`] from the slice padded with zeros to the whole rows it touches, plus one zero row (the
+/// spare) for the ids of other rows and the padding.
+fn padded_parts(ids: &Tensor, owned: &Tensor, start: usize, hidden: usize) -> Result<Tensor> {
+    let (lo, hi) = (start / hidden, (start + owned.elem_count()).div_ceil(hidden));
+    let before = start - lo * hidden;
+    let after = (hi + 1 - lo) * hidden - before - owned.elem_count();
+    let part = owned.pad_with_zeros(0, before, after)?.reshape((hi + 1 - lo, hidden))?;
+    let inside = ids.ge(lo as f64)?.mul(&ids.lt(hi as f64)?)?;
+    let spare = Tensor::full((hi - lo) as f32, ids.shape(), ids.device())?.to_dtype(ids.dtype())?;
+    let local = inside.where_cond(&(ids - lo as f64)?, &spare)?.to_dtype(DType::U32)?;
+    Ok(part.index_select(&local, 0)?)
+}
+
+/// [`owned_parts`] copying only the rows asked for: the rows wholly inside the slice are picked from a view of
+/// it, and the one or two rows it cuts (at its two ends) are padded alone.
+fn picked_parts(ids: &Tensor, owned: &Tensor, start: usize, hidden: usize) -> Result<Tensor> {
     let t = ids.elem_count();
     let end = start + owned.elem_count();
     let mut out = Tensor::zeros((t, hidden), owned.dtype(), owned.device())?;
@@ -217,9 +242,9 @@ pub fn sharded_embedding(
 mod tests {
     use std::time::Duration;
 
-    /// `owned_parts` against the whole table with the elements outside the slice zeroed, for every slice of a
-    /// 4 x 5 table (slices within one row, across one or two row ends, aligned or not, empty) and ids inside,
-    /// outside and -1.
+    /// `owned_parts`, both its ways, against the whole table with the elements outside the slice zeroed, for
+    /// every slice of a 4 x 5 table (slices within one row, across one or two row ends, aligned or not, empty)
+    /// and ids inside, outside and -1.
     #[test]
     fn owned_parts_are_the_slices_share_of_each_row() {
         let (vocab, hidden) = (4usize, 5usize);
@@ -228,7 +253,10 @@ mod tests {
         for start in 0..=vocab * hidden {
             for end in start..=vocab * hidden {
                 let owned = Tensor::from_vec(table[start..end].to_vec(), end - start, &Device::Cpu).unwrap();
-                let got = owned_parts(&ids, &owned, start, hidden).unwrap().to_vec2::<f64>().unwrap();
+                let picked = picked_parts(&ids, &owned, start, hidden).unwrap().to_vec2::<f64>().unwrap();
+                let padded = padded_parts(&ids, &owned, start, hidden).unwrap().to_vec2::<f64>().unwrap();
+                let chosen = owned_parts(&ids, &owned, start, hidden).unwrap().to_vec2::<f64>().unwrap();
+                assert_eq!(chosen, if 3 * 7 * hidden <= end - start { &picked } else { &padded }.clone());
                 for (k, &id) in ids.to_vec1::<f64>().unwrap().iter().enumerate() {
                     let want: Vec<f64> = (0..hidden)
                         .map(|c| {
@@ -241,7 +269,8 @@ mod tests {
                             }
                         })
                         .collect();
-                    assert_eq!(got[k], want, "slice [{start}, {end}), id {id}");
+                    assert_eq!(picked[k], want, "picked, slice [{start}, {end}), id {id}");
+                    assert_eq!(padded[k], want, "padded, slice [{start}, {end}), id {id}");
                 }
             }
         }
