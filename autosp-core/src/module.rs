@@ -181,12 +181,7 @@ pub trait CausalLm: Module {
     /// `positions: [n]`. Forward only: on an inference tape (the result takes no gradient). Collective where
     /// `logits` is. The default makes every position's logits and picks; a model may make only the rows'.
     fn logits_at(&self, tape: &Tape, ids: &Tensor, positions: &[usize], rows: &[usize]) -> Result<Value> {
-        if tape.is_recording() {
-            return Err(crate::Error::InvalidArgument {
-                op: "logits_at",
-                msg: "forward only: call it on Tape::inference(), or take `logits` on a recording tape".into(),
-            });
-        }
+        check_logits_at_tape(tape)?;
         let all = self.logits(tape, ids, positions)?.into_tensor();
         let index = rows.iter().map(|&r| r as u32).collect::<Vec<_>>();
         let index = Tensor::from_vec(index, rows.len(), all.device())?;
@@ -202,6 +197,18 @@ pub trait CausalLm: Module {
     fn supports_documents(&self) -> bool {
         false
     }
+}
+
+/// [`CausalLm::logits_at`]'s tape check, for every implementation: forward only, on a tape that does not
+/// record.
+pub fn check_logits_at_tape(tape: &Tape) -> Result<()> {
+    if tape.is_recording() {
+        return Err(crate::Error::InvalidArgument {
+            op: "logits_at",
+            msg: "forward only: call it on Tape::inference(), or take `logits` on a recording tape".into(),
+        });
+    }
+    Ok(())
 }
 
 /// A node of the module tree.

@@ -390,13 +390,7 @@ impl LlamaModel {
     /// [n]` -> `[b, rows.len(), vocab]`. The head sees only those rows (at `parameters` it is taken a tile at a
     /// time). Forward only: on an inference tape; collective where the model is sharded.
     pub fn logits_at(&self, tape: &Tape, ids: &Tensor, positions: &[usize], rows: &[usize]) -> ModelResult<Value> {
-        if tape.is_recording() {
-            return Err(autosp_core::Error::InvalidArgument {
-                op: "logits_at",
-                msg: "forward only: call it on Tape::inference(), or take `logits` on a recording tape".into(),
-            }
-            .into());
-        }
+        autosp_core::module::check_logits_at_tape(tape)?;
         let h = self.hidden_states(tape, ids, positions)?.into_tensor();
         let index = Tensor::from_vec(rows.iter().map(|&r| r as u32).collect(), rows.len(), h.device())?;
         let picked = h.index_select(&index, 1)?;
